@@ -1,0 +1,8 @@
+"""jaxprune: pruning during training in JAX/Flax NNX.
+
+Implements ClickTrain (pattern pruning), PruneTrain (channel group lasso with
+reconfiguration) and SDGP (N:M pruning of data gradients) as Optax gradient
+transformations over Flax NNX models.
+"""
+
+__version__ = "0.1.0"
