@@ -6,3 +6,5 @@ transformations over Flax NNX models.
 """
 
 __version__ = "0.1.0"
+
+from jaxprune import distributed
