@@ -1,0 +1,373 @@
+"""Channel group lasso (PruneTrain Eq. 2) as Optax gradient transformations.
+
+PruneTrain (Lym et al., SC'19, §4.1) sparsifies whole channels with an
+unweighted group lasso: every output channel and every input channel of every
+convolution, and every input column of every fully-connected layer, is one
+group, penalised by its L2 norm with a single global coefficient λ.  The
+network's input channels (the stem conv's 3 colour channels) and the logits
+(the classifier's outputs) are never penalised, because "the input data and
+output predictions of a CNN have logical significance and should always be
+dense" (§4.1).  BatchNorm parameters and biases are not penalised.
+
+λ is set once, at the first step, from a *penalty ratio* r (§4.1, Eq. 3):
+λ·GL₀ / (CE₀ + λ·GL₀) = r, where CE₀ is the first mini-batch loss and GL₀ the
+penalty of the freshly initialised weights; it stays fixed afterwards.
+
+Groups are found on any parameter pytree (Flax NNX ``State`` or Linen dicts):
+4-D leaves are HWIO conv kernels, 2-D leaves are dense kernels ``(in, out)``.
+Two predicates, both overridable, say which conv reads the image and which
+dense layer is the classifier.
+
+Example::
+
+  >>> import jax.numpy as jnp, optax
+  >>> from jaxprune import group_lasso
+  >>> params = {"stem": {"kernel": jnp.ones((3, 3, 3, 8))},
+  ...           "conv": {"kernel": jnp.ones((3, 3, 8, 8))},
+  ...           "head": {"kernel": jnp.ones((8, 10))}}
+  >>> tx = optax.chain(group_lasso.group_lasso(1e-4), optax.sgd(0.1))
+  >>> state = tx.init(params)
+  >>> updates, state = tx.update(params, state, params)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = [
+    "EPSILON",
+    "GroupLassoState",
+    "GroupLassoRatioState",
+    "LeafGroups",
+    "coefficient_from_ratio",
+    "default_is_classifier",
+    "default_is_input_conv",
+    "group_lasso",
+    "group_lasso_from_ratio",
+    "leaf_groups",
+    "path_names",
+    "penalty",
+]
+
+# PruneTrain's group norm is sqrt(Σw² + ε): ε keeps the gradient finite at a
+# group that has reached exactly zero (the authors' code uses the same 1e-8).
+EPSILON = 1e-8
+
+KeyPath = tuple[Any, ...]
+# predicate(names, leaf, kernels) -> bool.  ``names`` is the
+# leaf's path as plain names (str / int), ``kernels`` the (names, ndim) of every
+# 2-D/4-D leaf in flatten order (lets a rule say "the first" / "the last").
+PathPredicate = Callable[[tuple, Any, Sequence[tuple]], bool]
+
+
+def path_names(path: KeyPath) -> tuple:
+  """A JAX key path as plain names: ``DictKey('a')`` → ``'a'``, ``SequenceKey(0)`` → ``0``.
+
+  Args:
+    path: a key path from ``jax.tree_util.tree_flatten_with_path``.
+
+  Returns:
+    A tuple of str / int names.  A trailing ``'value'`` (NNX ``Variable``
+    attribute) is dropped so that params and optimizer state agree.
+  """
+  names = []
+  for key in path:
+    if isinstance(key, jax.tree_util.DictKey):
+      names.append(key.key)
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      names.append(key.idx)
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+      names.append(key.name)
+    elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+      names.append(key.key)
+    else:  # pragma: no cover - other key kinds are not produced by NNX/Linen
+      names.append(str(key))
+  if names and names[-1] in ("value", "raw_value"):
+    names.pop()
+  return tuple(names)
+
+
+def _is_kernel(leaf: Any) -> bool:
+  return hasattr(leaf, "ndim") and leaf.ndim in (2, 4)
+
+
+def _names_input_conv(names: tuple) -> bool:
+  return ("stem" in names or names[:2] == ("features", 0)
+          or names[:2] == ("features", "0") or names[:1] == ("Conv_0",))
+
+
+def default_is_classifier(names: tuple, leaf: Any, kernels: Sequence[tuple]) -> bool:
+  """Whether a 2-D kernel is the classifier (its outputs are the logits).
+
+  The classifier is the last dense kernel in flatten order (``head`` in the
+  jaxprune ResNets, the last ``classifier`` entry in the VGGs).
+
+  Args:
+    names: the leaf's path names.
+    leaf: the kernel.
+    kernels: ``(names, ndim)`` of every 2-D / 4-D leaf, in flatten order.
+
+  Returns:
+    True if the kernel's output columns must not be penalised.
+  """
+  del leaf
+  dense = [p for p, ndim in kernels if ndim == 2]
+  return bool(dense) and names == dense[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafGroups:
+  """Which channel groups a kernel leaf contributes (static, not a pytree).
+
+  Attributes:
+    output_axis: axis indexing the output channels whose groups are penalised
+      (3 for HWIO conv, 1 for dense), or None.
+    input_axis: axis indexing the penalised input channels (2 / 0), or None.
+  """
+  output_axis: Optional[int]
+  input_axis: Optional[int]
+
+  def group_sum_squares(self, leaf: jax.Array) -> list[jax.Array]:
+    """Σw² per group: one vector per penalised axis."""
+    sums = []
+    for axis in (self.output_axis, self.input_axis):
+      if axis is not None:
+        other = tuple(a for a in range(leaf.ndim) if a != axis)
+        sums.append(jnp.sum(jnp.square(leaf), axis=other))
+    return sums
+
+
+def leaf_groups(params: Any, *, is_input_conv: Optional[PathPredicate] = None,
+                is_classifier: Optional[PathPredicate] = None) -> Any:
+  """The group layout of every leaf of a parameter pytree.
+
+  Args:
+    params: a parameter pytree.
+    is_input_conv: predicate ``(names, leaf, kernels) -> bool`` for convs whose
+      input channels are not grouped; default :func:`default_is_input_conv`.
+    is_classifier: predicate for the dense layer whose outputs are not grouped;
+      default :func:`default_is_classifier`.  ``kernels`` holds
+      ``(names, ndim)`` pairs for both predicates.
+
+  Returns:
+    A pytree of ``params``' structure with a :class:`LeafGroups` (or None for
+    leaves without groups: biases, BatchNorm, scalars) at every leaf.
+  """
+  is_input_conv = is_input_conv or default_is_input_conv
+  is_classifier = is_classifier or default_is_classifier
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  kernels = [(path_names(p), leaf.ndim) for p, leaf in flat if _is_kernel(leaf)]
+  layout = []
+  for path, leaf in flat:
+    names = path_names(path)
+    if not _is_kernel(leaf):
+      layout.append(None)
+    elif leaf.ndim == 4:
+      skip_inputs = is_input_conv(names, leaf, kernels)
+      layout.append(LeafGroups(output_axis=3, input_axis=None if skip_inputs else 2))
+    else:
+      skip_outputs = is_classifier(names, leaf, kernels)
+      layout.append(LeafGroups(output_axis=None if skip_outputs else 1, input_axis=0))
+  return jax.tree_util.tree_unflatten(treedef, layout)
+
+
+def default_is_input_conv(names: tuple, leaf: Any, kernels: Sequence[tuple]) -> bool:
+  """Whether a 4-D kernel is the conv that reads the image (no input groups).
+
+  By name: a path through ``stem`` (jaxprune ResNets), ``features/0`` (jaxprune
+  VGGs) or a top-level ``Conv_0`` (Linen).  A tree with none of those names
+  falls back to the first conv kernel in flatten order.  Names, not shapes:
+  after a reconfiguration an inner conv may have as few channels as the image.
+
+  Args:
+    names: the leaf's path names.
+    leaf: the kernel.
+    kernels: ``(names, ndim)`` of every 2-D / 4-D leaf, in flatten order.
+
+  Returns:
+    True if the kernel's input channels must not be penalised.
+  """
+  del leaf
+  conv_paths = [p for p, ndim in kernels if ndim == 4]
+  if any(_names_input_conv(p) for p in conv_paths):
+    return _names_input_conv(names)
+  return bool(conv_paths) and names == conv_paths[0]
+
+
+def penalty(params: Any, *, is_input_conv: Optional[PathPredicate] = None,
+            is_classifier: Optional[PathPredicate] = None) -> jax.Array:
+  """The unweighted channel group lasso Σ_g sqrt(Σ_{w∈g} w² + ε) (PruneTrain Eq. 2).
+
+  Args:
+    params: a parameter pytree (HWIO conv kernels, ``(in, out)`` dense kernels).
+    is_input_conv: see :func:`leaf_groups`.
+    is_classifier: see :func:`leaf_groups`.
+
+  Returns:
+    A float32 scalar (0 for a tree without kernels).
+  """
+  layout = leaf_groups(params, is_input_conv=is_input_conv, is_classifier=is_classifier)
+  total = jnp.zeros((), jnp.float32)
+  for groups, leaf in zip(jax.tree.leaves(layout, is_leaf=lambda x: x is None),
+                          jax.tree.leaves(params)):
+    if groups is None:
+      continue
+    for sums in groups.group_sum_squares(leaf):
+      total = total + jnp.sum(jnp.sqrt(sums.astype(jnp.float32) + EPSILON))
+  return total
+
+
+def coefficient_from_ratio(ratio: float, loss: Any, penalty: Any) -> jax.Array:
+  """λ such that λ·penalty / (loss + λ·penalty) = ratio (PruneTrain Eq. 3).
+
+  Solving for λ: λ = ratio·loss / ((1 − ratio)·penalty).
+
+  Args:
+    ratio: the group-lasso share of the total loss, in (0, 1) (paper: 0.2–0.25).
+    loss: the classification loss at the first step (CE₀), ≥ 0.
+    penalty: the group lasso of the initial weights (GL₀), > 0.
+
+  Returns:
+    λ as a float32 scalar array.  Concrete inputs are validated; traced ones
+    (inside ``jit``) are not.
+
+  Raises:
+    ValueError: ``ratio`` outside (0, 1), ``penalty`` ≤ 0 or ``loss`` < 0 (or
+      non-finite).
+  """
+  if not isinstance(ratio, jax.core.Tracer):
+    ratio_value = float(ratio)
+    if not 0.0 < ratio_value < 1.0:
+      raise ValueError(f"ratio must lie in (0, 1), got {ratio_value}")
+  if not isinstance(penalty, jax.core.Tracer):
+    penalty_value = float(penalty)
+    if not (math.isfinite(penalty_value) and penalty_value > 0.0):
+      raise ValueError(f"penalty must be a positive finite number, got {penalty_value}")
+  if not isinstance(loss, jax.core.Tracer):
+    loss_value = float(loss)
+    if not (math.isfinite(loss_value) and loss_value >= 0.0):
+      raise ValueError(f"loss must be a non-negative finite number, got {loss_value}")
+  ratio = jnp.asarray(ratio, jnp.float32)
+  return ratio * jnp.asarray(loss, jnp.float32) / ((1.0 - ratio) * jnp.asarray(penalty, jnp.float32))
+
+
+class GroupLassoState(NamedTuple):
+  """Stateless: :func:`group_lasso` keeps no statistics."""
+
+
+def _add_penalty_gradient(updates: Any, params: Any, coefficient: jax.Array,
+                          is_input_conv, is_classifier) -> Any:
+  grads = jax.grad(lambda p: penalty(p, is_input_conv=is_input_conv,
+                                     is_classifier=is_classifier))(params)
+  return jax.tree.map(lambda u, g: u + (coefficient * g).astype(u.dtype), updates, grads)
+
+
+def group_lasso(coefficient: float, *, is_input_conv: Optional[PathPredicate] = None,
+                is_classifier: Optional[PathPredicate] = None
+                ) -> optax.GradientTransformationExtraArgs:
+  """Adds λ·∇GL(params) to the gradient, GL the channel group lasso (PruneTrain Eq. 2).
+
+  Place it before the optimizer (like ``optax.add_decayed_weights``) so that
+  the penalty gradient goes through momentum, as with a penalty in the loss.
+
+  Args:
+    coefficient: λ ≥ 0.
+    is_input_conv: see :func:`leaf_groups`.
+    is_classifier: see :func:`leaf_groups`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
+
+  Raises:
+    ValueError: negative ``coefficient``.
+
+  Example::
+
+    tx = optax.chain(group_lasso(1e-4), optax.sgd(0.1, momentum=0.9))
+  """
+  if not isinstance(coefficient, jax.core.Tracer) and not float(coefficient) >= 0.0:
+    raise ValueError(f"coefficient must be >= 0, got {coefficient}")
+
+  def init_fn(params):
+    del params
+    return GroupLassoState()
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError("group_lasso needs params: call update(updates, state, params)")
+    return _add_penalty_gradient(updates, params, jnp.asarray(coefficient, jnp.float32),
+                                 is_input_conv, is_classifier), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class GroupLassoRatioState(NamedTuple):
+  """State of :func:`group_lasso_from_ratio`.
+
+  Attributes:
+    coefficient: λ, 0 until the first update sets it (then fixed).
+    initialized: whether λ has been set.
+  """
+  coefficient: jax.Array
+  initialized: jax.Array
+
+
+def group_lasso_from_ratio(penalty_ratio: float = 0.2, *,
+                           is_input_conv: Optional[PathPredicate] = None,
+                           is_classifier: Optional[PathPredicate] = None
+                           ) -> optax.GradientTransformationExtraArgs:
+  """Group lasso whose λ is set at the first step from a penalty ratio (PruneTrain §4.1).
+
+  At the first ``update`` λ = r·CE₀ / ((1 − r)·GL₀) with CE₀ = ``value`` (the
+  loss passed as an extra argument) and GL₀ the penalty of ``params`` (the
+  initial weights); λ then stays fixed, also across reconfigurations (only
+  parameter-shaped state is sliced).  Every update adds λ·∇GL(params).
+
+  Args:
+    penalty_ratio: r in (0, 1); the paper uses 0.2 (0.25 for stronger pruning).
+    is_input_conv: see :func:`leaf_groups`.
+    is_classifier: see :func:`leaf_groups`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``
+    and ``value=loss``.
+
+  Raises:
+    ValueError: ``penalty_ratio`` outside (0, 1).
+
+  Example::
+
+    tx = optax.chain(group_lasso_from_ratio(0.2), optax.sgd(0.1, momentum=0.9))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer.update(model, grads, value=loss)
+  """
+  if not 0.0 < float(penalty_ratio) < 1.0:
+    raise ValueError(f"penalty_ratio must lie in (0, 1), got {penalty_ratio}")
+
+  def init_fn(params):
+    del params
+    return GroupLassoRatioState(coefficient=jnp.zeros((), jnp.float32),
+                                initialized=jnp.zeros((), jnp.bool_))
+
+  def update_fn(updates, state, params=None, *, value=None, **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError("group_lasso_from_ratio needs params")
+    if value is None:
+      raise ValueError("group_lasso_from_ratio needs the loss: update(..., value=loss)")
+    first = coefficient_from_ratio(
+        penalty_ratio, value,
+        penalty(params, is_input_conv=is_input_conv, is_classifier=is_classifier))
+    coefficient = jnp.where(state.initialized, state.coefficient, first)
+    updates = _add_penalty_gradient(updates, params, coefficient, is_input_conv, is_classifier)
+    return updates, GroupLassoRatioState(coefficient=coefficient,
+                                         initialized=jnp.ones((), jnp.bool_))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
