@@ -1,0 +1,57 @@
+"""Data sets, augmentation and loading for training on one host.
+
+* :func:`load` ``(name, *, root, split, cache_dir)`` → :class:`Dataset` (uint8 NHWC images,
+  int32 labels, class names, training mean/std). Names: :func:`available`.
+* :class:`Loader`: seeded, resumable, prefetching batches of float32 normalised images.
+* :mod:`jaxprune.data.augment`: batched NumPy augmentations and the papers' presets.
+
+Example:
+  >>> from jaxprune import data
+  >>> train = data.load("digits", split="train")
+  >>> loader = data.Loader(train, batch_size=128, augment="prunetrain", seed=0)
+  >>> for images, labels in loader:  # one epoch
+  ...     pass
+"""
+
+from jaxprune.data import augment
+from jaxprune.data.augment import (
+    Augmentation,
+    Compose,
+    Cutout,
+    Mixup,
+    Normalize,
+    RandomCrop,
+    RandomHorizontalFlip,
+    RandomTranslate,
+    available_presets,
+    preset,
+)
+from jaxprune.data.cifar import CIFAR10_CLASSES
+from jaxprune.data.dataset import Dataset, channel_stats
+from jaxprune.data.loader import Loader
+from jaxprune.data.registry import DATA_ENV, available, default_data_dir, load
+from jaxprune.data._cache import CACHE_ENV, default_cache_dir
+
+__all__ = [
+    "Augmentation",
+    "CACHE_ENV",
+    "CIFAR10_CLASSES",
+    "Compose",
+    "Cutout",
+    "DATA_ENV",
+    "Dataset",
+    "Loader",
+    "Mixup",
+    "Normalize",
+    "RandomCrop",
+    "RandomHorizontalFlip",
+    "RandomTranslate",
+    "augment",
+    "available",
+    "available_presets",
+    "channel_stats",
+    "default_cache_dir",
+    "default_data_dir",
+    "load",
+    "preset",
+]
