@@ -247,7 +247,7 @@ _PASS_THROUGH = frozenset(
     {
         "convert_element_type", "reshape", "transpose", "copy", "copy_p", "squeeze",
         "expand_dims", "broadcast_in_dim", "rev", "reduce_precision", "neg", "mul", "div",
-        "add", "sub", "select_n", "max", "min", "sign", "abs", "stop_gradient",
+        "add", "sub", "select_n", "max", "min", "sign", "abs",
         "optimization_barrier",
     }
 )
@@ -316,6 +316,9 @@ class _Walker:
         subs = {k: v for k, v in subs.items() if v}
         if subs:
             return self._nested(eqn, ins, subs, count, merged)
+        if name == "stop_gradient":
+            # No gradient flows back through it: what follows needs no gradient for it.
+            return [_Flow(ins[0].origin, ins[0].data, False)]
         if name in _PASS_THROUGH and len(eqn.outvars) == 1:
             return [_Flow(self._pass_origin(eqn, ins), any_data, any_param)]
         return [merged] * len(eqn.outvars)

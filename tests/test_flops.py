@@ -208,6 +208,20 @@ def test_input_normalization_still_has_no_input_gradient():
     assert layer.backward_data == layer.forward == 2 * 8 * 8 * 9 * 3 * 4
 
 
+def test_stop_gradient_removes_the_gradients_it_blocks():
+    params = {"w1": jnp.ones((3, 3, 3, 4)), "w2": jnp.ones((3, 3, 4, 4))}
+
+    def fn(p, x):
+        y = _conv(x, p["w1"])
+        # Frozen second kernel, and a frozen feature extractor in front of it.
+        return _conv(jax.lax.stop_gradient(y), jax.lax.stop_gradient(p["w2"]))
+
+    first, second = flops.layer_flops(fn, (1, 6, 6, 3), params=params)
+    assert second.param_path == ("w2",)
+    assert second.backward_data == 0 and second.backward_weight == 0
+    assert first.backward_weight == first.forward
+
+
 # ---------------------------------------------------------------------------------------------
 # Tracing through wrappers
 # ---------------------------------------------------------------------------------------------
@@ -506,6 +520,30 @@ def test_prunetrain_resnet20_matches_hand_count():
     assert flops.inference_flops(model, (4, 32, 32, 3)) == 4 * 2 * macs
     report = flops.model_flops_report(model, (1, 32, 32, 3))
     assert f"inference FLOPs: {2 * macs:,}" in report
+
+
+def test_sdgp_converted_model_keeps_its_layers():
+    """SDGP's custom-VJP convs are traced through: same layers, same paths, same counts."""
+    models = pytest.importorskip("jaxprune.models")
+    sdgp = pytest.importorskip("jaxprune.sdgp")
+    model = nnx.eval_shape(
+        lambda: models.create("prunetrain-resnet20", num_classes=10, rngs=nnx.Rngs(0))
+    )
+    before = flops.layer_flops(model, (1, 32, 32, 3))
+    converted = sdgp.convert_model(model, n=2, m=4, method="magnitude")
+    swapped = [m for _, m in nnx.iter_modules(converted) if isinstance(m, sdgp.SDGPConv)]
+    assert len(swapped) == len(before) - 2  # every conv except the RGB stem; not the head
+    graphdef, state = nnx.split(converted)
+    forward = lambda s, x: nnx.merge(graphdef, s)(x)
+    x = jax.ShapeDtypeStruct((1, 8, 8, 3), jnp.float32)
+    assert "custom_vjp_call" in str(jax.make_jaxpr(forward)(state, x))
+    after = flops.layer_flops(converted, (1, 32, 32, 3))
+    assert after == before
+    # SDGP's FLOPs view: the 2:4 pruned output gradient halves the data-gradient convs.
+    conv_data = sum(l.backward_data for l in after if l.kind == "conv")
+    assert flops.training_flops_per_step(after, backward_data_density=0.5) == pytest.approx(
+        flops.training_flops_per_step(after) - conv_data / 2
+    )
 
 
 # ---------------------------------------------------------------------------------------------
