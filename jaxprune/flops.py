@@ -248,7 +248,7 @@ _PASS_THROUGH = frozenset(
         "convert_element_type", "reshape", "transpose", "copy", "copy_p", "squeeze",
         "expand_dims", "broadcast_in_dim", "rev", "reduce_precision", "neg", "mul", "div",
         "add", "sub", "select_n", "max", "min", "sign", "abs",
-        "optimization_barrier",
+        "optimization_barrier", "get",
     }
 )
 
@@ -357,19 +357,26 @@ class _Walker:
             for branch in subs["branches"]:
                 self.walk(branch, ins[1:], count)
             return [merged] * n_out
-        outs: list[_Flow] | None = None
-        for jaxprs in subs.values():
-            for sub in jaxprs:
-                if len(sub.invars) == len(ins):
-                    flows = ins
-                elif len(sub.invars) < len(ins):
-                    flows = ins[len(ins) - len(sub.invars) :]
-                else:  # unknown calling convention: assume the worst about every input
-                    flows = [merged] * len(sub.invars)
-                sub_outs = self.walk(sub, flows, count)
-                if outs is None and len(sub_outs) == n_out:
-                    outs = sub_outs
-        return outs if outs is not None else [merged] * n_out
+        if name == "pallas_call":
+            # The body runs once per grid step on blocks: its inputs are refs to the operands,
+            # followed by output / scratch refs.
+            body = subs["jaxpr"][0]
+            grid = math.prod(int(g) for g in eqn.params["grid_mapping"].grid)
+            flows = ins + [merged] * (len(body.invars) - len(ins))
+            self.walk(body, flows[: len(body.invars)], count * grid)
+            return [merged] * n_out
+        # Call-like primitives (jit, custom_jvp_call, custom_vjp_call, remat, closed_call): one
+        # body called on the operands. Walk only one body so nothing is counted twice.
+        key = next((k for k in ("jaxpr", "call_jaxpr") if k in subs), next(iter(subs)))
+        sub = subs[key][0]
+        if len(sub.invars) == len(ins):
+            flows = ins
+        elif len(sub.invars) < len(ins):
+            flows = ins[len(ins) - len(sub.invars) :]
+        else:  # unknown calling convention: assume the worst about every input
+            flows = [merged] * len(sub.invars)
+        sub_outs = self.walk(sub, flows, count)
+        return sub_outs if len(sub_outs) == n_out else [merged] * n_out
 
     # -- layer records ------------------------------------------------------------------------
 
@@ -611,7 +618,10 @@ def layer_flops(
 
     Returns:
       One :class:`LayerFlops` per ``conv_general_dilated`` / ``dot_general`` that multiplies the
-      data by something, in execution order.
+      data by something, in execution order. Products of weights alone (no input dependence)
+      are not listed. Inside ``scan`` a layer counts ``length`` times and inside a
+      ``pallas_call`` once per grid step; a ``while`` body (unknown trip count) counts once and
+      every ``cond`` branch is counted (an upper bound).
 
     Raises:
       ValueError: ``input_shape`` is malformed or does not fit the model, a mask's shape or path

@@ -278,6 +278,31 @@ def test_scan_over_stacked_layers_multiplies_by_length():
     assert masked.forward * 3 == layer.forward
 
 
+def test_pallas_call_body_counts_once_per_grid_step():
+    pallas = pytest.importorskip("jax.experimental.pallas")
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = x_ref[...] @ w_ref[...]
+
+    def fn(params, x):
+        return pallas.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((16, 8), jnp.float32),
+            grid=(2,),
+            in_specs=[
+                pallas.BlockSpec((8, 4), lambda i: (i, 0)),
+                pallas.BlockSpec((4, 8), lambda i: (0, 0)),
+            ],
+            out_specs=pallas.BlockSpec((8, 8), lambda i: (i, 0)),
+            interpret=True,
+        )(x, params["w"])
+
+    (layer,) = flops.layer_flops(fn, (16, 4), params={"w": jnp.ones((4, 8))})
+    assert layer.count == 2
+    assert layer.forward == 2 * 16 * 4 * 8  # two 8-row blocks of the 16×4 @ 4×8 product
+    assert layer.param_path == ("w",)  # the block is the whole weight
+
+
 def test_activation_matmul_is_reported_without_weight():
     def fn(params, x):
         q = x @ params["wq"]
