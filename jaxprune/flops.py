@@ -171,7 +171,7 @@ class BatchNormTraffic:
 
 
 def _key_entry(entry: Any) -> Any | None:
-    """One pytree key entry → plain path element (``None`` = drop it, e.g. a Variable's ``value``)."""
+    """One pytree key entry → path element; ``None`` drops it (a Variable's ``value``)."""
     if isinstance(entry, jax.tree_util.DictKey):
         return entry.key
     if isinstance(entry, jax.tree_util.SequenceKey):
@@ -194,7 +194,7 @@ def param_path(key_path: Sequence[Any]) -> ParamPath:
 
 
 def _shape(leaf: Any) -> tuple[int, ...]:
-    """Shape of an array or of an abstract leaf (``jax.ShapeDtypeStruct`` from ``nnx.eval_shape``)."""
+    """Shape of an array or of an abstract leaf (``ShapeDtypeStruct`` from ``nnx.eval_shape``)."""
     return tuple(leaf.shape) if hasattr(leaf, "shape") else tuple(np.shape(leaf))
 
 

@@ -324,7 +324,8 @@ def test_activation_matmul_is_reported_without_weight():
 
 def _half_masks(model):
     """Pure-dict masks keeping the first half of every conv's filters and dense columns."""
-    masks = jax.tree.map(lambda a: np.ones(a.shape, bool), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    masks = jax.tree.map(lambda a: np.ones(a.shape, bool), params)
     masks["conv"]["kernel"][..., 4:] = False
     masks["linear"]["kernel"][:, 5:] = False
     return masks
@@ -341,6 +342,33 @@ def test_masks_halve_flops():
         assert 2 * m.weight_nnz == d.weight_size
     # Masked conv: 2 · out_h · out_w · batch · nnz(kernel).
     assert masked[0].forward == 2 * 8 * 8 * 2 * (3 * 3 * 3 * 4)
+
+
+def test_channel_masks_equal_the_reconfigured_narrow_model():
+    """PruneTrain invariant: masking dead channels costs what the smaller rebuilt model costs."""
+
+    def two_convs(p, x):
+        return _conv(jax.nn.relu(_conv(x, p["c1"], (2, 2))), p["c2"])
+
+    wide = {"c1": jnp.ones((3, 3, 3, 8)), "c2": jnp.ones((3, 3, 8, 6))}
+    keep = np.array([1, 0, 1, 1, 0, 0, 1, 0], bool)  # 4 of 8 middle channels live
+    masks = {
+        "c1": np.broadcast_to(keep, (3, 3, 3, 8)),  # dead output filters of c1
+        "c2": np.broadcast_to(keep[:, None], (3, 3, 8, 6)),  # and the inputs reading them
+    }
+    narrow = {"c1": jnp.ones((3, 3, 3, 4)), "c2": jnp.ones((3, 3, 4, 6))}
+    masked = flops.layer_flops(two_convs, (2, 9, 9, 3), params=wide, masks=masks)
+    rebuilt = flops.layer_flops(two_convs, (2, 9, 9, 3), params=narrow)
+    for m, r in zip(masked, rebuilt):
+        assert (m.forward, m.backward_data, m.backward_weight) == (
+            r.forward, r.backward_data, r.backward_weight
+        )
+    # A run that trains 10 epochs wide, then 20 epochs narrow (100 images per epoch).
+    per_image = lambda p: flops.training_flops_per_step(two_convs, (1, 9, 9, 3), params=p)
+    segments = [(per_image(wide), 10 * 100), (per_image(narrow), 20 * 100)]
+    total = flops.integrate_training_flops(segments)
+    assert total == 1000 * per_image(wide) + 2000 * per_image(narrow)
+    assert per_image(narrow) * 2 == per_image(wide)  # both convs halve
 
 
 def test_mask_forms_agree():
@@ -581,7 +609,8 @@ def test_bad_input_raises_value_error():
     with pytest.raises(ValueError, match="input_shape"):
         flops.layer_flops(model, (8, 3))  # rank 2: a 2-D conv needs (batch..., H, W, C)
     with pytest.raises(ValueError, match="input_shape"):
-        flops.layer_flops(_single_conv_fn((1, 1), "SAME", 1), (8, 8, 3), params={"w": jnp.ones((3, 3, 3, 4))})
+        conv_fn = _single_conv_fn((1, 1), "SAME", 1)
+        flops.layer_flops(conv_fn, (8, 8, 3), params={"w": jnp.ones((3, 3, 3, 4))})
     with pytest.raises(ValueError, match="input_shape"):
         flops.layer_flops(model, (1, 8, 8, 5))  # wrong channel count
     with pytest.raises(ValueError, match="input_shape"):
