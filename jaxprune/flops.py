@@ -28,19 +28,22 @@ Counting conventions (used everywhere in this module):
   images. This is decided from the traced data flow, not from the layer's position.
 * With weight masks only the nonzero weights are counted: a masked conv costs
   ``2 · batch · out_h · out_w · nnz(kernel)`` for the forward pass and the same for each backward
-  part (the sparse-training accounting of ClickTrain §5, which skips pruned weights in all three
-  convolutions).
+  part. ClickTrain §5.2 runs the forward and the data-gradient convs (δ ⊛ rot180(W)) with the
+  sparse W; the weight gradient is needed only at the kept positions, so it is counted sparse
+  too.
 
 Layers are found by **tracing**: :func:`layer_flops` runs :func:`jax.make_jaxpr` on the forward
 pass, walks every ``conv_general_dilated`` and ``dot_general`` equation (also inside ``jit``,
-``custom_vjp_call``, ``custom_jvp_call``, ``remat``, ``scan``, ``cond`` and ``while`` bodies) and
+``custom_vjp_call``, ``custom_jvp_call``, ``remat``, ``scan``, ``cond``, ``while`` and
+``pallas_call`` bodies) and
 follows the weight operand back through shape- and value-preserving operations (mask multiply,
 dtype conversion, reshape, transpose, ...) to the parameter leaf that feeds it. So it works for any
 Flax NNX model and for any plain ``fn(params, x)``, including SDGP's custom-VJP conv.
 
-Example::
+Only shapes matter, so the model can be abstract (no weights allocated or initialized)::
 
-    model = jaxprune.models.create("prunetrain-resnet32", num_classes=10, rngs=nnx.Rngs(0))
+    model = nnx.eval_shape(lambda: jaxprune.models.create(
+        "prunetrain-resnet32", num_classes=10, rngs=nnx.Rngs(0)))
     layers = flops.layer_flops(model, (1, 32, 32, 3))
     print(flops.format_table(layers))
     per_image = flops.training_flops_per_step(layers)
