@@ -575,6 +575,35 @@ def test_prunetrain_resnet20_matches_hand_count():
     assert f"inference FLOPs: {2 * macs:,}" in report
 
 
+def _imagenet_resnet50_macs_per_image() -> int:
+    """torchvision ResNet-50 v1.5 (stride on the 3x3 of the bottleneck) at 224x224, by hand."""
+    conv = lambda hw, k, cin, cout: hw * hw * k * k * cin * cout
+    macs = conv(112, 7, 3, 64)  # stem 7x7/2, then 3x3/2 max pool → 56x56
+    cin, hw = 64, 56
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for b in range(blocks):
+            s = stride if b == 0 else 1
+            out_hw = hw // s
+            macs += conv(hw, 1, cin, width)  # 1x1 reduce at the input resolution
+            macs += conv(out_hw, 3, width, width)  # strided 3x3
+            macs += conv(out_hw, 1, width, 4 * width)  # 1x1 expand
+            if b == 0:
+                macs += conv(out_hw, 1, cin, 4 * width)  # projection shortcut
+            cin, hw = 4 * width, out_hw
+    return macs + 2048 * 1000  # head
+
+
+@pytest.mark.slow
+def test_imagenet_resnet50_matches_hand_count():
+    models = pytest.importorskip("jaxprune.models")
+    model = nnx.eval_shape(
+        lambda: models.create("imagenet-resnet50", num_classes=1000, rngs=nnx.Rngs(0))
+    )
+    macs = _imagenet_resnet50_macs_per_image()
+    assert 4.08e9 < macs < 4.10e9  # the commonly quoted ≈ 4.09 GMACs
+    assert flops.inference_flops(model, (1, 224, 224, 3)) == 2 * macs
+
+
 def test_sdgp_converted_model_keeps_its_layers():
     """SDGP's custom-VJP convs are traced through: same layers, same paths, same counts."""
     models = pytest.importorskip("jaxprune.models")
