@@ -7,4 +7,7 @@ transformations over Flax NNX models.
 
 __version__ = "0.1.0"
 
+from jaxprune import data
 from jaxprune import distributed
+from jaxprune import flops
+from jaxprune import models

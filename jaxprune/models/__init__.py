@@ -1,0 +1,43 @@
+"""Flax NNX models built from explicit width specs (so pruned models can be rebuilt smaller).
+
+Registry: ``create(name, *, num_classes, rngs)``, ``available()``. Families follow the paper
+whose definition they use: ``prunetrain-*``, ``clicktrain-*``, ``sdgp-resnet9``, ``imagenet-*``.
+"""
+
+from jaxprune.models.layers import BasicBlock, Bottleneck, ConvBN
+from jaxprune.models.registry import available, create, default_spec, param_count
+from jaxprune.models.resnet import (
+    BlockSpec,
+    ResNet,
+    ResNetSpec,
+    StageSpec,
+    clicktrain_resnet_spec,
+    imagenet_resnet_spec,
+    prunetrain_resnet_spec,
+)
+from jaxprune.models.resnet9 import ResNet9, ResNet9Spec, sdgp_resnet9_spec
+from jaxprune.models.vgg import VGG, VGGSpec, clicktrain_vgg_spec, prunetrain_vgg_spec
+
+__all__ = [
+    "BasicBlock",
+    "BlockSpec",
+    "Bottleneck",
+    "ConvBN",
+    "ResNet",
+    "ResNet9",
+    "ResNet9Spec",
+    "ResNetSpec",
+    "StageSpec",
+    "VGG",
+    "VGGSpec",
+    "available",
+    "clicktrain_resnet_spec",
+    "clicktrain_vgg_spec",
+    "create",
+    "default_spec",
+    "imagenet_resnet_spec",
+    "param_count",
+    "prunetrain_resnet_spec",
+    "prunetrain_vgg_spec",
+    "sdgp_resnet9_spec",
+]
