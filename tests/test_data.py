@@ -352,6 +352,10 @@ def test_dataset_validation():
     ds = data.Dataset.from_arrays(images, [0, 1, 0, 1], mean=(0.5,) * 3, std=(0.2,) * 3)
     sub = ds.subset([1, 3])
     assert len(sub) == 2 and sub.labels.tolist() == [1, 1] and sub.mean == ds.mean
+    with pytest.raises(ValueError, match="std must be positive"):
+        data.Dataset.from_arrays(images, [0, 1, 0, 1], mean=(0.5,) * 3, std=(0.2, 0.0, 0.2))
+    constant = data.Dataset.from_arrays(images, [0, 1, 0, 1])  # no spread: scale left alone
+    assert constant.mean == (0.0,) * 3 and constant.std == (1.0,) * 3
 
 
 @pytest.mark.skipif(not REAL_CIFAR10.exists(), reason="CIFAR-10 tarball not available")

@@ -136,7 +136,8 @@ class Dataset:
           labels: integer labels, converted to int32.
           num_classes: defaults to ``max(labels) + 1`` (or ``len(class_names)``).
           class_names: defaults to ``("0", "1", ...)``.
-          mean, std: default to the statistics of ``images`` (:func:`channel_stats`).
+          mean, std: default to the statistics of ``images`` (:func:`channel_stats`); a
+            channel with zero spread gets std 1.
           name, split: free-form tags.
 
         Returns:
@@ -153,7 +154,8 @@ class Dataset:
         if mean is None or std is None:
             stat_mean, stat_std = channel_stats(images)
             mean = stat_mean if mean is None else mean
-            std = stat_std if std is None else std
+            # A constant channel has no spread to divide by; leave its scale alone.
+            std = tuple(s if s > 0 else 1.0 for s in stat_std) if std is None else std
         return cls(images, labels, num_classes, tuple(class_names), tuple(mean), tuple(std), name, split)
 
     def __len__(self) -> int:
