@@ -49,6 +49,7 @@ __all__ = [
     "all_patterns",
     "num_patterns",
     "pattern_index",
+    "pattern_masks_from_ids",
     "library_patterns",
     "library_pattern_ids",
     "centre_block_patterns",
@@ -149,6 +150,30 @@ def pattern_index(positions: jnp.ndarray, size: int = 3) -> jnp.ndarray:
     return (math.comb(n, k) - 1 - jnp.sum(terms, axis=-1)).astype(jnp.int32)
 
 
+def pattern_masks_from_ids(ids: jnp.ndarray, size: int = 3, k: int = 4) -> jnp.ndarray:
+    """Masks ``(..., size, size)`` of pattern ids (the inverse of :func:`pattern_index`).
+
+    Unranks the lexicographic index slot by slot, so no table of all
+    ``C(size**2, k)`` patterns is built (211 876 for 7x7): jit-able.
+    """
+    _check_k_size(k, size)
+    n = size * size
+    table = jnp.asarray(_binomial_table(n, k), jnp.int32)
+    rank = jnp.asarray(ids, jnp.int32)[..., None]
+    cs = jnp.arange(n)
+    prev = jnp.full(rank.shape, -1, jnp.int32)
+    mask = jnp.zeros(rank.shape[:-1] + (n,), jnp.float32)
+    for i in range(k):
+        # combos whose slot i is c (slots before fixed): C(n - 1 - c, k - 1 - i)
+        counts = jnp.where(cs > prev, table[jnp.clip(n - 1 - cs, 0, n), k - 1 - i], 0)
+        cum = jnp.cumsum(counts, axis=-1)
+        c = jnp.sum(cum <= rank, axis=-1, keepdims=True)
+        rank = rank - jnp.sum(jnp.where(cs < c, counts, 0), axis=-1, keepdims=True)
+        mask = mask + jax.nn.one_hot(c[..., 0], n, dtype=jnp.float32)
+        prev = c
+    return mask.reshape(mask.shape[:-1] + (size, size))
+
+
 def _parse(rows: str) -> np.ndarray:
     return np.array([[c == "1" for c in r] for r in rows.split("/")], np.float32)
 
@@ -159,10 +184,10 @@ def library_patterns() -> np.ndarray:
 
 
 def library_pattern_ids() -> np.ndarray:
-    """``LIBRARY_12`` as int32 indices into ``all_patterns(4, 3)``."""
+    """``LIBRARY_12`` as int32 indices into ``all_patterns(4, 3)`` (host-side NumPy)."""
     flat = library_patterns().reshape(12, 9)
-    pos = np.stack([np.flatnonzero(m) for m in flat])
-    return np.asarray(pattern_index(pos, 3))
+    table = all_patterns(4, 3).reshape(-1, 9)
+    return np.array([int(np.flatnonzero((table == m).all(1))[0]) for m in flat], np.int32)
 
 
 def centre_block_patterns() -> np.ndarray:

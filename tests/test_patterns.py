@@ -206,3 +206,11 @@ def test_pattern_mask_layout():
     np.testing.assert_array_equal(m[:, :, 0, 1], 0)
     np.testing.assert_array_equal(m[:, :, 1, 0], pool[11])
     np.testing.assert_array_equal(m[:, :, 1, 1], pool[3])
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_pattern_masks_from_ids_inverts_index(size):
+    table = patterns.all_patterns(4, size)
+    ids = np.arange(len(table)) if size < 5 else np.random.default_rng(0).integers(0, len(table), 500)
+    np.testing.assert_array_equal(jax.jit(patterns.pattern_masks_from_ids, static_argnums=1)(ids, size),
+                                  table[ids])
