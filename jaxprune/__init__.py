@@ -11,6 +11,7 @@ from jaxprune import data
 from jaxprune import distributed
 from jaxprune import flops
 from jaxprune import models
+from jaxprune import train
 from jaxprune import importance
 from jaxprune import patterns
 from jaxprune import clicktrain_transform

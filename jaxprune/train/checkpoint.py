@@ -1,0 +1,145 @@
+"""Checkpoints of a training run with orbax-checkpoint.
+
+A checkpoint holds pytrees of arrays (model params and the rest of the model state
+— batch statistics, RNG keys and counters —, optimizer state) plus a JSON record
+(epoch, step, batch size, loader position, model width spec, history). Orbax writes
+each checkpoint into a temporary directory and renames it when complete, so an
+interrupted write leaves no directory that :meth:`CheckpointStore.latest_step`
+returns (tested by interrupting a save).
+
+Pytrees are stored as nested dicts keyed by their tree paths, and restored into the
+structure of a template pytree (built from the current model and ``tx.init``), so
+NNX ``State`` objects, Optax NamedTuple states and typed PRNG keys all round-trip.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+_ARRAYS = "arrays"
+_META = "meta"
+
+
+def _path_entry_name(entry: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def _is_prng_key(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _storable(x: Any) -> Any:
+  # Orbax stores plain numeric arrays; typed PRNG keys are saved as their raw key data.
+  return jax.random.key_data(x) if _is_prng_key(x) else x
+
+
+def _to_nested(tree: Any) -> dict[str, Any]:
+  nested: dict[str, Any] = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    node = nested
+    names = [_path_entry_name(e) for e in path] or ["_"]
+    for name in names[:-1]:
+      node = node.setdefault(name, {})
+    node[names[-1]] = leaf
+  return nested
+
+
+def _lookup(nested: dict[str, Any], path: tuple) -> Any:
+  node = nested
+  for name in [_path_entry_name(e) for e in path] or ["_"]:
+    node = node[name]
+  return node
+
+
+def _abstract_storable(x: Any) -> jax.ShapeDtypeStruct:
+  stored = jax.eval_shape(_storable, x) if _is_prng_key(x) else x
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.ShapeDtypeStruct(np.shape(stored), stored.dtype, sharding=sharding)
+
+
+class CheckpointStore:
+  """A directory of numbered checkpoints (orbax ``CheckpointManager``, synchronous).
+
+  Args:
+    directory: where checkpoints live (created if missing).
+    max_to_keep: number of most recent checkpoints kept (``None`` = all).
+
+  Example:
+    >>> store = CheckpointStore("/tmp/run/ckpt")          # doctest: +SKIP
+    >>> store.save(3, {"params": params}, {"epoch": 3})   # doctest: +SKIP
+    >>> arrays, meta = store.restore(3, {"params": params})  # doctest: +SKIP
+  """
+
+  def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 2):
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+    self.directory = os.path.abspath(os.fspath(directory))
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                           enable_async_checkpointing=False)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def all_steps(self) -> list[int]:
+    """Steps of the complete checkpoints, ascending."""
+    self._manager.reload()
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """Step of the newest complete checkpoint, or ``None``."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Write checkpoint ``step`` (blocks until it is complete and renamed into place)."""
+    stored = jax.tree.map(_storable, _to_nested(arrays))
+    self._manager.save(step, args=ocp.args.Composite(
+        **{_ARRAYS: ocp.args.StandardSave(stored), _META: ocp.args.JsonSave(meta)}), force=True)
+    self._manager.wait_until_finished()
+
+  def restore_meta(self, step: int) -> dict[str, Any]:
+    """The JSON record of checkpoint ``step``."""
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        **{_META: ocp.args.JsonRestore()}))
+    return dict(restored[_META])
+
+  def restore(self, step: int, template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore checkpoint ``step`` into the structure of ``template``.
+
+    Args:
+      step: checkpoint number.
+      template: pytrees (concrete or ``ShapeDtypeStruct``) with the saved structure and
+        shapes, e.g. built from a freshly constructed model and ``tx.init``.
+
+    Returns:
+      ``(arrays, meta)``: pytrees shaped like ``template`` and the JSON record.
+
+    Raises:
+      ValueError: if a saved array's shape differs from the template's (the model was
+        reconfigured: rebuild it from ``meta["model_spec"]`` first).
+    """
+    abstract = jax.tree.map(_abstract_storable, _to_nested(template))
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        **{_ARRAYS: ocp.args.StandardRestore(abstract), _META: ocp.args.JsonRestore()}))
+    stored = restored[_ARRAYS]
+
+    def fill(path, like):
+      value = _lookup(stored, path)
+      want = jax.eval_shape(_storable, like) if _is_prng_key(like) else like
+      if tuple(np.shape(value)) != tuple(np.shape(want)):
+        raise ValueError(f"template: shape of {jax.tree_util.keystr(path)} is "
+                         f"{np.shape(want)} but the checkpoint has {np.shape(value)}")
+      value = jnp.asarray(value)
+      if _is_prng_key(like):
+        return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
+      return value
+
+    arrays = jax.tree_util.tree_map_with_path(fill, template)
+    return arrays, dict(restored[_META])

@@ -1,0 +1,181 @@
+"""Optimizer helpers: PyTorch-style SGD with coupled weight decay and an LR multiplier.
+
+The LR lives in :func:`scale_by_lr`, whose state carries
+
+* ``step``: the schedule position (a float; see ``schedules``),
+* ``step_increment``: how far one update advances it (``batch / reference batch``),
+* ``lr_scale``: a multiplier the trainer sets on the host, used for PruneTrain's linear
+  LR scaling when the mini-batch grows (PruneTrain §4.3),
+* ``lr``: the LR applied by the last update, for logging.
+
+Because the multiplier sits *inside* the inner optimizer, a wrapper transform that
+controls the final update (ClickTrain's hard masks emit ``mask * (p + u) - p``) still
+sees a correctly scaled ``u``; scaling the wrapper's output instead would break it.
+The trainer finds every :class:`ScaleByLrState` anywhere in an optimizer state tree
+(:func:`set_lr_scale`), so any wrapper around a chain containing it keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class ScaleByLrState(NamedTuple):
+  """State of :func:`scale_by_lr`."""
+  step: jax.Array            # float32 schedule position
+  step_increment: jax.Array  # float32 added to ``step`` per update
+  lr_scale: jax.Array        # float32 multiplier set on the host
+  lr: jax.Array              # float32 LR applied by the last update
+
+
+def scale_by_lr(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformationExtraArgs:
+  """Scale updates by ``-learning_rate(step) * lr_scale`` (descent direction).
+
+  Args:
+    learning_rate: a constant or a schedule ``step -> lr``; ``step`` is a float.
+
+  Returns:
+    A transform whose state is :class:`ScaleByLrState`; change ``lr_scale`` and
+    ``step_increment`` with :func:`set_lr_scale` / :func:`set_step_increment`.
+
+  Example:
+    >>> tx = optax.chain(optax.trace(0.9), scale_by_lr(0.1))
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = set_lr_scale(tx.init(params), 2.0)
+    >>> updates, state = tx.update({"w": jnp.ones(3)}, state, params)
+    >>> updates["w"]
+    Array([-0.2, -0.2, -0.2], dtype=float32)
+  """
+  schedule = learning_rate if callable(learning_rate) else None
+
+  def init_fn(params):
+    del params
+    lr0 = schedule(jnp.float32(0)) if schedule else learning_rate
+    return ScaleByLrState(step=jnp.zeros([], jnp.float32),
+                          step_increment=jnp.ones([], jnp.float32),
+                          lr_scale=jnp.ones([], jnp.float32),
+                          lr=jnp.asarray(lr0, jnp.float32))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    base = schedule(state.step) if schedule else learning_rate
+    lr = jnp.asarray(base, jnp.float32) * state.lr_scale
+    updates = jax.tree.map(lambda u: (-lr).astype(u.dtype) * u, updates)
+    return updates, state._replace(step=state.step + state.step_increment, lr=lr)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_lr_state(node: Any) -> bool:
+  return isinstance(node, ScaleByLrState)
+
+
+def _replace_lr_states(opt_state: Any, **fields: float) -> tuple[Any, int]:
+  found = 0
+
+  def replace(node):
+    nonlocal found
+    if _is_lr_state(node):
+      found += 1
+      return node._replace(**{k: jnp.asarray(v, jnp.float32) for k, v in fields.items()})
+    return node
+
+  new_state = jax.tree.map(replace, opt_state, is_leaf=_is_lr_state)
+  return new_state, found
+
+
+def set_lr_scale(opt_state: Any, lr_scale: float) -> Any:
+  """Return ``opt_state`` with every :class:`ScaleByLrState` multiplier set to ``lr_scale``.
+
+  Raises:
+    ValueError: if ``lr_scale`` is not positive or the state has no ``scale_by_lr``
+      (build the optimizer with :func:`sgd` or put :func:`scale_by_lr` in the chain).
+  """
+  if not lr_scale > 0:
+    raise ValueError(f"lr_scale must be positive, got {lr_scale}")
+  new_state, found = _replace_lr_states(opt_state, lr_scale=lr_scale)
+  if not found:
+    raise ValueError("opt_state: no scale_by_lr state found; build the optimizer with "
+                     "jaxprune.train.sgd(...) or include jaxprune.train.scale_by_lr(...)")
+  return new_state
+
+
+def set_step_increment(opt_state: Any, step_increment: float) -> Any:
+  """Return ``opt_state`` whose schedules advance by ``step_increment`` per update.
+
+  No-op (returns the state unchanged) when the optimizer has no ``scale_by_lr``.
+  """
+  if not step_increment > 0:
+    raise ValueError(f"step_increment must be positive, got {step_increment}")
+  return _replace_lr_states(opt_state, step_increment=step_increment)[0]
+
+
+def get_lr(opt_state: Any) -> float | None:
+  """The LR applied by the last update (first ``scale_by_lr`` or ``inject_hyperparams``
+  ``learning_rate`` found), or ``None`` if the optimizer exposes neither."""
+  lr_states = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_lr_state) if _is_lr_state(s)]
+  if lr_states:
+    return float(lr_states[0].lr)
+  try:
+    value = optax.tree_utils.tree_get(opt_state, "learning_rate")
+  except (KeyError, ValueError):
+    return None
+  return None if value is None else float(value)
+
+
+def get_lr_scale(opt_state: Any) -> float | None:
+  """The ``lr_scale`` of the first :class:`ScaleByLrState`, or ``None``."""
+  lr_states = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_lr_state) if _is_lr_state(s)]
+  return float(lr_states[0].lr_scale) if lr_states else None
+
+
+def kernels_only(params: Any) -> Any:
+  """Weight-decay mask: True for conv / dense kernels (ndim >= 2), False for biases and
+  BatchNorm scale/shift."""
+  return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.9, *,
+        nesterov: bool = False, weight_decay: float = 0.0,
+        decay_mask: Any | Callable[[Any], Any] | None = None
+        ) -> optax.GradientTransformationExtraArgs:
+  """SGD with momentum and *coupled* weight decay, exactly as ``torch.optim.SGD``.
+
+  Per step (``dampening = 0``): ``d = g + wd * w``; ``buf = momentum * buf + d``;
+  ``d = d + momentum * buf`` if nesterov else ``buf``; ``w -= lr * lr_scale * d``.
+  This is the recipe of all three papers (PruneTrain, ClickTrain and SDGP train with
+  PyTorch SGD, momentum 0.9, wd 5e-4).
+
+  Args:
+    learning_rate: constant or schedule (see ``jaxprune.train.schedules``).
+    momentum: momentum coefficient in ``[0, 1)``; 0 disables the buffer.
+    nesterov: Nesterov momentum (PyTorch's formulation).
+    weight_decay: L2 coefficient added to the gradient before momentum.
+    decay_mask: which params get weight decay: ``None`` = all (the papers' recipes),
+      a pytree of bools, or a function ``params -> bool pytree`` such as
+      :func:`kernels_only`.
+
+  Returns:
+    A ``GradientTransformationExtraArgs`` (so ``value=loss`` passes through).
+
+  Example:
+    >>> tx = sgd(step_schedule(0.1, 391, [91, 136]), momentum=0.9, weight_decay=5e-4)
+  """
+  if not 0.0 <= momentum < 1.0:
+    raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+  if weight_decay < 0:
+    raise ValueError(f"weight_decay must be non-negative, got {weight_decay}")
+  if nesterov and momentum == 0:
+    raise ValueError("nesterov=True requires momentum > 0")
+  parts = []
+  if weight_decay:
+    parts.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
+  if momentum:
+    parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+  parts.append(scale_by_lr(learning_rate))
+  return optax.with_extra_args_support(optax.chain(*parts))

@@ -1,0 +1,481 @@
+"""The training loop: ``Trainer`` and ``fit``.
+
+The trainer owns a split NNX model (``params`` / ``rest`` pure-array states and the
+graphdefs) and a raw Optax state, runs the jitted step of ``jaxprune.train.step``,
+evaluates, logs one JSON line per epoch, checkpoints with orbax and resumes exactly.
+
+Host-side callbacks run at epoch end (and optionally every ``k`` steps). They may
+
+* replace the model and optimizer state (PruneTrain §3.3 reconfiguration: the new
+  shapes get a freshly traced step automatically),
+* change the loader's batch size and scale the LR (PruneTrain §4.3 dynamic
+  mini-batch with linear LR scaling), see :meth:`Trainer.set_batch_size`,
+* return extra metrics for the epoch's JSON line (e.g. a compression ratio).
+
+Exact resume needs (a) a loader whose order depends only on ``(seed, epoch)`` —
+the trainer calls ``loader.set_epoch(epoch)`` before each epoch when the loader has it,
+and saves ``loader.state()`` (``jaxprune.data.Loader``) or ``loader.state_dict()`` — and (b) every random stream of the
+model inside its NNX state (``nnx.Rngs``), which the checkpoint stores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxprune.train import optim
+from jaxprune.train._spec_json import decode_spec, encode_spec
+from jaxprune.train.checkpoint import CheckpointStore
+from jaxprune.train.step import (Metrics, PerExampleLoss, StepFunctions, default_loss,
+                                 split_model, step_functions, train_step_memory)
+
+
+class Callback:
+  """Base class of host-side hooks (override what you need).
+
+  Attributes:
+    every_steps: if set, :meth:`on_step` runs after every ``every_steps`` optimizer steps.
+  """
+
+  every_steps: int | None = None
+
+  def on_epoch_end(self, trainer: "Trainer", epoch: int) -> Mapping[str, Any] | None:
+    """Runs after epoch ``epoch`` (1-based) was trained and evaluated, before the
+    checkpoint. Return a dict to add entries to the epoch's JSON record."""
+    del trainer, epoch
+    return None
+
+  def on_step(self, trainer: "Trainer", step: int) -> None:
+    """Runs after optimizer step ``step`` (1-based, global) when ``every_steps`` divides it."""
+    del trainer, step
+
+  def after_epoch(self, trainer: "Trainer", record: Mapping[str, Any]) -> None:
+    """Runs after the epoch's record was logged and the checkpoint written (reporting)."""
+    del trainer, record
+
+  def state_dict(self) -> dict[str, Any]:
+    """JSON-serialisable state saved in checkpoints (for exact resume)."""
+    return {}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    del state
+
+
+class _FunctionCallback(Callback):
+
+  def __init__(self, fn: Callable[["Trainer", int], Mapping[str, Any] | None]):
+    self._fn = fn
+
+  def on_epoch_end(self, trainer, epoch):
+    return self._fn(trainer, epoch)
+
+
+def _is_tty() -> bool:
+  return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+
+
+def _model_spec(model: nnx.Module) -> Any:
+  """JSON form of ``model.spec`` (``None`` if the model has none or it is not encodable)."""
+  spec = getattr(model, "spec", None)
+  if spec is None:
+    return None
+  try:
+    return json.loads(json.dumps(encode_spec(spec)))
+  except (TypeError, ValueError):
+    return None
+
+
+def _loader_batch_size(loader: Any) -> int | None:
+  size = getattr(loader, "batch_size", None)
+  return int(size) if size is not None else None
+
+
+def _loader_state(loader: Any) -> Any:
+  """Position of a loader: ``jaxprune.data.Loader.state()`` or a ``state_dict()``."""
+  for name in ("state", "state_dict"):
+    method = getattr(loader, name, None)
+    if callable(method):
+      return method()
+  return None
+
+
+def _restore_loader(loader: Any, state: Any) -> None:
+  for name in ("restore", "load_state_dict"):
+    method = getattr(loader, name, None)
+    if callable(method):
+      method(state)
+      return
+
+
+def _set_loader_batch_size(loader: Any, batch_size: int) -> None:
+  if hasattr(loader, "set_batch_size"):
+    loader.set_batch_size(batch_size)
+  else:
+    loader.batch_size = batch_size
+
+
+class Trainer:
+  """Train an NNX model with any Optax transform.
+
+  Args:
+    model: an NNX module with ``train()`` / ``eval()``; ``model(x)`` returns logits.
+    tx: any Optax transform; ``GradientTransformationExtraArgs`` receive ``value=loss``.
+      LR scaling (:attr:`lr_scale`, :meth:`set_batch_size`) needs a
+      :func:`jaxprune.train.scale_by_lr` inside it (:func:`jaxprune.train.sgd` has one).
+    label_smoothing: label smoothing of the default cross-entropy loss.
+    loss_fn: optional ``(logits, labels) -> per-example loss [B]`` replacing the default.
+    flip_tta: evaluate on the average logits of each image and its horizontal flip.
+    callbacks: :class:`Callback` objects or functions ``(trainer, epoch) -> dict | None``
+      run at epoch end.
+    metrics: extra per-epoch metrics ``{name: fn(trainer) -> value}`` for the JSON lines.
+    log_path: file that receives one JSON object per epoch (rewritten on resume).
+    checkpoint_dir: orbax checkpoint directory; ``fit`` resumes from its latest checkpoint.
+    checkpoint_every: checkpoint every this many epochs (and after the last one).
+    max_to_keep: number of checkpoints kept.
+    progress: show a tqdm bar; ``None`` = only when stderr is a terminal.
+    model_builder: ``spec -> model`` used on resume when the checkpoint's
+      ``model.spec`` differs from the current model's (a reconfigured model); default
+      ``type(model)(spec, num_classes=model.num_classes, rngs=nnx.Rngs(0))``.
+    donate: donate state buffers to the jitted step.
+
+  Example:
+    >>> trainer = Trainer(model, sgd(0.1, 0.9, weight_decay=5e-4), label_smoothing=0.1)  # doctest: +SKIP
+    >>> history = trainer.fit(train_loader, test_loader, epochs=10)  # doctest: +SKIP
+  """
+
+  def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *,
+               label_smoothing: float = 0.0, loss_fn: PerExampleLoss | None = None,
+               flip_tta: bool = False,
+               callbacks: Sequence[Callback | Callable[["Trainer", int], Any]] = (),
+               metrics: Mapping[str, Callable[["Trainer"], Any]] | None = None,
+               log_path: str | os.PathLike | None = None,
+               checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 1,
+               max_to_keep: int | None = 2, progress: bool | None = None,
+               model_builder: Callable[[Any], nnx.Module] | None = None, donate: bool = True):
+    if not 0.0 <= label_smoothing < 1.0:
+      raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if checkpoint_every < 1:
+      raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+    self.tx = optax.with_extra_args_support(tx)
+    self.loss_fn = loss_fn if loss_fn is not None else default_loss(label_smoothing)
+    self.flip_tta = flip_tta
+    self.callbacks: list[Callback] = [
+        c if isinstance(c, Callback) else _FunctionCallback(c) for c in callbacks]
+    for c in self.callbacks:
+      if c.every_steps is not None and c.every_steps < 1:
+        raise ValueError(f"callbacks: every_steps must be >= 1, got {c.every_steps}")
+    self.metrics = dict(metrics or {})
+    self.log_path = os.fspath(log_path) if log_path is not None else None
+    self.checkpoint_every = checkpoint_every
+    self.store = (CheckpointStore(checkpoint_dir, max_to_keep=max_to_keep)
+                  if checkpoint_dir is not None else None)
+    self.progress = _is_tty() if progress is None else progress
+    self.model_builder = model_builder
+    self.donate = donate
+
+    self.epoch = 0   # completed epochs
+    self.step = 0    # completed optimizer steps
+    self.history: list[dict[str, Any]] = []
+    self.reference_batch_size: int | None = None
+    self._pending_batch_size: tuple[int, bool] | None = None
+    self._elapsed_before = 0.0
+    self._set_model(model, self.tx.init(nnx.as_pure(nnx.state(model, nnx.Param))))
+
+  # ----------------------------------------------------------------- state access
+  def _set_model(self, model: nnx.Module, opt_state: Any) -> None:
+    self._model = model
+    train_gd, eval_gd, params, rest = split_model(model)
+    self.params, self.rest, self.opt_state = params, rest, opt_state
+    self._model_synced = True
+    self._steps = step_functions(train_gd, eval_gd, self.tx, self.loss_fn,
+                                 flip_tta=self.flip_tta, donate=self.donate)
+
+  @property
+  def model(self) -> nnx.Module:
+    """The live model (its variables are synced from the trained state on access)."""
+    if not self._model_synced:
+      nnx.update(self._model, self.params, self.rest)
+      self._model_synced = True
+    return self._model
+
+  @property
+  def steps(self) -> StepFunctions:
+    """The jitted train / eval functions for the current model structure."""
+    return self._steps
+
+  def replace(self, model: nnx.Module | None = None, opt_state: Any | None = None) -> None:
+    """Install a new model and/or optimizer state (e.g. after PruneTrain reconfiguration).
+
+    A model with new shapes gets newly jitted steps. If only ``model`` is given the
+    optimizer state must still match its params (same structure and shapes).
+    """
+    model = self.model if model is None else model
+    opt_state = self.opt_state if opt_state is None else opt_state
+    expected = jax.eval_shape(self.tx.init, nnx.as_pure(nnx.state(model, nnx.Param)))
+    if jax.tree.map(jnp.shape, expected) != jax.tree.map(jnp.shape, opt_state):
+      raise ValueError("opt_state: structure or shapes do not match tx.init(model params)")
+    self._set_model(model, opt_state)
+
+  @property
+  def lr_scale(self) -> float | None:
+    """Multiplier on the LR of every ``scale_by_lr`` in the optimizer (``None`` if none)."""
+    return optim.get_lr_scale(self.opt_state)
+
+  @lr_scale.setter
+  def lr_scale(self, value: float) -> None:
+    self.opt_state = optim.set_lr_scale(self.opt_state, value)
+
+  @property
+  def lr(self) -> float | None:
+    """LR applied by the last step (``None`` if the optimizer does not expose it)."""
+    return optim.get_lr(self.opt_state)
+
+  def set_batch_size(self, batch_size: int, *, scale_lr: bool = True) -> None:
+    """Change the training batch size from the next epoch on (PruneTrain §4.3).
+
+    With ``scale_lr`` the LR multiplier grows by ``new / old`` (linear scaling rule).
+    Schedules advance by ``batch_size / reference_batch_size`` per step so epoch
+    milestones stay put.
+    """
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+      raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    self._pending_batch_size = (int(batch_size), scale_lr)
+
+  def _apply_pending_batch_size(self, loader: Any) -> None:
+    if self._pending_batch_size is None:
+      return
+    new_size, scale_lr = self._pending_batch_size
+    self._pending_batch_size = None
+    old_size = _loader_batch_size(loader)
+    if old_size is None:
+      raise ValueError("train_loader has no batch_size attribute; cannot change it")
+    _set_loader_batch_size(loader, new_size)
+    if scale_lr and new_size != old_size:
+      self.lr_scale = (self.lr_scale or 1.0) * new_size / old_size
+    if self.reference_batch_size:
+      self.opt_state = optim.set_step_increment(self.opt_state,
+                                                new_size / self.reference_batch_size)
+
+  def step_memory(self, batch_size: int, image_shape: tuple[int, ...],
+                  **kwargs: Any) -> dict[str, int]:
+    """XLA memory statistics of the compiled train step at ``batch_size`` (bytes)."""
+    return train_step_memory(self._steps, self.params, self.rest, self.opt_state, image_shape,
+                             batch_size, **kwargs)
+
+  # ----------------------------------------------------------------- train / eval
+  def train_epoch(self, loader: Iterable) -> dict[str, float]:
+    """One pass over ``loader``; returns train loss / acc and throughput."""
+    metrics = Metrics.zeros()
+    due = [c for c in self.callbacks if c.every_steps]
+    try:
+      total = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+      total = None
+    bar = None
+    if self.progress:
+      from tqdm.auto import tqdm
+      bar = tqdm(total=total, desc=f"epoch {self.epoch + 1}", leave=False, dynamic_ncols=True)
+    images_seen, data_wait, steps = 0, 0.0, 0
+    start = time.perf_counter()
+    iterator = iter(loader)
+    while True:
+      t0 = time.perf_counter()
+      try:
+        images, labels = next(iterator)
+      except StopIteration:
+        break
+      data_wait += time.perf_counter() - t0
+      self.params, self.rest, self.opt_state, metrics = self._steps.train(
+          self.params, self.rest, self.opt_state, metrics, images, labels)
+      self._model_synced = False
+      self.step += 1
+      steps += 1
+      images_seen += int(np.shape(images)[0])
+      for c in due:
+        if self.step % c.every_steps == 0:
+          c.on_step(self, self.step)
+      if bar is not None:
+        bar.update(1)
+        if steps % 20 == 0:
+          bar.set_postfix(loss=f"{float(metrics.loss_sum / metrics.count):.4f}")
+    summary = metrics.summary()  # blocks until the last step finished
+    elapsed = time.perf_counter() - start
+    if bar is not None:
+      bar.close()
+    if steps == 0:
+      raise ValueError("train_loader yielded no batches (batch_size larger than the "
+                       "dataset with drop_last=True?)")
+    compute = max(elapsed - data_wait, 1e-9)
+    return {"train_loss": summary["loss"], "train_acc": summary["acc"], "steps": steps,
+            "images_per_s": images_seen / elapsed, "step_images_per_s": images_seen / compute,
+            "data_wait_s": data_wait, "epoch_time_s": elapsed}
+
+  def evaluate(self, loader: Iterable) -> dict[str, float]:
+    """Loss and accuracy over ``loader`` in eval mode (BatchNorm running statistics,
+    no dropout), with flip TTA if enabled. Short batches are zero-padded and masked."""
+    metrics = Metrics.zeros()
+    full = None
+    for images, labels in loader:
+      images, labels = np.asarray(images), np.asarray(labels)
+      n = images.shape[0]
+      full = full or n
+      weights = np.ones(full, np.float32)
+      if n < full:
+        pad = full - n
+        images = np.concatenate([images, np.zeros((pad, *images.shape[1:]), images.dtype)])
+        labels = np.concatenate([labels, np.zeros((pad, *labels.shape[1:]), labels.dtype)])
+        weights[n:] = 0
+      elif n > full:
+        full, weights = n, np.ones(n, np.float32)
+      metrics = self._steps.evaluate(self.params, self.rest, metrics, images, labels, weights)
+    if full is None:
+      raise ValueError("test_loader yielded no batches")
+    summary = metrics.summary()
+    return {"test_loss": summary["loss"], "test_acc": summary["acc"]}
+
+  # ----------------------------------------------------------------- checkpoints
+  def _meta(self, loader: Any) -> dict[str, Any]:
+    loader_state = _loader_state(loader) if loader is not None else None
+    return {"epoch": self.epoch, "step": self.step,
+            "batch_size": _loader_batch_size(loader),
+            "reference_batch_size": self.reference_batch_size,
+            "loader_state": loader_state, "model_spec": _model_spec(self._model),
+            "callbacks": [c.state_dict() for c in self.callbacks],
+            "elapsed_s": self._elapsed_before, "history": self.history}
+
+  def save_checkpoint(self, loader: Any = None) -> None:
+    """Write a checkpoint of the current state (no-op without ``checkpoint_dir``)."""
+    if self.store is None:
+      return
+    arrays = {"params": self.params, "rest": self.rest, "opt_state": self.opt_state}
+    self.store.save(self.epoch, arrays, self._meta(loader))
+
+  def _rebuild_model(self, spec: Any) -> nnx.Module:
+    if self.model_builder is not None:
+      return self.model_builder(spec)
+    num_classes = getattr(self._model, "num_classes", None)
+    if num_classes is None:
+      raise ValueError("checkpoint: model spec differs from the current model's and no "
+                       "model_builder was given to rebuild it")
+    return type(self._model)(spec, num_classes=num_classes, rngs=nnx.Rngs(0))
+
+  def restore_checkpoint(self, loader: Any = None, step: int | None = None) -> bool:
+    """Restore the latest (or given) checkpoint; returns False if there is none."""
+    if self.store is None:
+      return False
+    step = self.store.latest_step() if step is None else step
+    if step is None:
+      return False
+    meta = self.store.restore_meta(step)
+    model = self._model
+    if meta.get("model_spec") is not None and meta["model_spec"] != _model_spec(model):
+      model = self._rebuild_model(decode_spec(meta["model_spec"]))
+    _, _, params, rest = split_model(model)
+    template = {"params": params, "rest": rest,
+                "opt_state": jax.eval_shape(self.tx.init, params)}
+    template["opt_state"] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                         template["opt_state"])
+    arrays, meta = self.store.restore(step, template)
+    nnx.update(model, arrays["params"], arrays["rest"])
+    self._set_model(model, arrays["opt_state"])
+    self.epoch, self.step = int(meta["epoch"]), int(meta["step"])
+    self.reference_batch_size = meta.get("reference_batch_size")
+    self.history = list(meta.get("history", []))
+    self._elapsed_before = float(meta.get("elapsed_s", 0.0))
+    for c, state in zip(self.callbacks, meta.get("callbacks", [])):
+      c.load_state_dict(state)
+    if loader is not None:
+      if meta.get("batch_size") is not None and _loader_batch_size(loader) is not None:
+        _set_loader_batch_size(loader, int(meta["batch_size"]))
+      if meta.get("loader_state") is not None:
+        _restore_loader(loader, meta["loader_state"])
+    return True
+
+  # ----------------------------------------------------------------- logging
+  def _rewrite_log(self) -> None:
+    if self.log_path is None:
+      return
+    os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+    tmp = self.log_path + ".tmp"
+    with open(tmp, "w") as f:
+      for record in self.history:
+        f.write(json.dumps(record) + "\n")
+    os.replace(tmp, self.log_path)
+
+  def _append_log(self, record: dict[str, Any]) -> None:
+    if self.log_path is None:
+      return
+    with open(self.log_path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+
+  # ----------------------------------------------------------------- main loop
+  def fit(self, train_loader: Iterable, test_loader: Iterable | None = None, epochs: int = 1,
+          *, resume: bool = True) -> list[dict[str, Any]]:
+    """Train until ``epochs`` epochs are complete (resuming from the latest checkpoint).
+
+    Returns:
+      The per-epoch records (also written as JSON lines to ``log_path``).
+    """
+    if not isinstance(epochs, (int, np.integer)) or epochs < 1:
+      raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+    if resume:
+      self.restore_checkpoint(train_loader)
+    if self.reference_batch_size is None:
+      self.reference_batch_size = _loader_batch_size(train_loader)
+    self._rewrite_log()
+    fit_start = time.perf_counter() - self._elapsed_before
+    while self.epoch < epochs:
+      self._apply_pending_batch_size(train_loader)
+      if hasattr(train_loader, "set_epoch"):
+        train_loader.set_epoch(self.epoch)
+      record: dict[str, Any] = {"epoch": self.epoch + 1}
+      lr_before = self.lr
+      record.update(self.train_epoch(train_loader))
+      self.epoch += 1
+      record["lr"] = self.lr if self.lr is not None else lr_before
+      record["lr_scale"] = self.lr_scale
+      record["batch_size"] = _loader_batch_size(train_loader)
+      if test_loader is not None:
+        t0 = time.perf_counter()
+        record.update(self.evaluate(test_loader))
+        record["eval_time_s"] = time.perf_counter() - t0
+      for c in self.callbacks:
+        extra = c.on_epoch_end(self, self.epoch)
+        if extra:
+          record.update(extra)
+      for name, fn in self.metrics.items():
+        value = fn(self)
+        record[name] = value.item() if hasattr(value, "item") else value
+      self._elapsed_before = time.perf_counter() - fit_start
+      record["wall_time_s"] = self._elapsed_before
+      record["step"] = self.step
+      self.history.append(record)
+      self._append_log(record)
+      if self.epoch % self.checkpoint_every == 0 or self.epoch == epochs:
+        self.save_checkpoint(train_loader)
+      for c in self.callbacks:
+        c.after_epoch(self, record)
+    return self.history
+
+
+def fit(model: nnx.Module, tx: optax.GradientTransformation, train_loader: Iterable,
+        test_loader: Iterable | None = None, epochs: int = 1, **trainer_kwargs: Any) -> Trainer:
+  """Build a :class:`Trainer` and run :meth:`Trainer.fit`; returns the trainer
+  (``trainer.model``, ``trainer.history``).
+
+  Example:
+    >>> trainer = fit(model, sgd(0.05, 0.9), train_loader, test_loader, epochs=5)  # doctest: +SKIP
+  """
+  trainer = Trainer(model, tx, **trainer_kwargs)
+  trainer.fit(train_loader, test_loader, epochs)
+  return trainer

@@ -1,0 +1,524 @@
+"""Tests of jaxprune.train: step, loss, optimizer, schedules, eval, checkpoints, hooks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxprune.train as jt
+from jaxprune.train._spec_json import decode_spec, encode_spec
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@dataclasses.dataclass(frozen=True)
+class TinySpec:
+  widths: tuple[int, ...] = (4,)
+
+
+class TinyCNN(nnx.Module):
+  """Conv-BN-ReLU, dropout, linear head: has batch stats and an RNG stream."""
+
+  def __init__(self, spec: TinySpec = TinySpec(), *, num_classes: int = 3, rngs: nnx.Rngs,
+               dropout: float = 0.2):
+    self.spec, self.num_classes = spec, num_classes
+    (width,) = spec.widths
+    self.c1 = nnx.Conv(1, width, (3, 3), use_bias=False, rngs=rngs)
+    self.b1 = nnx.BatchNorm(width, momentum=0.9, rngs=rngs)
+    self.drop = nnx.Dropout(dropout, rngs=rngs)
+    self.head = nnx.Linear(width, num_classes, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.b1(self.c1(x)))
+    return self.head(self.drop(x.mean((1, 2))))
+
+
+class ArrayLoader:
+  """Deterministic loader: order depends only on (seed, epoch)."""
+
+  def __init__(self, images, labels, batch_size, *, shuffle=True, seed=0, drop_last=True):
+    self.images, self.labels = images, labels
+    self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+    self.epoch = 0
+
+  def set_epoch(self, epoch):
+    self.epoch = epoch
+
+  def __len__(self):
+    n = len(self.images)
+    return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+  def __iter__(self):
+    n = len(self.images)
+    order = (np.random.default_rng((self.seed, self.epoch)).permutation(n) if self.shuffle
+             else np.arange(n))
+    for i in range(len(self)):
+      idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+      yield self.images[idx], self.labels[idx]
+
+
+def _data(n=48, size=6, num_classes=3, seed=0):
+  rng = np.random.default_rng(seed)
+  labels = rng.integers(0, num_classes, n).astype(np.int32)
+  images = rng.normal(size=(n, size, size, 1)).astype(np.float32)
+  images[:, :2, :2, 0] += labels[:, None, None] * 1.5  # learnable signal
+  return images, labels
+
+
+def _model(seed=0, spec=TinySpec(), dropout=0.2):
+  return TinyCNN(spec, rngs=nnx.Rngs(seed, dropout=seed + 1), dropout=dropout)
+
+
+_TIMING_KEYS = {"images_per_s", "step_images_per_s", "data_wait_s", "epoch_time_s",
+                "eval_time_s", "wall_time_s"}
+
+
+def _assert_trees_equal(a, b):
+  def plain(x):
+    x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    return np.asarray(x)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(plain(x), plain(y)), a, b)
+
+
+def _strip_timing(history):
+  return [{k: v for k, v in r.items() if k not in _TIMING_KEYS} for r in history]
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def _np_smoothed_ce(logits, targets, eps):
+  logits = np.asarray(logits, np.float64)
+  c = logits.shape[-1]
+  t = targets * (1 - eps) + eps / c
+  z = logits - logits.max(-1, keepdims=True)
+  logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  return -(t * logp).sum(-1)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_cross_entropy_int_labels_matches_numpy(eps):
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(7, 5)).astype(np.float32) * 3
+  labels = rng.integers(0, 5, 7)
+  want = _np_smoothed_ce(logits, np.eye(5)[labels], eps)
+  got = jt.cross_entropy_per_example(jnp.asarray(logits), jnp.asarray(labels), eps)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(jt.cross_entropy(logits, labels, eps), want.mean(), rtol=1e-5)
+
+
+def test_cross_entropy_soft_labels_matches_numpy():
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(6, 4)).astype(np.float32)
+  soft = rng.dirichlet(np.ones(4), size=6).astype(np.float32)  # mixup-like targets
+  want = _np_smoothed_ce(logits, soft, 0.1)
+  got = jt.cross_entropy_per_example(jnp.asarray(logits), jnp.asarray(soft), 0.1)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # accuracy on soft labels compares with the argmax class
+  acc = jt.accuracy(jnp.asarray(logits), jnp.asarray(soft))
+  assert float(acc) == pytest.approx(np.mean(logits.argmax(-1) == soft.argmax(-1)))
+
+
+def test_cross_entropy_bad_inputs():
+  with pytest.raises(ValueError, match="label_smoothing"):
+    jt.cross_entropy(jnp.zeros((2, 3)), jnp.zeros(2, jnp.int32), 1.0)
+  with pytest.raises(ValueError, match="labels"):
+    jt.cross_entropy(jnp.zeros((2, 3)), jnp.zeros((2, 4)))
+  with pytest.raises(ValueError, match="logits"):
+    jt.cross_entropy(jnp.zeros((2, 3, 1)), jnp.zeros(2, jnp.int32))
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def test_step_schedule_hand_computed():
+  sched = jt.step_schedule(0.1, steps_per_epoch=5, milestones=[2, 4], factor=0.1)
+  got = [float(sched(s)) for s in (0, 9, 10, 19, 20, 100)]
+  np.testing.assert_allclose(got, [0.1, 0.1, 0.01, 0.01, 0.001, 0.001], rtol=1e-6)
+  # float steps (dynamic batch) still cross the milestone at the same epoch boundary
+  assert float(sched(9.5)) == pytest.approx(0.1)
+  assert float(sched(10.0)) == pytest.approx(0.01)
+
+
+def test_triangular_schedule_hand_computed():
+  sched = jt.triangular_schedule(0.5, steps_per_epoch=4, peak_epoch=2, total_epochs=6)
+  # up: 0 -> 0.5 over 8 steps; down: 0.5 -> 0 over 16 steps
+  steps = [0, 2, 8, 12, 24, 30]
+  want = [0.0, 0.125, 0.5, 0.375, 0.0, 0.0]
+  np.testing.assert_allclose([float(sched(s)) for s in steps], want, atol=1e-7)
+  # identical to the ffcv formula np.interp(step, [0, peak, total], [0, 1, 0]) * lr
+  for s in range(0, 26):
+    assert float(sched(s)) == pytest.approx(0.5 * np.interp(s, [0, 8, 24], [0, 1, 0]), abs=1e-7)
+
+
+def test_warmup_hand_computed():
+  base = jt.step_schedule(1.0, steps_per_epoch=10, milestones=[1])
+  sched = jt.with_warmup(base, warmup_steps=4, start_factor=0.2)
+  want = [0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 0.1]
+  got = [float(sched(s)) for s in (0, 1, 2, 3, 4, 9, 10)]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: jt.step_schedule(0.1, 0, [1]), "steps_per_epoch"),
+    (lambda: jt.step_schedule(0.1, 10, [5, 3]), "milestones"),
+    (lambda: jt.step_schedule(0.1, 10, [-1]), "milestones"),
+    (lambda: jt.step_schedule(0.1, 10, [1], factor=0.0), "factor"),
+    (lambda: jt.triangular_schedule(0.1, 10, peak_epoch=5, total_epochs=3), "peak_epoch"),
+    (lambda: jt.triangular_schedule(0.1, 10, peak_epoch=0, total_epochs=0), "total_epochs"),
+    (lambda: jt.with_warmup(0.1, -1), "warmup_steps"),
+    (lambda: jt.with_warmup(0.1, 3, start_factor=2.0), "start_factor"),
+    (lambda: jt.sgd(0.1, momentum=1.0), "momentum"),
+    (lambda: jt.sgd(0.1, weight_decay=-1.0), "weight_decay"),
+    (lambda: jt.sgd(0.1, momentum=0.0, nesterov=True), "nesterov"),
+])
+def test_bad_schedule_and_optimizer_args(call, arg):
+  with pytest.raises(ValueError, match=arg):
+    call()
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def _torch_sgd_reference(params, grads_seq, lr, momentum, wd, nesterov, decay):
+  """torch.optim.SGD (dampening 0) written as a plain loop over numpy arrays."""
+  params = {k: np.array(v, np.float64) for k, v in params.items()}
+  buf = {k: None for k in params}
+  for grads in grads_seq:
+    for k in params:
+      d = np.asarray(grads[k], np.float64) + (wd * params[k] if decay[k] else 0.0)
+      buf[k] = d.copy() if buf[k] is None else momentum * buf[k] + d
+      step = d + momentum * buf[k] if nesterov else buf[k]
+      params[k] = params[k] - lr * step
+  return params
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("only_kernels", [False, True])
+def test_sgd_weight_decay_matches_torch_loop(nesterov, only_kernels):
+  rng = np.random.default_rng(3)
+  params = {"kernel": rng.normal(size=(3, 3, 2, 4)).astype(np.float32),
+            "bias": rng.normal(size=(4,)).astype(np.float32)}
+  grads_seq = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()}
+               for _ in range(4)]
+  tx = jt.sgd(0.05, 0.9, nesterov=nesterov, weight_decay=0.01,
+              decay_mask=jt.kernels_only if only_kernels else None)
+  p = jax.tree.map(jnp.asarray, params)
+  state = tx.init(p)
+  for g in grads_seq:
+    updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, p)
+    p = optax.apply_updates(p, updates)
+  decay = {"kernel": True, "bias": not only_kernels}
+  want = _torch_sgd_reference(params, grads_seq, 0.05, 0.9, 0.01, nesterov, decay)
+  for k in params:
+    np.testing.assert_allclose(p[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+class _Wrapped(NamedTuple):
+  inner: Any
+
+
+def _hard_mask_wrapper(inner, mask_value=0.0):
+  """A ClickTrain-like wrapper that controls the final update: p <- mask * (p + u)."""
+
+  def init(params):
+    return _Wrapped(inner.init(params))
+
+  def update(updates, state, params=None, **extra):
+    u, inner_state = inner.update(updates, state.inner, params, **extra)
+    out = jax.tree.map(lambda p, d: mask_value * 0 + (p + d) * (p != 0) - p, params, u)
+    return out, _Wrapped(inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def test_lr_scale_reaches_inner_optimizer_inside_wrapper():
+  params = {"w": jnp.array([1.0, 0.0, 2.0])}
+  grads = {"w": jnp.array([1.0, 1.0, 1.0])}
+  tx = _hard_mask_wrapper(jt.sgd(0.1, momentum=0.0))
+  state = jt.set_lr_scale(tx.init(params), 3.0)
+  updates, state = tx.update(grads, state, params)
+  new = optax.apply_updates(params, updates)
+  # scaled inner update (-0.3) on kept weights; the pruned weight stays exactly 0
+  np.testing.assert_allclose(new["w"], [0.7, 0.0, 1.7], rtol=1e-6)
+  assert jt.get_lr_scale(state) == pytest.approx(3.0)
+  assert jt.get_lr(state) == pytest.approx(0.3)
+
+
+def test_set_lr_scale_without_scale_by_lr_is_an_error():
+  state = optax.sgd(0.1).init({"w": jnp.zeros(2)})
+  with pytest.raises(ValueError, match="scale_by_lr"):
+    jt.set_lr_scale(state, 2.0)
+  with pytest.raises(ValueError, match="lr_scale"):
+    jt.set_lr_scale(jt.sgd(0.1).init({"w": jnp.zeros(2)}), 0.0)
+
+
+# ----------------------------------------------------------------------------- train step
+
+
+class _RecordState(NamedTuple):
+  value: jax.Array
+  calls: jax.Array
+
+
+def _record_value():
+  """GradientTransformationExtraArgs that stores the `value` it receives."""
+
+  def init(params):
+    del params
+    return _RecordState(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
+
+  def update(updates, state, params=None, *, value=None, **extra):
+    del params, extra
+    return updates, _RecordState(jnp.asarray(value, jnp.float32), state.calls + 1)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def test_train_step_passes_loss_as_value_to_extra_args_transform():
+  images, labels = _data(8)
+  model = _model(dropout=0.0)
+  reference = nnx.clone(model)
+  reference.train()
+  want = jt.cross_entropy(reference(jnp.asarray(images)), jnp.asarray(labels), 0.1)
+  trainer = jt.Trainer(model, optax.chain(_record_value(), optax.sgd(0.1)),
+                       label_smoothing=0.1)
+  m = jt.Metrics.zeros()
+  _, _, opt_state, m = trainer.steps.train(trainer.params, trainer.rest, trainer.opt_state, m,
+                                           images, labels)
+  recorded = opt_state[0]
+  assert int(recorded.calls) == 1
+  np.testing.assert_allclose(float(recorded.value), float(want), rtol=1e-5)
+  np.testing.assert_allclose(m.summary()["loss"], float(want), rtol=1e-5)
+
+
+def test_train_step_matches_nnx_optimizer():
+  """One step of the split/merge jitted step == nnx.Optimizer.update (the reference API)."""
+  images, labels = _data(8)
+  model_a, model_b = _model(dropout=0.0), _model(dropout=0.0)
+  tx = jt.sgd(0.1, 0.9, weight_decay=1e-3)
+  trainer = jt.Trainer(model_a, tx)
+  opt = nnx.Optimizer(model_b, tx, wrt=nnx.Param)
+  for _ in range(2):
+    model_b.train()
+    loss, grads = nnx.value_and_grad(
+        lambda m: jt.cross_entropy(m(jnp.asarray(images)), jnp.asarray(labels)))(model_b)
+    opt.update(model_b, grads, value=loss)
+    trainer.params, trainer.rest, trainer.opt_state, _ = trainer.steps.train(
+        trainer.params, trainer.rest, trainer.opt_state, jt.Metrics.zeros(), images, labels)
+    trainer._model_synced = False
+  got = nnx.state(trainer.model, nnx.Param)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               nnx.as_pure(got), nnx.as_pure(nnx.state(model_b, nnx.Param)))
+  # batch statistics were updated the same way
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               nnx.as_pure(nnx.state(trainer.model, nnx.BatchStat)),
+               nnx.as_pure(nnx.state(model_b, nnx.BatchStat)))
+
+
+def test_eval_flip_tta_and_padding_match_eager_model():
+  images, labels = _data(10)
+  model = _model()
+  trainer = jt.Trainer(model, jt.sgd(0.1), flip_tta=True)
+  loader = ArrayLoader(images, labels, 4, shuffle=False, drop_last=False)  # 4 + 4 + 2
+  got = trainer.evaluate(loader)
+  ref = nnx.clone(model)
+  ref.eval()
+  x = jnp.asarray(images)
+  logits = 0.5 * (ref(x) + ref(x[:, :, ::-1, :]))
+  want_loss = float(jt.cross_entropy(logits, jnp.asarray(labels)))
+  want_acc = float(jt.accuracy(logits, jnp.asarray(labels)))
+  assert got["test_loss"] == pytest.approx(want_loss, rel=1e-5)
+  assert got["test_acc"] == pytest.approx(want_acc)
+  # flip TTA changes the logits of this (not flip-invariant) model
+  plain = float(jt.cross_entropy(ref(x), jnp.asarray(labels)))
+  assert abs(plain - want_loss) > 1e-6
+
+
+def test_step_memory_grows_with_batch():
+  model = _model()
+  trainer = jt.Trainer(model, jt.sgd(0.1, 0.9))
+  small = trainer.step_memory(8, (6, 6, 1))
+  large = trainer.step_memory(256, (6, 6, 1))
+  assert large["argument"] > small["argument"]
+  assert large["total"] > small["total"] > 0
+  with pytest.raises(ValueError, match="batch_size"):
+    trainer.step_memory(0, (6, 6, 1))
+
+
+# ----------------------------------------------------------------------------- fit / hooks
+
+
+def test_fit_learns_and_writes_json_lines(tmp_path):
+  images, labels = _data(96)
+  log = tmp_path / "log.jsonl"
+  trainer = jt.fit(_model(), jt.sgd(0.1, 0.9), ArrayLoader(images, labels, 16),
+                   ArrayLoader(images, labels, 32, shuffle=False), epochs=4, log_path=log,
+                   metrics={"double_epoch": lambda t: 2 * t.epoch})
+  records = [json.loads(line) for line in log.read_text().splitlines()]
+  assert [r["epoch"] for r in records] == [1, 2, 3, 4]
+  assert [r["double_epoch"] for r in records] == [2, 4, 6, 8]
+  for key in ("train_loss", "train_acc", "test_loss", "test_acc", "lr", "images_per_s",
+              "step_images_per_s", "wall_time_s", "batch_size"):
+    assert key in records[0]
+  assert records[-1]["train_loss"] < records[0]["train_loss"]
+  assert records[-1]["step"] == 4 * 6
+  assert records[0]["lr"] == pytest.approx(0.1)
+  assert trainer.history == records
+
+
+def test_empty_loader_is_an_error():
+  images, labels = _data(8)
+  trainer = jt.Trainer(_model(), jt.sgd(0.1))
+  with pytest.raises(ValueError, match="no batches"):
+    trainer.fit(ArrayLoader(images, labels, 16), epochs=1)  # batch > dataset, drop_last
+  with pytest.raises(ValueError, match="epochs"):
+    trainer.fit(ArrayLoader(images, labels, 4), epochs=0)
+
+
+class _BatchAndWidthHook(jt.Callback):
+  """After epoch 1: double the batch (linear LR scaling) and replace the model by a
+  narrower one (PruneTrain-like reconfiguration, new shapes)."""
+
+  def __init__(self):
+    self.calls = []
+
+  def on_epoch_end(self, trainer, epoch):
+    self.calls.append(epoch)
+    if epoch == 1:
+      trainer.set_batch_size(16)
+      new_model = _model(seed=5, spec=TinySpec((3,)))
+      new_state = trainer.tx.init(nnx.as_pure(nnx.state(new_model, nnx.Param)))
+      new_state = jt.set_lr_scale(new_state, trainer.lr_scale)
+      new_state = jt.set_step_increment(new_state, 1.0)
+      # carry the schedule position over (a real reconfiguration slices the old state)
+      trainer.replace(new_model, new_state)
+    return {"hook_epoch": epoch}
+
+
+def test_hooks_change_batch_size_lr_and_model():
+  images, labels = _data(64)
+  loader = ArrayLoader(images, labels, 8)
+  hook = _BatchAndWidthHook()
+  sched = jt.step_schedule(0.1, steps_per_epoch=8, milestones=[3])
+  trainer = jt.Trainer(_model(), jt.sgd(sched, 0.9), callbacks=[hook])
+  history = trainer.fit(loader, epochs=2)
+  assert hook.calls == [1, 2]
+  assert [r["hook_epoch"] for r in history] == [1, 2]
+  assert [r["batch_size"] for r in history] == [8, 16]
+  assert [r["steps"] for r in history] == [8, 4]
+  assert trainer.lr_scale == pytest.approx(2.0)
+  assert history[1]["lr"] == pytest.approx(0.2)   # base 0.1 x linear scale 2
+  assert trainer.model.spec == TinySpec((3,))
+  assert trainer.model.c1.kernel.shape == (3, 3, 1, 3)
+  # schedule advances by 16/8 = 2 reference steps per step after the batch change
+  lr_state = [s for s in jax.tree.leaves(trainer.opt_state, is_leaf=lambda n: isinstance(
+      n, jt.ScaleByLrState)) if isinstance(s, jt.ScaleByLrState)][0]
+  assert float(lr_state.step) == pytest.approx(4 * 2.0)
+
+
+def test_step_hook_runs_every_k_steps():
+  images, labels = _data(32)
+  seen = []
+
+  class Every3(jt.Callback):
+    every_steps = 3
+
+    def on_step(self, trainer, step):
+      seen.append(step)
+      trainer.lr_scale = 0.5
+
+  trainer = jt.Trainer(_model(), jt.sgd(0.1), callbacks=[Every3()])
+  history = trainer.fit(ArrayLoader(images, labels, 4), epochs=1)
+  assert seen == [3, 6]
+  assert history[0]["lr"] == pytest.approx(0.05)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+_RESUME_TX = jt.sgd(jt.step_schedule(0.1, 6, [2]), 0.9, weight_decay=1e-3)
+
+
+def _run(tmp_path, epochs, hook=None):
+  images, labels = _data(48)
+  trainer = jt.Trainer(_model(), _RESUME_TX,
+                       label_smoothing=0.1, checkpoint_dir=tmp_path / "ckpt",
+                       log_path=tmp_path / "log.jsonl", callbacks=[hook] if hook else [])
+  train = ArrayLoader(images, labels, 8, seed=3)
+  test = ArrayLoader(images[:16], labels[:16], 8, shuffle=False)
+  trainer.fit(train, test, epochs=epochs)
+  return trainer
+
+
+@pytest.mark.parametrize("reconfigure", [False, True])
+def test_resume_is_exact(tmp_path, reconfigure):
+  """4 epochs straight == 2 epochs, stop, fresh trainer resumes, 2 more epochs. With
+  ``reconfigure`` a hook shrinks the model and doubles the batch after epoch 1, so the
+  resume must rebuild the smaller model from the checkpoint's spec."""
+  make_hook = (lambda: _BatchAndWidthHook()) if reconfigure else (lambda: None)
+  straight = _run(tmp_path / "a", 4, make_hook())
+  _run(tmp_path / "b", 2, make_hook())            # stop after 2 epochs ...
+  resumed = _run(tmp_path / "b", 4, make_hook())  # ... fresh trainer, resume, finish
+  assert resumed.epoch == 4 and resumed.step == straight.step
+  assert _strip_timing(resumed.history) == _strip_timing(straight.history)
+  _assert_trees_equal(nnx.as_pure(nnx.state(resumed.model)),
+                      nnx.as_pure(nnx.state(straight.model)))
+  _assert_trees_equal(resumed.opt_state, straight.opt_state)
+  logged = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+  assert [r["epoch"] for r in logged] == [1, 2, 3, 4]
+
+
+def test_interrupted_checkpoint_write_is_not_resumed(tmp_path, monkeypatch):
+  import orbax.checkpoint as ocp
+  images, labels = _data(32)
+  loader = ArrayLoader(images, labels, 8)
+  trainer = jt.Trainer(_model(), jt.sgd(0.1, 0.9), checkpoint_dir=tmp_path / "ckpt")
+  trainer.fit(loader, epochs=1)
+  good_params = jax.tree.map(np.asarray, trainer.params)
+
+  # Interrupt the next save after the arrays were written but before the metadata
+  # and the final rename (as a crash or kill mid-write would).
+  def crash(*args, **kwargs):
+    raise KeyboardInterrupt("simulated crash during checkpoint write")
+
+  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "save", crash)
+  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "async_save", crash, raising=False)
+  with pytest.raises(KeyboardInterrupt):
+    trainer.fit(loader, epochs=2)
+  monkeypatch.undo()
+  leftovers = sorted(os.listdir(tmp_path / "ckpt"))
+  assert "1" in leftovers and "2" not in leftovers, leftovers
+  fresh = jt.Trainer(_model(seed=9), jt.sgd(0.1, 0.9), checkpoint_dir=tmp_path / "ckpt")
+  assert fresh.store.latest_step() == 1
+  assert fresh.restore_checkpoint(loader)
+  assert fresh.epoch == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, fresh.params),
+               good_params)
+
+
+def test_checkpoint_store_rejects_wrong_shapes(tmp_path):
+  store = jt.CheckpointStore(tmp_path / "c")
+  store.save(1, {"a": {"w": jnp.ones((2, 3))}}, {"epoch": 1})
+  with pytest.raises(ValueError):
+    store.restore(1, {"a": {"w": jnp.ones((4, 3))}})
+  arrays, meta = store.restore(1, {"a": {"w": jnp.zeros((2, 3))}})
+  np.testing.assert_array_equal(arrays["a"]["w"], np.ones((2, 3)))
+  assert meta == {"epoch": 1}
+
+
+def test_spec_json_round_trip():
+  spec = TinySpec((7, 9))
+  data = json.loads(json.dumps(encode_spec(spec)))
+  assert decode_spec(data) == spec
+  with pytest.raises(ValueError, match="spec"):
+    encode_spec(object())
