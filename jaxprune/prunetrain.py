@@ -381,17 +381,21 @@ class ReconfigureReport:
 
 def _slice_leaf(leaf: Any, remainder: tuple, in_index: Optional[np.ndarray],
                 out_index: Optional[np.ndarray]) -> Any:
-  """Slice one variable of a layer.  ``remainder`` is its path inside the layer."""
+  """Slice one variable of a layer.  ``remainder`` is its path inside the layer.
+
+  Done in NumPy on the host: an eager ``jnp.take`` would compile one gather per shape.
+  """
   ndim = np.ndim(leaf)
   if remainder[-1:] == ("kernel",) and ndim in (2, 4):
     in_axis, out_axis = (2, 3) if ndim == 4 else (0, 1)
+    leaf = np.asarray(leaf)
     if in_index is not None:
-      leaf = jnp.take(leaf, in_index, axis=in_axis)
+      leaf = np.take(leaf, in_index, axis=in_axis)
     if out_index is not None:
-      leaf = jnp.take(leaf, out_index, axis=out_axis)
+      leaf = np.take(leaf, out_index, axis=out_axis)
     return leaf
   if ndim == 1 and out_index is not None:  # conv BN scale/bias/mean/var, linear bias
-    return jnp.take(leaf, out_index, axis=0)
+    return np.take(np.asarray(leaf), out_index, axis=0)
   return leaf
 
 
@@ -428,7 +432,7 @@ def _rebuild_like(template: Any, old: Any, slicer: _Slicer) -> Any:
     if np.shape(value) != np.shape(template_leaf):
       raise ValueError(f"{'/'.join(map(str, names))}: sliced shape {np.shape(value)} != "
                        f"rebuilt model's {np.shape(template_leaf)}")
-    return jnp.asarray(value, dtype=jnp.result_type(template_leaf))
+    return jnp.asarray(value, dtype=template_leaf.dtype)
 
   return jax.tree_util.tree_map_with_path(fill, template)
 
@@ -527,8 +531,7 @@ def _new_spec(model: nnx.Module, graph: _Graph, keep: dict[int, np.ndarray],
 def reconfigure(model: nnx.Module, opt_state: Any = None, *,
                 threshold: float = DEFAULT_THRESHOLD,
                 input_shape: Optional[Sequence[int]] = None,
-                count_flops: bool = True,
-                rngs: Optional[nnx.Rngs] = None):
+                count_flops: bool = True):
   """Removes dead channels and dead residual branches (PruneTrain §4.2).
 
   Args:
@@ -541,7 +544,6 @@ def reconfigure(model: nnx.Module, opt_state: Any = None, *,
     input_shape: input shape for the FLOPs in the report; default one 32x32 image (224x224
       for ImageNet specs).
     count_flops: set False to skip the FLOPs tracing.
-    rngs: random streams for the rebuild (every value is overwritten; default ``Rngs(0)``).
 
   Returns:
     ``(new_model, new_opt_state, report)``; ``new_model`` is a fresh module built from the
@@ -600,7 +602,10 @@ def reconfigure(model: nnx.Module, opt_state: Any = None, *,
 
   # 4. Rebuild from the smaller spec and move every variable over.
   new_spec = _new_spec(model, graph, keep, removed)
-  new_model = type(model)(new_spec, num_classes=model.num_classes, rngs=rngs or nnx.Rngs(0))
+  # Built abstractly (no initialisation is run, nothing compiles): every variable is then
+  # filled from the old model.
+  new_model = nnx.eval_shape(
+      lambda: type(model)(new_spec, num_classes=model.num_classes, rngs=nnx.Rngs(0)))
   new_model.train()
   nnx.update(new_model, _rebuild_like(nnx.as_pure(nnx.state(new_model)),
                                       nnx.as_pure(nnx.state(model)), slicer))
