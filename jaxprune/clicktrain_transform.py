@@ -140,7 +140,10 @@ def _key_str(k: Any) -> str:
 
 
 def _path_str(path: Sequence[Any]) -> str:
-    return "/".join(_key_str(k) for k in path)
+    # NNX Variables flatten with a trailing `.value` attribute on some code paths
+    # (nnx.Optimizer.init vs update): drop it so the names agree.
+    keys = [k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]
+    return "/".join(_key_str(k) for k in keys)
 
 
 def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
@@ -234,6 +237,7 @@ def _group_lasso_grad(w: jax.Array, ls: ClickTrainLayerState, eps: float) -> jax
 
 def group_lasso_penalty(params: PyTree, state: ClickTrainState, eps: float = 1e-8) -> jax.Array:
     """The modified group lasso term (without λ) for the current masks (§4.4)."""
+    params = _pure(params)
     leaves = jax.tree.leaves(params)
     by_name = _leaf_names(params)
     total = jnp.float32(0)
@@ -246,7 +250,19 @@ def group_lasso_penalty(params: PyTree, state: ClickTrainState, eps: float = 1e-
     return total
 
 
+def _pure(params: PyTree) -> PyTree:
+    """NNX ``State`` of Variables -> the pure tree the optimizer sees (paths match)."""
+    try:
+        from flax import nnx
+        if isinstance(params, nnx.State):
+            return nnx.as_pure(params)
+    except ImportError:  # pragma: no cover
+        pass
+    return params
+
+
 def _leaf_names(params: PyTree) -> dict[str, int]:
+    params = _pure(params)
     return {_path_str(p): i for i, (p, _) in
             enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
 
@@ -557,6 +573,7 @@ def clicktrain_masks(opt_state: Any, params: PyTree) -> PyTree:
     Accepted by ``jaxprune.flops`` (``masks=``) and ``compression_ratio``.
     """
     st = _find_state(opt_state)
+    params = _pure(params)
     names = _leaf_names(params)
     by_index = {names[n]: _full_mask(ls) for n, ls in st.layers.items()}
     leaves, treedef = jax.tree.flatten(params)
@@ -584,6 +601,7 @@ def pattern_usage(opt_state: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:
 def compression_ratio(opt_state: Any, params: PyTree) -> float:
     """Conv compression ratio (total / nonzero conv weights) with the current masks."""
     from jaxprune import flops
+    params = _pure(params)
     return flops.compression_ratio(params, clicktrain_masks(opt_state, params))
 
 
@@ -595,8 +613,7 @@ def flops_saved(model: Any, opt_state: Any, input_shape: Sequence[int]) -> dict[
     """
     from flax import nnx
     from jaxprune import flops
-    params = nnx.state(model, nnx.Param)
-    masks = clicktrain_masks(opt_state, params)
+    masks = clicktrain_masks(opt_state, nnx.state(model, nnx.Param))
     dense_t = flops.training_flops_per_step(model, input_shape)
     dense_i = flops.inference_flops(model, input_shape)
     sparse_t = flops.training_flops_per_step(model, input_shape, masks=masks)
