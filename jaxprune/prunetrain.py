@@ -53,6 +53,7 @@ from flax import nnx
 
 import optax
 
+from jaxprune.train import Callback
 from jaxprune.group_lasso import (  # noqa: F401  (re-exported for ``prunetrain.*`` users)
     GroupLassoRatioState,
     PathPredicate,
@@ -66,13 +67,16 @@ from jaxprune.group_lasso import (  # noqa: F401  (re-exported for ``prunetrain.
 __all__ = [
     "ChannelTensor",
     "Layer",
+    "PruneTrainCallback",
     "PruneTrainState",
     "ReconfigureReport",
     "channel_graph",
     "coefficient_from_ratio",
     "group_lasso",
     "group_lasso_from_ratio",
+    "grow_batch_size",
     "live_channels",
+    "model_costs",
     "penalty",
     "reconfigure",
     "with_group_lasso",
@@ -657,3 +661,205 @@ def _reconfigure_opt_state(opt_state: Any, model: nnx.Module, new_model: nnx.Mod
     new_optimizer.step[...] = optimizer.step[...]
     return new_optimizer
   return _map_param_subtrees(opt_state, old_params, new_params, slicer)
+
+
+# ----------------------------------------------------------------------------- training loop
+
+
+def model_costs(model: nnx.Module, image_shape: Sequence[int], *,
+                num_devices: int = 4) -> dict[str, float]:
+  """Per-image and per-step costs of a model (PruneTrain §5 Tab. 1, Fig. 8, Fig. 11).
+
+  Uses :mod:`jaxprune.flops` (tracing; no compilation).
+
+  Args:
+    model: an NNX model.
+    image_shape: one image, e.g. ``(32, 32, 3)``.
+    num_devices: devices of the ring all-reduce model.
+
+  Returns:
+    ``inference_flops`` and ``train_flops`` per image, ``bn_bytes`` (BatchNorm training
+    traffic per image), ``allreduce_bytes`` (bytes each device sends per step, ring
+    all-reduce of all gradients) and ``params``.
+  """
+  from jaxprune import flops
+
+  shape = (1, *tuple(image_shape))
+  layers = flops.layer_flops(model, shape)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  return {
+      "inference_flops": float(flops.inference_flops(layers)),
+      "train_flops": float(flops.training_flops_per_step(layers)),
+      "bn_bytes": float(sum(t.training_bytes for t in flops.batchnorm_traffic(model, shape))),
+      "allreduce_bytes": float(flops.allreduce_bytes(params, num_devices)),
+      "params": float(_param_count(model)),
+  }
+
+
+def grow_batch_size(memory_of: Any, batch_size: int, budget: int, *, granularity: int = 32,
+                    max_batch_size: Optional[int] = None) -> int:
+  """The largest ``batch_size + k·granularity`` whose step fits ``budget`` (PruneTrain §4.3).
+
+  ``memory_of(b)`` compiles the step for batch ``b`` and returns its bytes.  Memory is
+  affine in the batch size, so two measurements predict the answer and one more checks it
+  (then it steps down by ``granularity`` until it fits) instead of compiling every size.
+
+  Args:
+    memory_of: ``batch_size -> bytes`` of the compiled training step.
+    batch_size: current batch size (kept if nothing larger fits).
+    budget: bytes the step may use (the first, dense step's).
+    granularity: batch-size step (paper: 32).
+    max_batch_size: upper bound (e.g. the training-set size).
+
+  Returns:
+    The new batch size (≥ ``batch_size``).
+
+  Raises:
+    ValueError: non-positive ``granularity`` or ``batch_size``.
+  """
+  if granularity < 1:
+    raise ValueError(f"granularity must be >= 1, got {granularity}")
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+  limit = max_batch_size if max_batch_size is not None else 1 << 30
+  if batch_size + granularity > limit:
+    return batch_size
+  base = memory_of(batch_size)
+  step = memory_of(batch_size + granularity)
+  if step > budget:
+    return batch_size
+  per_step = step - base
+  if per_step <= 0:
+    steps = (limit - batch_size) // granularity
+  else:
+    steps = max(1, int((budget - base) // per_step))
+  candidate = min(batch_size + steps * granularity,
+                  batch_size + ((limit - batch_size) // granularity) * granularity)
+  while candidate > batch_size + granularity and memory_of(candidate) > budget:
+    candidate -= granularity
+  return candidate
+
+
+class PruneTrainCallback(Callback):
+  """Trainer hook: reconfigure every k epochs, grow the mini-batch, account the costs.
+
+  For :class:`jaxprune.train.Trainer` (``callbacks=[PruneTrainCallback(...)]``).  At the end
+  of every ``every_epochs``-th epoch it runs :func:`reconfigure` on the trainer's model and
+  optimizer state and installs the result (§4.2; the paper reconfigures every 10 epochs on
+  CIFAR, 5 on ImageNet).  With ``dynamic_batch`` it then grows the batch in steps of
+  ``granularity`` while the compiled step's memory (XLA ``memory_analysis``) stays within
+  what the first, dense step needed, and scales the LR by the same ratio (§4.3; the trainer
+  applies both from the next epoch).
+
+  Every epoch's record gets the costs of the model that trained it (``jaxprune.flops``):
+  training FLOPs integrated over the run and the same for the dense model
+  (``pt_train_flops`` / ``pt_dense_train_flops``), inference FLOPs per image, BatchNorm
+  traffic and ring all-reduce bytes per epoch, parameter count, and the reconfiguration
+  summary when one happened.
+
+  Args:
+    every_epochs: reconfiguration interval in epochs.
+    threshold: dead-group threshold (absolute max|w|).
+    image_shape: one training image, e.g. ``(32, 32, 3)``.
+    dynamic_batch: grow the batch after a reconfiguration.
+    granularity: batch growth step (paper: 32).
+    max_batch_size: cap on the batch size (e.g. the training-set size).
+    num_devices: devices of the ring all-reduce cost model (paper Fig. 11 uses 4 GPUs).
+
+  Example::
+
+    callback = PruneTrainCallback(every_epochs=10, image_shape=(32, 32, 3))
+    trainer = Trainer(model, with_group_lasso(train.sgd(schedule)), callbacks=[callback])
+  """
+
+  def __init__(self, *, every_epochs: int = 10, threshold: float = DEFAULT_THRESHOLD,
+               image_shape: Sequence[int] = (32, 32, 3), dynamic_batch: bool = True,
+               granularity: int = 32, max_batch_size: Optional[int] = None,
+               num_devices: int = 4):
+    if not isinstance(every_epochs, int) or every_epochs < 1:
+      raise ValueError(f"every_epochs must be a positive int, got {every_epochs!r}")
+    if not (math.isfinite(threshold) and threshold >= 0):
+      raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+    if granularity < 1:
+      raise ValueError(f"granularity must be >= 1, got {granularity}")
+    if num_devices < 1:
+      raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    self.every_epochs = every_epochs
+    self.threshold = threshold
+    self.image_shape = tuple(image_shape)
+    self.dynamic_batch = dynamic_batch
+    self.granularity = granularity
+    self.max_batch_size = max_batch_size
+    self.num_devices = num_devices
+    self.reports: list[ReconfigureReport] = []
+    self._state: dict[str, Any] = {
+        "budget_bytes": None, "batch_size": None, "last_step": 0, "costs": None,
+        "dense_costs": None, "train_flops": 0.0, "dense_train_flops": 0.0, "images": 0,
+        "bn_bytes": 0.0, "allreduce_bytes": 0.0, "dense_allreduce_bytes": 0.0}
+
+  # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
+  def state_dict(self) -> dict[str, Any]:
+    return dict(self._state)
+
+  def load_state_dict(self, state: Any) -> None:
+    self._state.update(state)
+
+  def on_epoch_end(self, trainer: Any, epoch: int) -> dict[str, Any]:
+    state = self._state
+    model = trainer.model
+    if state["costs"] is None:
+      state["costs"] = model_costs(model, self.image_shape, num_devices=self.num_devices)
+      state["dense_costs"] = dict(state["costs"])
+    if state["batch_size"] is None:
+      state["batch_size"] = int(trainer.reference_batch_size)
+    reference = int(trainer.reference_batch_size or state["batch_size"])
+    costs, dense = state["costs"], state["dense_costs"]
+    steps = trainer.step - state["last_step"]
+    images = steps * state["batch_size"]
+    state["last_step"] = trainer.step
+    state["images"] += images
+    state["train_flops"] += costs["train_flops"] * images
+    state["dense_train_flops"] += dense["train_flops"] * images
+    state["bn_bytes"] += costs["bn_bytes"] * images
+    state["allreduce_bytes"] += costs["allreduce_bytes"] * steps
+    state["dense_allreduce_bytes"] += dense["allreduce_bytes"] * images / reference
+    record: dict[str, Any] = {
+        "pt_params": costs["params"],
+        "pt_inference_flops": costs["inference_flops"],
+        "pt_train_flops": state["train_flops"],
+        "pt_dense_train_flops": state["dense_train_flops"],
+        "pt_train_flops_ratio": state["train_flops"] / max(state["dense_train_flops"], 1.0),
+        "pt_bn_bytes": state["bn_bytes"],
+        "pt_epoch_allreduce_bytes": costs["allreduce_bytes"] * steps,
+        "pt_allreduce_ratio": state["allreduce_bytes"] / max(state["dense_allreduce_bytes"], 1.0),
+    }
+    if self.dynamic_batch and state["budget_bytes"] is None:
+      # The budget is the memory of the dense model's step at the initial batch size.
+      state["budget_bytes"] = trainer.step_memory(state["batch_size"], self.image_shape)["total"]
+    if epoch % self.every_epochs:
+      return record
+    new_model, new_opt_state, report = reconfigure(
+        model, trainer.opt_state, threshold=self.threshold, input_shape=(1, *self.image_shape))
+    self.reports.append(report)
+    record["pt_reconfigured"] = report.changed
+    if not report.changed:
+      return record
+    trainer.replace(new_model, new_opt_state)
+    state["costs"] = model_costs(new_model, self.image_shape, num_devices=self.num_devices)
+    record.update({
+        "pt_channels_removed": sum(report.channels_removed.values()),
+        "pt_layers_removed": len(report.removed_layers),
+        "pt_inference_flops_after": state["costs"]["inference_flops"],
+        "pt_params_after": state["costs"]["params"],
+        "pt_spec": repr(new_model.spec),
+    })
+    if self.dynamic_batch:
+      new_batch = grow_batch_size(
+          lambda b: trainer.step_memory(b, self.image_shape)["total"], state["batch_size"],
+          state["budget_bytes"], granularity=self.granularity,
+          max_batch_size=self.max_batch_size)
+      if new_batch != state["batch_size"]:
+        trainer.set_batch_size(new_batch, scale_lr=True)  # linear LR scaling (§4.3)
+        state["batch_size"] = new_batch
+      record["pt_next_batch_size"] = new_batch
+    return record

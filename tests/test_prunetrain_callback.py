@@ -1,0 +1,88 @@
+"""PruneTrain in the training loop: reconfiguration hook, dynamic mini-batch, accounting."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxprune import data, models, train
+from jaxprune import prunetrain as pt
+
+
+def _brute_force(memory_of, batch, budget, granularity, limit):
+  best = batch
+  candidate = batch + granularity
+  while candidate <= limit:
+    if memory_of(candidate) <= budget:
+      best = candidate
+    candidate += granularity
+  return best
+
+
+@pytest.mark.parametrize("budget", [1000, 2000, 3000, 4321, 10_000])
+def test_grow_batch_size_affine_memory(budget):
+  memory_of = lambda b: 500 + 10 * b
+  got = pt.grow_batch_size(memory_of, 64, budget, granularity=32, max_batch_size=512)
+  assert got == _brute_force(memory_of, 64, budget, 32, 512)
+
+
+def test_grow_batch_size_steps_down_when_the_prediction_is_too_big():
+  # Superlinear memory: the affine prediction overshoots and must be corrected.
+  memory_of = lambda b: 500 + 10 * b + (b // 100) ** 3 * 50
+  calls = []
+
+  def counted(b):
+    calls.append(b)
+    return memory_of(b)
+
+  got = pt.grow_batch_size(counted, 32, 4000, granularity=32, max_batch_size=1024)
+  assert got == _brute_force(memory_of, 32, 4000, 32, 1024)
+  assert memory_of(got) <= 4000
+
+
+def test_grow_batch_size_bad_input():
+  with pytest.raises(ValueError, match="granularity"):
+    pt.grow_batch_size(lambda b: b, 32, 100, granularity=0)
+  with pytest.raises(ValueError, match="batch_size"):
+    pt.grow_batch_size(lambda b: b, 0, 100)
+  with pytest.raises(ValueError, match="every_epochs"):
+    pt.PruneTrainCallback(every_epochs=0)
+  with pytest.raises(ValueError, match="threshold"):
+    pt.PruneTrainCallback(threshold=-1.0)
+
+
+def test_callback_reconfigures_inside_the_trainer():
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, size=(64, 8, 8, 3), dtype=np.uint8)
+  labels = rng.integers(0, 10, size=64).astype(np.int32)
+  dataset = data.Dataset.from_arrays(images, labels, num_classes=10)
+  loader = data.Loader(dataset, 16, shuffle=True, seed=0, drop_last=True)
+  model = models.ResNet(models.prunetrain_resnet_spec(8).scaled(0.5), num_classes=10,
+                        rngs=nnx.Rngs(0))
+  # Kill one stem channel everywhere it is written and read (stem, stage-0 block, the
+  # stage-1 projection and first conv); LR 0 keeps it dead through training.
+  c = 3
+  for param, index in [(model.stem.conv.kernel, (..., c)),
+                       (model.stages[0][0].conv2.conv.kernel, (..., c)),
+                       (model.stages[0][0].conv1.conv.kernel, (slice(None), slice(None), c)),
+                       (model.stages[1][0].shortcut.conv.kernel, (slice(None), slice(None), c)),
+                       (model.stages[1][0].conv1.conv.kernel, (slice(None), slice(None), c))]:
+    array = np.array(param[...])
+    array[index] = 0.0
+    param[...] = array
+  callback = pt.PruneTrainCallback(every_epochs=1, image_shape=(8, 8, 3), granularity=16,
+                                   max_batch_size=64)
+  trainer = train.Trainer(model, pt.with_group_lasso(train.sgd(0.0, momentum=0.9)),
+                          callbacks=[callback], progress=False)
+  history = trainer.fit(loader, None, epochs=2)
+  first, second = history
+  assert first["pt_reconfigured"] and first["pt_channels_removed"] == 2  # stem + conv2
+  assert trainer.model.spec.stem_width == model.spec.stem_width - 1
+  assert second["pt_reconfigured"] is False
+  # The dense costs, the pruned model's costs: second epoch cheaper per image.
+  assert first["pt_train_flops_ratio"] == pytest.approx(1.0)
+  assert second["pt_train_flops_ratio"] < 1.0
+  assert second["pt_inference_flops"] == first["pt_inference_flops_after"]
+  # Dynamic mini-batch: never beyond the cap, LR scaled by the same ratio.
+  new_batch = first["pt_next_batch_size"]
+  assert 16 <= new_batch <= 64 and second["batch_size"] == new_batch
+  assert second["lr_scale"] == pytest.approx(new_batch / 16)
