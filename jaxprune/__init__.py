@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from jaxprune import data
 from jaxprune import distributed
 from jaxprune import flops
+from jaxprune import group_lasso, prunetrain
 from jaxprune import models
 from jaxprune import train
 from jaxprune import importance
