@@ -104,7 +104,7 @@ def test_param_count_small_spec_by_hand():
     spec = ResNetSpec.uniform(
         "basic", stem_width=4, stage_widths=(4, 8), num_blocks=(1, 1), strides=(1, 2)
     )
-    model = ResNet(spec, num_classes=5, rngs=nnx.Rngs(0))
+    model = nnx.eval_shape(lambda: ResNet(spec, num_classes=5, rngs=nnx.Rngs(0)))
     stem = 3 * 4 * 9 + 2 * 4
     stage0 = 2 * (4 * 4 * 9 + 2 * 4)
     stage1 = (4 * 8 * 9 + 2 * 8) + (8 * 8 * 9 + 2 * 8) + (4 * 8 + 2 * 8)
@@ -150,13 +150,12 @@ def test_output_shape_abstract(name, size):
 
 
 def test_width_multiplier_and_small_forward():
-    model = models.create(
-        "prunetrain-resnet20", num_classes=3, rngs=nnx.Rngs(0), width_multiplier=0.25, in_channels=1
-    )
+    model = _abstract("prunetrain-resnet20", num_classes=3, width_multiplier=0.25, in_channels=1)
     assert model.stem.conv.kernel.shape == (3, 3, 1, 4)
     assert [stage[0].conv2.conv.kernel.shape[-1] for stage in model.stages] == [4, 8, 16]
-    out = model(jnp.ones((2, 16, 16, 1)))
-    assert out.shape == (2, 3) and bool(jnp.all(jnp.isfinite(out)))
+    assert nnx.eval_shape(lambda m: m(jnp.ones((2, 16, 16, 1))), model).shape == (2, 3)
+    custom = _abstract("prunetrain-vgg11", spec=VGGSpec((8, 8), pool_after=(1,)))
+    assert [layer.conv.kernel.shape[-1] for layer in custom.features] == [8, 8]
 
 
 def test_architecture_attributes():
@@ -223,27 +222,48 @@ def test_convbn_matches_pytorch_padding(k, stride):
 
 
 def test_train_eval_switches_batchnorm_and_dropout():
-    model = models.create("clicktrain-vgg11", num_classes=5, rngs=nnx.Rngs(0), width_multiplier=1 / 16)
-    x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3)) * 3.0 + 1.0
-    # Training mode: BN normalises with the batch statistics, so a sample's output depends on
-    # the rest of the batch, and running statistics move.
-    mean_before = np.asarray(model.features[0].bn.mean[...]).copy()
-    full = model(x)
-    assert not np.allclose(np.asarray(model.features[0].bn.mean[...]), mean_before)
+    spec = VGGSpec((4, 8), pool_after=(0, 1), hidden=(16,), dropout=0.5)
+    model = VGG(spec, num_classes=5, rngs=nnx.Rngs(0))
+    forward = nnx.jit(lambda m, x: m(x))
+    x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3)) * 3.0 + 1.0
+    bn = model.features[0].bn
+    # Training mode: BN normalises with batch statistics and moves its running statistics;
+    # dropout is active, so two calls differ.
+    mean_before = np.asarray(bn.mean[...]).copy()
+    first, second = np.asarray(forward(model, x)), np.asarray(forward(model, x))
+    assert not np.allclose(np.asarray(bn.mean[...]), mean_before)
+    assert not np.allclose(first, second, rtol=1e-3, atol=0)
     model.eval()
-    assert model.features[0].bn.use_running_average and model.dropout.deterministic
-    stats = np.asarray(model.features[0].bn.mean[...]).copy()
-    a, b = model(x), model(x)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # no dropout
-    np.testing.assert_allclose(np.asarray(model(x[:1])), np.asarray(a[:1]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(model.features[0].bn.mean[...]), stats)
+    assert bn.use_running_average and model.dropout.deterministic
+    stats = np.asarray(bn.mean[...]).copy()
+    a, b = np.asarray(forward(model, x)), np.asarray(forward(model, x))
+    np.testing.assert_array_equal(a, b)  # no dropout
+    # running statistics: a sample's output does not depend on the rest of the batch
+    np.testing.assert_allclose(np.asarray(forward(model, x[:1])), a[:1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(bn.mean[...]), stats)
     model.train()
-    assert not model.features[0].bn.use_running_average and not model.dropout.deterministic
-    assert full.shape == (4, 5)
-    # in training mode a single-sample batch sees different statistics than the 4-sample one
+    assert not bn.use_running_average and not model.dropout.deterministic
     model.dropout.deterministic = True
-    single, batched = np.asarray(model(x[:1])), np.asarray(model(x)[:1])
+    # batch statistics: a single-sample batch normalises differently from the 4-sample one
+    single, batched = np.asarray(forward(model, x[:1])), np.asarray(forward(model, x)[:1])
     assert not np.allclose(single, batched, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize(
+    "init, shape, std",
+    [
+        (models.layers.conv_kernel_init, (3, 3, 32, 64), np.sqrt(2 / (9 * 64))),
+        (models.layers.torch_default_init, (400, 300), 1 / np.sqrt(3 * 400)),
+        (models.layers.normal_init(0.01), (300, 500), 0.01),
+    ],
+)
+def test_initializer_moments(init, shape, std):
+    w = np.asarray(init(jax.random.key(3), shape), np.float64)
+    assert w.shape == shape
+    assert abs(w.mean()) < 5 * std / np.sqrt(w.size)
+    assert w.std() == pytest.approx(std, rel=0.02)
+    other = np.asarray(init(jax.random.key(4), shape))
+    assert not np.allclose(w, other)
 
 
 # ---------------------------------------------------------------- layer removal
@@ -282,18 +302,29 @@ def test_model_with_removed_block_runs_and_rebuilds():
     )
     model = ResNet(pruned, num_classes=10, rngs=nnx.Rngs(0))
     assert not model.stages[1][1].has_branch
-    assert model(jnp.ones((1, 8, 8, 3))).shape == (1, 10)
-    assert models.param_count(model) < models.param_count(ResNet(spec, num_classes=10, rngs=nnx.Rngs(0)))
+    out = nnx.jit(lambda m, x: m(x))(model, jnp.ones((1, 8, 8, 3)))
+    assert out.shape == (1, 10) and bool(jnp.all(jnp.isfinite(out)))
+    dense = nnx.eval_shape(lambda: ResNet(spec, num_classes=10, rngs=nnx.Rngs(0)))
+    removed = stage.blocks[1].widths[0] * stage.width * 9 * 2 + 2 * (stage.blocks[1].widths[0] + stage.width)
+    assert models.param_count(model) == models.param_count(dense) - removed
 
 
-def test_resnet9_logit_scale_and_residuals():
+def test_resnet9_layout_by_hand():
     spec = models.sdgp_resnet9_spec().scaled(1 / 32)
     model = ResNet9(spec, num_classes=3, rngs=nnx.Rngs(0))
     model.eval()
     x = jax.random.normal(jax.random.key(2), (2, 16, 16, 3))
-    unscaled = ResNet9(dataclasses.replace(spec, logit_scale=1.0), num_classes=3, rngs=nnx.Rngs(0))
-    unscaled.eval()
-    np.testing.assert_allclose(np.asarray(model(x)), 0.2 * np.asarray(unscaled(x)), rtol=1e-5, atol=1e-6)
+    # ffcv layout written out step by step: residual sums without ReLU, max pool after
+    # layer2, unpadded layer3, global max pool, bias-free head, logits x 0.2.
+    h = model.layer1(model.prep(x))
+    assert h.shape == (2, 8, 8, spec.layer1)
+    h = h + model.res1[1](model.res1[0](h))
+    h = model.layer2(h).reshape(2, 4, 2, 4, 2, spec.layer2).max(axis=(2, 4))
+    h = h + model.res2[1](model.res2[0](h))
+    h = model.layer3(h)
+    assert h.shape == (2, 2, 2, spec.layer3)
+    expected = 0.2 * (h.max(axis=(1, 2)) @ model.head.kernel[...])
+    np.testing.assert_allclose(np.asarray(model(x)), np.asarray(expected), rtol=1e-5, atol=1e-6)
     assert model.head.bias is None
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import jax
 from flax import nnx
 
-from jaxprune.models.layers import ConvBN, global_avg_pool, torch_default_init
+from jaxprune.models.layers import ConvBN, global_avg_pool, normal_init, torch_default_init
 from jaxprune.models._common import check_multiplier, require_positive, scale_width
 
 __all__ = ["VGG", "VGGSpec", "clicktrain_vgg_spec", "prunetrain_vgg_spec"]
@@ -148,7 +148,7 @@ class VGG(nnx.Module):
         if spec.linear_init_std is None:
             linear_init = torch_default_init
         else:
-            linear_init = nnx.initializers.normal(spec.linear_init_std)
+            linear_init = normal_init(spec.linear_init_std)
         classifier = []
         for width in (*spec.hidden, num_classes):
             classifier.append(
