@@ -640,3 +640,16 @@ def test_loader_bad_arguments(small_ds):
         loader.restore({**loader.state(), "num_examples": 50})
     with pytest.raises(ValueError, match="state must be"):
         loader.restore({"epoch": 1})
+
+
+def test_bench_loader_writes_tables(jpeg_tarball, tmp_path):
+    from experiments import bench_loader
+
+    out = tmp_path / "throughput.md"
+    argv = ["--root", str(jpeg_tarball), "--cache-dir", str(tmp_path / "cache"), "--batch-sizes", "8",
+            "--threads", "1", "--presets", "none,sdgp", "--out", str(out)]  # fmt: skip
+    result = bench_loader.main(argv)
+    assert [(r["preset"], r["threads"]) for r in result["rows"]] == [("none", 1), ("none", 0), ("sdgp", 1), ("sdgp", 0)]
+    assert all(r["images_per_s"] > 0 for r in result["rows"])
+    table = out.read_text()
+    assert "| sdgp | 8 | 0 |" in table and out.with_suffix(".json").exists()
