@@ -24,13 +24,13 @@ from flax import nnx
 from jaxprune.models._common import require_positive
 
 __all__ = [
-    "BasicBlock",
-    "Bottleneck",
-    "ConvBN",
-    "conv_kernel_init",
-    "global_avg_pool",
-    "normal_init",
-    "torch_default_init",
+  "BasicBlock",
+  "Bottleneck",
+  "ConvBN",
+  "conv_kernel_init",
+  "global_avg_pool",
+  "normal_init",
+  "torch_default_init",
 ]
 
 # Initializers. Each draws its samples from fixed-size blocks of 2**16 unit samples made by one
@@ -42,45 +42,45 @@ _SAMPLE_BLOCK = 1 << 16
 
 @functools.partial(jax.jit, static_argnames="distribution")
 def _unit_block(key: jax.Array, distribution: str) -> jax.Array:
-    if distribution == "normal":
-        return jax.random.normal(key, (_SAMPLE_BLOCK,), jnp.float32)
-    return jax.random.uniform(key, (_SAMPLE_BLOCK,), jnp.float32, -1.0, 1.0)
+  if distribution == "normal":
+    return jax.random.normal(key, (_SAMPLE_BLOCK,), jnp.float32)
+  return jax.random.uniform(key, (_SAMPLE_BLOCK,), jnp.float32, -1.0, 1.0)
 
 
 def _unit_samples(key: jax.Array, shape: Sequence[int], distribution: str) -> jax.Array:
-    """``shape`` samples of N(0, 1) (``"normal"``) or U(-1, 1) (``"uniform"``)."""
-    size = math.prod(shape)
-    num_blocks = -(-size // _SAMPLE_BLOCK)
-    blocks = [_unit_block(k, distribution) for k in jax.random.split(key, num_blocks)]
-    flat = blocks[0] if num_blocks == 1 else jnp.concatenate(blocks)
-    return flat[:size].reshape(shape)
+  """``shape`` samples of N(0, 1) (``"normal"``) or U(-1, 1) (``"uniform"``)."""
+  size = math.prod(shape)
+  num_blocks = -(-size // _SAMPLE_BLOCK)
+  blocks = [_unit_block(k, distribution) for k in jax.random.split(key, num_blocks)]
+  flat = blocks[0] if num_blocks == 1 else jnp.concatenate(blocks)
+  return flat[:size].reshape(shape)
 
 
 def _fans(shape: Sequence[int]) -> tuple[int, int]:
-    """(fan_in, fan_out) of an HWIO conv kernel or an (in, out) dense kernel."""
-    receptive_field = math.prod(shape[:-2])
-    return shape[-2] * receptive_field, shape[-1] * receptive_field
+  """(fan_in, fan_out) of an HWIO conv kernel or an (in, out) dense kernel."""
+  receptive_field = math.prod(shape[:-2])
+  return shape[-2] * receptive_field, shape[-1] * receptive_field
 
 
 def conv_kernel_init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
-    """He et al. (2015) normal init with fan_out, N(0, 2 / (k·k·out)), as in the papers'
-    PyTorch code (``normal_(0, sqrt(2 / n))``) and torchvision (``kaiming_normal_``, fan_out)."""
-    return (_unit_samples(key, shape, "normal") * math.sqrt(2.0 / _fans(shape)[1])).astype(dtype)
+  """He et al. (2015) normal init with fan_out, N(0, 2 / (k·k·out)), as in the papers'
+  PyTorch code (``normal_(0, sqrt(2 / n))``) and torchvision (``kaiming_normal_``, fan_out)."""
+  return (_unit_samples(key, shape, "normal") * math.sqrt(2.0 / _fans(shape)[1])).astype(dtype)
 
 
 def torch_default_init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
-    """PyTorch's default Conv2d/Linear weight init (``kaiming_uniform_(a=sqrt(5))``):
-    U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-    return (_unit_samples(key, shape, "uniform") / math.sqrt(_fans(shape)[0])).astype(dtype)
+  """PyTorch's default Conv2d/Linear weight init (``kaiming_uniform_(a=sqrt(5))``):
+  U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+  return (_unit_samples(key, shape, "uniform") / math.sqrt(_fans(shape)[0])).astype(dtype)
 
 
 def normal_init(std: float) -> nnx.Initializer:
-    """N(0, std²) weights (ClickTrain's VGG classifier uses std 0.01)."""
+  """N(0, std²) weights (ClickTrain's VGG classifier uses std 0.01)."""
 
-    def init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
-        return (_unit_samples(key, shape, "normal") * std).astype(dtype)
+  def init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
+    return (_unit_samples(key, shape, "normal") * std).astype(dtype)
 
-    return init
+  return init
 
 
 # PyTorch BatchNorm2d(momentum=0.1) updates running = 0.9 running + 0.1 batch.
@@ -89,248 +89,248 @@ _BN_EPSILON = 1e-5
 
 
 class ConvBN(nnx.Module):
-    """Conv (no bias) → BatchNorm → optional ReLU.
+  """Conv (no bias) → BatchNorm → optional ReLU.
 
-    Attributes:
-      conv: ``nnx.Conv`` with ``use_bias=False``; kernel HWIO at ``conv.kernel``.
-      bn: ``nnx.BatchNorm`` over the output channels.
-      relu: whether a ReLU follows the BatchNorm.
+  Attributes:
+    conv: ``nnx.Conv`` with ``use_bias=False``; kernel HWIO at ``conv.kernel``.
+    bn: ``nnx.BatchNorm`` over the output channels.
+    relu: whether a ReLU follows the BatchNorm.
 
-    Example:
-      >>> layer = ConvBN(3, 16, kernel_size=3, rngs=nnx.Rngs(0))
-      >>> layer(jnp.zeros((2, 32, 32, 3))).shape
-      (2, 32, 32, 16)
+  Example:
+    >>> layer = ConvBN(3, 16, kernel_size=3, rngs=nnx.Rngs(0))
+    >>> layer(jnp.zeros((2, 32, 32, 3))).shape
+    (2, 32, 32, 16)
+  """
+
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    kernel_size: int = 3,
+    *,
+    strides: int = 1,
+    padding: int | None = None,
+    relu: bool = True,
+    bn_scale_init: float = 1.0,
+    kernel_init: nnx.Initializer = conv_kernel_init,
+    rngs: nnx.Rngs,
+  ):
+    """Builds the layer.
+
+    Args:
+      in_features: input channels.
+      out_features: output channels (filters).
+      kernel_size: square kernel size.
+      strides: convolution stride.
+      padding: symmetric zero padding on each side, PyTorch style; ``None`` means
+      ``kernel_size // 2``. Explicit padding (not ``"SAME"``) keeps strided convs
+      aligned exactly as in the papers' PyTorch models.
+      relu: apply ReLU after BatchNorm.
+      bn_scale_init: initial BatchNorm γ (ClickTrain's VGG uses 0.5).
+      kernel_init: conv kernel initializer (He normal, fan_out, by default).
+      rngs: NNX random streams.
     """
+    require_positive("in_features", in_features)
+    require_positive("out_features", out_features)
+    require_positive("kernel_size", kernel_size)
+    require_positive("strides", strides)
+    if padding is None:
+      padding = kernel_size // 2
+    if padding < 0:
+      raise ValueError(f"padding must be >= 0, got {padding}")
+    self.conv = nnx.Conv(
+      in_features,
+      out_features,
+      (kernel_size, kernel_size),
+      strides=(strides, strides),
+      padding=((padding, padding), (padding, padding)),
+      use_bias=False,
+      kernel_init=kernel_init,
+      rngs=rngs,
+    )
+    self.bn = nnx.BatchNorm(
+      out_features,
+      momentum=_BN_MOMENTUM,
+      epsilon=_BN_EPSILON,
+      scale_init=nnx.initializers.constant(bn_scale_init),
+      rngs=rngs,
+    )
+    self.relu = relu
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        kernel_size: int = 3,
-        *,
-        strides: int = 1,
-        padding: int | None = None,
-        relu: bool = True,
-        bn_scale_init: float = 1.0,
-        kernel_init: nnx.Initializer = conv_kernel_init,
-        rngs: nnx.Rngs,
-    ):
-        """Builds the layer.
+  @property
+  def in_features(self) -> int:
+    return self.conv.in_features
 
-        Args:
-          in_features: input channels.
-          out_features: output channels (filters).
-          kernel_size: square kernel size.
-          strides: convolution stride.
-          padding: symmetric zero padding on each side, PyTorch style; ``None`` means
-            ``kernel_size // 2``. Explicit padding (not ``"SAME"``) keeps strided convs
-            aligned exactly as in the papers' PyTorch models.
-          relu: apply ReLU after BatchNorm.
-          bn_scale_init: initial BatchNorm γ (ClickTrain's VGG uses 0.5).
-          kernel_init: conv kernel initializer (He normal, fan_out, by default).
-          rngs: NNX random streams.
-        """
-        require_positive("in_features", in_features)
-        require_positive("out_features", out_features)
-        require_positive("kernel_size", kernel_size)
-        require_positive("strides", strides)
-        if padding is None:
-            padding = kernel_size // 2
-        if padding < 0:
-            raise ValueError(f"padding must be >= 0, got {padding}")
-        self.conv = nnx.Conv(
-            in_features,
-            out_features,
-            (kernel_size, kernel_size),
-            strides=(strides, strides),
-            padding=((padding, padding), (padding, padding)),
-            use_bias=False,
-            kernel_init=kernel_init,
-            rngs=rngs,
-        )
-        self.bn = nnx.BatchNorm(
-            out_features,
-            momentum=_BN_MOMENTUM,
-            epsilon=_BN_EPSILON,
-            scale_init=nnx.initializers.constant(bn_scale_init),
-            rngs=rngs,
-        )
-        self.relu = relu
+  @property
+  def out_features(self) -> int:
+    return self.conv.out_features
 
-    @property
-    def in_features(self) -> int:
-        return self.conv.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.conv.out_features
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = self.bn(self.conv(x))
-        return jax.nn.relu(y) if self.relu else y
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = self.bn(self.conv(x))
+    return jax.nn.relu(y) if self.relu else y
 
 
 def _shortcut(
-    in_features: int, out_features: int, strides: int, projection: bool, rngs: nnx.Rngs
+  in_features: int, out_features: int, strides: int, projection: bool, rngs: nnx.Rngs
 ) -> ConvBN | None:
-    if projection:
-        # He et al. option B: 1x1 conv + BN, no ReLU (the ReLU comes after the sum).
-        return ConvBN(
-            in_features, out_features, 1, strides=strides, padding=0, relu=False, rngs=rngs
-        )
-    if strides != 1 or in_features != out_features:
-        raise ValueError(
-            "projection=False needs strides == 1 and in_features == out_features, got "
-            f"strides={strides}, in_features={in_features}, out_features={out_features}"
-        )
-    return None
+  if projection:
+    # He et al. option B: 1x1 conv + BN, no ReLU (the ReLU comes after the sum).
+    return ConvBN(
+      in_features, out_features, 1, strides=strides, padding=0, relu=False, rngs=rngs
+    )
+  if strides != 1 or in_features != out_features:
+    raise ValueError(
+      "projection=False needs strides == 1 and in_features == out_features, got "
+      f"strides={strides}, in_features={in_features}, out_features={out_features}"
+    )
+  return None
 
 
 def _check_widths(widths: Sequence[int] | None, expected_len: int) -> tuple[int, ...] | None:
-    if widths is None:
-        return None
-    widths = tuple(widths)
-    if len(widths) != expected_len:
-        raise ValueError(f"widths must have {expected_len} entries, got {widths!r}")
-    for i, w in enumerate(widths):
-        require_positive(f"widths[{i}]", w)
-    return widths
+  if widths is None:
+    return None
+  widths = tuple(widths)
+  if len(widths) != expected_len:
+    raise ValueError(f"widths must have {expected_len} entries, got {widths!r}")
+  for i, w in enumerate(widths):
+    require_positive(f"widths[{i}]", w)
+  return widths
 
 
 class _ResidualBlock(nnx.Module):
-    """Shared construction and forward of the residual blocks:
-    ``relu(branch(x) + shortcut(x))``."""
+  """Shared construction and forward of the residual blocks:
+  ``relu(branch(x) + shortcut(x))``."""
 
-    num_inner_widths: int
-    branch_names: tuple[str, ...]
+  num_inner_widths: int
+  branch_names: tuple[str, ...]
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        widths: Sequence[int] | None = (),
-        strides: int = 1,
-        projection: bool = False,
-        rngs: nnx.Rngs,
-    ):
-        """Builds the block.
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    *,
+    widths: Sequence[int] | None = (),
+    strides: int = 1,
+    projection: bool = False,
+    rngs: nnx.Rngs,
+  ):
+    """Builds the block.
 
-        Args:
-          in_features: block input channels.
-          out_features: block output channels (the residual stream width).
-          widths: the inner conv widths (see the class docstring); ``()`` (default) means
-            the standard ones; ``None`` removes the branch.
-          strides: stride of the block (on the 3x3 conv carrying it, and the projection).
-          projection: use a 1x1 conv + BN shortcut; required when the shape changes.
-          rngs: NNX random streams.
-        """
-        require_positive("in_features", in_features)
-        require_positive("out_features", out_features)
-        if widths == ():
-            widths = self._default_widths(out_features)
-        widths = _check_widths(widths, self.num_inner_widths)
-        self.shortcut = _shortcut(in_features, out_features, strides, projection, rngs)
-        if widths is None:
-            for name in self.branch_names:
-                setattr(self, name, None)
-        else:
-            layers = self._build_branch(in_features, out_features, widths, strides, rngs)
-            for name, layer in zip(self.branch_names, layers, strict=True):
-                setattr(self, name, layer)
+    Args:
+      in_features: block input channels.
+      out_features: block output channels (the residual stream width).
+      widths: the inner conv widths (see the class docstring); ``()`` (default) means
+      the standard ones; ``None`` removes the branch.
+      strides: stride of the block (on the 3x3 conv carrying it, and the projection).
+      projection: use a 1x1 conv + BN shortcut; required when the shape changes.
+      rngs: NNX random streams.
+    """
+    require_positive("in_features", in_features)
+    require_positive("out_features", out_features)
+    if widths == ():
+      widths = self._default_widths(out_features)
+    widths = _check_widths(widths, self.num_inner_widths)
+    self.shortcut = _shortcut(in_features, out_features, strides, projection, rngs)
+    if widths is None:
+      for name in self.branch_names:
+        setattr(self, name, None)
+    else:
+      layers = self._build_branch(in_features, out_features, widths, strides, rngs)
+      for name, layer in zip(self.branch_names, layers, strict=True):
+        setattr(self, name, layer)
 
-    @staticmethod
-    def _default_widths(out_features: int) -> tuple[int, ...]:
-        raise NotImplementedError
+  @staticmethod
+  def _default_widths(out_features: int) -> tuple[int, ...]:
+    raise NotImplementedError
 
-    @staticmethod
-    def _build_branch(
-        in_features: int, out_features: int, widths: tuple[int, ...], strides: int, rngs: nnx.Rngs
-    ) -> list[ConvBN]:
-        raise NotImplementedError
+  @staticmethod
+  def _build_branch(
+    in_features: int, out_features: int, widths: tuple[int, ...], strides: int, rngs: nnx.Rngs
+  ) -> list[ConvBN]:
+    raise NotImplementedError
 
-    @property
-    def has_branch(self) -> bool:
-        """False when the branch was removed (the block computes only its shortcut)."""
-        return self.conv1 is not None
+  @property
+  def has_branch(self) -> bool:
+    """False when the branch was removed (the block computes only its shortcut)."""
+    return self.conv1 is not None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        shortcut = x if self.shortcut is None else self.shortcut(x)
-        if not self.has_branch:
-            # PruneTrain layer removal: the branch output is zero.
-            return jax.nn.relu(shortcut)
-        y = x
-        for name in self.branch_names:
-            y = getattr(self, name)(y)
-        return jax.nn.relu(y + shortcut)
+  def __call__(self, x: jax.Array) -> jax.Array:
+    shortcut = x if self.shortcut is None else self.shortcut(x)
+    if not self.has_branch:
+      # PruneTrain layer removal: the branch output is zero.
+      return jax.nn.relu(shortcut)
+    y = x
+    for name in self.branch_names:
+      y = getattr(self, name)(y)
+    return jax.nn.relu(y + shortcut)
 
 
 class BasicBlock(_ResidualBlock):
-    """He et al. basic block: 3x3 ConvBN → 3x3 ConvBN (no ReLU) + shortcut → ReLU.
+  """He et al. basic block: 3x3 ConvBN → 3x3 ConvBN (no ReLU) + shortcut → ReLU.
 
-    ``widths = (mid,)``: output width of ``conv1``; default ``(out_features,)``.
+  ``widths = (mid,)``: output width of ``conv1``; default ``(out_features,)``.
 
-    Attributes:
-      conv1: 3x3 ``ConvBN`` ``in → widths[0]`` with the block's stride (``None`` if removed).
-      conv2: 3x3 ``ConvBN`` ``widths[0] → out``, no ReLU (``None`` if removed).
-      shortcut: 1x1 projection ``ConvBN`` (no ReLU) or ``None`` for identity.
+  Attributes:
+    conv1: 3x3 ``ConvBN`` ``in → widths[0]`` with the block's stride (``None`` if removed).
+    conv2: 3x3 ``ConvBN`` ``widths[0] → out``, no ReLU (``None`` if removed).
+    shortcut: 1x1 projection ``ConvBN`` (no ReLU) or ``None`` for identity.
 
-    Example:
-      >>> block = BasicBlock(16, 32, strides=2, projection=True, rngs=nnx.Rngs(0))
-      >>> block(jnp.zeros((1, 8, 8, 16))).shape
-      (1, 4, 4, 32)
-    """
+  Example:
+    >>> block = BasicBlock(16, 32, strides=2, projection=True, rngs=nnx.Rngs(0))
+    >>> block(jnp.zeros((1, 8, 8, 16))).shape
+    (1, 4, 4, 32)
+  """
 
-    num_inner_widths = 1
-    branch_names = ("conv1", "conv2")
+  num_inner_widths = 1
+  branch_names = ("conv1", "conv2")
 
-    @staticmethod
-    def _default_widths(out_features: int) -> tuple[int, ...]:
-        return (out_features,)
+  @staticmethod
+  def _default_widths(out_features: int) -> tuple[int, ...]:
+    return (out_features,)
 
-    @staticmethod
-    def _build_branch(in_features, out_features, widths, strides, rngs):
-        return [
-            ConvBN(in_features, widths[0], 3, strides=strides, rngs=rngs),
-            ConvBN(widths[0], out_features, 3, relu=False, rngs=rngs),
-        ]
+  @staticmethod
+  def _build_branch(in_features, out_features, widths, strides, rngs):
+    return [
+      ConvBN(in_features, widths[0], 3, strides=strides, rngs=rngs),
+      ConvBN(widths[0], out_features, 3, relu=False, rngs=rngs),
+    ]
 
 
 class Bottleneck(_ResidualBlock):
-    """Bottleneck block (ResNet v1.5: the stride is on the 3x3 conv, as in PruneTrain's,
-    kuangliu's and torchvision's code): 1x1 → 3x3 → 1x1 (no ReLU) + shortcut → ReLU.
+  """Bottleneck block (ResNet v1.5: the stride is on the 3x3 conv, as in PruneTrain's,
+  kuangliu's and torchvision's code): 1x1 → 3x3 → 1x1 (no ReLU) + shortcut → ReLU.
 
-    ``widths = (w1, w2)``: output widths of ``conv1`` and ``conv2``; default
-    ``(out_features // 4,) * 2``.
+  ``widths = (w1, w2)``: output widths of ``conv1`` and ``conv2``; default
+  ``(out_features // 4,) * 2``.
 
-    Attributes:
-      conv1: 1x1 ``ConvBN`` ``in → widths[0]`` (``None`` if removed).
-      conv2: 3x3 ``ConvBN`` ``widths[0] → widths[1]`` with the block's stride.
-      conv3: 1x1 ``ConvBN`` ``widths[1] → out``, no ReLU.
-      shortcut: 1x1 projection ``ConvBN`` (no ReLU) or ``None`` for identity.
+  Attributes:
+    conv1: 1x1 ``ConvBN`` ``in → widths[0]`` (``None`` if removed).
+    conv2: 3x3 ``ConvBN`` ``widths[0] → widths[1]`` with the block's stride.
+    conv3: 1x1 ``ConvBN`` ``widths[1] → out``, no ReLU.
+    shortcut: 1x1 projection ``ConvBN`` (no ReLU) or ``None`` for identity.
 
-    Example:
-      >>> block = Bottleneck(16, 64, widths=(16, 16), projection=True, rngs=nnx.Rngs(0))
-      >>> block(jnp.zeros((1, 8, 8, 16))).shape
-      (1, 8, 8, 64)
-    """
+  Example:
+    >>> block = Bottleneck(16, 64, widths=(16, 16), projection=True, rngs=nnx.Rngs(0))
+    >>> block(jnp.zeros((1, 8, 8, 16))).shape
+    (1, 8, 8, 64)
+  """
 
-    num_inner_widths = 2
-    branch_names = ("conv1", "conv2", "conv3")
+  num_inner_widths = 2
+  branch_names = ("conv1", "conv2", "conv3")
 
-    @staticmethod
-    def _default_widths(out_features: int) -> tuple[int, ...]:
-        return (max(out_features // 4, 1),) * 2
+  @staticmethod
+  def _default_widths(out_features: int) -> tuple[int, ...]:
+    return (max(out_features // 4, 1),) * 2
 
-    @staticmethod
-    def _build_branch(in_features, out_features, widths, strides, rngs):
-        return [
-            ConvBN(in_features, widths[0], 1, rngs=rngs),
-            ConvBN(widths[0], widths[1], 3, strides=strides, rngs=rngs),
-            ConvBN(widths[1], out_features, 1, relu=False, rngs=rngs),
-        ]
+  @staticmethod
+  def _build_branch(in_features, out_features, widths, strides, rngs):
+    return [
+      ConvBN(in_features, widths[0], 1, rngs=rngs),
+      ConvBN(widths[0], widths[1], 3, strides=strides, rngs=rngs),
+      ConvBN(widths[1], out_features, 1, relu=False, rngs=rngs),
+    ]
 
 
 def global_avg_pool(x: jax.Array) -> jax.Array:
-    """Mean over the spatial axes of an NHWC tensor → ``(N, C)``."""
-    return jnp.mean(x, axis=(1, 2))
+  """Mean over the spatial axes of an NHWC tensor → ``(N, C)``."""
+  return jnp.mean(x, axis=(1, 2))

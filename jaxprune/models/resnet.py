@@ -26,21 +26,21 @@ from flax import nnx
 
 from jaxprune.models._common import check_multiplier, require_positive, scale_width
 from jaxprune.models.layers import (
-    BasicBlock,
-    Bottleneck,
-    ConvBN,
-    global_avg_pool,
-    torch_default_init,
+  BasicBlock,
+  Bottleneck,
+  ConvBN,
+  global_avg_pool,
+  torch_default_init,
 )
 
 __all__ = [
-    "BlockSpec",
-    "ResNet",
-    "ResNetSpec",
-    "StageSpec",
-    "clicktrain_resnet_spec",
-    "imagenet_resnet_spec",
-    "prunetrain_resnet_spec",
+  "BlockSpec",
+  "ResNet",
+  "ResNetSpec",
+  "StageSpec",
+  "clicktrain_resnet_spec",
+  "imagenet_resnet_spec",
+  "prunetrain_resnet_spec",
 ]
 
 BlockType = Literal["basic", "bottleneck"]
@@ -49,325 +49,325 @@ _BLOCK_CLASSES = {"basic": BasicBlock, "bottleneck": Bottleneck}
 
 @dataclasses.dataclass(frozen=True)
 class BlockSpec:
-    """One residual block.
+  """One residual block.
 
-    Attributes:
-      widths: inner conv output widths, ``(mid,)`` for a basic block, ``(w1, w2)`` for a
-        bottleneck; ``None`` when the branch was removed (the block computes
-        ``relu(shortcut(x))``).
-      projection: 1x1 conv + BN shortcut (``True``) or identity (``False``).
-    """
+  Attributes:
+    widths: inner conv output widths, ``(mid,)`` for a basic block, ``(w1, w2)`` for a
+    bottleneck; ``None`` when the branch was removed (the block computes
+    ``relu(shortcut(x))``).
+    projection: 1x1 conv + BN shortcut (``True``) or identity (``False``).
+  """
 
-    widths: tuple[int, ...] | None
-    projection: bool = False
+  widths: tuple[int, ...] | None
+  projection: bool = False
 
-    def __post_init__(self):
-        if self.widths is not None:
-            object.__setattr__(self, "widths", tuple(self.widths))
+  def __post_init__(self):
+    if self.widths is not None:
+      object.__setattr__(self, "widths", tuple(self.widths))
 
 
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
-    """A stage of blocks sharing one residual stream width.
+  """A stage of blocks sharing one residual stream width.
 
-    Attributes:
-      width: residual stream width (output channels of every block in the stage).
-      blocks: the blocks, first one carries ``stride``.
-      stride: spatial stride of the first block.
-    """
+  Attributes:
+    width: residual stream width (output channels of every block in the stage).
+    blocks: the blocks, first one carries ``stride``.
+    stride: spatial stride of the first block.
+  """
 
-    width: int
-    blocks: tuple[BlockSpec, ...]
-    stride: int = 1
+  width: int
+  blocks: tuple[BlockSpec, ...]
+  stride: int = 1
 
-    def __post_init__(self):
-        object.__setattr__(self, "blocks", tuple(self.blocks))
+  def __post_init__(self):
+    object.__setattr__(self, "blocks", tuple(self.blocks))
 
 
 @dataclasses.dataclass(frozen=True)
 class ResNetSpec:
-    """Every width of a ResNet; validated on construction (``ValueError`` naming the field).
+  """Every width of a ResNet; validated on construction (``ValueError`` naming the field).
 
-    Attributes:
-      block: ``"basic"`` (``BasicBlock``) or ``"bottleneck"`` (``Bottleneck``).
-      stem_width: output channels of the stem ``ConvBN``.
-      stages: the stages, in order.
-      in_channels: image channels.
-      stem_kernel: stem conv kernel size (3 for CIFAR, 7 for ImageNet).
-      stem_stride: stem conv stride (1 for CIFAR, 2 for ImageNet).
-      stem_pool: 3x3 stride-2 max pool after the stem (ImageNet).
-    """
+  Attributes:
+    block: ``"basic"`` (``BasicBlock``) or ``"bottleneck"`` (``Bottleneck``).
+    stem_width: output channels of the stem ``ConvBN``.
+    stages: the stages, in order.
+    in_channels: image channels.
+    stem_kernel: stem conv kernel size (3 for CIFAR, 7 for ImageNet).
+    stem_stride: stem conv stride (1 for CIFAR, 2 for ImageNet).
+    stem_pool: 3x3 stride-2 max pool after the stem (ImageNet).
+  """
 
-    block: BlockType
-    stem_width: int
-    stages: tuple[StageSpec, ...]
-    in_channels: int = 3
-    stem_kernel: int = 3
-    stem_stride: int = 1
-    stem_pool: bool = False
+  block: BlockType
+  stem_width: int
+  stages: tuple[StageSpec, ...]
+  in_channels: int = 3
+  stem_kernel: int = 3
+  stem_stride: int = 1
+  stem_pool: bool = False
 
-    def __post_init__(self):
-        object.__setattr__(self, "stages", tuple(self.stages))
-        if self.block not in _BLOCK_CLASSES:
-            raise ValueError(f"block must be one of {sorted(_BLOCK_CLASSES)}, got {self.block!r}")
-        for name in ("stem_width", "in_channels", "stem_kernel", "stem_stride"):
-            require_positive(name, getattr(self, name))
-        if not self.stages:
-            raise ValueError("stages must not be empty")
-        num_inner = _BLOCK_CLASSES[self.block].num_inner_widths
-        in_width = self.stem_width
-        for s, stage in enumerate(self.stages):
-            if not isinstance(stage, StageSpec):
-                raise ValueError(f"stages[{s}] must be a StageSpec, got {type(stage).__name__}")
-            require_positive(f"stages[{s}].width", stage.width)
-            require_positive(f"stages[{s}].stride", stage.stride)
-            if not stage.blocks:
-                raise ValueError(f"stages[{s}].blocks must not be empty")
-            for b, block in enumerate(stage.blocks):
-                field = f"stages[{s}].blocks[{b}]"
-                if not isinstance(block, BlockSpec):
-                    raise ValueError(f"{field} must be a BlockSpec, got {type(block).__name__}")
-                if block.widths is not None:
-                    if len(block.widths) != num_inner:
-                        raise ValueError(
-                            f"{field}.widths must have {num_inner} entries for "
-                            f"{self.block!r} blocks, got {block.widths!r}"
-                        )
-                    for i, w in enumerate(block.widths):
-                        require_positive(f"{field}.widths[{i}]", w)
-                stride = stage.stride if b == 0 else 1
-                if not block.projection and (stride != 1 or in_width != stage.width):
-                    raise ValueError(
-                        f"{field}.projection must be True: the block maps {in_width} channels "
-                        f"to {stage.width} with stride {stride}"
-                    )
-                in_width = stage.width
-
-    @property
-    def block_class(self) -> type[BasicBlock] | type[Bottleneck]:
-        return _BLOCK_CLASSES[self.block]
-
-    @property
-    def num_blocks(self) -> tuple[int, ...]:
-        """Number of blocks per stage."""
-        return tuple(len(stage.blocks) for stage in self.stages)
-
-    @classmethod
-    def uniform(
-        cls,
-        block: BlockType,
-        *,
-        stem_width: int,
-        stage_widths: Sequence[int],
-        num_blocks: Sequence[int],
-        strides: Sequence[int],
-        inner_widths: Sequence[Sequence[int]] | None = None,
-        **kwargs,
-    ) -> ResNetSpec:
-        """A spec where all blocks of a stage are alike, with projections exactly where the
-        shape changes (He et al. option B).
-
-        Args:
-          block: ``"basic"`` or ``"bottleneck"``.
-          stem_width: stem output channels.
-          stage_widths: residual stream width per stage.
-          num_blocks: blocks per stage.
-          strides: stride of each stage's first block.
-          inner_widths: per stage, the inner widths of its blocks; default: the stage width
-            for basic blocks, ``stage_width // 4`` twice for bottlenecks.
-          **kwargs: the remaining ``ResNetSpec`` fields.
-
-        Returns:
-          The validated spec.
-        """
-        stage_widths, num_blocks, strides = tuple(stage_widths), tuple(num_blocks), tuple(strides)
-        for name, values in (("num_blocks", num_blocks), ("strides", strides)):
-            if len(values) != len(stage_widths):
-                raise ValueError(
-                    f"{name} has {len(values)} entries but stage_widths has {len(stage_widths)}"
-                )
-        if inner_widths is None:
-            if block == "bottleneck":
-                inner_widths = [(max(w // 4, 1),) * 2 for w in stage_widths]
-            else:
-                inner_widths = [(w,) for w in stage_widths]
-        elif len(inner_widths) != len(stage_widths):
+  def __post_init__(self):
+    object.__setattr__(self, "stages", tuple(self.stages))
+    if self.block not in _BLOCK_CLASSES:
+      raise ValueError(f"block must be one of {sorted(_BLOCK_CLASSES)}, got {self.block!r}")
+    for name in ("stem_width", "in_channels", "stem_kernel", "stem_stride"):
+      require_positive(name, getattr(self, name))
+    if not self.stages:
+      raise ValueError("stages must not be empty")
+    num_inner = _BLOCK_CLASSES[self.block].num_inner_widths
+    in_width = self.stem_width
+    for s, stage in enumerate(self.stages):
+      if not isinstance(stage, StageSpec):
+        raise ValueError(f"stages[{s}] must be a StageSpec, got {type(stage).__name__}")
+      require_positive(f"stages[{s}].width", stage.width)
+      require_positive(f"stages[{s}].stride", stage.stride)
+      if not stage.blocks:
+        raise ValueError(f"stages[{s}].blocks must not be empty")
+      for b, block in enumerate(stage.blocks):
+        field = f"stages[{s}].blocks[{b}]"
+        if not isinstance(block, BlockSpec):
+          raise ValueError(f"{field} must be a BlockSpec, got {type(block).__name__}")
+        if block.widths is not None:
+          if len(block.widths) != num_inner:
             raise ValueError(
-                f"inner_widths has {len(inner_widths)} entries but stage_widths has "
-                f"{len(stage_widths)}"
+              f"{field}.widths must have {num_inner} entries for "
+              f"{self.block!r} blocks, got {block.widths!r}"
             )
-        stages = []
-        in_width = stem_width
-        for width, count, stride, inner in zip(stage_widths, num_blocks, strides, inner_widths):
-            require_positive("num_blocks entries", count)
-            blocks = [BlockSpec(tuple(inner), projection=stride != 1 or in_width != width)]
-            blocks += [BlockSpec(tuple(inner)) for _ in range(count - 1)]
-            stages.append(StageSpec(width, tuple(blocks), stride))
-            in_width = width
-        return cls(block, stem_width, tuple(stages), **kwargs)
+          for i, w in enumerate(block.widths):
+            require_positive(f"{field}.widths[{i}]", w)
+        stride = stage.stride if b == 0 else 1
+        if not block.projection and (stride != 1 or in_width != stage.width):
+          raise ValueError(
+            f"{field}.projection must be True: the block maps {in_width} channels "
+            f"to {stage.width} with stride {stride}"
+          )
+        in_width = stage.width
 
-    def scaled(self, multiplier: float) -> ResNetSpec:
-        """Every width times ``multiplier`` (rounded, at least 1); structure unchanged."""
-        check_multiplier(multiplier)
+  @property
+  def block_class(self) -> type[BasicBlock] | type[Bottleneck]:
+    return _BLOCK_CLASSES[self.block]
 
-        def scale_block(block: BlockSpec) -> BlockSpec:
-            if block.widths is None:
-                return block
-            return dataclasses.replace(
-                block, widths=tuple(scale_width(w, multiplier) for w in block.widths)
-            )
+  @property
+  def num_blocks(self) -> tuple[int, ...]:
+    """Number of blocks per stage."""
+    return tuple(len(stage.blocks) for stage in self.stages)
 
-        stages = tuple(
-            dataclasses.replace(
-                stage,
-                width=scale_width(stage.width, multiplier),
-                blocks=tuple(scale_block(b) for b in stage.blocks),
-            )
-            for stage in self.stages
-        )
-        return dataclasses.replace(
-            self, stem_width=scale_width(self.stem_width, multiplier), stages=stages
-        )
+  @classmethod
+  def uniform(
+    cls,
+    block: BlockType,
+    *,
+    stem_width: int,
+    stage_widths: Sequence[int],
+    num_blocks: Sequence[int],
+    strides: Sequence[int],
+    inner_widths: Sequence[Sequence[int]] | None = None,
+    **kwargs,
+  ) -> ResNetSpec:
+    """A spec where all blocks of a stage are alike, with projections exactly where the
+    shape changes (He et al. option B).
 
+    Args:
+      block: ``"basic"`` or ``"bottleneck"``.
+      stem_width: stem output channels.
+      stage_widths: residual stream width per stage.
+      num_blocks: blocks per stage.
+      strides: stride of each stage's first block.
+      inner_widths: per stage, the inner widths of its blocks; default: the stage width
+      for basic blocks, ``stage_width // 4`` twice for bottlenecks.
+      **kwargs: the remaining ``ResNetSpec`` fields.
 
-class ResNet(nnx.Module):
-    """ResNet: stem ``ConvBN`` (+ optional max pool) → stages of residual blocks → global
-    average pool → ``nnx.Linear`` head.
-
-    Attributes:
-      spec: the ``ResNetSpec`` it was built from.
-      num_classes: output logits.
-      stem: ``ConvBN`` (with ReLU).
-      stages: ``nnx.List`` of ``nnx.List`` of ``BasicBlock`` / ``Bottleneck``.
-      head: ``nnx.Linear(last stage width, num_classes)``.
-
-    Example:
-      >>> spec = prunetrain_resnet_spec(20)
-      >>> model = ResNet(spec, num_classes=10, rngs=nnx.Rngs(0))
-      >>> model(jnp.zeros((2, 32, 32, 3))).shape
-      (2, 10)
-      >>> smaller = ResNet(spec.scaled(0.5), num_classes=10, rngs=nnx.Rngs(0))
+    Returns:
+      The validated spec.
     """
-
-    def __init__(self, spec: ResNetSpec, *, num_classes: int, rngs: nnx.Rngs):
-        if not isinstance(spec, ResNetSpec):
-            raise ValueError(f"spec must be a ResNetSpec, got {type(spec).__name__}")
-        require_positive("num_classes", num_classes)
-        self.spec = spec
-        self.num_classes = num_classes
-        self.stem = ConvBN(
-            spec.in_channels,
-            spec.stem_width,
-            spec.stem_kernel,
-            strides=spec.stem_stride,
-            rngs=rngs,
+    stage_widths, num_blocks, strides = tuple(stage_widths), tuple(num_blocks), tuple(strides)
+    for name, values in (("num_blocks", num_blocks), ("strides", strides)):
+      if len(values) != len(stage_widths):
+        raise ValueError(
+          f"{name} has {len(values)} entries but stage_widths has {len(stage_widths)}"
         )
-        block_class = spec.block_class
-        stages = []
-        in_width = spec.stem_width
-        for stage in spec.stages:
-            blocks = []
-            for b, block in enumerate(stage.blocks):
-                blocks.append(
-                    block_class(
-                        in_width,
-                        stage.width,
-                        widths=block.widths,
-                        strides=stage.stride if b == 0 else 1,
-                        projection=block.projection,
-                        rngs=rngs,
-                    )
-                )
-                in_width = stage.width
-            stages.append(nnx.List(blocks))
-        self.stages = nnx.List(stages)
-        self.head = nnx.Linear(
-            in_width,
-            num_classes,
-            kernel_init=torch_default_init,
-            bias_init=nnx.initializers.zeros_init(),
-            rngs=rngs,
-        )
+    if inner_widths is None:
+      if block == "bottleneck":
+        inner_widths = [(max(w // 4, 1),) * 2 for w in stage_widths]
+      else:
+        inner_widths = [(w,) for w in stage_widths]
+    elif len(inner_widths) != len(stage_widths):
+      raise ValueError(
+        f"inner_widths has {len(inner_widths)} entries but stage_widths has "
+        f"{len(stage_widths)}"
+      )
+    stages = []
+    in_width = stem_width
+    for width, count, stride, inner in zip(stage_widths, num_blocks, strides, inner_widths):
+      require_positive("num_blocks entries", count)
+      blocks = [BlockSpec(tuple(inner), projection=stride != 1 or in_width != width)]
+      blocks += [BlockSpec(tuple(inner)) for _ in range(count - 1)]
+      stages.append(StageSpec(width, tuple(blocks), stride))
+      in_width = width
+    return cls(block, stem_width, tuple(stages), **kwargs)
 
-    def features(self, x: jax.Array) -> jax.Array:
-        """The last stage's output, before pooling (NHWC)."""
-        x = self.stem(x)
-        if self.spec.stem_pool:
-            x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
-        for stage in self.stages:
-            for block in stage:
-                x = block(x)
-        return x
+  def scaled(self, multiplier: float) -> ResNetSpec:
+    """Every width times ``multiplier`` (rounded, at least 1); structure unchanged."""
+    check_multiplier(multiplier)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.head(global_avg_pool(self.features(x)))
+    def scale_block(block: BlockSpec) -> BlockSpec:
+      if block.widths is None:
+        return block
+      return dataclasses.replace(
+        block, widths=tuple(scale_width(w, multiplier) for w in block.widths)
+      )
 
-
-def prunetrain_resnet_spec(depth: int) -> ResNetSpec:
-    """PruneTrain's CIFAR ResNets (He et al. 2016 §4.2, as in PruneTrain's code).
-
-    * ``depth`` 20/32/56/110 (``6n + 2``): basic blocks, stem 16, stages 16/32/64 with ``n``
-      blocks each, 1x1 projection + BN shortcuts where the shape changes.
-    * ``depth`` 50: bottleneck, stem 16, 3 stages x 8 blocks, inner widths 16/32/64,
-      stream widths 64/128/256 (projection also on the first block, 16 → 64).
-
-    Raises:
-      ValueError: ``depth`` is neither 50 nor of the form ``6n + 2``.
-    """
-    if depth == 50:
-        return ResNetSpec.uniform(
-            "bottleneck",
-            stem_width=16,
-            stage_widths=(64, 128, 256),
-            num_blocks=(8, 8, 8),
-            strides=(1, 2, 2),
-            inner_widths=((16, 16), (32, 32), (64, 64)),
-        )
-    if not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
-        raise ValueError(f"depth must be 50 or 6n+2 (20, 32, 56, 110), got {depth!r}")
-    n = (depth - 2) // 6
-    return ResNetSpec.uniform(
-        "basic", stem_width=16, stage_widths=(16, 32, 64), num_blocks=(n,) * 3, strides=(1, 2, 2)
+    stages = tuple(
+      dataclasses.replace(
+        stage,
+        width=scale_width(stage.width, multiplier),
+        blocks=tuple(scale_block(b) for b in stage.blocks),
+      )
+      for stage in self.stages
+    )
+    return dataclasses.replace(
+      self, stem_width=scale_width(self.stem_width, multiplier), stages=stages
     )
 
 
+class ResNet(nnx.Module):
+  """ResNet: stem ``ConvBN`` (+ optional max pool) → stages of residual blocks → global
+  average pool → ``nnx.Linear`` head.
+
+  Attributes:
+    spec: the ``ResNetSpec`` it was built from.
+    num_classes: output logits.
+    stem: ``ConvBN`` (with ReLU).
+    stages: ``nnx.List`` of ``nnx.List`` of ``BasicBlock`` / ``Bottleneck``.
+    head: ``nnx.Linear(last stage width, num_classes)``.
+
+  Example:
+    >>> spec = prunetrain_resnet_spec(20)
+    >>> model = ResNet(spec, num_classes=10, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 32, 32, 3))).shape
+    (2, 10)
+    >>> smaller = ResNet(spec.scaled(0.5), num_classes=10, rngs=nnx.Rngs(0))
+  """
+
+  def __init__(self, spec: ResNetSpec, *, num_classes: int, rngs: nnx.Rngs):
+    if not isinstance(spec, ResNetSpec):
+      raise ValueError(f"spec must be a ResNetSpec, got {type(spec).__name__}")
+    require_positive("num_classes", num_classes)
+    self.spec = spec
+    self.num_classes = num_classes
+    self.stem = ConvBN(
+      spec.in_channels,
+      spec.stem_width,
+      spec.stem_kernel,
+      strides=spec.stem_stride,
+      rngs=rngs,
+    )
+    block_class = spec.block_class
+    stages = []
+    in_width = spec.stem_width
+    for stage in spec.stages:
+      blocks = []
+      for b, block in enumerate(stage.blocks):
+        blocks.append(
+          block_class(
+            in_width,
+            stage.width,
+            widths=block.widths,
+            strides=stage.stride if b == 0 else 1,
+            projection=block.projection,
+            rngs=rngs,
+          )
+        )
+        in_width = stage.width
+      stages.append(nnx.List(blocks))
+    self.stages = nnx.List(stages)
+    self.head = nnx.Linear(
+      in_width,
+      num_classes,
+      kernel_init=torch_default_init,
+      bias_init=nnx.initializers.zeros_init(),
+      rngs=rngs,
+    )
+
+  def features(self, x: jax.Array) -> jax.Array:
+    """The last stage's output, before pooling (NHWC)."""
+    x = self.stem(x)
+    if self.spec.stem_pool:
+      x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    for stage in self.stages:
+      for block in stage:
+        x = block(x)
+    return x
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.head(global_avg_pool(self.features(x)))
+
+
+def prunetrain_resnet_spec(depth: int) -> ResNetSpec:
+  """PruneTrain's CIFAR ResNets (He et al. 2016 §4.2, as in PruneTrain's code).
+
+  * ``depth`` 20/32/56/110 (``6n + 2``): basic blocks, stem 16, stages 16/32/64 with ``n``
+    blocks each, 1x1 projection + BN shortcuts where the shape changes.
+  * ``depth`` 50: bottleneck, stem 16, 3 stages x 8 blocks, inner widths 16/32/64,
+    stream widths 64/128/256 (projection also on the first block, 16 → 64).
+
+  Raises:
+    ValueError: ``depth`` is neither 50 nor of the form ``6n + 2``.
+  """
+  if depth == 50:
+    return ResNetSpec.uniform(
+      "bottleneck",
+      stem_width=16,
+      stage_widths=(64, 128, 256),
+      num_blocks=(8, 8, 8),
+      strides=(1, 2, 2),
+      inner_widths=((16, 16), (32, 32), (64, 64)),
+    )
+  if not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
+    raise ValueError(f"depth must be 50 or 6n+2 (20, 32, 56, 110), got {depth!r}")
+  n = (depth - 2) // 6
+  return ResNetSpec.uniform(
+    "basic", stem_width=16, stage_widths=(16, 32, 64), num_blocks=(n,) * 3, strides=(1, 2, 2)
+  )
+
+
 _CLICKTRAIN_BLOCKS = {
-    18: ("basic", (2, 2, 2, 2)),
-    32: ("basic", (3, 4, 5, 3)),
-    34: ("basic", (3, 4, 6, 3)),
-    50: ("bottleneck", (3, 4, 6, 3)),
-    101: ("bottleneck", (3, 4, 23, 3)),
+  18: ("basic", (2, 2, 2, 2)),
+  32: ("basic", (3, 4, 5, 3)),
+  34: ("basic", (3, 4, 6, 3)),
+  50: ("bottleneck", (3, 4, 6, 3)),
+  101: ("bottleneck", (3, 4, 23, 3)),
 }
 
 
 def _four_stage_spec(depth: int, **kwargs) -> ResNetSpec:
-    if depth not in _CLICKTRAIN_BLOCKS:
-        raise ValueError(f"depth must be one of {sorted(_CLICKTRAIN_BLOCKS)}, got {depth!r}")
-    block, num_blocks = _CLICKTRAIN_BLOCKS[depth]
-    planes = (64, 128, 256, 512)
-    expansion = 4 if block == "bottleneck" else 1
-    return ResNetSpec.uniform(
-        block,
-        stem_width=64,
-        stage_widths=tuple(p * expansion for p in planes),
-        num_blocks=num_blocks,
-        strides=(1, 2, 2, 2),
-        inner_widths=tuple((p,) * (2 if block == "bottleneck" else 1) for p in planes),
-        **kwargs,
-    )
+  if depth not in _CLICKTRAIN_BLOCKS:
+    raise ValueError(f"depth must be one of {sorted(_CLICKTRAIN_BLOCKS)}, got {depth!r}")
+  block, num_blocks = _CLICKTRAIN_BLOCKS[depth]
+  planes = (64, 128, 256, 512)
+  expansion = 4 if block == "bottleneck" else 1
+  return ResNetSpec.uniform(
+    block,
+    stem_width=64,
+    stage_widths=tuple(p * expansion for p in planes),
+    num_blocks=num_blocks,
+    strides=(1, 2, 2, 2),
+    inner_widths=tuple((p,) * (2 if block == "bottleneck" else 1) for p in planes),
+    **kwargs,
+  )
 
 
 def clicktrain_resnet_spec(depth: int) -> ResNetSpec:
-    """ClickTrain's CIFAR ResNets (kuangliu/pytorch-cifar layout, as in ClickTrain's code):
-    3x3 stem of 64, no max pool, 4 stages of 64/128/256/512 planes.
+  """ClickTrain's CIFAR ResNets (kuangliu/pytorch-cifar layout, as in ClickTrain's code):
+  3x3 stem of 64, no max pool, 4 stages of 64/128/256/512 planes.
 
-    ``depth`` 18 [2,2,2,2], 32 [3,4,5,3] (their "ResNet-32", ≈20.1 M parameters), 34
-    [3,4,6,3] basic blocks; 50 [3,4,6,3], 101 [3,4,23,3] bottlenecks (stream widths ×4).
-    """
-    return _four_stage_spec(depth)
+  ``depth`` 18 [2,2,2,2], 32 [3,4,5,3] (their "ResNet-32", ≈20.1 M parameters), 34
+  [3,4,6,3] basic blocks; 50 [3,4,6,3], 101 [3,4,23,3] bottlenecks (stream widths ×4).
+  """
+  return _four_stage_spec(depth)
 
 
 def imagenet_resnet_spec(depth: int) -> ResNetSpec:
-    """torchvision ImageNet ResNets (v1.5: bottleneck stride on the 3x3): 7x7/2 stem of 64,
-    3x3/2 max pool, then the same stages as ``clicktrain_resnet_spec(depth)``."""
-    return _four_stage_spec(depth, stem_kernel=7, stem_stride=2, stem_pool=True)
+  """torchvision ImageNet ResNets (v1.5: bottleneck stride on the 3x3): 7x7/2 stem of 64,
+  3x3/2 max pool, then the same stages as ``clicktrain_resnet_spec(depth)``."""
+  return _four_stage_spec(depth, stem_kernel=7, stem_stride=2, stem_pool=True)

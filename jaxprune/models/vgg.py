@@ -23,154 +23,154 @@ __all__ = ["VGG", "VGGSpec", "clicktrain_vgg_spec", "prunetrain_vgg_spec"]
 # Conv widths per block of the standard VGG configurations (Simonyan & Zisserman, Table 1);
 # a 2x2 max pool follows each block.
 _VGG_BLOCKS = {
-    11: ((64,), (128,), (256, 256), (512, 512), (512, 512)),
-    13: ((64, 64), (128, 128), (256, 256), (512, 512), (512, 512)),
-    16: ((64, 64), (128, 128), (256, 256, 256), (512, 512, 512), (512, 512, 512)),
-    19: ((64, 64), (128, 128), (256,) * 4, (512,) * 4, (512,) * 4),
+  11: ((64,), (128,), (256, 256), (512, 512), (512, 512)),
+  13: ((64, 64), (128, 128), (256, 256), (512, 512), (512, 512)),
+  16: ((64, 64), (128, 128), (256, 256, 256), (512, 512, 512), (512, 512, 512)),
+  19: ((64, 64), (128, 128), (256,) * 4, (512,) * 4, (512,) * 4),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class VGGSpec:
-    """Every width of a VGG; validated on construction (``ValueError`` naming the field).
+  """Every width of a VGG; validated on construction (``ValueError`` naming the field).
 
-    Attributes:
-      widths: output width of each 3x3 conv, in order.
-      pool_after: indices into ``widths`` of the convs followed by a 2x2 max pool.
-      hidden: widths of the hidden ``Linear`` layers of the classifier (each preceded by
-        dropout and followed by ReLU); ``()`` = a single ``Linear`` to the classes.
-      dropout: dropout rate before each hidden ``Linear``.
-      in_channels: image channels.
-      bn_scale_init: initial BatchNorm γ (ClickTrain's code uses 0.5).
-      linear_init_std: std of the normal init of the classifier weights (ClickTrain: 0.01);
-        ``None`` = PyTorch's default uniform init.
-    """
+  Attributes:
+    widths: output width of each 3x3 conv, in order.
+    pool_after: indices into ``widths`` of the convs followed by a 2x2 max pool.
+    hidden: widths of the hidden ``Linear`` layers of the classifier (each preceded by
+    dropout and followed by ReLU); ``()`` = a single ``Linear`` to the classes.
+    dropout: dropout rate before each hidden ``Linear``.
+    in_channels: image channels.
+    bn_scale_init: initial BatchNorm γ (ClickTrain's code uses 0.5).
+    linear_init_std: std of the normal init of the classifier weights (ClickTrain: 0.01);
+    ``None`` = PyTorch's default uniform init.
+  """
 
-    widths: tuple[int, ...]
-    pool_after: tuple[int, ...]
-    hidden: tuple[int, ...] = ()
-    dropout: float = 0.5
-    in_channels: int = 3
-    bn_scale_init: float = 1.0
-    linear_init_std: float | None = None
+  widths: tuple[int, ...]
+  pool_after: tuple[int, ...]
+  hidden: tuple[int, ...] = ()
+  dropout: float = 0.5
+  in_channels: int = 3
+  bn_scale_init: float = 1.0
+  linear_init_std: float | None = None
 
-    def __post_init__(self):
-        for name in ("widths", "pool_after", "hidden"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        if not self.widths:
-            raise ValueError("widths must not be empty")
-        for i, w in enumerate(self.widths):
-            require_positive(f"widths[{i}]", w)
-        for i, w in enumerate(self.hidden):
-            require_positive(f"hidden[{i}]", w)
-        if len(set(self.pool_after)) != len(self.pool_after) or any(
-            not isinstance(p, int) or not 0 <= p < len(self.widths) for p in self.pool_after
-        ):
-            raise ValueError(
-                f"pool_after must be distinct conv indices in [0, {len(self.widths)}), "
-                f"got {self.pool_after!r}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        require_positive("in_channels", self.in_channels)
-        if self.linear_init_std is not None and not self.linear_init_std > 0:
-            raise ValueError(f"linear_init_std must be > 0 or None, got {self.linear_init_std}")
+  def __post_init__(self):
+    for name in ("widths", "pool_after", "hidden"):
+      object.__setattr__(self, name, tuple(getattr(self, name)))
+    if not self.widths:
+      raise ValueError("widths must not be empty")
+    for i, w in enumerate(self.widths):
+      require_positive(f"widths[{i}]", w)
+    for i, w in enumerate(self.hidden):
+      require_positive(f"hidden[{i}]", w)
+    if len(set(self.pool_after)) != len(self.pool_after) or any(
+      not isinstance(p, int) or not 0 <= p < len(self.widths) for p in self.pool_after
+    ):
+      raise ValueError(
+        f"pool_after must be distinct conv indices in [0, {len(self.widths)}), "
+        f"got {self.pool_after!r}"
+      )
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    require_positive("in_channels", self.in_channels)
+    if self.linear_init_std is not None and not self.linear_init_std > 0:
+      raise ValueError(f"linear_init_std must be > 0 or None, got {self.linear_init_std}")
 
-    def scaled(self, multiplier: float) -> VGGSpec:
-        """Every conv and hidden width times ``multiplier`` (rounded, at least 1)."""
-        check_multiplier(multiplier)
-        return dataclasses.replace(
-            self,
-            widths=tuple(scale_width(w, multiplier) for w in self.widths),
-            hidden=tuple(scale_width(w, multiplier) for w in self.hidden),
-        )
-
-
-def _spec_from_blocks(blocks: Sequence[Sequence[int]], pools: int, **kwargs) -> VGGSpec:
-    widths = [w for block in blocks for w in block]
-    ends = [sum(len(b) for b in blocks[: i + 1]) - 1 for i in range(len(blocks))]
-    return VGGSpec(tuple(widths), tuple(ends[:pools]), **kwargs)
-
-
-def prunetrain_vgg_spec(depth: int) -> VGGSpec:
-    """PruneTrain's CIFAR VGG-``depth`` (11, 13, 16, 19): BN, 5 max pools, one
-    ``Linear(512, classes)``; He-normal conv init, BN γ = 1 (PruneTrain's code)."""
-    if depth not in _VGG_BLOCKS:
-        raise ValueError(f"depth must be one of {sorted(_VGG_BLOCKS)}, got {depth!r}")
-    return _spec_from_blocks(_VGG_BLOCKS[depth], pools=5)
-
-
-def clicktrain_vgg_spec(depth: int) -> VGGSpec:
-    """ClickTrain's CIFAR VGG-``depth`` (11, 13, 16, 19), as in their ``vgg.py``: BN, 4 max
-    pools (none after the last block) + ``AvgPool2d(2)``, classifier
-    Dropout → Linear(512, 512) → ReLU → Dropout → Linear(512, 512) → ReLU → Linear(512, classes),
-    BN γ initialised to 0.5, Linear weights N(0, 0.01)."""
-    if depth not in _VGG_BLOCKS:
-        raise ValueError(f"depth must be one of {sorted(_VGG_BLOCKS)}, got {depth!r}")
-    return _spec_from_blocks(
-        _VGG_BLOCKS[depth],
-        pools=4,
-        hidden=(512, 512),
-        dropout=0.5,
-        bn_scale_init=0.5,
-        linear_init_std=0.01,
+  def scaled(self, multiplier: float) -> VGGSpec:
+    """Every conv and hidden width times ``multiplier`` (rounded, at least 1)."""
+    check_multiplier(multiplier)
+    return dataclasses.replace(
+      self,
+      widths=tuple(scale_width(w, multiplier) for w in self.widths),
+      hidden=tuple(scale_width(w, multiplier) for w in self.hidden),
     )
 
 
+def _spec_from_blocks(blocks: Sequence[Sequence[int]], pools: int, **kwargs) -> VGGSpec:
+  widths = [w for block in blocks for w in block]
+  ends = [sum(len(b) for b in blocks[: i + 1]) - 1 for i in range(len(blocks))]
+  return VGGSpec(tuple(widths), tuple(ends[:pools]), **kwargs)
+
+
+def prunetrain_vgg_spec(depth: int) -> VGGSpec:
+  """PruneTrain's CIFAR VGG-``depth`` (11, 13, 16, 19): BN, 5 max pools, one
+  ``Linear(512, classes)``; He-normal conv init, BN γ = 1 (PruneTrain's code)."""
+  if depth not in _VGG_BLOCKS:
+    raise ValueError(f"depth must be one of {sorted(_VGG_BLOCKS)}, got {depth!r}")
+  return _spec_from_blocks(_VGG_BLOCKS[depth], pools=5)
+
+
+def clicktrain_vgg_spec(depth: int) -> VGGSpec:
+  """ClickTrain's CIFAR VGG-``depth`` (11, 13, 16, 19), as in their ``vgg.py``: BN, 4 max
+  pools (none after the last block) + ``AvgPool2d(2)``, classifier
+  Dropout → Linear(512, 512) → ReLU → Dropout → Linear(512, 512) → ReLU → Linear(512, classes),
+  BN γ initialised to 0.5, Linear weights N(0, 0.01)."""
+  if depth not in _VGG_BLOCKS:
+    raise ValueError(f"depth must be one of {sorted(_VGG_BLOCKS)}, got {depth!r}")
+  return _spec_from_blocks(
+    _VGG_BLOCKS[depth],
+    pools=4,
+    hidden=(512, 512),
+    dropout=0.5,
+    bn_scale_init=0.5,
+    linear_init_std=0.01,
+  )
+
+
 class VGG(nnx.Module):
-    """VGG: 3x3 ``ConvBN`` layers with max pools → global average pool → classifier.
+  """VGG: 3x3 ``ConvBN`` layers with max pools → global average pool → classifier.
 
-    Attributes:
-      spec: the ``VGGSpec`` it was built from.
-      num_classes: output logits.
-      features: ``nnx.List`` of ``ConvBN`` (``features[i]`` has ``spec.widths[i]`` filters).
-      classifier: ``nnx.List`` of ``nnx.Linear`` (hidden layers, then the output layer).
-      dropout: the ``nnx.Dropout`` applied before each hidden ``Linear``.
+  Attributes:
+    spec: the ``VGGSpec`` it was built from.
+    num_classes: output logits.
+    features: ``nnx.List`` of ``ConvBN`` (``features[i]`` has ``spec.widths[i]`` filters).
+    classifier: ``nnx.List`` of ``nnx.Linear`` (hidden layers, then the output layer).
+    dropout: the ``nnx.Dropout`` applied before each hidden ``Linear``.
 
-    Example:
-      >>> model = VGG(prunetrain_vgg_spec(11), num_classes=10, rngs=nnx.Rngs(0))
-      >>> model(jnp.zeros((2, 32, 32, 3))).shape
-      (2, 10)
-    """
+  Example:
+    >>> model = VGG(prunetrain_vgg_spec(11), num_classes=10, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 32, 32, 3))).shape
+    (2, 10)
+  """
 
-    def __init__(self, spec: VGGSpec, *, num_classes: int, rngs: nnx.Rngs):
-        if not isinstance(spec, VGGSpec):
-            raise ValueError(f"spec must be a VGGSpec, got {type(spec).__name__}")
-        require_positive("num_classes", num_classes)
-        self.spec = spec
-        self.num_classes = num_classes
-        features = []
-        in_width = spec.in_channels
-        for width in spec.widths:
-            features.append(ConvBN(in_width, width, 3, bn_scale_init=spec.bn_scale_init, rngs=rngs))
-            in_width = width
-        self.features = nnx.List(features)
-        if spec.linear_init_std is None:
-            linear_init = torch_default_init
-        else:
-            linear_init = normal_init(spec.linear_init_std)
-        classifier = []
-        for width in (*spec.hidden, num_classes):
-            classifier.append(
-                nnx.Linear(
-                    in_width,
-                    width,
-                    kernel_init=linear_init,
-                    bias_init=nnx.initializers.zeros_init(),
-                    rngs=rngs,
-                )
-            )
-            in_width = width
-        self.classifier = nnx.List(classifier)
-        self.dropout = nnx.Dropout(spec.dropout, rngs=rngs)
+  def __init__(self, spec: VGGSpec, *, num_classes: int, rngs: nnx.Rngs):
+    if not isinstance(spec, VGGSpec):
+      raise ValueError(f"spec must be a VGGSpec, got {type(spec).__name__}")
+    require_positive("num_classes", num_classes)
+    self.spec = spec
+    self.num_classes = num_classes
+    features = []
+    in_width = spec.in_channels
+    for width in spec.widths:
+      features.append(ConvBN(in_width, width, 3, bn_scale_init=spec.bn_scale_init, rngs=rngs))
+      in_width = width
+    self.features = nnx.List(features)
+    if spec.linear_init_std is None:
+      linear_init = torch_default_init
+    else:
+      linear_init = normal_init(spec.linear_init_std)
+    classifier = []
+    for width in (*spec.hidden, num_classes):
+      classifier.append(
+        nnx.Linear(
+          in_width,
+          width,
+          kernel_init=linear_init,
+          bias_init=nnx.initializers.zeros_init(),
+          rngs=rngs,
+        )
+      )
+      in_width = width
+    self.classifier = nnx.List(classifier)
+    self.dropout = nnx.Dropout(spec.dropout, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        pools = set(self.spec.pool_after)
-        for i, layer in enumerate(self.features):
-            x = layer(x)
-            if i in pools:
-                x = nnx.max_pool(x, (2, 2), strides=(2, 2))
-        x = global_avg_pool(x)
-        for linear in self.classifier[:-1]:
-            x = jax.nn.relu(linear(self.dropout(x)))
-        return self.classifier[-1](x)
+  def __call__(self, x: jax.Array) -> jax.Array:
+    pools = set(self.spec.pool_after)
+    for i, layer in enumerate(self.features):
+      x = layer(x)
+      if i in pools:
+        x = nnx.max_pool(x, (2, 2), strides=(2, 2))
+    x = global_avg_pool(x)
+    for linear in self.classifier[:-1]:
+      x = jax.nn.relu(linear(self.dropout(x)))
+    return self.classifier[-1](x)
