@@ -1,0 +1,171 @@
+"""Does a reconfigured (smaller, dense) model train faster in proportion to its FLOPs?
+
+PruneTrain's speed-up comes from training a smaller dense network after each
+reconfiguration (§4.2).  This benchmark takes a CIFAR ResNet (default ResNet-32), kills a
+fraction of the channels of every channel tensor (zeroing all their writer and reader
+groups, as group lasso would), reconfigures it with :func:`jaxprune.prunetrain.reconfigure`
+and times the jitted training step (forward, backward, SGD-momentum update; the trainer's
+own step function) of the dense and the pruned model in the same run, interleaved, at the
+same batch size.  The measured time ratio is put beside the training-FLOP ratio
+(:mod:`jaxprune.flops`); target: time ratio within 1.25x of the FLOP ratio.
+
+    python -m experiments.run prunetrain_speed [--model prunetrain-resnet32] [--keep 0.75 0.5 0.25]
+
+Writes ``experiments/results/prunetrain_speed.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxprune import flops, models, train
+from jaxprune import prunetrain as pt
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def kill_channels(model: nnx.Module, keep: float, seed: int = 0) -> None:
+  """Zero all groups of a random ``1 - keep`` fraction of every channel tensor (in place)."""
+  rng = np.random.default_rng(seed)
+  for tensor in pt.channel_graph(model):
+    width = tensor.width
+    dead = rng.permutation(width)[: width - max(1, round(keep * width))]
+    if not len(dead):
+      continue
+    for layer in tensor.writers:
+      param = layer.module.conv.kernel if layer.kind == "conv" else layer.module.kernel
+      array = np.array(param[...])
+      array[..., dead] = 0.0
+      param[...] = array
+    for layer in tensor.readers:
+      param = layer.module.conv.kernel if layer.kind == "conv" else layer.module.kernel
+      array = np.array(param[...])
+      if layer.kind == "conv":
+        array[:, :, dead, :] = 0.0
+      else:
+        array[dead, :] = 0.0
+      param[...] = array
+
+
+class _Timed:
+  """The trainer's jitted train step for one model, with its own state copies."""
+
+  def __init__(self, model: nnx.Module, batch: int, image_shape: tuple[int, ...]):
+    train_gd, eval_gd, params, rest = train.split_model(model)
+    self.tx = train.sgd(0.01, momentum=0.9, weight_decay=5e-4)
+    self.steps = train.step_functions(train_gd, eval_gd, self.tx, train.default_loss(),
+                                      donate=True)
+    self.state = (params, rest, self.tx.init(params), train.Metrics.zeros())
+    rng = np.random.default_rng(0)
+    self.images = jnp.asarray(rng.normal(size=(batch, *image_shape)).astype(np.float32))
+    self.labels = jnp.asarray(rng.integers(0, 10, size=batch).astype(np.int32))
+    self.run(2)  # compile + warm up
+
+  def run(self, steps: int) -> float:
+    start = time.perf_counter()
+    state = self.state
+    for _ in range(steps):
+      state = self.steps.train(*state, self.images, self.labels)
+    jax.block_until_ready(state)
+    self.state = state
+    return (time.perf_counter() - start) / steps
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="prunetrain_speed", description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="prunetrain-resnet32")
+  parser.add_argument("--keep", type=float, nargs="+", default=[0.75, 0.5, 0.25])
+  parser.add_argument("--batch-size", type=int, default=64)
+  parser.add_argument("--steps", type=int, default=3, help="steps per timing block")
+  parser.add_argument("--repeats", type=int, default=5, help="interleaved timing blocks")
+  parser.add_argument("--image-size", type=int, default=32)
+  args = parser.parse_args(argv)
+  if any(not 0 < k <= 1 for k in args.keep):
+    parser.error("--keep values must be in (0, 1]")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = _parse(argv)
+  command = "python -m experiments.run prunetrain_speed " + shlex.join(
+      list(argv) if argv is not None else sys.argv[1:])
+  image_shape = (args.image_size, args.image_size, 3)
+  input_shape = (args.batch_size, *image_shape)
+  dense_model = models.create(args.model, num_classes=10, rngs=nnx.Rngs(0))
+  dense_flops = flops.training_flops_per_step(dense_model, input_shape)
+  dense = _Timed(dense_model, args.batch_size, image_shape)
+  rows = []
+  for keep in args.keep:
+    model = nnx.clone(dense_model)
+    kill_channels(model, keep)
+    pruned_model, _, report = pt.reconfigure(model, None, input_shape=(1, *image_shape))
+    pruned_flops = flops.training_flops_per_step(pruned_model, input_shape)
+    pruned = _Timed(pruned_model, args.batch_size, image_shape)
+    dense_times, pruned_times = [], []
+    for _ in range(args.repeats):  # interleaved, so load changes hit both alike
+      dense_times.append(dense.run(args.steps))
+      pruned_times.append(pruned.run(args.steps))
+    dense_time, pruned_time = statistics.median(dense_times), statistics.median(pruned_times)
+    flop_ratio = pruned_flops / dense_flops
+    time_ratio = pruned_time / dense_time
+    rows.append({"keep": keep, "params": report.params_after,
+                 "train_flops_ratio": flop_ratio, "time_ratio": time_ratio,
+                 "time_over_flops": time_ratio / flop_ratio, "dense_step_s": dense_time,
+                 "pruned_step_s": pruned_time, "dense_times": dense_times,
+                 "pruned_times": pruned_times, "spec": repr(pruned_model.spec)})
+    print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("times")}),
+          flush=True)
+  result = {"args": vars(args), "command": command, "dense_train_flops": dense_flops,
+            "dense_params": sum(np.size(x) for x in jax.tree.leaves(
+                nnx.state(dense_model, nnx.Param))), "rows": rows}
+  _write(result, args, command)
+  return result
+
+
+def _write(result: dict[str, Any], args: argparse.Namespace, command: str) -> None:
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  machine = (f"{platform.processor() or platform.machine()}, {jax.device_count()} "
+             f"{jax.devices()[0].platform} device(s), JAX {jax.__version__}")
+  result = {**result, "date": date, "machine": machine}
+  (RESULTS / "prunetrain_speed.json").write_text(json.dumps(result, indent=1, default=str))
+  lines = [
+      f"# PruneTrain: training-step time after reconfiguration vs FLOPs ({args.model})",
+      "",
+      f"- Command: `{command}`",
+      f"- Date: {date}; machine: {machine}",
+      f"- Jitted train step (forward + backward + SGD momentum), batch {args.batch_size}, "
+      f"{args.image_size}x{args.image_size} images; median of {args.repeats} interleaved "
+      f"blocks of {args.steps} steps. Channels killed uniformly at random in every channel "
+      "tensor, then `jaxprune.prunetrain.reconfigure`.",
+      f"- Dense: {result['dense_params']:,} params, "
+      f"{result['dense_train_flops'] / 1e9:.2f} GFLOPs per step.",
+      "",
+      "| kept channels | params | train FLOPs ratio | step time ratio | time / FLOPs "
+      "(target ≤ 1.25) | dense step (ms) | pruned step (ms) |",
+      "|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in result["rows"]:
+    lines.append(f"| {100 * r['keep']:.0f}% | {r['params']:,} | {r['train_flops_ratio']:.3f} "
+                 f"| {r['time_ratio']:.3f} | {r['time_over_flops']:.2f} "
+                 f"| {1e3 * r['dense_step_s']:.1f} | {1e3 * r['pruned_step_s']:.1f} |")
+  (RESULTS / "prunetrain_speed.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  main()
