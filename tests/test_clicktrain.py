@@ -332,3 +332,42 @@ def test_bad_arguments():
         tx.update(p, tx.init(p), p)
     with pytest.raises(ValueError, match="params"):
         tx.update(p, tx.init(p), value=1.0)
+
+
+def test_mixed_kernel_sizes_get_one_pool_per_size():
+    rng = np.random.default_rng(3)
+    p = {"a": {"kernel": jnp.asarray(rng.normal(size=(5, 5, 4, 6)), jnp.float32)},
+         "b": {"kernel": jnp.asarray(rng.normal(size=(3, 3, 6, 6)), jnp.float32)},
+         "c": {"kernel": jnp.asarray(rng.normal(size=(5, 5, 6, 4)), jnp.float32)}}
+    tx = ct.clicktrain(optax.identity(), steps_per_epoch=1, hard_prune_epoch=5, pool_start_epoch=0,
+                       pool_epochs=1, finalize_epochs=1, pool_size=3, kernel_prune_ratio=0.5)
+    st = tx.init(p)
+    assert st.layers["a/kernel"].competitive_scores.shape == (math.comb(25, 4),)
+    update = jax.jit(tx.update)
+    for i in range(2):
+        _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(1.0))
+    assert int(st.stage) == ct.REGULARIZE
+    a, b, c = (st.layers[k] for k in ("a/kernel", "b/kernel", "c/kernel"))
+    # one global pool per kernel size: the summed competitive scores of that size's layers
+    total5 = np.asarray(a.competitive_scores) + np.asarray(c.competitive_scores)
+    expect5 = sorted(range(total5.size), key=lambda i: (-total5[i], i))[:3]
+    np.testing.assert_array_equal(a.pool, expect5)
+    np.testing.assert_array_equal(c.pool, expect5)
+    assert b.pool.shape == (3,) and int(b.competitive_scores.sum()) == 36
+    for ls in (a, b, c):
+        m = np.asarray(ls.pattern_mask)
+        assert np.all(m.sum((0, 1)) == 4)  # 4 kept weights in every kernel
+        assert set(np.unique(np.asarray(ls.pattern_id))) <= set(np.asarray(ls.pool).tolist())
+
+
+def test_state_round_trip_through_train_checkpoint_store(tmp_path):
+    store_mod = pytest.importorskip("jaxprune.train.checkpoint")
+    st = _paper_run()[2][-1]
+    store = store_mod.CheckpointStore(tmp_path / "ckpt")
+    store.save(1, {"opt_state": st}, {"epoch": 1})
+    fresh = jax.tree.map(jnp.zeros_like, st)
+    arrays, meta = store.restore(1, {"opt_state": fresh})
+    back = arrays["opt_state"]
+    assert isinstance(back, ct.ClickTrainState) and meta["epoch"] == 1
+    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(a, b)
