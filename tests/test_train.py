@@ -78,6 +78,17 @@ def _model(seed=0, spec=TinySpec(), dropout=0.2):
   return TinyCNN(spec, rngs=nnx.Rngs(seed, dropout=seed + 1), dropout=dropout)
 
 
+# One optimizer, smoothing and batch shape (8 x 6x6x1) shared by most tests, so they reuse
+# the compiled steps (jaxprune.train.step_functions caches them) instead of recompiling.
+_TX = jt.sgd(jt.step_schedule(0.1, steps_per_epoch=6, milestones=[2]), 0.9, weight_decay=1e-3)
+_SMOOTHING = 0.1
+
+
+def _trainer(model=None, **kwargs):
+  return jt.Trainer(model if model is not None else _model(), _TX,
+                    label_smoothing=_SMOOTHING, **kwargs)
+
+
 _TIMING_KEYS = {"images_per_s", "step_images_per_s", "data_wait_s", "epoch_time_s",
                 "eval_time_s", "wall_time_s"}
 
@@ -308,11 +319,15 @@ def test_train_step_matches_nnx_optimizer():
   tx = jt.sgd(0.1, 0.9, weight_decay=1e-3)
   trainer = jt.Trainer(model_a, tx)
   opt = nnx.Optimizer(model_b, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def reference_step(model, opt, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jt.cross_entropy(m(x), y))(model)
+    opt.update(model, grads, value=loss)
+
+  model_b.train()
   for _ in range(2):
-    model_b.train()
-    loss, grads = nnx.value_and_grad(
-        lambda m: jt.cross_entropy(m(jnp.asarray(images)), jnp.asarray(labels)))(model_b)
-    opt.update(model_b, grads, value=loss)
+    reference_step(model_b, opt, jnp.asarray(images), jnp.asarray(labels))
     trainer.params, trainer.rest, trainer.opt_state, _ = trainer.steps.train(
         trainer.params, trainer.rest, trainer.opt_state, jt.Metrics.zeros(), images, labels)
     trainer._model_synced = False
@@ -328,25 +343,24 @@ def test_train_step_matches_nnx_optimizer():
 def test_eval_flip_tta_and_padding_match_eager_model():
   images, labels = _data(10)
   model = _model()
-  trainer = jt.Trainer(model, jt.sgd(0.1), flip_tta=True)
+  trainer = _trainer(model, flip_tta=True)
   loader = ArrayLoader(images, labels, 4, shuffle=False, drop_last=False)  # 4 + 4 + 2
   got = trainer.evaluate(loader)
   ref = nnx.clone(model)
   ref.eval()
   x = jnp.asarray(images)
   logits = 0.5 * (ref(x) + ref(x[:, :, ::-1, :]))
-  want_loss = float(jt.cross_entropy(logits, jnp.asarray(labels)))
+  want_loss = float(jt.cross_entropy(logits, jnp.asarray(labels), _SMOOTHING))
   want_acc = float(jt.accuracy(logits, jnp.asarray(labels)))
   assert got["test_loss"] == pytest.approx(want_loss, rel=1e-5)
   assert got["test_acc"] == pytest.approx(want_acc)
   # flip TTA changes the logits of this (not flip-invariant) model
-  plain = float(jt.cross_entropy(ref(x), jnp.asarray(labels)))
+  plain = float(jt.cross_entropy(ref(x), jnp.asarray(labels), _SMOOTHING))
   assert abs(plain - want_loss) > 1e-6
 
 
 def test_step_memory_grows_with_batch():
-  model = _model()
-  trainer = jt.Trainer(model, jt.sgd(0.1, 0.9))
+  trainer = _trainer()
   small = trainer.step_memory(8, (6, 6, 1))
   large = trainer.step_memory(256, (6, 6, 1))
   assert large["argument"] > small["argument"]
@@ -359,10 +373,11 @@ def test_step_memory_grows_with_batch():
 
 
 def test_fit_learns_and_writes_json_lines(tmp_path):
-  images, labels = _data(96)
+  images, labels = _data(48)
   log = tmp_path / "log.jsonl"
-  trainer = jt.fit(_model(), jt.sgd(0.1, 0.9), ArrayLoader(images, labels, 16),
-                   ArrayLoader(images, labels, 32, shuffle=False), epochs=4, log_path=log,
+  trainer = jt.fit(_model(), _TX, ArrayLoader(images, labels, 8),
+                   ArrayLoader(images[:16], labels[:16], 8, shuffle=False), epochs=4,
+                   log_path=log, label_smoothing=_SMOOTHING,
                    metrics={"double_epoch": lambda t: 2 * t.epoch})
   records = [json.loads(line) for line in log.read_text().splitlines()]
   assert [r["epoch"] for r in records] == [1, 2, 3, 4]
@@ -373,16 +388,22 @@ def test_fit_learns_and_writes_json_lines(tmp_path):
   assert records[-1]["train_loss"] < records[0]["train_loss"]
   assert records[-1]["step"] == 4 * 6
   assert records[0]["lr"] == pytest.approx(0.1)
+  assert records[-1]["lr"] == pytest.approx(0.01)  # step schedule: x0.1 from epoch 2
   assert trainer.history == records
 
 
 def test_empty_loader_is_an_error():
   images, labels = _data(8)
-  trainer = jt.Trainer(_model(), jt.sgd(0.1))
+  trainer = _trainer()
   with pytest.raises(ValueError, match="no batches"):
     trainer.fit(ArrayLoader(images, labels, 16), epochs=1)  # batch > dataset, drop_last
   with pytest.raises(ValueError, match="epochs"):
     trainer.fit(ArrayLoader(images, labels, 4), epochs=0)
+
+
+def _lr_states(opt_state):
+  is_lr = lambda n: isinstance(n, jt.ScaleByLrState)  # noqa: E731
+  return [n for n in jax.tree.leaves(opt_state, is_leaf=is_lr) if is_lr(n)]
 
 
 class _BatchAndWidthHook(jt.Callback):
@@ -398,36 +419,38 @@ class _BatchAndWidthHook(jt.Callback):
       trainer.set_batch_size(16)
       new_model = _model(seed=5, spec=TinySpec((3,)))
       new_state = trainer.tx.init(nnx.as_pure(nnx.state(new_model, nnx.Param)))
-      new_state = jt.set_lr_scale(new_state, trainer.lr_scale)
-      new_state = jt.set_step_increment(new_state, 1.0)
-      # carry the schedule position over (a real reconfiguration slices the old state)
+      # Keep the LR state (schedule position, scale), as a real reconfiguration that slices
+      # the old optimizer state does.
+      (old_lr,) = _lr_states(trainer.opt_state)
+      new_state = jax.tree.map(lambda n: old_lr if isinstance(n, jt.ScaleByLrState) else n,
+                               new_state, is_leaf=lambda n: isinstance(n, jt.ScaleByLrState))
       trainer.replace(new_model, new_state)
     return {"hook_epoch": epoch}
 
 
 def test_hooks_change_batch_size_lr_and_model():
-  images, labels = _data(64)
+  images, labels = _data(48)
   loader = ArrayLoader(images, labels, 8)
   hook = _BatchAndWidthHook()
-  sched = jt.step_schedule(0.1, steps_per_epoch=8, milestones=[3])
-  trainer = jt.Trainer(_model(), jt.sgd(sched, 0.9), callbacks=[hook])
+  trainer = _trainer(callbacks=[hook])
   history = trainer.fit(loader, epochs=2)
   assert hook.calls == [1, 2]
   assert [r["hook_epoch"] for r in history] == [1, 2]
   assert [r["batch_size"] for r in history] == [8, 16]
-  assert [r["steps"] for r in history] == [8, 4]
+  assert [r["steps"] for r in history] == [6, 3]
   assert trainer.lr_scale == pytest.approx(2.0)
-  assert history[1]["lr"] == pytest.approx(0.2)   # base 0.1 x linear scale 2
+  # schedule positions 6, 8, 10 are before the epoch-2 milestone (12): base 0.1 x scale 2
+  assert history[1]["lr"] == pytest.approx(0.2)
   assert trainer.model.spec == TinySpec((3,))
   assert trainer.model.c1.kernel.shape == (3, 3, 1, 3)
   # schedule advances by 16/8 = 2 reference steps per step after the batch change
-  lr_state = [s for s in jax.tree.leaves(trainer.opt_state, is_leaf=lambda n: isinstance(
-      n, jt.ScaleByLrState)) if isinstance(s, jt.ScaleByLrState)][0]
-  assert float(lr_state.step) == pytest.approx(4 * 2.0)
+  (lr_state,) = _lr_states(trainer.opt_state)
+  assert float(lr_state.step_increment) == pytest.approx(2.0)
+  assert float(lr_state.step) == pytest.approx(6 + 3 * 2.0)
 
 
 def test_step_hook_runs_every_k_steps():
-  images, labels = _data(32)
+  images, labels = _data(48)
   seen = []
 
   class Every3(jt.Callback):
@@ -437,38 +460,52 @@ def test_step_hook_runs_every_k_steps():
       seen.append(step)
       trainer.lr_scale = 0.5
 
-  trainer = jt.Trainer(_model(), jt.sgd(0.1), callbacks=[Every3()])
-  history = trainer.fit(ArrayLoader(images, labels, 4), epochs=1)
+  trainer = _trainer(callbacks=[Every3()])
+  history = trainer.fit(ArrayLoader(images, labels, 8), epochs=1)
   assert seen == [3, 6]
-  assert history[0]["lr"] == pytest.approx(0.05)
+  assert history[0]["lr"] == pytest.approx(0.05)  # the last steps ran at 0.1 x 0.5
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 
-_RESUME_TX = jt.sgd(jt.step_schedule(0.1, 6, [2]), 0.9, weight_decay=1e-3)
-
-
-def _run(tmp_path, epochs, hook=None):
+def _loaders(use_data_package):
   images, labels = _data(48)
-  trainer = jt.Trainer(_model(), _RESUME_TX,
-                       label_smoothing=0.1, checkpoint_dir=tmp_path / "ckpt",
-                       log_path=tmp_path / "log.jsonl", callbacks=[hook] if hook else [])
-  train = ArrayLoader(images, labels, 8, seed=3)
-  test = ArrayLoader(images[:16], labels[:16], 8, shuffle=False)
+  if use_data_package:
+    from jaxprune import data
+    # The same small images as uint8, through the data package's seeded, resumable loader
+    # with augmentation (pad-crop + flip draws depend on (seed, epoch, step)).
+    uint8 = np.clip(images * 40 + 128, 0, 255).astype(np.uint8)
+    dataset = data.Dataset.from_arrays(uint8, labels)
+    return (data.Loader(dataset, 8, shuffle=True, seed=3, augment="prunetrain", prefetch=0),
+            data.Loader(dataset, 8, shuffle=False, drop_last=False, prefetch=0))
+  return (ArrayLoader(images, labels, 8, seed=3),
+          ArrayLoader(images[:16], labels[:16], 8, shuffle=False))
+
+
+def _run(tmp_path, epochs, hook=None, use_data_package=False):
+  train, test = _loaders(use_data_package)
+  model = _model()
+  trainer = _trainer(model, checkpoint_dir=tmp_path / "ckpt", log_path=tmp_path / "log.jsonl",
+                     callbacks=[hook] if hook else [])
   trainer.fit(train, test, epochs=epochs)
   return trainer
 
 
 @pytest.mark.parametrize("reconfigure", [False, True])
 def test_resume_is_exact(tmp_path, reconfigure):
-  """4 epochs straight == 2 epochs, stop, fresh trainer resumes, 2 more epochs. With
-  ``reconfigure`` a hook shrinks the model and doubles the batch after epoch 1, so the
-  resume must rebuild the smaller model from the checkpoint's spec."""
+  """4 epochs straight == 2 epochs, stop, fresh trainer resumes, 2 more epochs.
+
+  Without ``reconfigure`` the data come from ``jaxprune.data.Loader`` (shuffle and
+  augmentation draws seeded per epoch, position saved via ``state()``). With it a hook
+  shrinks the model and doubles the batch after epoch 1, so the resume must rebuild the
+  smaller model from the checkpoint's spec.
+  """
   make_hook = (lambda: _BatchAndWidthHook()) if reconfigure else (lambda: None)
-  straight = _run(tmp_path / "a", 4, make_hook())
-  _run(tmp_path / "b", 2, make_hook())            # stop after 2 epochs ...
-  resumed = _run(tmp_path / "b", 4, make_hook())  # ... fresh trainer, resume, finish
+  use_data = not reconfigure
+  straight = _run(tmp_path / "a", 4, make_hook(), use_data)
+  _run(tmp_path / "b", 2, make_hook(), use_data)            # stop after 2 epochs ...
+  resumed = _run(tmp_path / "b", 4, make_hook(), use_data)  # ... fresh trainer, resume, finish
   assert resumed.epoch == 4 and resumed.step == straight.step
   assert _strip_timing(resumed.history) == _strip_timing(straight.history)
   _assert_trees_equal(nnx.as_pure(nnx.state(resumed.model)),
@@ -476,13 +513,15 @@ def test_resume_is_exact(tmp_path, reconfigure):
   _assert_trees_equal(resumed.opt_state, straight.opt_state)
   logged = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
   assert [r["epoch"] for r in logged] == [1, 2, 3, 4]
+  # the run actually trained (resume of an untrained model would pass trivially)
+  assert straight.history[-1]["train_loss"] < straight.history[0]["train_loss"]
 
 
 def test_interrupted_checkpoint_write_is_not_resumed(tmp_path, monkeypatch):
   import orbax.checkpoint as ocp
-  images, labels = _data(32)
+  images, labels = _data(48)
   loader = ArrayLoader(images, labels, 8)
-  trainer = jt.Trainer(_model(), jt.sgd(0.1, 0.9), checkpoint_dir=tmp_path / "ckpt")
+  trainer = _trainer(checkpoint_dir=tmp_path / "ckpt")
   trainer.fit(loader, epochs=1)
   good_params = jax.tree.map(np.asarray, trainer.params)
 
@@ -498,7 +537,7 @@ def test_interrupted_checkpoint_write_is_not_resumed(tmp_path, monkeypatch):
   monkeypatch.undo()
   leftovers = sorted(os.listdir(tmp_path / "ckpt"))
   assert "1" in leftovers and "2" not in leftovers, leftovers
-  fresh = jt.Trainer(_model(seed=9), jt.sgd(0.1, 0.9), checkpoint_dir=tmp_path / "ckpt")
+  fresh = _trainer(_model(seed=9), checkpoint_dir=tmp_path / "ckpt")
   assert fresh.store.latest_step() == 1
   assert fresh.restore_checkpoint(loader)
   assert fresh.epoch == 1
@@ -522,3 +561,18 @@ def test_spec_json_round_trip():
   assert decode_spec(data) == spec
   with pytest.raises(ValueError, match="spec"):
     encode_spec(object())
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def test_experiment_runner_lists_and_rejects_unknown(capsys):
+  from experiments import run
+  assert {"quickstart", "cifar_baseline"} <= set(run.available())
+  assert "run" not in run.available()
+  assert run.main(["--list"]) == 0
+  assert "quickstart" in capsys.readouterr().out.split()
+  with pytest.raises(ValueError, match="unknown experiment 'no_such_experiment'"):
+    run.load("no_such_experiment")
+  assert run.main(["no_such_experiment"]) == 2
+  assert "unknown experiment" in capsys.readouterr().err
