@@ -181,6 +181,10 @@ def test_architecture_attributes():
   assert isinstance(bottleneck, Bottleneck)
   assert bottleneck.conv2.conv.strides == (2, 2)  # v1.5
   assert bottleneck.conv1.conv.strides == (1, 1)
+  imagenet = _abstract("imagenet-resnet50", num_classes=1000)
+  features = nnx.eval_shape(lambda m: m.features(jnp.zeros((1, 224, 224, 3))), imagenet)
+  assert features.shape == (1, 7, 7, 2048)  # 7x7/2 stem + 3x3/2 max pool, then /8
+  assert imagenet.stem.conv.kernel.shape == (7, 7, 3, 64)
   vgg = _abstract("clicktrain-vgg16")
   assert len(vgg.features) == 13 and len(vgg.classifier) == 3
 
@@ -256,6 +260,13 @@ def test_convbn_matches_pytorch_padding(k, stride):
   x = np.asarray(jax.random.normal(jax.random.key(1), (2, 6, 6, 3)))
   ref = _conv_reference(x, np.asarray(layer.conv.kernel[...]), stride, k // 2) / np.sqrt(1 + 1e-5)
   np.testing.assert_allclose(np.asarray(_apply(layer, jnp.asarray(x))), ref, rtol=1e-4, atol=1e-5)
+  # Training mode: PyTorch BatchNorm2d(momentum=0.1) running statistics, batch-normalised output.
+  layer.train()
+  out = np.asarray(_apply(layer, jnp.asarray(x)))
+  conv = _conv_reference(x, np.asarray(layer.conv.kernel[...]), stride, k // 2)
+  np.testing.assert_allclose(layer.bn.mean[...], 0.1 * conv.mean(axis=(0, 1, 2)), rtol=1e-4, atol=1e-6)
+  normalised = (conv - conv.mean(axis=(0, 1, 2))) / np.sqrt(conv.var(axis=(0, 1, 2)) + 1e-5)
+  np.testing.assert_allclose(out, normalised, rtol=1e-3, atol=1e-4)
 
 
 def test_train_eval_switches_batchnorm_and_dropout():
