@@ -15,5 +15,6 @@ from jaxprune import models
 from jaxprune import train
 from jaxprune import importance
 from jaxprune import patterns
+from jaxprune import sdgp
 from jaxprune import clicktrain_transform
 from jaxprune.clicktrain_transform import clicktrain
