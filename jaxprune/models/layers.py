@@ -123,8 +123,8 @@ class ConvBN(nnx.Module):
       kernel_size: square kernel size.
       strides: convolution stride.
       padding: symmetric zero padding on each side, PyTorch style; ``None`` means
-      ``kernel_size // 2``. Explicit padding (not ``"SAME"``) keeps strided convs
-      aligned exactly as in the papers' PyTorch models.
+        ``kernel_size // 2``. Explicit padding (not ``"SAME"``) keeps strided convs
+        aligned exactly as in the papers' PyTorch models.
       relu: apply ReLU after BatchNorm.
       bn_scale_init: initial BatchNorm γ (ClickTrain's VGG uses 0.5).
       kernel_init: conv kernel initializer (He normal, fan_out, by default).
@@ -220,7 +220,7 @@ class _ResidualBlock(nnx.Module):
       in_features: block input channels.
       out_features: block output channels (the residual stream width).
       widths: the inner conv widths (see the class docstring); ``()`` (default) means
-      the standard ones; ``None`` removes the branch.
+        the standard ones; ``None`` removes the branch.
       strides: stride of the block (on the 3x3 conv carrying it, and the projection).
       projection: use a 1x1 conv + BN shortcut; required when the shape changes.
       rngs: NNX random streams.

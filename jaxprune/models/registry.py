@@ -75,9 +75,9 @@ def create(
     name: one of ``available()``, e.g. ``"prunetrain-resnet32"``.
     num_classes: number of output logits.
     rngs: NNX random streams (``nnx.Rngs(seed)``); a ``dropout`` stream is used by VGGs if
-    present, else the default one.
+      present, else the default one.
     width_multiplier: scale every width by this factor (rounded, at least 1), for narrower
-    models on small compute budgets.
+      models on small compute budgets.
     spec: a full spec replacing the registered one (e.g. a pruned model's ``model.spec``).
     **spec_overrides: fields of the spec to replace, e.g. ``in_channels=1``.
 
@@ -86,7 +86,7 @@ def create(
 
   Raises:
     ValueError: unknown ``name`` (the message lists the available ones), an unknown spec
-    field, or an invalid spec.
+      field, or an invalid spec.
 
   Example:
     >>> model = create("prunetrain-resnet32", num_classes=10, rngs=nnx.Rngs(0))

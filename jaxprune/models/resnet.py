@@ -53,8 +53,8 @@ class BlockSpec:
 
   Attributes:
     widths: inner conv output widths, ``(mid,)`` for a basic block, ``(w1, w2)`` for a
-    bottleneck; ``None`` when the branch was removed (the block computes
-    ``relu(shortcut(x))``).
+      bottleneck; ``None`` when the branch was removed (the block computes
+      ``relu(shortcut(x))``).
     projection: 1x1 conv + BN shortcut (``True``) or identity (``False``).
   """
 
@@ -174,7 +174,7 @@ class ResNetSpec:
       num_blocks: blocks per stage.
       strides: stride of each stage's first block.
       inner_widths: per stage, the inner widths of its blocks; default: the stage width
-      for basic blocks, ``stage_width // 4`` twice for bottlenecks.
+        for basic blocks, ``stage_width // 4`` twice for bottlenecks.
       **kwargs: the remaining ``ResNetSpec`` fields.
 
     Returns:

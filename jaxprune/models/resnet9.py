@@ -3,13 +3,13 @@
 Layout of ffcv's ``cifar/train_cifar.py`` model, with every width doubled as in SDGP's
 CIFAR configuration (DESIGN.md: convs 128, 256, [256, 256], 512, [512, 512], 256)::
 
-  prep    ConvBN(3 → 128, 3x3)
-  layer1  ConvBN(128 → 256, 5x5, stride 2, padding 2)
-  res1    x + ConvBN(256 → 256) ∘ ConvBN(256 → 256)        (no ReLU after the sum)
-  layer2  ConvBN(256 → 512, 3x3), then MaxPool 2x2
-  res2    x + ConvBN(512 → 512) ∘ ConvBN(512 → 512)
-  layer3  ConvBN(512 → 256, 3x3, padding 0)
-  global max pool → Linear(256, classes, no bias) → × 0.2
+    prep    ConvBN(3 → 128, 3x3)
+    layer1  ConvBN(128 → 256, 5x5, stride 2, padding 2)
+    res1    x + ConvBN(256 → 256) ∘ ConvBN(256 → 256)        (no ReLU after the sum)
+    layer2  ConvBN(256 → 512, 3x3), then MaxPool 2x2
+    res2    x + ConvBN(512 → 512) ∘ ConvBN(512 → 512)
+    layer3  ConvBN(512 → 256, 3x3, padding 0)
+    global max pool → Linear(256, classes, no bias) → × 0.2
 
 Conv and Linear weights use PyTorch's default init, as the ffcv recipe (lr 0.5) was tuned with it.
 """

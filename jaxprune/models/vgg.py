@@ -38,12 +38,12 @@ class VGGSpec:
     widths: output width of each 3x3 conv, in order.
     pool_after: indices into ``widths`` of the convs followed by a 2x2 max pool.
     hidden: widths of the hidden ``Linear`` layers of the classifier (each preceded by
-    dropout and followed by ReLU); ``()`` = a single ``Linear`` to the classes.
+      dropout and followed by ReLU); ``()`` = a single ``Linear`` to the classes.
     dropout: dropout rate before each hidden ``Linear``.
     in_channels: image channels.
     bn_scale_init: initial BatchNorm γ (ClickTrain's code uses 0.5).
     linear_init_std: std of the normal init of the classifier weights (ClickTrain: 0.01);
-    ``None`` = PyTorch's default uniform init.
+      ``None`` = PyTorch's default uniform init.
   """
 
   widths: tuple[int, ...]
