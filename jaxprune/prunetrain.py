@@ -28,7 +28,11 @@ too).
 The new model computes the same function as the old one with the removed channels' weights
 set to zero, with one exception: a removed branch also drops the constant its last
 BatchNorm emits for a zero input (``β − γ·μ/√(σ²+ε)`` per channel).  The report records the
-largest such constant as ``removed_branch_offset`` (PruneTrain's code drops it too).
+largest such constant as ``removed_branch_offset`` (it is zero when the branch's BatchNorm
+shift has decayed too).
+
+:class:`PruneTrainCallback` runs all this inside :class:`jaxprune.train.Trainer` every k
+epochs, grows the mini-batch into the memory freed (§4.3) and accounts the training cost.
 
 Example::
 
@@ -49,10 +53,10 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
-import optax
-
+from jaxprune import flops
 from jaxprune.train import Callback
 from jaxprune.group_lasso import (  # noqa: F401  (re-exported for ``prunetrain.*`` users)
     GroupLassoRatioState,
@@ -482,8 +486,6 @@ def _param_count(model: nnx.Module) -> int:
 
 
 def _flops(model: nnx.Module, input_shape: tuple[int, ...]) -> tuple[int, int]:
-  from jaxprune import flops  # local: flops traces the model, only needed for the report
-
   layers = flops.layer_flops(model, input_shape)
   return flops.inference_flops(layers), flops.training_flops_per_step(layers)
 
@@ -682,8 +684,6 @@ def model_costs(model: nnx.Module, image_shape: Sequence[int], *,
     traffic per image), ``allreduce_bytes`` (bytes each device sends per step, ring
     all-reduce of all gradients) and ``params``.
   """
-  from jaxprune import flops
-
   shape = (1, *tuple(image_shape))
   layers = flops.layer_flops(model, shape)
   params = nnx.as_pure(nnx.state(model, nnx.Param))
