@@ -449,6 +449,15 @@ def test_hooks_change_batch_size_lr_and_model():
   assert float(lr_state.step) == pytest.approx(6 + 3 * 2.0)
 
 
+def test_replace_rejects_mismatched_optimizer_state():
+  trainer = _trainer()
+  narrow = _model(spec=TinySpec((3,)))
+  with pytest.raises(ValueError, match="opt_state"):
+    trainer.replace(narrow, trainer.opt_state)  # state still shaped for width 4
+  trainer.replace(narrow, _TX.init(nnx.as_pure(nnx.state(narrow, nnx.Param))))
+  assert trainer.params["c1"]["kernel"].shape == (3, 3, 1, 3)
+
+
 def test_step_hook_runs_every_k_steps():
   images, labels = _data(48)
   seen = []
@@ -576,3 +585,13 @@ def test_experiment_runner_lists_and_rejects_unknown(capsys):
     run.load("no_such_experiment")
   assert run.main(["no_such_experiment"]) == 2
   assert "unknown experiment" in capsys.readouterr().err
+
+
+def test_quickstart_rejects_unknown_method_and_formats_rows():
+  from experiments import quickstart
+  with pytest.raises(SystemExit):
+    quickstart._parse(["--methods", "dense,no_such_method"])
+  assert "dense" in quickstart.METHODS
+  table = quickstart.format_table([{"method": "dense", "test_acc": 0.5, "compression": 1.0,
+                                    "train_time_s": 3.0}])
+  assert "| dense | 50.00% | 1.00x | 3.0 |" in table.splitlines()

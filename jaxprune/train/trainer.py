@@ -221,8 +221,10 @@ class Trainer:
     """
     model = self.model if model is None else model
     opt_state = self.opt_state if opt_state is None else opt_state
-    expected = jax.eval_shape(self.tx.init, nnx.as_pure(nnx.state(model, nnx.Param)))
-    if jax.tree.map(jnp.shape, expected) != jax.tree.map(jnp.shape, opt_state):
+    expected, expected_def = jax.tree.flatten(
+        jax.eval_shape(self.tx.init, nnx.as_pure(nnx.state(model, nnx.Param))))
+    got, got_def = jax.tree.flatten(opt_state)
+    if expected_def != got_def or [e.shape for e in expected] != [np.shape(g) for g in got]:
       raise ValueError("opt_state: structure or shapes do not match tx.init(model params)")
     self._set_model(model, opt_state)
 
