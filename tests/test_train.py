@@ -362,11 +362,17 @@ def test_eval_flip_tta_and_padding_match_eager_model():
 def test_step_memory_grows_with_batch():
   trainer = _trainer()
   small = trainer.step_memory(8, (6, 6, 1))
-  large = trainer.step_memory(256, (6, 6, 1))
+  large = trainer.step_memory(32, (6, 6, 1))
   assert large["argument"] > small["argument"]
   assert large["total"] > small["total"] > 0
   with pytest.raises(ValueError, match="batch_size"):
     trainer.step_memory(0, (6, 6, 1))
+  # the dynamic mini-batch search returns the largest multiple of 8 within the budget
+  budget = trainer.step_memory(24, (6, 6, 1))["total"]
+  assert trainer.step_memory(32, (6, 6, 1))["total"] > budget
+  assert trainer.largest_batch_size(budget, (6, 6, 1), granularity=8, limit=32) == 24
+  with pytest.raises(ValueError, match="budget_bytes"):
+    trainer.largest_batch_size(small["total"] // 2, (6, 6, 1), granularity=8, limit=32)
 
 
 # ----------------------------------------------------------------------------- fit / hooks

@@ -189,6 +189,7 @@ class Trainer:
     self.reference_batch_size: int | None = None
     self._pending_batch_size: tuple[int, bool] | None = None
     self._elapsed_before = 0.0
+    self._memory_cache: dict[Any, dict[str, int]] = {}
     self._set_model(model, self.tx.init(nnx.as_pure(nnx.state(model, nnx.Param))))
 
   # ----------------------------------------------------------------- state access
@@ -270,9 +271,40 @@ class Trainer:
 
   def step_memory(self, batch_size: int, image_shape: tuple[int, ...],
                   **kwargs: Any) -> dict[str, int]:
-    """XLA memory statistics of the compiled train step at ``batch_size`` (bytes)."""
-    return train_step_memory(self._steps, self.params, self.rest, self.opt_state, image_shape,
-                             batch_size, **kwargs)
+    """XLA memory statistics of the compiled train step at ``batch_size`` (bytes).
+
+    Memoised per model/optimizer shapes, since each analysis compiles the step."""
+    shapes = tuple(np.shape(x) for x in jax.tree.leaves((self.params, self.rest, self.opt_state)))
+    key = (id(self._steps), shapes, int(batch_size), tuple(image_shape),
+           tuple(sorted(kwargs.items())))
+    if key not in self._memory_cache:
+      self._memory_cache[key] = train_step_memory(self._steps, self.params, self.rest,
+                                                  self.opt_state, image_shape, batch_size,
+                                                  **kwargs)
+    return dict(self._memory_cache[key])
+
+  def largest_batch_size(self, budget_bytes: int, image_shape: tuple[int, ...], *,
+                         granularity: int = 32, limit: int = 8192, **kwargs: Any) -> int:
+    """Largest multiple of ``granularity`` (<= ``limit``) whose compiled train step needs at
+    most ``budget_bytes`` (PruneTrain §4.3: grow the batch into the memory a
+    reconfiguration freed, in steps of 32). Binary search; each probe compiles the step.
+
+    Raises:
+      ValueError: bad arguments, or not even ``granularity`` examples fit the budget.
+    """
+    if granularity < 1 or limit < granularity:
+      raise ValueError(f"granularity must be in [1, limit], got {granularity} (limit {limit})")
+    low, high = 0, limit // granularity  # low fits (0 = nothing yet), answers lie in (low, high]
+    while low < high:
+      mid = (low + high + 1) // 2
+      if self.step_memory(mid * granularity, image_shape, **kwargs)["total"] <= budget_bytes:
+        low = mid
+      else:
+        high = mid - 1
+    if low == 0:
+      raise ValueError(f"budget_bytes {budget_bytes} is below the step's memory at batch "
+                       f"{granularity}")
+    return low * granularity
 
   # ----------------------------------------------------------------- train / eval
   def train_epoch(self, loader: Iterable) -> dict[str, float]:
