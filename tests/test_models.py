@@ -182,7 +182,7 @@ def test_architecture_attributes():
   assert bottleneck.conv2.conv.strides == (2, 2)  # v1.5
   assert bottleneck.conv1.conv.strides == (1, 1)
   imagenet = _abstract("imagenet-resnet18", num_classes=7)
-  features = nnx.eval_shape(lambda m: m.features(jnp.zeros((1, 224, 224, 3))), imagenet)
+  features = nnx.eval_shape(lambda m: m.forward_features(jnp.zeros((1, 224, 224, 3))), imagenet)
   assert features.shape == (1, 7, 7, 512)  # 7x7/2 stem + 3x3/2 max pool, then /8
   assert imagenet.stem.conv.kernel.shape == (7, 7, 3, 64)
   vgg = _abstract("clicktrain-vgg16")

@@ -289,7 +289,7 @@ class ResNet(nnx.Module):
       rngs=rngs,
     )
 
-  def features(self, x: jax.Array) -> jax.Array:
+  def forward_features(self, x: jax.Array) -> jax.Array:
     """The last stage's output, before pooling (NHWC)."""
     x = self.stem(x)
     if self.spec.stem_pool:
@@ -300,7 +300,7 @@ class ResNet(nnx.Module):
     return x
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.head(global_avg_pool(self.features(x)))
+    return self.head(global_avg_pool(self.forward_features(x)))
 
 
 def prunetrain_resnet_spec(depth: int) -> ResNetSpec:
