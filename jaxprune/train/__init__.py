@@ -12,11 +12,12 @@ from jaxprune.train.step import (Metrics, StepFunctions, default_loss, memory_by
                                  split_model, step_functions,
                                  train_step_memory)
 from jaxprune.train.trainer import Callback, Trainer, fit
+from jaxprune.train.callbacks import Reconfigure
 
 __all__ = [
     "CheckpointStore", "accuracy", "correct_per_example", "cross_entropy",
     "cross_entropy_per_example", "ScaleByLrState", "get_lr", "get_lr_scale", "kernels_only",
     "scale_by_lr", "set_lr_scale", "set_step_increment", "sgd", "step_schedule",
     "triangular_schedule", "with_warmup", "Metrics", "StepFunctions", "default_loss",
-    "memory_bytes", "split_model", "step_functions", "train_step_memory", "Callback", "Trainer", "fit",
+    "memory_bytes", "split_model", "step_functions", "train_step_memory", "Callback", "Trainer", "fit", "Reconfigure",
 ]

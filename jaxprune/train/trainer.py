@@ -187,6 +187,7 @@ class Trainer:
     self.step = 0    # completed optimizer steps
     self.history: list[dict[str, Any]] = []
     self.reference_batch_size: int | None = None
+    self.batch_size: int | None = None  # the training loader's batch size this epoch
     self._pending_batch_size: tuple[int, bool] | None = None
     self._elapsed_before = 0.0
     self._memory_cache: dict[Any, dict[str, int]] = {}
@@ -470,6 +471,7 @@ class Trainer:
     fit_start = time.perf_counter() - self._elapsed_before
     while self.epoch < epochs:
       self._apply_pending_batch_size(train_loader)
+      self.batch_size = _loader_batch_size(train_loader)
       if hasattr(train_loader, "set_epoch"):
         train_loader.set_epoch(self.epoch)
       record: dict[str, Any] = {"epoch": self.epoch + 1}

@@ -1,0 +1,77 @@
+"""Ready-made host-side callbacks for :class:`jaxprune.train.Trainer`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flax import nnx
+
+from jaxprune.train.trainer import Callback, Trainer
+
+ReconfigureFn = Callable[[nnx.Module, Any], tuple[nnx.Module, Any, Any]]
+
+
+class Reconfigure(Callback):
+  """Periodically replace the model by a smaller one, optionally growing the mini-batch.
+
+  PruneTrain §3.3 reconfigures the network every ``every_epochs`` epochs (10 on CIFAR);
+  §4.3 then grows the mini-batch, in multiples of ``granularity`` (32), to fill the memory
+  the smaller model freed, and scales the LR by the same factor (linear scaling rule).
+  The memory is XLA's analysis of the compiled train step (:meth:`Trainer.step_memory`):
+  the budget is what the old model needed at the old batch size.
+
+  Args:
+    reconfigure: ``(model, opt_state) -> (new_model, new_opt_state, report)``, e.g.
+      ``jaxprune.prunetrain.reconfigure``.
+    every_epochs: run after every this many epochs.
+    image_shape: one example's shape; required with ``grow_batch``.
+    grow_batch: grow the batch into the freed memory (PruneTrain's dynamic mini-batch).
+    granularity: batch sizes are multiples of this.
+    max_batch_size: upper bound of the grown batch (e.g. the data set size).
+    report_metrics: ``report -> dict`` of entries for the epoch's JSON line.
+
+  Example:
+    >>> from jaxprune import prunetrain  # doctest: +SKIP
+    >>> hook = Reconfigure(prunetrain.reconfigure, every_epochs=10, image_shape=(32, 32, 3),
+    ...                    grow_batch=True)  # doctest: +SKIP
+  """
+
+  def __init__(self, reconfigure: ReconfigureFn, every_epochs: int, *,
+               image_shape: tuple[int, ...] | None = None, grow_batch: bool = False,
+               granularity: int = 32, max_batch_size: int = 8192,
+               report_metrics: Callable[[Any], Mapping[str, Any]] | None = None):
+    if every_epochs < 1:
+      raise ValueError(f"every_epochs must be >= 1, got {every_epochs}")
+    if grow_batch and image_shape is None:
+      raise ValueError("image_shape is required when grow_batch=True")
+    if granularity < 1 or max_batch_size < granularity:
+      raise ValueError(f"granularity must be in [1, max_batch_size], got {granularity}")
+    self.reconfigure = reconfigure
+    self.every_epochs = every_epochs
+    self.image_shape = tuple(image_shape) if image_shape is not None else None
+    self.grow_batch = grow_batch
+    self.granularity = granularity
+    self.max_batch_size = max_batch_size
+    self.report_metrics = report_metrics
+
+  def on_epoch_end(self, trainer: Trainer, epoch: int) -> Mapping[str, Any] | None:
+    if epoch % self.every_epochs:
+      return None
+    batch = trainer.batch_size
+    budget = None
+    if self.grow_batch and batch:
+      budget = trainer.step_memory(batch, self.image_shape)["total"]
+    new_model, new_opt_state, report = self.reconfigure(trainer.model, trainer.opt_state)
+    trainer.replace(new_model, new_opt_state)
+    metrics: dict[str, Any] = {"reconfigured": True}
+    if budget is not None:
+      new_batch = trainer.largest_batch_size(budget, self.image_shape,
+                                             granularity=self.granularity,
+                                             limit=self.max_batch_size)
+      if new_batch > batch:
+        trainer.set_batch_size(new_batch, scale_lr=True)
+      metrics["next_batch_size"] = max(new_batch, batch)
+    if self.report_metrics is not None:
+      metrics.update(self.report_metrics(report))
+    return metrics
