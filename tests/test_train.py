@@ -534,19 +534,19 @@ def _run(tmp_path, epochs, hook=None, use_data_package=False):
   return trainer
 
 
-@pytest.mark.parametrize("reconfigure", [False, True])
-def test_resume_is_exact(tmp_path, reconfigure):
-  """4 epochs straight == 2 epochs, stop, fresh trainer resumes, 2 more epochs.
+@pytest.mark.parametrize("reconfigure, stop", [(False, 2), (True, 1)])
+def test_resume_is_exact(tmp_path, reconfigure, stop):
+  """4 epochs straight == `stop` epochs, stop, fresh trainer resumes, finishes.
 
   Without ``reconfigure`` the data come from ``jaxprune.data.Loader`` (shuffle and
   augmentation draws seeded per epoch, position saved via ``state()``). With it a hook
-  shrinks the model and doubles the batch after epoch 1, so the resume must rebuild the
-  smaller model from the checkpoint's spec.
+  shrinks the model and asks for a doubled batch after epoch 1, so the resume must rebuild
+  the smaller model from the checkpoint's spec (stop=1: and apply the pending batch change).
   """
   make_hook = (lambda: _BatchAndWidthHook()) if reconfigure else (lambda: None)
   use_data = not reconfigure
   straight = _run(tmp_path / "a", 4, make_hook(), use_data)
-  _run(tmp_path / "b", 2, make_hook(), use_data)            # stop after 2 epochs ...
+  _run(tmp_path / "b", stop, make_hook(), use_data)         # stop after `stop` epochs ...
   resumed = _run(tmp_path / "b", 4, make_hook(), use_data)  # ... fresh trainer, resume, finish
   assert resumed.epoch == 4 and resumed.step == straight.step
   assert _strip_timing(resumed.history) == _strip_timing(straight.history)

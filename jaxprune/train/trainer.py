@@ -384,6 +384,9 @@ class Trainer:
     return {"epoch": self.epoch, "step": self.step,
             "batch_size": _loader_batch_size(loader),
             "reference_batch_size": self.reference_batch_size,
+            # A batch change requested by an epoch-end hook applies at the next epoch.
+            "pending_batch_size": (list(self._pending_batch_size)
+                                   if self._pending_batch_size else None),
             "loader_state": loader_state, "model_spec": _model_spec(self._model),
             "callbacks": [c.state_dict() for c in self.callbacks],
             "elapsed_s": self._elapsed_before, "history": self.history}
@@ -425,6 +428,8 @@ class Trainer:
     self._set_model(model, arrays["opt_state"])
     self.epoch, self.step = int(meta["epoch"]), int(meta["step"])
     self.reference_batch_size = meta.get("reference_batch_size")
+    pending = meta.get("pending_batch_size")
+    self._pending_batch_size = (int(pending[0]), bool(pending[1])) if pending else None
     self.history = list(meta.get("history", []))
     self._elapsed_before = float(meta.get("elapsed_s", 0.0))
     for c, state in zip(self.callbacks, meta.get("callbacks", [])):
