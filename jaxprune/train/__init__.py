@@ -1,6 +1,25 @@
 """Training loop for jaxprune: jitted steps accepting any Optax transform, PyTorch-style
 SGD and schedules, evaluation with flip TTA, orbax checkpoints with exact resume, and
-host-side hooks (PruneTrain reconfiguration, dynamic mini-batch, extra metrics)."""
+host-side hooks (PruneTrain reconfiguration, dynamic mini-batch, extra metrics).
+
+Example::
+
+    from flax import nnx
+    from jaxprune import data, models, train
+
+    train_set, test_set = data.load("cifar10"), data.load("cifar10", split="test")
+    loader = data.Loader(train_set, 128, augment="prunetrain", seed=0)
+    test_loader = data.Loader(test_set, 500, shuffle=False, drop_last=False)
+    model = models.create("prunetrain-resnet32", num_classes=10, rngs=nnx.Rngs(0))
+    tx = train.sgd(train.step_schedule(0.1, len(loader), [91, 136]), momentum=0.9,
+                   weight_decay=5e-4)
+    trainer = train.Trainer(model, tx, log_path="runs/r32/log.jsonl",
+                            checkpoint_dir="runs/r32/ckpt")
+    history = trainer.fit(loader, test_loader, epochs=182)   # resumes if interrupted
+
+Any Optax transform works in place of ``train.sgd`` (``GradientTransformationExtraArgs``
+receive ``value=loss``); LR scaling needs a ``train.scale_by_lr`` inside it.
+"""
 
 from jaxprune.train.checkpoint import CheckpointStore
 from jaxprune.train.loss import (accuracy, correct_per_example, cross_entropy,
