@@ -70,7 +70,7 @@ def _mvue_reference(grouped: Array, n: int, uniforms: Array) -> Array:
     value = jnp.where(picked, jnp.sign(blocks) * total[..., None], 0.0)
     # a non-finite entry is kept unchanged (the first one of its sub-block)
     nonfinite = ~(mags < jnp.inf)
-    first_nonfinite = nonfinite & (jnp.cumsum(nonfinite, axis=-1) == 1)
+    first_nonfinite = jnp.arange(k) == jnp.argmax(nonfinite, axis=-1)[..., None]
     value = jnp.where(
         jnp.any(nonfinite, axis=-1, keepdims=True), jnp.where(first_nonfinite, blocks, 0.0), value
     )
