@@ -41,7 +41,7 @@ ROWS = ("dense", "random", "magnitude", "rescaled_magnitude", "mvue")
 
 BUDGETS = {
     "full": dict(width=1.0, train_subset=None, test_subset=None, epochs=150, batch_size=512),
-    "cpu": dict(width=0.125, train_subset=8_000, test_subset=2_000, epochs=4, batch_size=128),
+    "cpu": dict(width=0.125, train_subset=5_000, test_subset=2_000, epochs=3, batch_size=64),
 }
 PAPER_BATCH, PAPER_PEAK_LR, PAPER_PEAK_EPOCH, PAPER_EPOCHS = 512, 0.5, 2.0, 150
 
@@ -100,6 +100,17 @@ def load_data(args: argparse.Namespace, budget: dict[str, Any]):
     return train_set, test_set
 
 
+class _EpochPrinter(train.Callback):
+    """Prints each epoch's train loss (long CPU runs in the background stay observable)."""
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def after_epoch(self, trainer: train.Trainer, record: dict[str, Any]) -> None:
+        print(f"  {self.label} epoch {record['epoch']}: train loss {record['train_loss']:.4f} "
+              f"({record['wall_time_s']:.0f} s)", flush=True)
+
+
 def train_row(method: str, n: int, m: int, budget: dict[str, Any], train_set, test_set,
               args: argparse.Namespace) -> dict[str, Any]:
     """Trains one row (``method="dense"`` = no SDGP) and returns its result record."""
@@ -114,6 +125,7 @@ def train_row(method: str, n: int, m: int, budget: dict[str, Any], train_set, te
                                          budget["peak_epoch"], budget["epochs"])
     tx = train.sgd(schedule, momentum=0.9, weight_decay=5e-4)
     trainer = train.Trainer(model, tx, label_smoothing=0.1, flip_tta=True,
+                            callbacks=[_EpochPrinter(f"{method} {n}:{m}")],
                             progress=True if args.progress else False)
     start = time.perf_counter()
     trainer.fit(train_loader, None, epochs=budget["epochs"], resume=False)

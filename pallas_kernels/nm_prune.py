@@ -224,8 +224,10 @@ def _rescaled_kernel(x_ref, o_ref, *, n: int, m: int, groups: int):
     _store_columns(o_ref, out, m, groups)
 
 
-def _compiler_params():
-    return plt.CompilerParams(num_warps=_NUM_WARPS, num_stages=1)
+def _compiler_params(block_elements: int):
+    # Twice the warps for the big rescaled blocks (all of H*W), so fewer values per thread.
+    warps = _NUM_WARPS if block_elements <= _BLOCK_ELEMENTS else 2 * _NUM_WARPS
+    return plt.CompilerParams(num_warps=warps, num_stages=1)
 
 
 def _default_interpret() -> bool:
@@ -284,7 +286,7 @@ def _select_call(x, n, m, method, seeds, interpret):
         in_specs=in_specs,
         out_specs=pl.BlockSpec((block_r, block_c), lambda i, j: (i, j)),
         interpret=interpret,
-        compiler_params=_compiler_params(),
+        compiler_params=_compiler_params(block_r * block_c),
         name=f"sdgp_nm_prune_{method}_{n}_{m}",
     )(*operands)
     return out.reshape(shape)
@@ -311,7 +313,7 @@ def _rescaled_call(x, n, m, interpret):
         in_specs=[spec],
         out_specs=spec,
         interpret=interpret,
-        compiler_params=_compiler_params(),
+        compiler_params=_compiler_params(spatial * block_c),
         name=f"sdgp_nm_prune_rescaled_{n}_{m}",
     )(x3)
     return out.reshape(shape)

@@ -184,8 +184,13 @@ def _nm_prune_jit(x, key, *, n, m, method, backend):
 
     if backend == "reference":
         return reference(x, seeds)
-    # Imported here: pallas_kernels imports this package's selection core.
-    from pallas_kernels import nm_prune as kernel_module
+    # Imported here: pallas_kernels imports this package's shared definitions.
+    try:
+        from pallas_kernels import nm_prune as kernel_module
+    except ImportError:  # a JAX without Pallas Triton: "auto" falls back to the reference
+        if backend == "pallas":
+            raise
+        return reference(x, seeds)
 
     if backend == "pallas":
         return kernel_module.nm_prune_pallas(x, n, m, method, seeds)
