@@ -124,8 +124,9 @@ def train_row(method: str, n: int, m: int, budget: dict[str, Any], train_set, te
     schedule = train.triangular_schedule(budget["peak_lr"], len(train_loader),
                                          budget["peak_epoch"], budget["epochs"])
     tx = train.sgd(schedule, momentum=0.9, weight_decay=5e-4)
+    label = method if method == "dense" else f"{method} {n}:{m}"
     trainer = train.Trainer(model, tx, label_smoothing=0.1, flip_tta=True,
-                            callbacks=[_EpochPrinter(f"{method} {n}:{m}")],
+                            callbacks=[_EpochPrinter(label)],
                             progress=True if args.progress else False)
     start = time.perf_counter()
     trainer.fit(train_loader, None, epochs=budget["epochs"], resume=False)
