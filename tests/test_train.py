@@ -502,7 +502,7 @@ def test_step_hook_runs_every_k_steps():
       seen.append(step)
       trainer.lr_scale = 0.5
 
-  trainer = _trainer(callbacks=[Every3()])
+  trainer = _trainer(callbacks=[Every3()], progress=True)  # also runs the tqdm path
   history = trainer.fit(ArrayLoader(images, labels, 8), epochs=1)
   assert seen == [3, 6]
   assert history[0]["lr"] == pytest.approx(0.05)  # the last steps ran at 0.1 x 0.5
