@@ -84,6 +84,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--threshold", type=float, default=None)
   parser.add_argument("--no-dynamic-batch", action="store_true")
   parser.add_argument("--skip-dense", action="store_true", help="run PruneTrain only")
+  parser.add_argument("--reuse-dense", action="store_true",
+                      help="with --skip-dense: keep the dense row of an earlier run's JSON "
+                      "(same model / data / schedule) instead of dropping it")
+  parser.add_argument("--name-suffix", default="", help="appended to the result file names")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--root", default=None, help="CIFAR-10 source (default: data package's)")
   args = parser.parse_args(argv)
@@ -167,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   command = "python -m experiments.run prunetrain_table1 " + shlex.join(
       list(argv) if argv is not None else sys.argv[1:])
-  name = f"prunetrain_table1_{args.model.split('-', 1)[1]}" + ("_budget" if args.budget else "")
+  name = (f"prunetrain_table1_{args.model.split('-', 1)[1]}" + ("_budget" if args.budget else "")
+          + args.name_suffix)
   RESULTS.mkdir(parents=True, exist_ok=True)
   log_dir = RESULTS / "scratch" / name
   log_dir.mkdir(parents=True, exist_ok=True)
@@ -176,6 +181,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   test_set = _balanced_subset(data.load("cifar10", root=args.root, split="test"),
                               args.test_subset, args.seed + 1)
   runs = {}
+  if args.skip_dense and args.reuse_dense:
+    previous = RESULTS / (name[: -len(args.name_suffix)] if args.name_suffix else name)
+    earlier = json.loads(previous.with_suffix(".json").read_text())
+    same = ("model", "train_subset", "test_subset", "epochs", "batch_size", "lr", "milestones",
+            "weight_decay", "seed")
+    if any(earlier["args"][k] != getattr(args, k) for k in same):
+      raise ValueError(f"--reuse-dense: {previous}.json was run with other settings")
+    runs["dense"] = earlier["runs"]["dense"]
   for method in (["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]):
     print(f"[{name}] {method}: {len(train_set)} train / {len(test_set)} test images, "
           f"{args.epochs} epochs", flush=True)
