@@ -36,8 +36,11 @@ PRUNED. The released code also switches to mixup (α = 0.3) after the hard
 prune; that is data-side: use ``jaxprune.data.Loader``'s soft labels.
 
 Transitions happen at epoch ends (``steps_per_epoch`` converts), inside
-``jit``: the stage, step and loss statistics live in the state and every stage
-is selected with ``lax.cond`` — no host round trip per step. The loss comes in
+``jit``: the stage, step and loss statistics live in the state; the heavy
+per-stage work (DPPG, votes, pool selection, finalization) runs under
+``lax.cond`` so other stages skip it, and the cheap elementwise parts (group
+lasso gradient, masks) use 0/1 stage factors that XLA fuses — no host round
+trip per step. The loss comes in
 through Optax's extra args: ``update(grads, state, params, value=loss)``
 (``nnx.Optimizer.update(model, grads, value=loss)`` passes it).
 
