@@ -15,7 +15,7 @@ It also times the whole jitted train step (forward, backward, SGD update) of the
 and of SDGP-converted copies in the same run: on hardware without N:M support SDGP cannot be
 faster, the ratio measures the pruning overhead (target ≤ 1.10).
 
-    python -m experiments.run sdgp_timemodel [--width 0.25] [--batch-size 32] [--repeats 5]
+    python -m experiments.run sdgp_timemodel [--width 0.25] [--batch-size 32] [--repeats 10]
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -75,18 +74,26 @@ def conv_layers(model: nnx.Module, image_shape: tuple[int, ...]) -> list[dict[st
     return records
 
 
-def _median_time(fn: Callable, args: Sequence[Any], repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def interleaved_times(jobs: dict[str, tuple[Callable, Sequence[Any]]],
+                      rounds: int) -> dict[str, float]:
+    """Minimum seconds of each job over ``rounds`` round-robin passes.
+
+    On a shared machine the load drifts over seconds; running the jobs in turn within every
+    round exposes each to the same drift, and the minimum estimates the undisturbed time.
+    """
+    for fn, args in jobs.values():
+        jax.block_until_ready(fn(*args))  # compile + warm up
+    best = {name: float("inf") for name in jobs}
+    for _ in range(rounds):
+        for name, (fn, args) in jobs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
-def time_layer(layer: dict[str, Any], repeats: int, key: jax.Array) -> dict[str, float]:
-    """Seconds of the forward, dX and dW convs of one layer (each jitted on its own)."""
+def layer_jobs(layer: dict[str, Any], key: jax.Array) -> dict[str, tuple[Callable, tuple]]:
+    """The forward, dX and dW convs of one layer, each jitted on its own."""
     def conv(x, w):
         return jax.lax.conv_general_dilated(x, w, layer["strides"], layer["padding"],
                                             **layer["kwargs"])
@@ -95,32 +102,31 @@ def time_layer(layer: dict[str, Any], repeats: int, key: jax.Array) -> dict[str,
     x = jax.random.normal(kx, layer["lhs"])
     w = jax.random.normal(kw, layer["rhs"])
     g = jax.random.normal(kg, jax.eval_shape(conv, x, w).shape)
-    forward = jax.jit(conv)
     input_grad = jax.jit(lambda x, w, g: jax.vjp(lambda x_: conv(x_, w), x)[1](g)[0])
     weight_grad = jax.jit(lambda x, w, g: jax.vjp(lambda w_: conv(x, w_), w)[1](g)[0])
-    return {
-        "forward": _median_time(forward, (x, w), repeats),
-        "input_grad": _median_time(input_grad, (x, w, g), repeats),
-        "weight_grad": _median_time(weight_grad, (x, w, g), repeats),
-    }
+    jobs = {"forward": (jax.jit(conv), (x, w)), "weight_grad": (weight_grad, (x, w, g))}
+    if layer["lhs"][-1] > 3:  # the stem's input is the image: no dX in training
+        jobs["input_grad"] = (input_grad, (x, w, g))
+    return jobs
 
 
-def step_time(model: nnx.Module, batch: int, repeats: int) -> float:
-    """Median seconds of the jitted train step (SGD momentum, label smoothing 0.1)."""
+def step_job(model: nnx.Module, batch: int) -> tuple[Callable, tuple]:
+    """The jitted train step (SGD momentum, wd 5e-4, label smoothing 0.1) on a fixed batch."""
     trainer = train.Trainer(model, train.sgd(0.1, 0.9, weight_decay=5e-4), label_smoothing=0.1,
                             progress=False, donate=False)
     rng = np.random.default_rng(0)
     images = jnp.asarray(rng.normal(size=(batch, 32, 32, 3)).astype(np.float32))
     labels = jnp.asarray(rng.integers(0, 10, size=batch).astype(np.int32))
     state = (trainer.params, trainer.rest, trainer.opt_state, train.Metrics.zeros())
-    return _median_time(lambda: trainer.steps.train(*state, images, labels), (), repeats)
+    return trainer.steps.train, (*state, images, labels)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sdgp_timemodel", description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=float, default=0.25, help="ResNet-9 width multiplier")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="round-robin rounds; the minimum over rounds is reported")
     parser.add_argument("--name", default="sdgp_timemodel")
     return parser.parse_args(argv)
 
@@ -136,10 +142,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     layers = conv_layers(build(), (args.batch_size, 32, 32, 3))
     key = jax.random.key(0)
+    jobs = {}
     for i, layer in enumerate(layers):
-        layer["times"] = time_layer(layer, args.repeats, jax.random.fold_in(key, i))
-        if layer["lhs"][-1] <= 3:  # the stem: no dX in training
-            layer["times"]["input_grad"] = 0.0
+        for part, job in layer_jobs(layer, jax.random.fold_in(key, i)).items():
+            jobs[(i, part)] = job
+    times = interleaved_times(jobs, args.repeats)
+    for i, layer in enumerate(layers):
+        layer["times"] = {part: times.get((i, part), 0.0)
+                          for part in ("forward", "input_grad", "weight_grad")}
         print(layer["name"], {k: f"{1e3 * v:.2f} ms" for k, v in layer["times"].items()},
               flush=True)
 
@@ -148,10 +158,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     conv_total = sum(totals.values())
     share = totals["input_grad"] / conv_total
 
-    steps = {"dense": step_time(build(), args.batch_size, args.repeats)}
+    step_jobs = {"dense": step_job(build(), args.batch_size)}
     for method in STEP_METHODS:
         model = sdgp.convert_model(build(), n=2, m=4, method=method)
-        steps[method] = step_time(model, args.batch_size, args.repeats)
+        step_jobs[method] = step_job(model, args.batch_size)
+    steps = interleaved_times(step_jobs, args.repeats)
+    for method in STEP_METHODS:
         print(f"step {method}: {steps[method] / steps['dense']:.3f}x dense", flush=True)
 
     projections = []
@@ -184,8 +196,9 @@ def _write_markdown(path: Path, args: argparse.Namespace, result: dict[str, Any]
         "",
         f"- Command: `{command}`",
         f"- Date: {date}",
-        f"- Machine: {machine_description()} (2 shared cores; timings are medians of "
-        f"{args.repeats} runs and carry the noise of a shared machine)",
+        f"- Machine: {machine_description()} (2 cores shared with other jobs; each time is the "
+        f"minimum over {args.repeats} round-robin rounds of all jobs, which still carries the "
+        "noise of a shared machine)",
         f"- Reduced for CPU: width ×{args.width}, batch {args.batch_size}, 32×32 inputs (the paper: "
         "full width, batch 512, A100). Each conv part is its own jitted function.",
         "",
