@@ -207,8 +207,8 @@ def _plots(result: dict[str, Any], stem: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(4, 0.35 * len(sp) + 2), 3))
     ax.bar(range(len(sp)), [100 * v for v in sp.values()], color="tab:orange")
     ax.set_xticks(range(len(sp)))
-    ax.set_xticklabels([k.replace("/conv", "").replace("stages/", "s") for k in sp], rotation=90,
-                       fontsize=6)
+    short = [k.removesuffix("/conv").replace("stages/", "s").replace("features/", "f") for k in sp]
+    ax.set_xticklabels(short, rotation=90, fontsize=6)
     ax.set_ylabel("zero weights (%)")
     ax.set_title(f"{result['row']}: per-layer conv sparsity", fontsize=9)
     fig.tight_layout()
