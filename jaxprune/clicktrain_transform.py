@@ -36,11 +36,11 @@ PRUNED. The released code also switches to mixup (α = 0.3) after the hard
 prune; that is data-side: use ``jaxprune.data.Loader``'s soft labels.
 
 Transitions happen at epoch ends (``steps_per_epoch`` converts), inside
-``jit``: the stage, step and loss statistics live in the state; the heavy
-per-stage work (DPPG, votes, pool selection, finalization) runs under
-``lax.cond`` so other stages skip it, and the cheap elementwise parts (group
-lasso gradient, masks) use 0/1 stage factors that XLA fuses — no host round
-trip per step. The loss comes in
+``jit``: the stage, step and loss statistics live in the state; DPPG /
+votes and pool selection / finalization run in one ``lax.switch`` on the
+stage, the group lasso and masks under one ``lax.cond`` each, so a stage
+neither computes nor copies what it does not use — no host round trip per
+step. The loss comes in
 through Optax's extra args: ``update(grads, state, params, value=loss)``
 (``nnx.Optimizer.update(model, grads, value=loss)`` passes it).
 
@@ -455,49 +455,7 @@ def clicktrain(
         count, stage, layers = state.count, state.stage, state.layers
         do_importance = (count % importance_every) == 0
 
-        # Per-batch importance work of stages 2 and 3 (skipped branches cost nothing).
-        if mode == "paper":
-            layers = jax.lax.cond(
-                (stage == POOL) & do_importance,
-                lambda ls: pool_step(ls, plan_, w_leaves, g_leaves), lambda ls: ls, layers)
-            counted = _pat.loss_margin_ok(state.last_loss, loss, loss_margin, margin_rule)
-            counted = counted | jnp.isnan(state.last_loss)
-            layers = jax.lax.cond(
-                (stage == FINALIZE) & do_importance,
-                lambda ls: finalize_step(ls, plan_, w_leaves, g_leaves, counted), lambda ls: ls, layers)
-        else:
-            pick = (stage == WARMUP) & (count == one_shot_epoch * spe)
-            layers = jax.lax.cond(pick, lambda ls: one_shot_masks(ls, plan_, w_leaves, g_leaves),
-                                  lambda ls: ls, layers)
-            stage = jnp.where(pick, REGULARIZE, stage)
-
-        # Gradient: + λ ∂(modified group lasso) while regularizing; masked once pruned.
-        # Elementwise on the params with 0/1 stage factors rather than lax.cond: XLA
-        # fuses it into one pass, where a cond would copy every gradient leaf.
-        regularizing = (stage == REGULARIZE)
-        pruned = (stage == PRUNED)
-        g_leaves = list(g_leaves)
-        masks = {}
-        for name, l in plan_.items():
-            ls, g, w = layers[name], g_leaves[l.index], w_leaves[l.index]
-            reg = _group_lasso_grad(w, ls, eps) * (group_lasso * regularizing.astype(w.dtype))
-            masks[name] = jnp.where(pruned, _full_mask(ls), 1).astype(w.dtype)
-            g_leaves[l.index] = ((g + reg.astype(g.dtype)) * masks[name].astype(g.dtype))
-        grads = jax.tree.unflatten(g_def, g_leaves)
-        new_updates, inner_state = inner.update(grads, state.inner_state, params,
-                                                value=value, **extra_args)
-
-        # Hard prune: emit mask * (p + u) - p so that p + update is exactly 0 where pruned
-        # (for an unmasked weight this is p + u - p, which equals u up to rounding; the
-        # jnp.where keeps u bit-exact before the hard prune).
-        u_leaves, u_def = jax.tree.flatten(new_updates)
-        for name, l in plan_.items():
-            p, u = w_leaves[l.index], u_leaves[l.index]
-            hard = (masks[name] * (p + u) - p).astype(u.dtype)
-            u_leaves[l.index] = jnp.where(pruned, hard, u)
-        new_updates = jax.tree.unflatten(u_def, u_leaves)
-
-        # Epoch-end bookkeeping and stage transitions.
+        # Epoch-end bookkeeping: which transition (if any) ends this step.
         done = count + 1
         epoch_end = (done % spe) == 0
         epochs_done = done // spe
@@ -513,10 +471,71 @@ def clicktrain(
             to_pool = epoch_end & (stage == WARMUP) & start_pool
             to_final = epoch_end & (stage == POOL) & (in_stage >= pool_epochs)
             to_reg = epoch_end & (stage == FINALIZE) & (in_stage >= finalize_epochs)
-            layers = jax.lax.cond(to_final, lambda ls: select_pools(ls, plan_), lambda ls: ls, layers)
-            layers = jax.lax.cond(to_reg, lambda ls: finalize_masks(ls, plan_), lambda ls: ls, layers)
+            counted = _pat.loss_margin_ok(state.last_loss, loss, loss_margin, margin_rule)
+            counted = counted | jnp.isnan(state.last_loss)
+
+            # Stages 2 and 3: the per-batch importance work, then (at the stage's last
+            # step) pool selection / finalization, in ONE lax.switch on the stage so that
+            # the other stages neither compute nor copy the per-layer state.
+            def pool_branch(ls):
+                ls = jax.lax.cond(do_importance, lambda x: pool_step(x, plan_, w_leaves, g_leaves),
+                                  lambda x: x, ls)
+                return jax.lax.cond(to_final, lambda x: select_pools(x, plan_), lambda x: x, ls)
+
+            def finalize_branch(ls):
+                ls = jax.lax.cond(do_importance,
+                                  lambda x: finalize_step(x, plan_, w_leaves, g_leaves, counted),
+                                  lambda x: x, ls)
+                return jax.lax.cond(to_reg, lambda x: finalize_masks(x, plan_), lambda x: x, ls)
+
+            branch = jnp.where(stage == POOL, 1, jnp.where(stage == FINALIZE, 2, 0))
+            layers = jax.lax.switch(branch, [lambda x: x, pool_branch, finalize_branch], layers)
         else:
             to_pool = to_final = to_reg = jnp.bool_(False)
+            pick = (stage == WARMUP) & (count == one_shot_epoch * spe)
+            layers = jax.lax.cond(pick, lambda ls: one_shot_masks(ls, plan_, w_leaves, g_leaves),
+                                  lambda ls: ls, layers)
+            stage = jnp.where(pick, REGULARIZE, stage)
+
+        # Gradient: + λ ∂(modified group lasso) while regularizing; masked once pruned.
+        # One cond over the pruned layers' gradients: stages 0-2 skip it entirely.
+        regularizing = (stage == REGULARIZE)
+        pruned = (stage == PRUNED)
+
+        def reg_and_mask(gs):
+            out = {}
+            for name, l in plan_.items():
+                ls, g, w = layers[name], gs[name], w_leaves[l.index]
+                reg = _group_lasso_grad(w, ls, eps) * (group_lasso * regularizing.astype(w.dtype))
+                m = jnp.where(pruned, _full_mask(ls), 1).astype(g.dtype)
+                out[name] = (g + reg.astype(g.dtype)) * m
+            return out
+
+        g_leaves = list(g_leaves)
+        pruned_grads = {name: g_leaves[l.index] for name, l in plan_.items()}
+        pruned_grads = jax.lax.cond(regularizing | pruned, reg_and_mask, lambda gs: gs, pruned_grads)
+        for name, l in plan_.items():
+            g_leaves[l.index] = pruned_grads[name]
+        grads = jax.tree.unflatten(g_def, g_leaves)
+        new_updates, inner_state = inner.update(grads, state.inner_state, params,
+                                                value=value, **extra_args)
+
+        # Hard prune: emit mask * (p + u) - p so that p + update is exactly 0 where pruned.
+        def hard(us):
+            out = {}
+            for name, l in plan_.items():
+                p = w_leaves[l.index]
+                m = _full_mask(layers[name]).astype(p.dtype)
+                out[name] = (m * (p + us[name]) - p).astype(us[name].dtype)
+            return out
+
+        u_leaves, u_def = jax.tree.flatten(new_updates)
+        pruned_updates = {name: u_leaves[l.index] for name, l in plan_.items()}
+        pruned_updates = jax.lax.cond(pruned, hard, lambda us: us, pruned_updates)
+        for name, l in plan_.items():
+            u_leaves[l.index] = pruned_updates[name]
+        new_updates = jax.tree.unflatten(u_def, u_leaves)
+
         to_pruned = epoch_end & (stage == REGULARIZE) & (epochs_done >= hard_prune_epoch)
         moved = to_pool | to_final | to_reg | to_pruned
         new_stage = stage + moved.astype(jnp.int32)
