@@ -176,9 +176,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return {"budget": budget, "rows": results}
 
 
+def accuracy_standard_error(results: list[dict[str, Any]], test_images: int) -> float:
+    """Binomial standard error of a test accuracy near the rows' mean (in %)."""
+    p = float(np.mean([r["test_acc"] for r in results]))
+    return 100 * float(np.sqrt(p * (1 - p) / test_images))
+
+
 def _write(stem: Path, command: str, budget: dict[str, Any], results: list[dict[str, Any]],
-           planned: int) -> None:
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+           planned: int, date: str | None = None) -> None:
+    date = date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     stem.with_suffix(".json").write_text(json.dumps(
         {"command": command, "date": date, "budget": budget, "rows": results}, indent=1))
     labels = {"dense": "Dense", "random": "Rnd. 2:4", "magnitude": "Mag. 2:4",
@@ -198,6 +204,10 @@ def _write(stem: Path, command: str, budget: dict[str, Any], results: list[dict[
         "- Data: the re-encoded JPEG CIFAR-10 (quality ≈75); test accuracy (flip TTA) after "
         f"the last epoch on {budget['test_subset'] or 10_000} test images.",
         "- Paper: 150 epochs at full width (2×-wide ResNet-9, 9.09 M params) on A100s.",
+        f"- Noise: one seed; the binomial standard error of each accuracy is ≈"
+        f"{accuracy_standard_error(results, budget['test_subset'] or 10_000):.1f} points, so "
+        "differences of a point or two between rows are within noise. Train times follow the "
+        "shared machine's load, not the method.",
         "",
         "| method | test acc (this run) | paper Table I | final train loss | train time |",
         "|---|---:|---:|---:|---:|",

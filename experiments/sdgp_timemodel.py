@@ -126,7 +126,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--width", type=float, default=0.25, help="ResNet-9 width multiplier")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10,
-                        help="round-robin rounds; the minimum over rounds is reported")
+                        help="round-robin rounds of the conv parts; the minimum is reported")
+    parser.add_argument("--step-rounds", type=int, default=30,
+                        help="round-robin rounds of the whole train steps")
     parser.add_argument("--name", default="sdgp_timemodel")
     return parser.parse_args(argv)
 
@@ -162,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for method in STEP_METHODS:
         model = sdgp.convert_model(build(), n=2, m=4, method=method)
         step_jobs[method] = step_job(model, args.batch_size)
-    steps = interleaved_times(step_jobs, args.repeats)
+    steps = interleaved_times(step_jobs, args.step_rounds)
     for method in STEP_METHODS:
         print(f"step {method}: {steps[method] / steps['dense']:.3f}x dense", flush=True)
 
@@ -197,8 +199,8 @@ def _write_markdown(path: Path, args: argparse.Namespace, result: dict[str, Any]
         f"- Command: `{command}`",
         f"- Date: {date}",
         f"- Machine: {machine_description()} (2 cores shared with other jobs; each time is the "
-        f"minimum over {args.repeats} round-robin rounds of all jobs, which still carries the "
-        "noise of a shared machine)",
+        f"minimum over {args.repeats} round-robin rounds of all conv jobs ({args.step_rounds} "
+        "for the train steps), which still carries the noise of a shared machine)",
         f"- Reduced for CPU: width ×{args.width}, batch {args.batch_size}, 32×32 inputs (the paper: "
         "full width, batch 512, A100). Each conv part is its own jitted function.",
         "",
