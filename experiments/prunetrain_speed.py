@@ -67,6 +67,8 @@ class _Timed:
 
   def __init__(self, model: nnx.Module, batch: int, image_shape: tuple[int, ...]):
     train_gd, eval_gd, params, rest = train.split_model(model)
+    # The step donates its inputs: copy, so the model's own arrays stay valid.
+    params, rest = jax.tree.map(jnp.copy, (params, rest))
     self.tx = train.sgd(0.01, momentum=0.9, weight_decay=5e-4)
     self.steps = train.step_functions(train_gd, eval_gd, self.tx, train.default_loss(),
                                       donate=True)
