@@ -104,6 +104,9 @@ def _sdgp_conv_bwd(config, residuals, cotangent):
     _, weight_vjp = jax.vjp(lambda w: config.conv(x, w), kernel)
     (d_kernel,) = weight_vjp(cotangent)
     # dX from the N:M-pruned output gradient (SDGP Alg. 1, groups on the channel axis).
+    # The barrier keeps XLA from fusing (and so recomputing) the cotangent's producers into
+    # the pruning pass: the cotangent is materialised once for the dW conv anyway.
+    cotangent = jax.lax.optimization_barrier(cotangent)
     pruned = nm_prune(cotangent, config.n, config.m, config.method, key=key, backend=config.backend)
     _, input_vjp = jax.vjp(lambda x_: config.conv(x_, kernel), x)
     (d_x,) = input_vjp(pruned)
