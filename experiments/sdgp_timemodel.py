@@ -246,10 +246,11 @@ def _write_markdown(path: Path, args: argparse.Namespace, result: dict[str, Any]
     lines += [
         "",
         "Caveats: SDGP does the dense step's work plus one pass over each conv's output "
-        "gradient, so a ratio below 1 is measurement noise (or a different XLA schedule), not a "
-        "speed-up; on this shared 2-core machine repeated runs of this script gave ratios that "
-        "moved by ±0.3, so only a quiet machine or a GPU run can check the ≤ 1.10 target. The "
-        "per-part conv times are standalone jitted convs, whose sum can exceed the fused step.",
+        "gradient, so a ratio below 1 would be noise, not a speed-up. On a shared machine the "
+        "ratios drift with other jobs' load (runs under heavy load moved by ±0.3); equal-shape "
+        "layers (res1/0 vs res1/1, res2/0 vs res2/1) timing alike is a sign of a quiet run. "
+        "The per-part conv times are standalone jitted convs; their sum and the step time "
+        "need not add up.",
     ]
     path.write_text("\n".join(lines) + "\n")
 
