@@ -4,7 +4,10 @@ Same recipe and ``--budget`` options as ``sdgp_table1`` (every cell trains with 
 budget and seed; a dense row is trained too for reference). Cells are laid out as in the
 paper's figure: rows = sparsity ratio m/n, columns = group size m.
 
-    python -m experiments.run sdgp_fig8 [--budget full|cpu] [--settings 2:4,4:8,...]
+    python -m experiments.run sdgp_fig8 [--budget full|cpu] [--settings 2:4,4:8,...] [--resume]
+
+``--resume`` keeps the cells already in the result file (when it was written with the same
+budget and method) and trains only the missing ones, so a long sweep can run in parts.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--method", choices=sdgp.METHODS, default="rescaled_magnitude")
     parser.add_argument("--no-dense", action="store_true", help="skip the dense reference row")
     parser.add_argument("--name", default=None, help="result file stem")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the cells already in the result file, train only the rest")
     args = parser.parse_args(argv)
     try:
         args.settings = _parse_settings(args.settings)
@@ -67,15 +72,37 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     train_set, test_set = sdgp_table1.load_data(args, budget)
     cells = [("dense", 1, 1)] if not args.no_dense else []
     cells += [(args.method, n, m) for n, m in args.settings]
-    results: list[dict[str, Any]] = []
+    results = _previous_cells(RESULTS / name, budget, args.method) if args.resume else []
+    done = {(r["method"], r["n"], r["m"]) for r in results}
+    planned = len(done | set(cells))
     for method, n, m in cells:
+        if (method, n, m) in done:
+            continue
         t0 = time.perf_counter()
         record = sdgp_table1.train_row(method, n, m, budget, train_set, test_set, args)
+        record["command"] = command
         results.append(record)
         print(f"{method} {n}:{m}: test acc {100 * record['test_acc']:.2f}% "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        _write(RESULTS / name, command, budget, args.method, results, len(cells))
+        commands = " ; ".join(dict.fromkeys(r["command"] for r in results))
+        _write(RESULTS / name, commands, budget, args.method, results, planned)
     return {"budget": budget, "cells": results}
+
+
+def _previous_cells(stem: Path, budget: dict[str, Any], method: str) -> list[dict[str, Any]]:
+    """Cells of an earlier run with the same budget and method (``--resume``), else none."""
+    path = stem.with_suffix(".json")
+    if not path.exists():
+        return []
+    previous = json.loads(path.read_text())
+    if previous.get("budget") != budget:
+        raise ValueError(f"--resume: {path.name} was written with budget {previous.get('budget')}, "
+                         f"not {budget}")
+    cells = [c for c in previous["cells"] if c["method"] in ("dense", method)]
+    for cell in cells:
+        # Runs before --resume existed record the command once, at the top of the file.
+        cell.setdefault("command", previous["command"])
+    return cells
 
 
 def _write(stem: Path, command: str, budget: dict[str, Any], method: str,
