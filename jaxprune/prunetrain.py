@@ -46,6 +46,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
@@ -57,7 +58,7 @@ import optax
 from flax import nnx
 
 from jaxprune import flops
-from jaxprune.train import Callback
+from jaxprune.train import Reconfigure, grow_batch_size  # noqa: F401  (grow_batch_size re-exported)
 from jaxprune.group_lasso import (  # noqa: F401  (re-exported for ``prunetrain.*`` users)
     GroupLassoRatioState,
     PathPredicate,
@@ -696,60 +697,18 @@ def model_costs(model: nnx.Module, image_shape: Sequence[int], *,
   }
 
 
-def grow_batch_size(memory_of: Any, batch_size: int, budget: int, *, granularity: int = 32,
-                    max_batch_size: Optional[int] = None) -> int:
-  """The largest ``batch_size + k·granularity`` whose step fits ``budget`` (PruneTrain §4.3).
-
-  ``memory_of(b)`` compiles the step for batch ``b`` and returns its bytes.  Memory is
-  affine in the batch size, so two measurements predict the answer and one more checks it
-  (then it steps down by ``granularity`` until it fits) instead of compiling every size.
-
-  Args:
-    memory_of: ``batch_size -> bytes`` of the compiled training step.
-    batch_size: current batch size (kept if nothing larger fits).
-    budget: bytes the step may use (the first, dense step's).
-    granularity: batch-size step (paper: 32).
-    max_batch_size: upper bound (e.g. the training-set size).
-
-  Returns:
-    The new batch size (≥ ``batch_size``).
-
-  Raises:
-    ValueError: non-positive ``granularity`` or ``batch_size``.
-  """
-  if granularity < 1:
-    raise ValueError(f"granularity must be >= 1, got {granularity}")
-  if batch_size < 1:
-    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-  limit = max_batch_size if max_batch_size is not None else 1 << 30
-  if batch_size + granularity > limit:
-    return batch_size
-  base = memory_of(batch_size)
-  step = memory_of(batch_size + granularity)
-  if step > budget:
-    return batch_size
-  per_step = step - base
-  if per_step <= 0:
-    steps = (limit - batch_size) // granularity
-  else:
-    steps = max(1, int((budget - base) // per_step))
-  candidate = min(batch_size + steps * granularity,
-                  batch_size + ((limit - batch_size) // granularity) * granularity)
-  while candidate > batch_size + granularity and memory_of(candidate) > budget:
-    candidate -= granularity
-  return candidate
-
-
-class PruneTrainCallback(Callback):
+class PruneTrainCallback(Reconfigure):
   """Trainer hook: reconfigure every k epochs, grow the mini-batch, account the costs.
 
-  For :class:`jaxprune.train.Trainer` (``callbacks=[PruneTrainCallback(...)]``).  At the end
-  of every ``every_epochs``-th epoch it runs :func:`reconfigure` on the trainer's model and
-  optimizer state and installs the result (§4.2; the paper reconfigures every 10 epochs on
-  CIFAR, 5 on ImageNet).  With ``dynamic_batch`` it then grows the batch in steps of
-  ``granularity`` while the compiled step's memory (XLA ``memory_analysis``) stays within
-  what the first, dense step needed, and scales the LR by the same ratio (§4.3; the trainer
-  applies both from the next epoch).
+  For :class:`jaxprune.train.Trainer` (``callbacks=[PruneTrainCallback(...)]``).  A
+  :class:`jaxprune.train.Reconfigure` running :func:`reconfigure`: at the end of every
+  ``every_epochs``-th epoch it reconfigures the trainer's model and optimizer state and
+  installs the result when channels were removed (§4.2; the paper reconfigures every 10
+  epochs on CIFAR, 5 on ImageNet).  With ``dynamic_batch`` it then grows the batch in steps
+  of ``granularity`` while the compiled step's memory (XLA ``memory_analysis``) stays within
+  what the dense step needed, and scales the LR by the same ratio (§4.3; the trainer
+  applies both from the next epoch).  Its entries carry a ``pt_`` prefix
+  (``pt_reconfigured``, ``pt_next_batch_size``, ...).
 
   Every epoch's record gets the costs of the model that trained it (``jaxprune.flops``):
   training FLOPs integrated over the run and the same for the dense model
@@ -776,39 +735,61 @@ class PruneTrainCallback(Callback):
                image_shape: Sequence[int] = (32, 32, 3), dynamic_batch: bool = True,
                granularity: int = 32, max_batch_size: Optional[int] = None,
                num_devices: int = 4):
+    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold)
+            and threshold >= 0):
+      raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
     if not isinstance(every_epochs, int) or every_epochs < 1:
       raise ValueError(f"every_epochs must be a positive int, got {every_epochs!r}")
-    if not (math.isfinite(threshold) and threshold >= 0):
-      raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
-    if granularity < 1:
-      raise ValueError(f"granularity must be >= 1, got {granularity}")
     if num_devices < 1:
       raise ValueError(f"num_devices must be >= 1, got {num_devices}")
-    self.every_epochs = every_epochs
+    super().__init__(
+        functools.partial(reconfigure, threshold=threshold, input_shape=(1, *image_shape)),
+        every_epochs, image_shape=tuple(image_shape), grow_batch=dynamic_batch,
+        granularity=granularity, max_batch_size=max_batch_size,
+        report_metrics=_report_metrics, changed=lambda report: report.changed)
     self.threshold = threshold
-    self.image_shape = tuple(image_shape)
     self.dynamic_batch = dynamic_batch
-    self.granularity = granularity
-    self.max_batch_size = max_batch_size
     self.num_devices = num_devices
-    self.reports: list[ReconfigureReport] = []
     self._state: dict[str, Any] = {
-        "budget_bytes": None, "batch_size": None, "last_step": 0, "costs": None,
+        "batch_size": None, "last_step": 0, "costs": None,
         "dense_costs": None, "train_flops": 0.0, "dense_train_flops": 0.0, "images": 0,
         "bn_bytes": 0.0, "allreduce_bytes": 0.0, "dense_allreduce_bytes": 0.0}
 
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
   def state_dict(self) -> dict[str, Any]:
-    return dict(self._state)
+    return {**self._state, **super().state_dict()}
 
   def load_state_dict(self, state: Any) -> None:
+    state = dict(state)
+    super().load_state_dict(state)
+    state.pop("budget_bytes", None)
     self._state.update(state)
 
   def on_epoch_end(self, trainer: Any, epoch: int) -> dict[str, Any]:
+    record = self._account(trainer)
+    hooked = super().on_epoch_end(trainer, epoch)
+    if hooked is None:
+      return record
+    record.update({f"pt_{key}": value for key, value in hooked.items()})
+    if hooked["reconfigured"]:
+      new_model = trainer.model
+      costs = self._state["costs"] = model_costs(new_model, self.image_shape,
+                                                 num_devices=self.num_devices)
+      record.update({
+          "pt_inference_flops_after": costs["inference_flops"],
+          "pt_params_after": costs["params"],
+          "pt_spec": repr(new_model.spec),
+      })
+    if "next_batch_size" in hooked:
+      self._state["batch_size"] = hooked["next_batch_size"]
+    return record
+
+  def _account(self, trainer: Any) -> dict[str, Any]:
+    """Adds the epoch just trained to the running cost totals; returns its record entries."""
     state = self._state
-    model = trainer.model
     if state["costs"] is None:
-      state["costs"] = model_costs(model, self.image_shape, num_devices=self.num_devices)
+      state["costs"] = model_costs(trainer.model, self.image_shape,
+                                   num_devices=self.num_devices)
       state["dense_costs"] = dict(state["costs"])
     if state["batch_size"] is None:
       state["batch_size"] = int(trainer.reference_batch_size)
@@ -823,7 +804,7 @@ class PruneTrainCallback(Callback):
     state["bn_bytes"] += costs["bn_bytes"] * images
     state["allreduce_bytes"] += costs["allreduce_bytes"] * steps
     state["dense_allreduce_bytes"] += dense["allreduce_bytes"] * images / reference
-    record: dict[str, Any] = {
+    return {
         "pt_params": costs["params"],
         "pt_inference_flops": costs["inference_flops"],
         "pt_train_flops": state["train_flops"],
@@ -833,33 +814,11 @@ class PruneTrainCallback(Callback):
         "pt_epoch_allreduce_bytes": costs["allreduce_bytes"] * steps,
         "pt_allreduce_ratio": state["allreduce_bytes"] / max(state["dense_allreduce_bytes"], 1.0),
     }
-    if self.dynamic_batch and state["budget_bytes"] is None:
-      # The budget is the memory of the dense model's step at the initial batch size.
-      state["budget_bytes"] = trainer.step_memory(state["batch_size"], self.image_shape)["total"]
-    if epoch % self.every_epochs:
-      return record
-    new_model, new_opt_state, report = reconfigure(
-        model, trainer.opt_state, threshold=self.threshold, input_shape=(1, *self.image_shape))
-    self.reports.append(report)
-    record["pt_reconfigured"] = report.changed
-    if not report.changed:
-      return record
-    trainer.replace(new_model, new_opt_state)
-    state["costs"] = model_costs(new_model, self.image_shape, num_devices=self.num_devices)
-    record.update({
-        "pt_channels_removed": sum(report.channels_removed.values()),
-        "pt_layers_removed": len(report.removed_layers),
-        "pt_inference_flops_after": state["costs"]["inference_flops"],
-        "pt_params_after": state["costs"]["params"],
-        "pt_spec": repr(new_model.spec),
-    })
-    if self.dynamic_batch:
-      new_batch = grow_batch_size(
-          lambda b: trainer.step_memory(b, self.image_shape)["total"], state["batch_size"],
-          state["budget_bytes"], granularity=self.granularity,
-          max_batch_size=self.max_batch_size)
-      if new_batch != state["batch_size"]:
-        trainer.set_batch_size(new_batch, scale_lr=True)  # linear LR scaling (§4.3)
-        state["batch_size"] = new_batch
-      record["pt_next_batch_size"] = new_batch
-    return record
+
+
+def _report_metrics(report: ReconfigureReport) -> dict[str, Any]:
+  """Record entries of a reconfiguration that removed something (``pt_``-prefixed later)."""
+  if not report.changed:
+    return {}
+  return {"channels_removed": sum(report.channels_removed.values()),
+          "layers_removed": len(report.removed_layers)}

@@ -25,8 +25,8 @@ def test_grow_batch_size_affine_memory(budget):
   assert got == _brute_force(memory_of, 64, budget, 32, 512)
 
 
-def test_grow_batch_size_steps_down_when_the_prediction_is_too_big():
-  # Superlinear memory: the affine prediction overshoots and must be corrected.
+def test_grow_batch_size_superlinear_memory():
+  # Superlinear memory: an affine extrapolation would overshoot; the search must not.
   memory_of = lambda b: 500 + 10 * b + (b // 100) ** 3 * 50
   calls = []
 
@@ -37,6 +37,9 @@ def test_grow_batch_size_steps_down_when_the_prediction_is_too_big():
   got = pt.grow_batch_size(counted, 32, 4000, granularity=32, max_batch_size=1024)
   assert got == _brute_force(memory_of, 32, 4000, 32, 1024)
   assert memory_of(got) <= 4000
+  # Doubling then bisecting: O(log) probes (each compiles a step), not one per candidate.
+  candidates = (1024 - 32) // 32
+  assert len(calls) <= 2 * candidates.bit_length()
 
 
 def test_grow_batch_size_bad_input():

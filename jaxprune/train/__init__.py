@@ -30,7 +30,7 @@ from jaxprune.train.schedules import step_schedule, triangular_schedule, with_wa
 from jaxprune.train.step import (Metrics, StepFunctions, default_loss, memory_bytes,
                                  split_model, step_functions,
                                  train_step_memory)
-from jaxprune.train.trainer import Callback, Trainer, fit
+from jaxprune.train.trainer import Callback, Trainer, fit, grow_batch_size
 from jaxprune.train.callbacks import Reconfigure
 
 __all__ = [
@@ -38,5 +38,5 @@ __all__ = [
     "cross_entropy_per_example", "ScaleByLrState", "get_lr", "get_lr_scale", "kernels_only",
     "scale_by_lr", "set_lr_scale", "set_step_increment", "sgd", "step_schedule",
     "triangular_schedule", "with_warmup", "Metrics", "StepFunctions", "default_loss",
-    "memory_bytes", "split_model", "step_functions", "train_step_memory", "Callback", "Trainer", "fit", "Reconfigure",
+    "memory_bytes", "split_model", "step_functions", "train_step_memory", "Callback", "Trainer", "fit", "grow_batch_size", "Reconfigure",
 ]
