@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jaxprune import data, models, train
@@ -98,17 +97,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.epochs < 1 or args.interval < 1:
     parser.error("--epochs and --interval must be >= 1")
   return args
-
-
-def _balanced_subset(dataset: data.Dataset, size: int, seed: int) -> data.Dataset:
-  """``size`` examples with (nearly) equal counts per class, seeded."""
-  if size <= 0 or size >= len(dataset):
-    return dataset
-  rng = np.random.default_rng(seed)
-  per_class = size // dataset.num_classes
-  picks = [rng.permutation(np.flatnonzero(dataset.labels == c))[:per_class]
-           for c in range(dataset.num_classes)]
-  return dataset.subset(np.sort(np.concatenate(picks)))
 
 
 def _run(args: argparse.Namespace, method: str, train_set, test_set, log_dir: Path
@@ -176,10 +164,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   RESULTS.mkdir(parents=True, exist_ok=True)
   log_dir = RESULTS / "scratch" / name
   log_dir.mkdir(parents=True, exist_ok=True)
-  train_set = _balanced_subset(data.load("cifar10", root=args.root, split="train"),
-                               args.train_subset, args.seed)
-  test_set = _balanced_subset(data.load("cifar10", root=args.root, split="test"),
-                              args.test_subset, args.seed + 1)
+  # A subset size of 0 means the full split.
+  train_set = data.load("cifar10", root=args.root, split="train").balanced_subset(
+      args.train_subset or None, args.seed)
+  test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
+      args.test_subset or None, args.seed + 1)
   runs = {}
   if args.skip_dense and args.reuse_dense:
     previous = RESULTS / (name[: -len(args.name_suffix)] if args.name_suffix else name)

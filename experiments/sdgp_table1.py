@@ -82,21 +82,11 @@ def resolve_budget(args: argparse.Namespace) -> dict[str, Any]:
     return budget
 
 
-def _balanced_subset(dataset: data.Dataset, size: int | None, seed: int) -> data.Dataset:
-    if size is None or size >= len(dataset.labels):
-        return dataset
-    rng = np.random.default_rng(seed)
-    per_class = size // dataset.num_classes
-    picks = [rng.permutation(np.flatnonzero(dataset.labels == c))[:per_class]
-             for c in range(dataset.num_classes)]
-    return dataset.subset(np.sort(np.concatenate(picks)))
-
-
 def load_data(args: argparse.Namespace, budget: dict[str, Any]):
-    train_set = _balanced_subset(data.load("cifar10", root=args.root, split="train"),
-                                 budget["train_subset"], args.seed)
-    test_set = _balanced_subset(data.load("cifar10", root=args.root, split="test"),
-                                budget["test_subset"], args.seed)
+    train_set = data.load("cifar10", root=args.root, split="train").balanced_subset(
+        budget["train_subset"], args.seed)
+    test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
+        budget["test_subset"], args.seed)
     return train_set, test_set
 
 

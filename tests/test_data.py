@@ -653,3 +653,22 @@ def test_bench_loader_writes_tables(jpeg_tarball, tmp_path):
     assert all(r["images_per_s"] > 0 for r in result["rows"])
     table = out.read_text()
     assert "| sdgp | 8 | 0 |" in table and out.with_suffix(".json").exists()
+
+
+def test_balanced_subset_equal_class_counts_and_seeded():
+    labels = np.array([0] * 7 + [1] * 5 + [2] * 9, dtype=np.int32)
+    images = np.arange(len(labels) * 2 * 2, dtype=np.uint8).reshape(len(labels), 2, 2, 1)
+    dataset = data.Dataset.from_arrays(images, labels, num_classes=3)
+    subset = dataset.balanced_subset(13, seed=1)  # 13 // 3 = 4 per class
+    assert np.bincount(subset.labels, minlength=3).tolist() == [4, 4, 4]
+    # Every picked example is a row of the original, in original order, no repeats.
+    rows = [int(np.flatnonzero((images == image).all(axis=(1, 2, 3)))[0]) for image in subset.images]
+    assert rows == sorted(set(rows)) and (labels[rows] == subset.labels).all()
+    again = dataset.balanced_subset(13, seed=1)
+    assert (again.images == subset.images).all()
+    other_seeds = [dataset.balanced_subset(13, seed=s).images for s in range(2, 6)]
+    assert any((o != subset.images).any() for o in other_seeds)
+    assert dataset.balanced_subset(None) is dataset
+    assert dataset.balanced_subset(len(dataset)) is dataset
+    with pytest.raises(ValueError, match="size"):
+        dataset.balanced_subset(2)
