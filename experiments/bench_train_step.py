@@ -36,8 +36,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _model() -> nnx.Module:
-  return models.create("prunetrain-resnet20", num_classes=10, rngs=nnx.Rngs(0),
-                       width_multiplier=0.5, in_channels=1)
+  return models.create(
+    "prunetrain-resnet20", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=0.5, in_channels=1
+  )
 
 
 def _tx():
@@ -103,26 +104,37 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
   for batch in [int(b) for b in args.batch_sizes.split(",")]:
     x = jnp.asarray(rng.normal(size=(batch, 8, 8, 1)).astype(np.float32))
     y = jnp.asarray(rng.integers(0, 10, batch).astype(np.int32))
-    times = {"jaxprune.train (split/merge jax.jit)": bench_split_merge(x, y, args.steps),
-             "nnx.jit + nnx.Optimizer": bench_nnx_jit(x, y, args.steps, cached=False),
-             "nnx.jit + nnx.cached_partial": bench_nnx_jit(x, y, args.steps, cached=True)}
+    times = {
+      "jaxprune.train (split/merge jax.jit)": bench_split_merge(x, y, args.steps),
+      "nnx.jit + nnx.Optimizer": bench_nnx_jit(x, y, args.steps, cached=False),
+      "nnx.jit + nnx.cached_partial": bench_nnx_jit(x, y, args.steps, cached=True),
+    }
     base = times["jaxprune.train (split/merge jax.jit)"]
     for name, seconds in times.items():
-      rows.append({"batch": batch, "method": name, "ms_per_step": 1e3 * seconds,
-                   "relative": seconds / base})
+      rows.append(
+        {"batch": batch, "method": name, "ms_per_step": 1e3 * seconds, "relative": seconds / base}
+      )
       print(f"batch {batch}: {name}: {1e3 * seconds:.2f} ms/step", flush=True)
   command = "python -m experiments.run bench_train_step " + shlex.join(
-      list(argv) if argv is not None else sys.argv[1:])
+    list(argv) if argv is not None else sys.argv[1:]
+  )
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  lines = ["# Train-step dispatch: split/merge jax.jit vs nnx.jit", "",
-           f"- Command: `{command}`", f"- Date: {date}",
-           f"- Machine: {bench_loader._machine()}; JAX {jax.__version__}",
-           f"- Model: prunetrain-resnet20 at half width on 8x8x1 inputs, SGD momentum + wd; "
-           f"{args.steps} timed steps after 2 warm-up steps. Times on a shared machine vary; "
-           "compare rows of the same batch.", "",
-           "| batch | step | ms / step | relative to jaxprune.train |", "|---:|---|---:|---:|"]
-  lines += [f"| {r['batch']} | {r['method']} | {r['ms_per_step']:.2f} | {r['relative']:.2f} |"
-            for r in rows]
+  lines = [
+    "# Train-step dispatch: split/merge jax.jit vs nnx.jit",
+    "",
+    f"- Command: `{command}`",
+    f"- Date: {date}",
+    f"- Machine: {bench_loader._machine()}; JAX {jax.__version__}",
+    f"- Model: prunetrain-resnet20 at half width on 8x8x1 inputs, SGD momentum + wd; "
+    f"{args.steps} timed steps after 2 warm-up steps. Times on a shared machine vary; "
+    "compare rows of the same batch.",
+    "",
+    "| batch | step | ms / step | relative to jaxprune.train |",
+    "|---:|---|---:|---:|",
+  ]
+  lines += [
+    f"| {r['batch']} | {r['method']} | {r['ms_per_step']:.2f} | {r['relative']:.2f} |" for r in rows
+  ]
   Path(args.out).write_text("\n".join(lines) + "\n")
   return rows
 

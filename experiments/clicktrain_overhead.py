@@ -42,138 +42,159 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _machine() -> str:
-    try:
-        from experiments.cifar_baseline import machine_description
-        return machine_description()
-    except Exception:  # pragma: no cover - description only
-        import platform
-        return f"{platform.processor() or platform.machine()}; JAX {jax.__version__}"
+  try:
+    from experiments.cifar_baseline import machine_description
+
+    return machine_description()
+  except Exception:  # pragma: no cover - description only
+    import platform
+
+    return f"{platform.processor() or platform.machine()}; JAX {jax.__version__}"
 
 
 def _forced(state: ct.ClickTrainState, stage: int) -> ct.ClickTrainState:
-    """The state as it would be in ``stage`` (pool set, masks random but valid)."""
-    rng = np.random.default_rng(0)
-    layers = {}
-    for name, ls in state.layers.items():
-        if ls.pool is not None:
-            ls = ls._replace(pool=jnp.arange(ls.pool.shape[0], dtype=jnp.int32) * 7)
-        keep = jnp.asarray(rng.random(ls.kernel_keep.shape) > 0.5)
-        layers[name] = ls._replace(kernel_keep=keep)
-    return state._replace(stage=jnp.asarray(stage, jnp.int32), layers=layers,
-                          last_loss=jnp.float32(2.3))
+  """The state as it would be in ``stage`` (pool set, masks random but valid)."""
+  rng = np.random.default_rng(0)
+  layers = {}
+  for name, ls in state.layers.items():
+    if ls.pool is not None:
+      ls = ls._replace(pool=jnp.arange(ls.pool.shape[0], dtype=jnp.int32) * 7)
+    keep = jnp.asarray(rng.random(ls.kernel_keep.shape) > 0.5)
+    layers[name] = ls._replace(kernel_keep=keep)
+  return state._replace(
+    stage=jnp.asarray(stage, jnp.int32), layers=layers, last_loss=jnp.float32(2.3)
+  )
 
 
 def _time_variant(step, state, x, y, steps: int) -> float:
-    state = jax.tree.map(jnp.copy, state)
-    start = time.perf_counter()
-    for _ in range(steps):
-        state = step(*state[:3], state[3], x, y)
-    jax.block_until_ready(state)
-    return (time.perf_counter() - start) / steps
+  state = jax.tree.map(jnp.copy, state)
+  start = time.perf_counter()
+  for _ in range(steps):
+    state = step(*state[:3], state[3], x, y)
+  jax.block_until_ready(state)
+  return (time.perf_counter() - start) / steps
 
 
 def _time_update(update, grads, state, params, loss, steps: int) -> float:
-    jax.block_until_ready(update(grads, state, params, loss))  # compile
-    start = time.perf_counter()
-    for _ in range(steps):
-        out, state = update(grads, state, params, loss)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / steps
+  jax.block_until_ready(update(grads, state, params, loss))  # compile
+  start = time.perf_counter()
+  for _ in range(steps):
+    out, state = update(grads, state, params, loss)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / steps
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="clicktrain_overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="clicktrain-vgg11")
-    parser.add_argument("--width", type=float, default=0.25)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--name", default="clicktrain_overhead")
-    args = parser.parse_args(argv)
-    command = "python -m experiments.run clicktrain_overhead " + shlex.join(
-        list(argv) if argv is not None else sys.argv[1:])
+  parser = argparse.ArgumentParser(prog="clicktrain_overhead", description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="clicktrain-vgg11")
+  parser.add_argument("--width", type=float, default=0.25)
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--name", default="clicktrain_overhead")
+  args = parser.parse_args(argv)
+  command = "python -m experiments.run clicktrain_overhead " + shlex.join(
+    list(argv) if argv is not None else sys.argv[1:]
+  )
 
-    model = models.create(args.model, num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width)
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(args.batch, 32, 32, 3)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, 10, args.batch), jnp.int32)
+  model = models.create(args.model, num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(args.batch, 32, 32, 3)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 10, args.batch), jnp.int32)
 
-    def inner():
-        return train.sgd(0.01, momentum=0.9, weight_decay=5e-4)
+  def inner():
+    return train.sgd(0.01, momentum=0.9, weight_decay=5e-4)
 
-    def wrapped(every: int):
-        return jaxprune.clicktrain(inner(), steps_per_epoch=10_000, hard_prune_epoch=100,
-                                   pool_start_epoch=1, kernel_prune_ratio=0.5, importance_every=every)
+  def wrapped(every: int):
+    return jaxprune.clicktrain(
+      inner(),
+      steps_per_epoch=10_000,
+      hard_prune_epoch=100,
+      pool_start_epoch=1,
+      kernel_prune_ratio=0.5,
+      importance_every=every,
+    )
 
-    variants: dict[str, tuple[Any, Any]] = {}
-    updates_only: dict[str, tuple[Any, Any]] = {}
+  variants: dict[str, tuple[Any, Any]] = {}
+  updates_only: dict[str, tuple[Any, Any]] = {}
 
-    def add(label, tx, stage=None):
-        trainer = train.Trainer(model, tx, progress=False, donate=False)
-        state = (trainer.params, trainer.rest, trainer.opt_state, train.Metrics.zeros())
-        if stage is not None:
-            state = state[:2] + (_forced(trainer.opt_state, stage),) + state[3:]
-        jax.block_until_ready(trainer.steps.train(*state[:3], state[3], x, y))  # compile
-        variants[label] = (trainer.steps.train, state)
-        tx_extra = optax.with_extra_args_support(tx)
-        update = jax.jit(lambda g, s, p, l: tx_extra.update(g, s, p, value=l))
-        updates_only[label] = (update, state[2])
+  def add(label, tx, stage=None):
+    trainer = train.Trainer(model, tx, progress=False, donate=False)
+    state = (trainer.params, trainer.rest, trainer.opt_state, train.Metrics.zeros())
+    if stage is not None:
+      state = state[:2] + (_forced(trainer.opt_state, stage),) + state[3:]
+    jax.block_until_ready(trainer.steps.train(*state[:3], state[3], x, y))  # compile
+    variants[label] = (trainer.steps.train, state)
+    tx_extra = optax.with_extra_args_support(tx)
+    update = jax.jit(lambda g, s, p, l: tx_extra.update(g, s, p, value=l))
+    updates_only[label] = (update, state[2])
 
-    add("inner optimizer alone", inner())
-    tx1, tx4 = wrapped(1), wrapped(4)
-    for stage in (ct.WARMUP, ct.POOL, ct.FINALIZE, ct.REGULARIZE, ct.PRUNED):
-        add(f"clicktrain: {ct.STAGE_NAMES[stage]}", tx1, stage)
-    add("clicktrain: pool, importance every 4 steps", tx4, ct.POOL)
-    add("clicktrain: finalize, importance every 4 steps", tx4, ct.FINALIZE)
+  add("inner optimizer alone", inner())
+  tx1, tx4 = wrapped(1), wrapped(4)
+  for stage in (ct.WARMUP, ct.POOL, ct.FINALIZE, ct.REGULARIZE, ct.PRUNED):
+    add(f"clicktrain: {ct.STAGE_NAMES[stage]}", tx1, stage)
+  add("clicktrain: pool, importance every 4 steps", tx4, ct.POOL)
+  add("clicktrain: finalize, importance every 4 steps", tx4, ct.FINALIZE)
 
-    params = variants["inner optimizer alone"][1][0]
-    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
-    loss = jnp.float32(2.3)
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    utimes: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(args.rounds):
-        for label, (step, state) in variants.items():
-            times[label].append(_time_variant(step, state, x, y, args.steps))
-            update, opt_state = updates_only[label]
-            utimes[label].append(_time_update(update, grads, opt_state, params, loss, 4 * args.steps))
-    median = {k: float(np.median(v)) for k, v in times.items()}
-    best = {k: float(np.min(v)) for k, v in times.items()}
-    umin = {k: float(np.min(v)) for k, v in utimes.items()}
-    base, base_best = median["inner optimizer alone"], best["inner optimizer alone"]
-    implied = {k: 1.0 + (umin[k] - umin["inner optimizer alone"]) / base_best for k in variants}
-    result = {"model": args.model, "width": args.width, "batch": args.batch,
-              "median_step_s": median, "min_step_s": best, "min_update_s": umin,
-              "ratio_median": {k: v / base for k, v in median.items()},
-              "ratio_min": {k: v / base_best for k, v in best.items()},
-              "ratio_from_update_overhead": implied}
+  params = variants["inner optimizer alone"][1][0]
+  grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+  loss = jnp.float32(2.3)
+  times: dict[str, list[float]] = {k: [] for k in variants}
+  utimes: dict[str, list[float]] = {k: [] for k in variants}
+  for _ in range(args.rounds):
+    for label, (step, state) in variants.items():
+      times[label].append(_time_variant(step, state, x, y, args.steps))
+      update, opt_state = updates_only[label]
+      utimes[label].append(_time_update(update, grads, opt_state, params, loss, 4 * args.steps))
+  median = {k: float(np.median(v)) for k, v in times.items()}
+  best = {k: float(np.min(v)) for k, v in times.items()}
+  umin = {k: float(np.min(v)) for k, v in utimes.items()}
+  base, base_best = median["inner optimizer alone"], best["inner optimizer alone"]
+  implied = {k: 1.0 + (umin[k] - umin["inner optimizer alone"]) / base_best for k in variants}
+  result = {
+    "model": args.model,
+    "width": args.width,
+    "batch": args.batch,
+    "median_step_s": median,
+    "min_step_s": best,
+    "min_update_s": umin,
+    "ratio_median": {k: v / base for k, v in median.items()},
+    "ratio_min": {k: v / base_best for k, v in best.items()},
+    "ratio_from_update_overhead": implied,
+  }
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        f"# ClickTrain wrapper overhead: {args.model} (width x{args.width}), batch {args.batch}, CPU",
-        "",
-        f"- Command: `{command}`",
-        f"- Date: {date}",
-        f"- Machine: {_machine()} (shared with other jobs: medians of {args.rounds} interleaved "
-        f"rounds of {args.steps} steps)",
-        "- Step: the full jitted train step (forward, backward, optimizer update) of "
-        "`jaxprune.train`; inner optimizer = `train.sgd(0.01, momentum=0.9, weight_decay=5e-4)`; "
-        "the wrapper's state is forced into each stage.",
-        "",
-        "| variant | median step (ms) | ratio (median) | min step (ms) | ratio (min) "
-        "| update alone, min (ms) | ratio from update overhead |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for k in variants:
-        lines.append(f"| {k} | {1e3 * median[k]:.1f} | {median[k] / base:.3f}x | {1e3 * best[k]:.1f} "
-                     f"| {best[k] / base_best:.3f}x | {1e3 * umin[k]:.2f} | {implied[k]:.3f}x |")
-    lines += ["", "Last column: 1 + (update time of the variant - update time of the inner "
-              "optimizer) / (minimum full train step of the inner optimizer)."]
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
-    print("\n".join(lines), flush=True)
-    return result
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  lines = [
+    f"# ClickTrain wrapper overhead: {args.model} (width x{args.width}), batch {args.batch}, CPU",
+    "",
+    f"- Command: `{command}`",
+    f"- Date: {date}",
+    f"- Machine: {_machine()} (shared with other jobs: medians of {args.rounds} interleaved "
+    f"rounds of {args.steps} steps)",
+    "- Step: the full jitted train step (forward, backward, optimizer update) of "
+    "`jaxprune.train`; inner optimizer = `train.sgd(0.01, momentum=0.9, weight_decay=5e-4)`; "
+    "the wrapper's state is forced into each stage.",
+    "",
+    "| variant | median step (ms) | ratio (median) | min step (ms) | ratio (min) "
+    "| update alone, min (ms) | ratio from update overhead |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for k in variants:
+    lines.append(
+      f"| {k} | {1e3 * median[k]:.1f} | {median[k] / base:.3f}x | {1e3 * best[k]:.1f} "
+      f"| {best[k] / base_best:.3f}x | {1e3 * umin[k]:.2f} | {implied[k]:.3f}x |"
+    )
+  lines += [
+    "",
+    "Last column: 1 + (update time of the variant - update time of the inner "
+    "optimizer) / (minimum full train step of the inner optimizer).",
+  ]
+  (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+  (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+  print("\n".join(lines), flush=True)
+  return result
 
 
 if __name__ == "__main__":
-    main()
+  main()

@@ -58,11 +58,15 @@ def _describe(spec) -> str:
     blocks = ",".join(str(n) for n in spec.num_blocks)
     return f"{spec.block} [{blocks}], stem {spec.stem_width}, stage widths {widths}"
   if isinstance(spec, models.VGGSpec):
-    return (f"{len(spec.widths)} convs, {len(spec.pool_after)} pools, "
-            f"hidden {list(spec.hidden) or 'none'}")
+    return (
+      f"{len(spec.widths)} convs, {len(spec.pool_after)} pools, "
+      f"hidden {list(spec.hidden) or 'none'}"
+    )
   if isinstance(spec, models.ResNet9Spec):
-    return (f"convs {spec.prep},{spec.layer1},{list(spec.res1)},{spec.layer2},"
-            f"{list(spec.res2)},{spec.layer3}")
+    return (
+      f"convs {spec.prep},{spec.layer1},{list(spec.res1)},{spec.layer2},"
+      f"{list(spec.res2)},{spec.layer3}"
+    )
   return type(spec).__name__
 
 
@@ -74,13 +78,18 @@ def table(names: Sequence[str]) -> str:
   ]
   for name in names:
     spec = models.default_spec(name)
-    model_class = {models.ResNetSpec: "ResNet", models.VGGSpec: "VGG",
-                   models.ResNet9Spec: "ResNet9"}[type(spec)]
+    model_class = {
+      models.ResNetSpec: "ResNet",
+      models.VGGSpec: "VGG",
+      models.ResNet9Spec: "ResNet9",
+    }[type(spec)]
     params = count(name)
     ref, source = _REFERENCE.get(name, ("", ""))
     reference = f"{ref}, {source}" if ref else ""
-    lines.append(f"| `{name}` | `{model_class}` | {_describe(spec)} | {num_classes_for(name)} "
-                 f"| {params:,} ({params / 1e6:.3f} M) | {reference} |")
+    lines.append(
+      f"| `{name}` | `{model_class}` | {_describe(spec)} | {num_classes_for(name)} "
+      f"| {params:,} ({params / 1e6:.3f} M) | {reference} |"
+    )
   return "\n".join(lines)
 
 

@@ -70,8 +70,7 @@ class _Timed:
     # The step donates its inputs: copy, so the model's own arrays stay valid.
     params, rest = jax.tree.map(jnp.copy, (params, rest))
     self.tx = train.sgd(0.01, momentum=0.9, weight_decay=5e-4)
-    self.steps = train.step_functions(train_gd, eval_gd, self.tx, train.default_loss(),
-                                      donate=True)
+    self.steps = train.step_functions(train_gd, eval_gd, self.tx, train.default_loss(), donate=True)
     self.state = (params, rest, self.tx.init(params), train.Metrics.zeros())
     rng = np.random.default_rng(0)
     self.images = jnp.asarray(rng.normal(size=(batch, *image_shape)).astype(np.float32))
@@ -105,7 +104,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   command = "python -m experiments.run prunetrain_speed " + shlex.join(
-      list(argv) if argv is not None else sys.argv[1:])
+    list(argv) if argv is not None else sys.argv[1:]
+  )
   image_shape = (args.image_size, args.image_size, 3)
   input_shape = (args.batch_size, *image_shape)
   dense_model = models.create(args.model, num_classes=10, rngs=nnx.Rngs(0))
@@ -125,16 +125,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     dense_time, pruned_time = statistics.median(dense_times), statistics.median(pruned_times)
     flop_ratio = pruned_flops / dense_flops
     time_ratio = pruned_time / dense_time
-    rows.append({"keep": keep, "params": report.params_after,
-                 "train_flops_ratio": flop_ratio, "time_ratio": time_ratio,
-                 "time_over_flops": time_ratio / flop_ratio, "dense_step_s": dense_time,
-                 "pruned_step_s": pruned_time, "dense_times": dense_times,
-                 "pruned_times": pruned_times, "spec": repr(pruned_model.spec)})
-    print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("times")}),
-          flush=True)
-  result = {"args": vars(args), "command": command, "dense_train_flops": dense_flops,
-            "dense_params": sum(np.size(x) for x in jax.tree.leaves(
-                nnx.state(dense_model, nnx.Param))), "rows": rows}
+    rows.append(
+      {
+        "keep": keep,
+        "params": report.params_after,
+        "train_flops_ratio": flop_ratio,
+        "time_ratio": time_ratio,
+        "time_over_flops": time_ratio / flop_ratio,
+        "dense_step_s": dense_time,
+        "pruned_step_s": pruned_time,
+        "dense_times": dense_times,
+        "pruned_times": pruned_times,
+        "spec": repr(pruned_model.spec),
+      }
+    )
+    print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("times")}), flush=True)
+  result = {
+    "args": vars(args),
+    "command": command,
+    "dense_train_flops": dense_flops,
+    "dense_params": sum(np.size(x) for x in jax.tree.leaves(nnx.state(dense_model, nnx.Param))),
+    "rows": rows,
+  }
   _write(result, args, command)
   return result
 
@@ -142,30 +154,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def _write(result: dict[str, Any], args: argparse.Namespace, command: str) -> None:
   RESULTS.mkdir(parents=True, exist_ok=True)
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  machine = (f"{platform.processor() or platform.machine()}, {jax.device_count()} "
-             f"{jax.devices()[0].platform} device(s), JAX {jax.__version__}")
+  machine = (
+    f"{platform.processor() or platform.machine()}, {jax.device_count()} "
+    f"{jax.devices()[0].platform} device(s), JAX {jax.__version__}"
+  )
   result = {**result, "date": date, "machine": machine}
   (RESULTS / "prunetrain_speed.json").write_text(json.dumps(result, indent=1, default=str))
   lines = [
-      f"# PruneTrain: training-step time after reconfiguration vs FLOPs ({args.model})",
-      "",
-      f"- Command: `{command}`",
-      f"- Date: {date}; machine: {machine}",
-      f"- Jitted train step (forward + backward + SGD momentum), batch {args.batch_size}, "
-      f"{args.image_size}x{args.image_size} images; median of {args.repeats} interleaved "
-      f"blocks of {args.steps} steps. Channels killed uniformly at random in every channel "
-      "tensor, then `jaxprune.prunetrain.reconfigure`.",
-      f"- Dense: {result['dense_params']:,} params, "
-      f"{result['dense_train_flops'] / 1e9:.2f} GFLOPs per step.",
-      "",
-      "| kept channels | params | train FLOPs ratio | step time ratio | time / FLOPs "
-      "(target ≤ 1.25) | dense step (ms) | pruned step (ms) |",
-      "|---:|---:|---:|---:|---:|---:|---:|",
+    f"# PruneTrain: training-step time after reconfiguration vs FLOPs ({args.model})",
+    "",
+    f"- Command: `{command}`",
+    f"- Date: {date}; machine: {machine}",
+    f"- Jitted train step (forward + backward + SGD momentum), batch {args.batch_size}, "
+    f"{args.image_size}x{args.image_size} images; median of {args.repeats} interleaved "
+    f"blocks of {args.steps} steps. Channels killed uniformly at random in every channel "
+    "tensor, then `jaxprune.prunetrain.reconfigure`.",
+    f"- Dense: {result['dense_params']:,} params, "
+    f"{result['dense_train_flops'] / 1e9:.2f} GFLOPs per step.",
+    "",
+    "| kept channels | params | train FLOPs ratio | step time ratio | time / FLOPs "
+    "(target ≤ 1.25) | dense step (ms) | pruned step (ms) |",
+    "|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in result["rows"]:
-    lines.append(f"| {100 * r['keep']:.0f}% | {r['params']:,} | {r['train_flops_ratio']:.3f} "
-                 f"| {r['time_ratio']:.3f} | {r['time_over_flops']:.2f} "
-                 f"| {1e3 * r['dense_step_s']:.1f} | {1e3 * r['pruned_step_s']:.1f} |")
+    lines.append(
+      f"| {100 * r['keep']:.0f}% | {r['params']:,} | {r['train_flops_ratio']:.3f} "
+      f"| {r['time_ratio']:.3f} | {r['time_over_flops']:.2f} "
+      f"| {1e3 * r['dense_step_s']:.1f} | {1e3 * r['pruned_step_s']:.1f} |"
+    )
   (RESULTS / "prunetrain_speed.md").write_text("\n".join(lines) + "\n")
 
 

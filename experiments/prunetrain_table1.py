@@ -47,23 +47,55 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # PruneTrain Table 1, CIFAR-10: accuracy change vs dense, training FLOPs and inference FLOPs
 # of the final model as a fraction of the dense baseline (training time in brackets).
 PAPER = {
-    "prunetrain-resnet32": {"acc_delta": -1.8, "train_flops": 0.47, "train_time": 0.81,
-                            "inference_flops": 0.34},
-    "prunetrain-resnet50": {"acc_delta": -1.1, "train_flops": 0.50, "train_time": 0.81,
-                            "inference_flops": 0.30},
-    "prunetrain-vgg11": {"acc_delta": -0.7, "train_flops": 0.43, "train_time": 0.57,
-                         "inference_flops": 0.35},
-    "prunetrain-vgg13": {"acc_delta": -0.6, "train_flops": 0.44, "train_time": 0.57,
-                         "inference_flops": 0.37},
+  "prunetrain-resnet32": {
+    "acc_delta": -1.8,
+    "train_flops": 0.47,
+    "train_time": 0.81,
+    "inference_flops": 0.34,
+  },
+  "prunetrain-resnet50": {
+    "acc_delta": -1.1,
+    "train_flops": 0.50,
+    "train_time": 0.81,
+    "inference_flops": 0.30,
+  },
+  "prunetrain-vgg11": {
+    "acc_delta": -0.7,
+    "train_flops": 0.43,
+    "train_time": 0.57,
+    "inference_flops": 0.35,
+  },
+  "prunetrain-vgg13": {
+    "acc_delta": -0.6,
+    "train_flops": 0.44,
+    "train_time": 0.57,
+    "inference_flops": 0.37,
+  },
 }
 
 # Reduced CPU mode defaults (each can still be overridden on the command line).
-BUDGET = {"train_subset": 2560, "test_subset": 1000, "epochs": 5, "interval": 1,
-          "penalty_ratio": 0.9, "threshold": 1e-2, "batch_size": 64, "lr": 0.05,
-          "milestones": [0.75]}
-FULL = {"train_subset": 0, "test_subset": 0, "epochs": 182, "interval": 10,
-        "penalty_ratio": 0.2, "threshold": 1e-4, "batch_size": 128, "lr": 0.1,
-        "milestones": [0.5, 0.75]}
+BUDGET = {
+  "train_subset": 2560,
+  "test_subset": 1000,
+  "epochs": 5,
+  "interval": 1,
+  "penalty_ratio": 0.9,
+  "threshold": 1e-2,
+  "batch_size": 64,
+  "lr": 0.05,
+  "milestones": [0.75],
+}
+FULL = {
+  "train_subset": 0,
+  "test_subset": 0,
+  "epochs": 182,
+  "interval": 10,
+  "penalty_ratio": 0.2,
+  "threshold": 1e-4,
+  "batch_size": 128,
+  "lr": 0.1,
+  "milestones": [0.5, 0.75],
+}
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -77,15 +109,23 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--test-subset", type=int, default=None, help="0 = all 10 000 images")
   parser.add_argument("--batch-size", type=int, default=None)
   parser.add_argument("--lr", type=float, default=None)
-  parser.add_argument("--milestones", type=float, nargs="*", default=None,
-                      help="LR x0.1 at these fractions of the run (paper: 0.5 0.75)")
+  parser.add_argument(
+    "--milestones",
+    type=float,
+    nargs="*",
+    default=None,
+    help="LR x0.1 at these fractions of the run (paper: 0.5 0.75)",
+  )
   parser.add_argument("--weight-decay", type=float, default=5e-4)
   parser.add_argument("--threshold", type=float, default=None)
   parser.add_argument("--no-dynamic-batch", action="store_true")
   parser.add_argument("--skip-dense", action="store_true", help="run PruneTrain only")
-  parser.add_argument("--reuse-dense", action="store_true",
-                      help="with --skip-dense: keep the dense row of an earlier run's JSON "
-                      "(same model / data / schedule) instead of dropping it")
+  parser.add_argument(
+    "--reuse-dense",
+    action="store_true",
+    help="with --skip-dense: keep the dense row of an earlier run's JSON "
+    "(same model / data / schedule) instead of dropping it",
+  )
   parser.add_argument("--name-suffix", default="", help="appended to the result file names")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--root", default=None, help="CIFAR-10 source (default: data package's)")
@@ -99,17 +139,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def _run(args: argparse.Namespace, method: str, train_set, test_set, log_dir: Path
-         ) -> dict[str, Any]:
-  train_loader = data.Loader(train_set, args.batch_size, shuffle=True, seed=args.seed,
-                             augment="prunetrain", drop_last=True)
+def _run(
+  args: argparse.Namespace, method: str, train_set, test_set, log_dir: Path
+) -> dict[str, Any]:
+  train_loader = data.Loader(
+    train_set, args.batch_size, shuffle=True, seed=args.seed, augment="prunetrain", drop_last=True
+  )
   test_loader = data.Loader(test_set, min(500, len(test_set)), shuffle=False, drop_last=False)
   steps_per_epoch = len(train_loader)
   # The paper's LR drops at epochs 91 and 136 of 182 (50% and 75%).
   milestones = sorted({max(1, round(f * args.epochs)) for f in args.milestones})
   milestones = [m for m in milestones if m < args.epochs]
-  schedule = (train.step_schedule(args.lr, steps_per_epoch, milestones) if milestones
-              else args.lr)
+  schedule = train.step_schedule(args.lr, steps_per_epoch, milestones) if milestones else args.lr
   tx = train.sgd(schedule, momentum=0.9, weight_decay=args.weight_decay)
   model = models.create(args.model, num_classes=train_set.num_classes, rngs=nnx.Rngs(args.seed))
   image_shape = tuple(train_set.images.shape[1:])
@@ -117,37 +158,47 @@ def _run(args: argparse.Namespace, method: str, train_set, test_set, log_dir: Pa
   callbacks = []
   if method == "prunetrain":
     tx = pt.with_group_lasso(tx, penalty_ratio=args.penalty_ratio)
-    callback = pt.PruneTrainCallback(every_epochs=args.interval, threshold=args.threshold,
-                                     image_shape=image_shape,
-                                     dynamic_batch=not args.no_dynamic_batch,
-                                     max_batch_size=len(train_set))
+    callback = pt.PruneTrainCallback(
+      every_epochs=args.interval,
+      threshold=args.threshold,
+      image_shape=image_shape,
+      dynamic_batch=not args.no_dynamic_batch,
+      max_batch_size=len(train_set),
+    )
     callbacks.append(callback)
   dense_costs = pt.model_costs(model, image_shape)
-  trainer = train.Trainer(model, tx, callbacks=callbacks, progress=False,
-                          log_path=log_dir / f"{method}.jsonl")
+  trainer = train.Trainer(
+    model, tx, callbacks=callbacks, progress=False, log_path=log_dir / f"{method}.jsonl"
+  )
   start = time.perf_counter()
   history = trainer.fit(train_loader, test_loader, epochs=args.epochs, resume=False)
   wall = time.perf_counter() - start
   final_costs = pt.model_costs(trainer.model, image_shape)
   result = {
-      "method": method, "test_acc": history[-1]["test_acc"],
-      "best_test_acc": max(r["test_acc"] for r in history), "wall_time_s": wall,
-      "train_time_s": sum(r["epoch_time_s"] for r in history),
-      "inference_flops": final_costs["inference_flops"],
-      "inference_flops_ratio": final_costs["inference_flops"] / dense_costs["inference_flops"],
-      "params": final_costs["params"], "params_ratio": final_costs["params"] / dense_costs["params"],
-      "final_spec": repr(trainer.model.spec), "history": history,
+    "method": method,
+    "test_acc": history[-1]["test_acc"],
+    "best_test_acc": max(r["test_acc"] for r in history),
+    "wall_time_s": wall,
+    "train_time_s": sum(r["epoch_time_s"] for r in history),
+    "inference_flops": final_costs["inference_flops"],
+    "inference_flops_ratio": final_costs["inference_flops"] / dense_costs["inference_flops"],
+    "params": final_costs["params"],
+    "params_ratio": final_costs["params"] / dense_costs["params"],
+    "final_spec": repr(trainer.model.spec),
+    "history": history,
   }
   if callback is not None:
     last = history[-1]
-    result.update({
+    result.update(
+      {
         "train_flops_ratio": last["pt_train_flops_ratio"],
         "allreduce_ratio": last["pt_allreduce_ratio"],
         "bn_bytes": last["pt_bn_bytes"],
         "layers_removed": sum(len(r.removed_layers) for r in callback.reports),
         "batch_sizes": [r["batch_size"] for r in history],
         "lambda": float(trainer.opt_state.group_lasso.coefficient),
-    })
+      }
+    )
     dense_bn = dense_costs["bn_bytes"] * sum(r["steps"] * r["batch_size"] for r in history)
     result["bn_bytes_ratio"] = last["pt_bn_bytes"] / dense_bn
   else:
@@ -158,29 +209,47 @@ def _run(args: argparse.Namespace, method: str, train_set, test_set, log_dir: Pa
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   command = "python -m experiments.run prunetrain_table1 " + shlex.join(
-      list(argv) if argv is not None else sys.argv[1:])
-  name = (f"prunetrain_table1_{args.model.split('-', 1)[1]}" + ("_budget" if args.budget else "")
-          + args.name_suffix)
+    list(argv) if argv is not None else sys.argv[1:]
+  )
+  name = (
+    f"prunetrain_table1_{args.model.split('-', 1)[1]}"
+    + ("_budget" if args.budget else "")
+    + args.name_suffix
+  )
   RESULTS.mkdir(parents=True, exist_ok=True)
   log_dir = RESULTS / "scratch" / name
   log_dir.mkdir(parents=True, exist_ok=True)
   # A subset size of 0 means the full split.
   train_set = data.load("cifar10", root=args.root, split="train").balanced_subset(
-      args.train_subset or None, args.seed)
+    args.train_subset or None, args.seed
+  )
   test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
-      args.test_subset or None, args.seed + 1)
+    args.test_subset or None, args.seed + 1
+  )
   runs = {}
   if args.skip_dense and args.reuse_dense:
     previous = RESULTS / (name[: -len(args.name_suffix)] if args.name_suffix else name)
     earlier = json.loads(previous.with_suffix(".json").read_text())
-    same = ("model", "train_subset", "test_subset", "epochs", "batch_size", "lr", "milestones",
-            "weight_decay", "seed")
+    same = (
+      "model",
+      "train_subset",
+      "test_subset",
+      "epochs",
+      "batch_size",
+      "lr",
+      "milestones",
+      "weight_decay",
+      "seed",
+    )
     if any(earlier["args"][k] != getattr(args, k) for k in same):
       raise ValueError(f"--reuse-dense: {previous}.json was run with other settings")
     runs["dense"] = earlier["runs"]["dense"]
-  for method in (["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]):
-    print(f"[{name}] {method}: {len(train_set)} train / {len(test_set)} test images, "
-          f"{args.epochs} epochs", flush=True)
+  for method in ["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]:
+    print(
+      f"[{name}] {method}: {len(train_set)} train / {len(test_set)} test images, "
+      f"{args.epochs} epochs",
+      flush=True,
+    )
     runs[method] = _run(args, method, train_set, test_set, log_dir)
     _write(name, args, runs, command)
   return runs
@@ -188,64 +257,95 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: str) -> None:
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  machine = (f"{platform.processor() or platform.machine()}, {jax.device_count()} "
-             f"{jax.devices()[0].platform} device(s), JAX {jax.__version__}")
-  (RESULTS / f"{name}.json").write_text(json.dumps(
-      {"args": vars(args), "command": command, "date": date, "paper": PAPER[args.model],
-       "runs": runs}, indent=1, default=str))
+  machine = (
+    f"{platform.processor() or platform.machine()}, {jax.device_count()} "
+    f"{jax.devices()[0].platform} device(s), JAX {jax.__version__}"
+  )
+  (RESULTS / f"{name}.json").write_text(
+    json.dumps(
+      {
+        "args": vars(args),
+        "command": command,
+        "date": date,
+        "paper": PAPER[args.model],
+        "runs": runs,
+      },
+      indent=1,
+      default=str,
+    )
+  )
   paper = PAPER[args.model]
   pt_run, dense = runs.get("prunetrain"), runs.get("dense")
   lines = [
-      f"# PruneTrain Table 1, CIFAR-10 {args.model}" + (" (reduced CPU budget)" if args.budget
-                                                         else ""),
-      "",
-      f"- Command: `{command}`",
-      f"- Date: {date}; machine: {machine}",
-      f"- Data: {args.train_subset or 50000} training / {args.test_subset or 10000} test images "
-      "of the JPEG-re-encoded CIFAR-10; pad-4 crop + flip.",
-      f"- Recipe: batch {args.batch_size}, SGD momentum 0.9, lr {args.lr} (×0.1 at "
-      f"{', '.join(f'{100 * f:.0f}%' for f in args.milestones)} of {args.epochs} epochs), "
-      f"wd {args.weight_decay}; PruneTrain: penalty ratio "
-      f"{args.penalty_ratio}, threshold {args.threshold}, reconfiguration every {args.interval} "
-      f"epoch(s), dynamic mini-batch {'off' if args.no_dynamic_batch else 'on (+32)'}.",
+    f"# PruneTrain Table 1, CIFAR-10 {args.model}"
+    + (" (reduced CPU budget)" if args.budget else ""),
+    "",
+    f"- Command: `{command}`",
+    f"- Date: {date}; machine: {machine}",
+    f"- Data: {args.train_subset or 50000} training / {args.test_subset or 10000} test images "
+    "of the JPEG-re-encoded CIFAR-10; pad-4 crop + flip.",
+    f"- Recipe: batch {args.batch_size}, SGD momentum 0.9, lr {args.lr} (×0.1 at "
+    f"{', '.join(f'{100 * f:.0f}%' for f in args.milestones)} of {args.epochs} epochs), "
+    f"wd {args.weight_decay}; PruneTrain: penalty ratio "
+    f"{args.penalty_ratio}, threshold {args.threshold}, reconfiguration every {args.interval} "
+    f"epoch(s), dynamic mini-batch {'off' if args.no_dynamic_batch else 'on (+32)'}.",
   ]
   if args.budget:
-    lines.append("- Reduced budget: a few epochs on a subset cannot reach the paper's accuracy. "
-                 "The penalty ratio and threshold are raised so that channels die within ~200 "
-                 "steps (see the module docstring for the arithmetic). Compare the two "
-                 "measured rows with each other, not with the paper's numbers.")
-  lines += ["", "| | test acc | Δ acc vs dense | train FLOPs (vs dense) | inference FLOPs | "
-            "params | layers removed |", "|---|---:|---:|---:|---:|---:|---:|"]
-  if dense:
-    lines.append(f"| dense (measured) | {100 * dense['test_acc']:.2f}% | — | 100% | 100% "
-                 f"| {dense['params']:,.0f} | 0 |")
-  if pt_run:
-    delta = (f"{100 * (pt_run['test_acc'] - dense['test_acc']):+.2f}%" if dense else "—")
     lines.append(
-        f"| PruneTrain (measured) | {100 * pt_run['test_acc']:.2f}% | {delta} "
-        f"| {100 * pt_run['train_flops_ratio']:.0f}% | {100 * pt_run['inference_flops_ratio']:.0f}% "
-        f"| {pt_run['params']:,.0f} ({100 * pt_run['params_ratio']:.0f}%) "
-        f"| {pt_run['layers_removed']} |")
-  lines.append(f"| PruneTrain (paper, 182 epochs) | — | {paper['acc_delta']:+.1f}% "
-               f"| {100 * paper['train_flops']:.0f}% (time {100 * paper['train_time']:.0f}%) "
-               f"| {100 * paper['inference_flops']:.0f}% | — | — |")
+      "- Reduced budget: a few epochs on a subset cannot reach the paper's accuracy. "
+      "The penalty ratio and threshold are raised so that channels die within ~200 "
+      "steps (see the module docstring for the arithmetic). Compare the two "
+      "measured rows with each other, not with the paper's numbers."
+    )
+  lines += [
+    "",
+    "| | test acc | Δ acc vs dense | train FLOPs (vs dense) | inference FLOPs | "
+    "params | layers removed |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  if dense:
+    lines.append(
+      f"| dense (measured) | {100 * dense['test_acc']:.2f}% | — | 100% | 100% "
+      f"| {dense['params']:,.0f} | 0 |"
+    )
   if pt_run:
-    lines += ["", "| PruneTrain extra | value |", "|---|---:|",
-              f"| λ (set at step 1 from ratio {args.penalty_ratio}) | {pt_run['lambda']:.3g} |",
-              f"| BatchNorm traffic vs dense | {100 * pt_run['bn_bytes_ratio']:.0f}% |",
-              f"| ring all-reduce volume vs dense (4 devices) | {100 * pt_run['allreduce_ratio']:.0f}% |",
-              f"| batch size per epoch | {pt_run['batch_sizes']} |",
-              f"| train time (s) PruneTrain / dense | {pt_run['train_time_s']:.0f} / "
-              f"{dense['train_time_s']:.0f} |" if dense else
-              f"| train time (s) | {pt_run['train_time_s']:.0f} |",
-              f"| final spec | `{pt_run['final_spec']}` |",
-              "", "| epoch | test acc | batch | inference MFLOPs | params | channels removed |",
-              "|---:|---:|---:|---:|---:|---:|"]
+    delta = f"{100 * (pt_run['test_acc'] - dense['test_acc']):+.2f}%" if dense else "—"
+    lines.append(
+      f"| PruneTrain (measured) | {100 * pt_run['test_acc']:.2f}% | {delta} "
+      f"| {100 * pt_run['train_flops_ratio']:.0f}% | {100 * pt_run['inference_flops_ratio']:.0f}% "
+      f"| {pt_run['params']:,.0f} ({100 * pt_run['params_ratio']:.0f}%) "
+      f"| {pt_run['layers_removed']} |"
+    )
+  lines.append(
+    f"| PruneTrain (paper, 182 epochs) | — | {paper['acc_delta']:+.1f}% "
+    f"| {100 * paper['train_flops']:.0f}% (time {100 * paper['train_time']:.0f}%) "
+    f"| {100 * paper['inference_flops']:.0f}% | — | — |"
+  )
+  if pt_run:
+    lines += [
+      "",
+      "| PruneTrain extra | value |",
+      "|---|---:|",
+      f"| λ (set at step 1 from ratio {args.penalty_ratio}) | {pt_run['lambda']:.3g} |",
+      f"| BatchNorm traffic vs dense | {100 * pt_run['bn_bytes_ratio']:.0f}% |",
+      f"| ring all-reduce volume vs dense (4 devices) | {100 * pt_run['allreduce_ratio']:.0f}% |",
+      f"| batch size per epoch | {pt_run['batch_sizes']} |",
+      f"| train time (s) PruneTrain / dense | {pt_run['train_time_s']:.0f} / "
+      f"{dense['train_time_s']:.0f} |"
+      if dense
+      else f"| train time (s) | {pt_run['train_time_s']:.0f} |",
+      f"| final spec | `{pt_run['final_spec']}` |",
+      "",
+      "| epoch | test acc | batch | inference MFLOPs | params | channels removed |",
+      "|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in pt_run["history"]:
-      lines.append(f"| {r['epoch']} | {100 * r['test_acc']:.2f}% | {r['batch_size']} "
-                   f"| {r.get('pt_inference_flops_after', r['pt_inference_flops']) / 1e6:.1f} "
-                   f"| {r.get('pt_params_after', r['pt_params']):,.0f} "
-                   f"| {r.get('pt_channels_removed', 0)} |")
+      lines.append(
+        f"| {r['epoch']} | {100 * r['test_acc']:.2f}% | {r['batch_size']} "
+        f"| {r.get('pt_inference_flops_after', r['pt_inference_flops']) / 1e6:.1f} "
+        f"| {r.get('pt_params_after', r['pt_params']):,.0f} "
+        f"| {r.get('pt_channels_removed', 0)} |"
+      )
   (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -39,6 +39,7 @@ from jaxprune.clicktrain_transform import clicktrain
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """What a method's factories may depend on."""
+
   epochs: int
   steps_per_epoch: int
   batch_size: int
@@ -56,6 +57,7 @@ class Method:
     convert: ``model -> model`` applied before training (e.g. SDGP conv swap).
     callbacks: ``RunConfig -> list of jaxprune.train callbacks``.
   """
+
   make_tx: Callable[[RunConfig], optax.GradientTransformation]
   convert: Callable[[nnx.Module], nnx.Module] | None = None
   callbacks: Callable[[RunConfig], Sequence[Any]] | None = None
@@ -63,15 +65,17 @@ class Method:
 
 def dense_tx(cfg: RunConfig) -> optax.GradientTransformationExtraArgs:
   """SGD momentum 0.9, coupled weight decay, triangular LR (peak at 20% of training)."""
-  schedule = train.triangular_schedule(cfg.lr, cfg.steps_per_epoch,
-                                       peak_epoch=max(1, cfg.epochs // 5), total_epochs=cfg.epochs)
+  schedule = train.triangular_schedule(
+    cfg.lr, cfg.steps_per_epoch, peak_epoch=max(1, cfg.epochs // 5), total_epochs=cfg.epochs
+  )
   return train.sgd(schedule, momentum=0.9, weight_decay=cfg.weight_decay)
 
 
 def _sdgp(method: str, n: int = 2, m: int = 4) -> Method:
   """SDGP: N:M pruning of each conv's output data gradient (the stem stays dense)."""
-  return Method(make_tx=dense_tx,
-                convert=lambda model: sdgp.convert_model(model, n=n, m=m, method=method))
+  return Method(
+    make_tx=dense_tx, convert=lambda model: sdgp.convert_model(model, n=n, m=m, method=method)
+  )
 
 
 def _prunetrain_tx(cfg: RunConfig) -> optax.GradientTransformationExtraArgs:
@@ -82,33 +86,49 @@ def _prunetrain_tx(cfg: RunConfig) -> optax.GradientTransformationExtraArgs:
 
 def _prunetrain_callbacks(cfg: RunConfig) -> list[Any]:
   # Reconfigure twice in the run; the threshold is raised from 1e-4 for the same reason.
-  return [prunetrain.PruneTrainCallback(every_epochs=max(1, cfg.epochs // 3), threshold=1e-2,
-                                        image_shape=(8, 8, 1), dynamic_batch=False)]
+  return [
+    prunetrain.PruneTrainCallback(
+      every_epochs=max(1, cfg.epochs // 3),
+      threshold=1e-2,
+      image_shape=(8, 8, 1),
+      dynamic_batch=False,
+    )
+  ]
 
 
 def _clicktrain_tx(cfg: RunConfig) -> optax.GradientTransformationExtraArgs:
   # The paper's stages compressed into the budget: pool generation from 20% of the run,
   # finalization after it, hard prune at 2/3 (ClickTrain §4.1-4.4).
   epoch = max(1, cfg.epochs // 5)
-  return clicktrain(dense_tx(cfg), steps_per_epoch=cfg.steps_per_epoch,
-                    hard_prune_epoch=max(3 * epoch + 1, (2 * cfg.epochs) // 3),
-                    pool_start_epoch=epoch, pool_epochs=epoch, finalize_epochs=epoch,
-                    kernel_prune_ratio=0.5)
+  return clicktrain(
+    dense_tx(cfg),
+    steps_per_epoch=cfg.steps_per_epoch,
+    hard_prune_epoch=max(3 * epoch + 1, (2 * cfg.epochs) // 3),
+    pool_start_epoch=epoch,
+    pool_epochs=epoch,
+    finalize_epochs=epoch,
+    kernel_prune_ratio=0.5,
+  )
 
 
 METHODS: dict[str, Method] = {
-    "dense": Method(make_tx=dense_tx),
-    "sdgp rescaled 2:4": _sdgp("rescaled_magnitude"),
-    "sdgp mvue 2:4": _sdgp("mvue"),
-    "prunetrain": Method(make_tx=_prunetrain_tx, callbacks=_prunetrain_callbacks),
-    "clicktrain": Method(make_tx=_clicktrain_tx),
+  "dense": Method(make_tx=dense_tx),
+  "sdgp rescaled 2:4": _sdgp("rescaled_magnitude"),
+  "sdgp mvue 2:4": _sdgp("mvue"),
+  "prunetrain": Method(make_tx=_prunetrain_tx, callbacks=_prunetrain_callbacks),
+  "clicktrain": Method(make_tx=_clicktrain_tx),
 }
 
 
 def build_model(num_classes: int, seed: int) -> nnx.Module:
   """PruneTrain's ResNet-20 at half width (8-16-32 channels) for 8x8 grey images."""
-  return models.create("prunetrain-resnet20", num_classes=num_classes, rngs=nnx.Rngs(seed),
-                       width_multiplier=0.5, in_channels=1)
+  return models.create(
+    "prunetrain-resnet20",
+    num_classes=num_classes,
+    rngs=nnx.Rngs(seed),
+    width_multiplier=0.5,
+    in_channels=1,
+  )
 
 
 def _conv_weights(model: nnx.Module) -> tuple[int, float]:
@@ -121,19 +141,29 @@ def _conv_weights(model: nnx.Module) -> tuple[int, float]:
 def run_method(name: str, method: Method, args: argparse.Namespace) -> dict[str, Any]:
   train_set = data.load("digits", split="train")
   test_set = data.load("digits", split="test")
-  train_loader = data.Loader(train_set, args.batch_size, shuffle=True, seed=args.seed,
-                             augment=None, drop_last=True)
+  train_loader = data.Loader(
+    train_set, args.batch_size, shuffle=True, seed=args.seed, augment=None, drop_last=True
+  )
   test_loader = data.Loader(test_set, 256, shuffle=False, drop_last=False)
-  cfg = RunConfig(epochs=args.epochs, steps_per_epoch=len(train_loader),
-                  batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-                  num_classes=train_set.num_classes)
+  cfg = RunConfig(
+    epochs=args.epochs,
+    steps_per_epoch=len(train_loader),
+    batch_size=args.batch_size,
+    lr=args.lr,
+    weight_decay=args.weight_decay,
+    num_classes=train_set.num_classes,
+  )
   model = build_model(train_set.num_classes, args.seed)
   dense_total, _ = _conv_weights(model)
   if method.convert is not None:
     model = method.convert(model)
-  trainer = train.Trainer(model, method.make_tx(cfg), label_smoothing=args.label_smoothing,
-                          callbacks=list(method.callbacks(cfg)) if method.callbacks else [],
-                          progress=args.progress)
+  trainer = train.Trainer(
+    model,
+    method.make_tx(cfg),
+    label_smoothing=args.label_smoothing,
+    callbacks=list(method.callbacks(cfg)) if method.callbacks else [],
+    progress=args.progress,
+  )
   start = time.perf_counter()
   history = trainer.fit(train_loader, test_loader, epochs=args.epochs)
   train_time = time.perf_counter() - start
@@ -142,16 +172,24 @@ def run_method(name: str, method: Method, args: argparse.Namespace) -> dict[str,
   # its removed channels as pruned too.
   compression = dense_total / (total / own_ratio) if own_ratio != float("inf") else float("inf")
   last = history[-1]
-  return {"method": name, "test_acc": last["test_acc"], "test_loss": last["test_loss"],
-          "train_acc": last["train_acc"], "compression": compression,
-          "train_time_s": train_time, "epochs": args.epochs}
+  return {
+    "method": name,
+    "test_acc": last["test_acc"],
+    "test_loss": last["test_loss"],
+    "train_acc": last["train_acc"],
+    "compression": compression,
+    "train_time_s": train_time,
+    "epochs": args.epochs,
+  }
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
   lines = ["| method | test acc | compression | train time (s) |", "|---|---:|---:|---:|"]
   for r in rows:
-    lines.append(f"| {r['method']} | {100 * r['test_acc']:.2f}% | {r['compression']:.2f}x "
-                 f"| {r['train_time_s']:.1f} |")
+    lines.append(
+      f"| {r['method']} | {100 * r['test_acc']:.2f}% | {r['compression']:.2f}x "
+      f"| {r['train_time_s']:.1f} |"
+    )
   return "\n".join(lines)
 
 
@@ -163,8 +201,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--weight-decay", type=float, default=5e-4)
   parser.add_argument("--label-smoothing", type=float, default=0.0)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--methods", default=",".join(METHODS),
-                      help=f"comma-separated subset of: {', '.join(METHODS)}")
+  parser.add_argument(
+    "--methods", default=",".join(METHODS), help=f"comma-separated subset of: {', '.join(METHODS)}"
+  )
   parser.add_argument("--json", default=None, help="also write the rows as JSON here")
   parser.add_argument("--progress", action="store_true", help="show per-epoch progress bars")
   args = parser.parse_args(argv)
@@ -181,11 +220,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   rows = []
   for name in args.methods.split(","):
     rows.append(run_method(name, METHODS[name], args))
-    print(f"{name}: test acc {100 * rows[-1]['test_acc']:.2f}% "
-          f"({rows[-1]['train_time_s']:.1f} s)", flush=True)
+    print(
+      f"{name}: test acc {100 * rows[-1]['test_acc']:.2f}% ({rows[-1]['train_time_s']:.1f} s)",
+      flush=True,
+    )
   print(format_table(rows))
-  print("compression = dense conv weights / nonzero conv weights of the final model; SDGP prunes "
-        "data gradients, not weights, so its model stays dense.")
+  print(
+    "compression = dense conv weights / nonzero conv weights of the final model; SDGP prunes "
+    "data gradients, not weights, so its model stays dense."
+  )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=2)

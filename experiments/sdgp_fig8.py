@@ -26,126 +26,155 @@ from experiments import sdgp_table1
 from jaxprune import sdgp
 
 RESULTS = sdgp_table1.RESULTS
-SWEEP = ((1, 4), (2, 4), (1, 8), (2, 8), (4, 8), (2, 16), (4, 16), (8, 16), (4, 32), (8, 32),
-         (16, 32))
+SWEEP = (
+  (1, 4),
+  (2, 4),
+  (1, 8),
+  (2, 8),
+  (4, 8),
+  (2, 16),
+  (4, 16),
+  (8, 16),
+  (4, 32),
+  (8, 32),
+  (16, 32),
+)
 
 
 def _parse_settings(text: str) -> list[tuple[int, int]]:
-    settings = []
-    for item in text.split(","):
-        if not item:
-            continue
-        try:
-            n, m = (int(v) for v in item.split(":"))
-        except ValueError:
-            raise ValueError(f"--settings: expected n:m pairs, got {item!r}") from None
-        if not 1 <= n <= m <= sdgp.MAX_GROUP:
-            raise ValueError(f"--settings: need 1 <= n <= m <= {sdgp.MAX_GROUP}, got {item!r}")
-        settings.append((n, m))
-    return settings
+  settings = []
+  for item in text.split(","):
+    if not item:
+      continue
+    try:
+      n, m = (int(v) for v in item.split(":"))
+    except ValueError:
+      raise ValueError(f"--settings: expected n:m pairs, got {item!r}") from None
+    if not 1 <= n <= m <= sdgp.MAX_GROUP:
+      raise ValueError(f"--settings: need 1 <= n <= m <= {sdgp.MAX_GROUP}, got {item!r}")
+    settings.append((n, m))
+  return settings
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="sdgp_fig8", description=__doc__.splitlines()[0])
-    sdgp_table1.add_budget_arguments(parser)
-    parser.add_argument("--settings", default=",".join(f"{n}:{m}" for n, m in SWEEP))
-    parser.add_argument("--method", choices=sdgp.METHODS, default="rescaled_magnitude")
-    parser.add_argument("--no-dense", action="store_true", help="skip the dense reference row")
-    parser.add_argument("--name", default=None, help="result file stem")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the cells already in the result file, train only the rest")
-    args = parser.parse_args(argv)
-    try:
-        args.settings = _parse_settings(args.settings)
-    except ValueError as error:
-        parser.error(str(error))
-    return args
+  parser = argparse.ArgumentParser(prog="sdgp_fig8", description=__doc__.splitlines()[0])
+  sdgp_table1.add_budget_arguments(parser)
+  parser.add_argument("--settings", default=",".join(f"{n}:{m}" for n, m in SWEEP))
+  parser.add_argument("--method", choices=sdgp.METHODS, default="rescaled_magnitude")
+  parser.add_argument("--no-dense", action="store_true", help="skip the dense reference row")
+  parser.add_argument("--name", default=None, help="result file stem")
+  parser.add_argument(
+    "--resume",
+    action="store_true",
+    help="keep the cells already in the result file, train only the rest",
+  )
+  args = parser.parse_args(argv)
+  try:
+    args.settings = _parse_settings(args.settings)
+  except ValueError as error:
+    parser.error(str(error))
+  return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = _parse(argv)
-    budget = sdgp_table1.resolve_budget(args)
-    name = args.name or f"sdgp_fig8_{args.budget}"
-    command = "python -m experiments.run sdgp_fig8 " + shlex.join(
-        list(argv) if argv is not None else sys.argv[1:])
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    train_set, test_set = sdgp_table1.load_data(args, budget)
-    cells = [("dense", 1, 1)] if not args.no_dense else []
-    cells += [(args.method, n, m) for n, m in args.settings]
-    results = _previous_cells(RESULTS / name, budget, args.method) if args.resume else []
-    done = {(r["method"], r["n"], r["m"]) for r in results}
-    planned = len(done | set(cells))
-    for method, n, m in cells:
-        if (method, n, m) in done:
-            continue
-        t0 = time.perf_counter()
-        record = sdgp_table1.train_row(method, n, m, budget, train_set, test_set, args)
-        record["command"] = command
-        results.append(record)
-        print(f"{method} {n}:{m}: test acc {100 * record['test_acc']:.2f}% "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        commands = " ; ".join(dict.fromkeys(r["command"] for r in results))
-        _write(RESULTS / name, commands, budget, args.method, results, planned)
-    return {"budget": budget, "cells": results}
+  args = _parse(argv)
+  budget = sdgp_table1.resolve_budget(args)
+  name = args.name or f"sdgp_fig8_{args.budget}"
+  command = "python -m experiments.run sdgp_fig8 " + shlex.join(
+    list(argv) if argv is not None else sys.argv[1:]
+  )
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  train_set, test_set = sdgp_table1.load_data(args, budget)
+  cells = [("dense", 1, 1)] if not args.no_dense else []
+  cells += [(args.method, n, m) for n, m in args.settings]
+  results = _previous_cells(RESULTS / name, budget, args.method) if args.resume else []
+  done = {(r["method"], r["n"], r["m"]) for r in results}
+  planned = len(done | set(cells))
+  for method, n, m in cells:
+    if (method, n, m) in done:
+      continue
+    t0 = time.perf_counter()
+    record = sdgp_table1.train_row(method, n, m, budget, train_set, test_set, args)
+    record["command"] = command
+    results.append(record)
+    print(
+      f"{method} {n}:{m}: test acc {100 * record['test_acc']:.2f}% "
+      f"({time.perf_counter() - t0:.0f} s)",
+      flush=True,
+    )
+    commands = " ; ".join(dict.fromkeys(r["command"] for r in results))
+    _write(RESULTS / name, commands, budget, args.method, results, planned)
+  return {"budget": budget, "cells": results}
 
 
 def _previous_cells(stem: Path, budget: dict[str, Any], method: str) -> list[dict[str, Any]]:
-    """Cells of an earlier run with the same budget and method (``--resume``), else none."""
-    path = stem.with_suffix(".json")
-    if not path.exists():
-        return []
-    previous = json.loads(path.read_text())
-    if previous.get("budget") != budget:
-        raise ValueError(f"--resume: {path.name} was written with budget {previous.get('budget')}, "
-                         f"not {budget}")
-    cells = [c for c in previous["cells"] if c["method"] in ("dense", method)]
-    for cell in cells:
-        # Runs before --resume existed record the command once, at the top of the file.
-        cell.setdefault("command", previous["command"])
-    return cells
+  """Cells of an earlier run with the same budget and method (``--resume``), else none."""
+  path = stem.with_suffix(".json")
+  if not path.exists():
+    return []
+  previous = json.loads(path.read_text())
+  if previous.get("budget") != budget:
+    raise ValueError(
+      f"--resume: {path.name} was written with budget {previous.get('budget')}, not {budget}"
+    )
+  cells = [c for c in previous["cells"] if c["method"] in ("dense", method)]
+  for cell in cells:
+    # Runs before --resume existed record the command once, at the top of the file.
+    cell.setdefault("command", previous["command"])
+  return cells
 
 
-def _write(stem: Path, command: str, budget: dict[str, Any], method: str,
-           results: list[dict[str, Any]], planned: int) -> None:
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    stem.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "date": date, "budget": budget, "cells": results}, indent=1))
-    sparse = {(r["n"], r["m"]): r for r in results if r["method"] != "dense"}
-    dense = [r for r in results if r["method"] == "dense"]
-    group_sizes = sorted({m for _, m in sparse} | {m for _, m in SWEEP})
-    ratios = sorted({m // n for n, m in sparse} | {m // n for n, m in SWEEP})
-    subset = budget["train_subset"] or 50_000
-    lines = [
-        f"# SDGP Fig. 8 — CIFAR-10 sdgp-resnet9 accuracy by n:m ({method})",
-        "",
-        f"- Status: {len(results)} of {planned} runs done",
-        f"- Command: `{command}`",
-        f"- Date: {date}",
-        f"- Machine: {sdgp_table1.machine_description()}",
-        f"- Budget: width ×{budget['width']}, {subset} training images, {budget['epochs']} epochs, "
-        f"batch {budget['batch_size']}, peak lr {budget['peak_lr']:g} at epoch "
-        f"{budget['peak_epoch']:g}; test on {budget['test_subset'] or 10_000} images (flip TTA); "
-        "recipe otherwise as the paper's (see sdgp_table1).",
-        "- Paper Fig. 8 reports test accuracy for these cells at 150 epochs (full width); its "
-        "trend: accuracy falls as m/n grows and, at a fixed ratio, rises with group size m.",
-    ]
-    if dense:
-        lines.append(f"- Dense reference (same budget): {100 * dense[0]['test_acc']:.2f}%")
-    lines += ["", "| m/n \\ m | " + " | ".join(f"m={m}" for m in group_sizes) + " |",
-              "|---|" + "---:|" * len(group_sizes)]
-    for ratio in ratios:
-        cells = []
-        for m in group_sizes:
-            n = m // ratio
-            if m % ratio or n < 1:
-                cells.append("N/A")
-            elif (n, m) in sparse:
-                cells.append(f"{100 * sparse[(n, m)]['test_acc']:.2f}%")
-            else:
-                cells.append("not run")
-        lines.append(f"| {ratio} | " + " | ".join(cells) + " |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+def _write(
+  stem: Path,
+  command: str,
+  budget: dict[str, Any],
+  method: str,
+  results: list[dict[str, Any]],
+  planned: int,
+) -> None:
+  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  stem.with_suffix(".json").write_text(
+    json.dumps({"command": command, "date": date, "budget": budget, "cells": results}, indent=1)
+  )
+  sparse = {(r["n"], r["m"]): r for r in results if r["method"] != "dense"}
+  dense = [r for r in results if r["method"] == "dense"]
+  group_sizes = sorted({m for _, m in sparse} | {m for _, m in SWEEP})
+  ratios = sorted({m // n for n, m in sparse} | {m // n for n, m in SWEEP})
+  subset = budget["train_subset"] or 50_000
+  lines = [
+    f"# SDGP Fig. 8 — CIFAR-10 sdgp-resnet9 accuracy by n:m ({method})",
+    "",
+    f"- Status: {len(results)} of {planned} runs done",
+    f"- Command: `{command}`",
+    f"- Date: {date}",
+    f"- Machine: {sdgp_table1.machine_description()}",
+    f"- Budget: width ×{budget['width']}, {subset} training images, {budget['epochs']} epochs, "
+    f"batch {budget['batch_size']}, peak lr {budget['peak_lr']:g} at epoch "
+    f"{budget['peak_epoch']:g}; test on {budget['test_subset'] or 10_000} images (flip TTA); "
+    "recipe otherwise as the paper's (see sdgp_table1).",
+    "- Paper Fig. 8 reports test accuracy for these cells at 150 epochs (full width); its "
+    "trend: accuracy falls as m/n grows and, at a fixed ratio, rises with group size m.",
+  ]
+  if dense:
+    lines.append(f"- Dense reference (same budget): {100 * dense[0]['test_acc']:.2f}%")
+  lines += [
+    "",
+    "| m/n \\ m | " + " | ".join(f"m={m}" for m in group_sizes) + " |",
+    "|---|" + "---:|" * len(group_sizes),
+  ]
+  for ratio in ratios:
+    cells = []
+    for m in group_sizes:
+      n = m // ratio
+      if m % ratio or n < 1:
+        cells.append("N/A")
+      elif (n, m) in sparse:
+        cells.append(f"{100 * sparse[(n, m)]['test_acc']:.2f}%")
+      else:
+        cells.append("not run")
+    lines.append(f"| {ratio} | " + " | ".join(cells) + " |")
+  stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+  main()

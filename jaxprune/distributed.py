@@ -23,146 +23,146 @@ import numpy as np
 import optax
 
 __all__ = [
-        "mask_indices",
-        "sparse_psum",
-        "sparse_pmean",
-        "reduced_elements",
-        "allreduce_gradients",
-        "AllreduceGradientsState",
+  "mask_indices",
+  "sparse_psum",
+  "sparse_pmean",
+  "reduced_elements",
+  "allreduce_gradients",
+  "AllreduceGradientsState",
 ]
 
 PyTree = Any
 
 
 def mask_indices(masks: PyTree) -> PyTree:
-    """Host-side flat indices of the kept entries of every mask leaf.
+  """Host-side flat indices of the kept entries of every mask leaf.
 
-    Args:
-        masks: a pytree of boolean / {0, 1} arrays, or ``None`` leaves for
-            parameters that are reduced densely.
+  Args:
+      masks: a pytree of boolean / {0, 1} arrays, or ``None`` leaves for
+          parameters that are reduced densely.
 
-    Returns:
-        A pytree of the same structure whose leaves are sorted ``int32`` NumPy
-        arrays of flat (row-major) indices where the mask is nonzero, or ``None``
-        where the mask leaf was ``None``.
+  Returns:
+      A pytree of the same structure whose leaves are sorted ``int32`` NumPy
+      arrays of flat (row-major) indices where the mask is nonzero, or ``None``
+      where the mask leaf was ``None``.
 
-    Example:
-        >>> import numpy as np
-        >>> mask_indices({"w": np.array([[1, 0], [0, 1]])})["w"]
-        array([0, 3], dtype=int32)
-    """
+  Example:
+      >>> import numpy as np
+      >>> mask_indices({"w": np.array([[1, 0], [0, 1]])})["w"]
+      array([0, 3], dtype=int32)
+  """
 
-    def one(mask):
-        if mask is None:
-            return None
-        flat = np.asarray(mask).reshape(-1)
-        return np.flatnonzero(flat).astype(np.int32)
+  def one(mask):
+    if mask is None:
+      return None
+    flat = np.asarray(mask).reshape(-1)
+    return np.flatnonzero(flat).astype(np.int32)
 
-    return jax.tree.map(one, masks, is_leaf=lambda x: x is None)
+  return jax.tree.map(one, masks, is_leaf=lambda x: x is None)
 
 
 def _reduce_leaf(g: jax.Array, idx, axis_name, op) -> jax.Array:
-    if idx is None:
-        return op(g, axis_name)
-    idx = jnp.asarray(idx)
-    if idx.ndim != 1:
-        raise ValueError(f"indices: expected 1-D index arrays, got shape {idx.shape}")
-    flat = g.reshape(-1)
-    compact = op(flat[idx], axis_name)
-    # Pruned entries stay exactly zero after the hard prune, so the reduced
-    # gradient there is zero too (ClickTrain §5.3): scatter into zeros.
-    out = jnp.zeros_like(flat).at[idx].set(
-            compact, indices_are_sorted=True, unique_indices=True)
-    return out.reshape(g.shape)
+  if idx is None:
+    return op(g, axis_name)
+  idx = jnp.asarray(idx)
+  if idx.ndim != 1:
+    raise ValueError(f"indices: expected 1-D index arrays, got shape {idx.shape}")
+  flat = g.reshape(-1)
+  compact = op(flat[idx], axis_name)
+  # Pruned entries stay exactly zero after the hard prune, so the reduced
+  # gradient there is zero too (ClickTrain §5.3): scatter into zeros.
+  out = jnp.zeros_like(flat).at[idx].set(compact, indices_are_sorted=True, unique_indices=True)
+  return out.reshape(g.shape)
 
 
 def _reduce_tree(grads: PyTree, indices: PyTree | None, axis_name, op) -> PyTree:
-    if indices is None:
-        return jax.tree.map(lambda g: op(g, axis_name), grads)
-    g_leaves, treedef = jax.tree.flatten(grads)
-    i_leaves = treedef.flatten_up_to(indices)
-    for g, idx in zip(g_leaves, i_leaves):
-        if idx is not None and int(np.shape(idx)[0]) > int(np.size(g)):
-            raise ValueError(
-                    f"indices: {np.shape(idx)[0]} indices for a leaf of {np.size(g)} entries")
-    return treedef.unflatten(
-            [_reduce_leaf(g, idx, axis_name, op) for g, idx in zip(g_leaves, i_leaves)])
+  if indices is None:
+    return jax.tree.map(lambda g: op(g, axis_name), grads)
+  g_leaves, treedef = jax.tree.flatten(grads)
+  i_leaves = treedef.flatten_up_to(indices)
+  for g, idx in zip(g_leaves, i_leaves):
+    if idx is not None and int(np.shape(idx)[0]) > int(np.size(g)):
+      raise ValueError(f"indices: {np.shape(idx)[0]} indices for a leaf of {np.size(g)} entries")
+  return treedef.unflatten(
+    [_reduce_leaf(g, idx, axis_name, op) for g, idx in zip(g_leaves, i_leaves)]
+  )
 
 
 def sparse_psum(grads: PyTree, indices: PyTree | None, axis_name: Any) -> PyTree:
-    """``lax.psum`` of only the kept entries of each leaf; the rest come back zero.
+  """``lax.psum`` of only the kept entries of each leaf; the rest come back zero.
 
-    Must be called inside a function mapped over ``axis_name`` (``jax.pmap``,
-    ``jax.shard_map``).
+  Must be called inside a function mapped over ``axis_name`` (``jax.pmap``,
+  ``jax.shard_map``).
 
-    Args:
-        grads: pytree of per-device gradients.
-        indices: pytree from :func:`mask_indices` matching ``grads`` (``None``
-            leaves are reduced densely), or ``None`` for a fully dense reduction.
-        axis_name: the mapped axis to reduce over.
+  Args:
+      grads: pytree of per-device gradients.
+      indices: pytree from :func:`mask_indices` matching ``grads`` (``None``
+          leaves are reduced densely), or ``None`` for a fully dense reduction.
+      axis_name: the mapped axis to reduce over.
 
-    Returns:
-        The reduced pytree; entries outside ``indices`` are zero.
-    """
-    return _reduce_tree(grads, indices, axis_name, jax.lax.psum)
+  Returns:
+      The reduced pytree; entries outside ``indices`` are zero.
+  """
+  return _reduce_tree(grads, indices, axis_name, jax.lax.psum)
 
 
 def sparse_pmean(grads: PyTree, indices: PyTree | None, axis_name: Any) -> PyTree:
-    """Like :func:`sparse_psum` but averages over the axis (data-parallel SGD)."""
-    return _reduce_tree(grads, indices, axis_name, jax.lax.pmean)
+  """Like :func:`sparse_psum` but averages over the axis (data-parallel SGD)."""
+  return _reduce_tree(grads, indices, axis_name, jax.lax.pmean)
 
 
 def reduced_elements(params: PyTree, indices: PyTree | None = None) -> tuple[int, int]:
-    """Elements sent per all-reduce: ``(sparse, dense)``, for volume accounting."""
-    sizes = [int(np.size(p)) for p in jax.tree.leaves(params)]
-    dense = sum(sizes)
-    if indices is None:
-        return dense, dense
-    p_leaves, treedef = jax.tree.flatten(params)
-    i_leaves = treedef.flatten_up_to(indices)
-    sparse = sum(int(np.size(p)) if i is None else int(np.shape(i)[0])
-                              for p, i in zip(p_leaves, i_leaves))
-    return sparse, dense
+  """Elements sent per all-reduce: ``(sparse, dense)``, for volume accounting."""
+  sizes = [int(np.size(p)) for p in jax.tree.leaves(params)]
+  dense = sum(sizes)
+  if indices is None:
+    return dense, dense
+  p_leaves, treedef = jax.tree.flatten(params)
+  i_leaves = treedef.flatten_up_to(indices)
+  sparse = sum(
+    int(np.size(p)) if i is None else int(np.shape(i)[0]) for p, i in zip(p_leaves, i_leaves)
+  )
+  return sparse, dense
 
 
 class AllreduceGradientsState(NamedTuple):
-    """Stateless: the index arrays are static and live in the closure."""
+  """Stateless: the index arrays are static and live in the closure."""
 
 
 def allreduce_gradients(
-        axis_name: Any,
-        *,
-        indices: PyTree | None = None,
-        mean: bool = True,
+  axis_name: Any,
+  *,
+  indices: PyTree | None = None,
+  mean: bool = True,
 ) -> optax.GradientTransformation:
-    """Data-parallel gradient reduction that sends only unpruned entries.
+  """Data-parallel gradient reduction that sends only unpruned entries.
 
-    ClickTrain §5.3: after the hard prune the pruned weights stay zero, so only
-    the gradient entries at kept positions are all-reduced. Put this first in an
-    ``optax.chain`` inside the mapped train step.
+  ClickTrain §5.3: after the hard prune the pruned weights stay zero, so only
+  the gradient entries at kept positions are all-reduced. Put this first in an
+  ``optax.chain`` inside the mapped train step.
 
-    Args:
-        axis_name: the ``pmap`` / ``shard_map`` axis to reduce over.
-        indices: pytree from :func:`mask_indices` (built once when masks are
-            final), or ``None`` to reduce every entry (the dense baseline).
-        mean: average (``pmean``) rather than sum.
+  Args:
+      axis_name: the ``pmap`` / ``shard_map`` axis to reduce over.
+      indices: pytree from :func:`mask_indices` (built once when masks are
+          final), or ``None`` to reduce every entry (the dense baseline).
+      mean: average (``pmean``) rather than sum.
 
-    Returns:
-        An ``optax.GradientTransformation``.
+  Returns:
+      An ``optax.GradientTransformation``.
 
-    Example:
-        >>> idx = mask_indices(final_masks)  # doctest: +SKIP
-        >>> tx = optax.chain(allreduce_gradients("batch", indices=idx),
-        ...                  optax.sgd(0.1, momentum=0.9))  # doctest: +SKIP
-    """
-    op = sparse_pmean if mean else sparse_psum
+  Example:
+      >>> idx = mask_indices(final_masks)  # doctest: +SKIP
+      >>> tx = optax.chain(allreduce_gradients("batch", indices=idx),
+      ...                  optax.sgd(0.1, momentum=0.9))  # doctest: +SKIP
+  """
+  op = sparse_pmean if mean else sparse_psum
 
-    def init_fn(params):
-        del params
-        return AllreduceGradientsState()
+  def init_fn(params):
+    del params
+    return AllreduceGradientsState()
 
-    def update_fn(updates, state, params=None):
-        del params
-        return op(updates, indices, axis_name), state
+  def update_fn(updates, state, params=None):
+    del params
+    return op(updates, indices, axis_name), state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -41,18 +41,18 @@ import jax.numpy as jnp
 import optax
 
 __all__ = [
-    "EPSILON",
-    "GroupLassoState",
-    "GroupLassoRatioState",
-    "LeafGroups",
-    "coefficient_from_ratio",
-    "default_is_classifier",
-    "default_is_input_conv",
-    "group_lasso",
-    "group_lasso_from_ratio",
-    "leaf_groups",
-    "path_names",
-    "penalty",
+  "EPSILON",
+  "GroupLassoState",
+  "GroupLassoRatioState",
+  "LeafGroups",
+  "coefficient_from_ratio",
+  "default_is_classifier",
+  "default_is_input_conv",
+  "group_lasso",
+  "group_lasso_from_ratio",
+  "leaf_groups",
+  "path_names",
+  "penalty",
 ]
 
 # PruneTrain's group norm is sqrt(Σw² + ε): ε keeps the gradient finite at a
@@ -98,8 +98,12 @@ def _is_kernel(leaf: Any) -> bool:
 
 
 def _names_input_conv(names: tuple) -> bool:
-  return ("stem" in names or names[:2] == ("features", 0)
-          or names[:2] == ("features", "0") or names[:1] == ("Conv_0",))
+  return (
+    "stem" in names
+    or names[:2] == ("features", 0)
+    or names[:2] == ("features", "0")
+    or names[:1] == ("Conv_0",)
+  )
 
 
 def default_is_classifier(names: tuple, leaf: Any, kernels: Sequence[tuple]) -> bool:
@@ -130,6 +134,7 @@ class LeafGroups:
       (3 for HWIO conv, 1 for dense), or None.
     input_axis: axis indexing the penalised input channels (2 / 0), or None.
   """
+
   output_axis: Optional[int]
   input_axis: Optional[int]
 
@@ -143,8 +148,12 @@ class LeafGroups:
     return sums
 
 
-def leaf_groups(params: Any, *, is_input_conv: Optional[PathPredicate] = None,
-                is_classifier: Optional[PathPredicate] = None) -> Any:
+def leaf_groups(
+  params: Any,
+  *,
+  is_input_conv: Optional[PathPredicate] = None,
+  is_classifier: Optional[PathPredicate] = None,
+) -> Any:
   """The group layout of every leaf of a parameter pytree.
 
   Args:
@@ -200,8 +209,12 @@ def default_is_input_conv(names: tuple, leaf: Any, kernels: Sequence[tuple]) -> 
   return bool(conv_paths) and names == conv_paths[0]
 
 
-def penalty(params: Any, *, is_input_conv: Optional[PathPredicate] = None,
-            is_classifier: Optional[PathPredicate] = None) -> jax.Array:
+def penalty(
+  params: Any,
+  *,
+  is_input_conv: Optional[PathPredicate] = None,
+  is_classifier: Optional[PathPredicate] = None,
+) -> jax.Array:
   """The unweighted channel group lasso Σ_g sqrt(Σ_{w∈g} w² + ε) (PruneTrain Eq. 2).
 
   Args:
@@ -214,8 +227,9 @@ def penalty(params: Any, *, is_input_conv: Optional[PathPredicate] = None,
   """
   layout = leaf_groups(params, is_input_conv=is_input_conv, is_classifier=is_classifier)
   total = jnp.zeros((), jnp.float32)
-  for groups, leaf in zip(jax.tree.leaves(layout, is_leaf=lambda x: x is None),
-                          jax.tree.leaves(params)):
+  for groups, leaf in zip(
+    jax.tree.leaves(layout, is_leaf=lambda x: x is None), jax.tree.leaves(params)
+  ):
     if groups is None:
       continue
     for sums in groups.group_sum_squares(leaf):
@@ -254,23 +268,30 @@ def coefficient_from_ratio(ratio: float, loss: Any, penalty: Any) -> jax.Array:
     if not (math.isfinite(loss_value) and loss_value >= 0.0):
       raise ValueError(f"loss must be a non-negative finite number, got {loss_value}")
   ratio = jnp.asarray(ratio, jnp.float32)
-  return ratio * jnp.asarray(loss, jnp.float32) / ((1.0 - ratio) * jnp.asarray(penalty, jnp.float32))
+  return (
+    ratio * jnp.asarray(loss, jnp.float32) / ((1.0 - ratio) * jnp.asarray(penalty, jnp.float32))
+  )
 
 
 class GroupLassoState(NamedTuple):
   """Stateless: :func:`group_lasso` keeps no statistics."""
 
 
-def _add_penalty_gradient(updates: Any, params: Any, coefficient: jax.Array,
-                          is_input_conv, is_classifier) -> Any:
-  grads = jax.grad(lambda p: penalty(p, is_input_conv=is_input_conv,
-                                     is_classifier=is_classifier))(params)
+def _add_penalty_gradient(
+  updates: Any, params: Any, coefficient: jax.Array, is_input_conv, is_classifier
+) -> Any:
+  grads = jax.grad(lambda p: penalty(p, is_input_conv=is_input_conv, is_classifier=is_classifier))(
+    params
+  )
   return jax.tree.map(lambda u, g: u + (coefficient * g).astype(u.dtype), updates, grads)
 
 
-def group_lasso(coefficient: float, *, is_input_conv: Optional[PathPredicate] = None,
-                is_classifier: Optional[PathPredicate] = None
-                ) -> optax.GradientTransformationExtraArgs:
+def group_lasso(
+  coefficient: float,
+  *,
+  is_input_conv: Optional[PathPredicate] = None,
+  is_classifier: Optional[PathPredicate] = None,
+) -> optax.GradientTransformationExtraArgs:
   """Adds λ·∇GL(params) to the gradient, GL the channel group lasso (PruneTrain Eq. 2).
 
   Place it before the optimizer (like ``optax.add_decayed_weights``) so that
@@ -302,8 +323,9 @@ def group_lasso(coefficient: float, *, is_input_conv: Optional[PathPredicate] = 
     del extra_args
     if params is None:
       raise ValueError("group_lasso needs params: call update(updates, state, params)")
-    return _add_penalty_gradient(updates, params, jnp.asarray(coefficient, jnp.float32),
-                                 is_input_conv, is_classifier), state
+    return _add_penalty_gradient(
+      updates, params, jnp.asarray(coefficient, jnp.float32), is_input_conv, is_classifier
+    ), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -315,14 +337,17 @@ class GroupLassoRatioState(NamedTuple):
     coefficient: λ, 0 until the first update sets it (then fixed).
     initialized: whether λ has been set.
   """
+
   coefficient: jax.Array
   initialized: jax.Array
 
 
-def group_lasso_from_ratio(penalty_ratio: float = 0.2, *,
-                           is_input_conv: Optional[PathPredicate] = None,
-                           is_classifier: Optional[PathPredicate] = None
-                           ) -> optax.GradientTransformationExtraArgs:
+def group_lasso_from_ratio(
+  penalty_ratio: float = 0.2,
+  *,
+  is_input_conv: Optional[PathPredicate] = None,
+  is_classifier: Optional[PathPredicate] = None,
+) -> optax.GradientTransformationExtraArgs:
   """Group lasso whose λ is set at the first step from a penalty ratio (PruneTrain §4.1).
 
   At the first ``update`` λ = r·CE₀ / ((1 − r)·GL₀) with CE₀ = ``value`` (the
@@ -353,8 +378,9 @@ def group_lasso_from_ratio(penalty_ratio: float = 0.2, *,
 
   def init_fn(params):
     del params
-    return GroupLassoRatioState(coefficient=jnp.zeros((), jnp.float32),
-                                initialized=jnp.zeros((), jnp.bool_))
+    return GroupLassoRatioState(
+      coefficient=jnp.zeros((), jnp.float32), initialized=jnp.zeros((), jnp.bool_)
+    )
 
   def update_fn(updates, state, params=None, *, value=None, **extra_args):
     del extra_args
@@ -363,11 +389,14 @@ def group_lasso_from_ratio(penalty_ratio: float = 0.2, *,
     if value is None:
       raise ValueError("group_lasso_from_ratio needs the loss: update(..., value=loss)")
     first = coefficient_from_ratio(
-        penalty_ratio, value,
-        penalty(params, is_input_conv=is_input_conv, is_classifier=is_classifier))
+      penalty_ratio,
+      value,
+      penalty(params, is_input_conv=is_input_conv, is_classifier=is_classifier),
+    )
     coefficient = jnp.where(state.initialized, state.coefficient, first)
     updates = _add_penalty_gradient(updates, params, coefficient, is_input_conv, is_classifier)
-    return updates, GroupLassoRatioState(coefficient=coefficient,
-                                         initialized=jnp.ones((), jnp.bool_))
+    return updates, GroupLassoRatioState(
+      coefficient=coefficient, initialized=jnp.ones((), jnp.bool_)
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

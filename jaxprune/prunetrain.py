@@ -60,31 +60,31 @@ from flax import nnx
 from jaxprune import flops
 from jaxprune.train import Reconfigure, grow_batch_size  # noqa: F401  (grow_batch_size re-exported)
 from jaxprune.group_lasso import (  # noqa: F401  (re-exported for ``prunetrain.*`` users)
-    GroupLassoRatioState,
-    PathPredicate,
-    coefficient_from_ratio,
-    group_lasso,
-    group_lasso_from_ratio,
-    path_names,
-    penalty,
+  GroupLassoRatioState,
+  PathPredicate,
+  coefficient_from_ratio,
+  group_lasso,
+  group_lasso_from_ratio,
+  path_names,
+  penalty,
 )
 
 __all__ = [
-    "ChannelTensor",
-    "Layer",
-    "PruneTrainCallback",
-    "PruneTrainState",
-    "ReconfigureReport",
-    "channel_graph",
-    "coefficient_from_ratio",
-    "group_lasso",
-    "group_lasso_from_ratio",
-    "grow_batch_size",
-    "live_channels",
-    "model_costs",
-    "penalty",
-    "reconfigure",
-    "with_group_lasso",
+  "ChannelTensor",
+  "Layer",
+  "PruneTrainCallback",
+  "PruneTrainState",
+  "ReconfigureReport",
+  "channel_graph",
+  "coefficient_from_ratio",
+  "group_lasso",
+  "group_lasso_from_ratio",
+  "grow_batch_size",
+  "live_channels",
+  "model_costs",
+  "penalty",
+  "reconfigure",
+  "with_group_lasso",
 ]
 
 # PruneTrain §4.1: "we use a small threshold of 1e-4 to zero out these weights".
@@ -101,14 +101,18 @@ class PruneTrainState(NamedTuple):
     group_lasso: λ (set at the first update, then fixed) and whether it is set.
     inner: the wrapped optimizer's state.
   """
+
   group_lasso: GroupLassoRatioState
   inner: Any
 
 
-def with_group_lasso(inner: optax.GradientTransformation, *, penalty_ratio: float = 0.2,
-                     is_input_conv: Optional[PathPredicate] = None,
-                     is_classifier: Optional[PathPredicate] = None
-                     ) -> optax.GradientTransformationExtraArgs:
+def with_group_lasso(
+  inner: optax.GradientTransformation,
+  *,
+  penalty_ratio: float = 0.2,
+  is_input_conv: Optional[PathPredicate] = None,
+  is_classifier: Optional[PathPredicate] = None,
+) -> optax.GradientTransformationExtraArgs:
   """PruneTrain's optimizer: ``inner`` applied to ``grad + λ·∇GL(params)`` (§4.1).
 
   λ is computed at the first update from the loss (``value=``) and the group lasso of the
@@ -135,8 +139,9 @@ def with_group_lasso(inner: optax.GradientTransformation, *, penalty_ratio: floa
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     optimizer.update(model, grads, value=loss)
   """
-  regularizer = group_lasso_from_ratio(penalty_ratio, is_input_conv=is_input_conv,
-                                       is_classifier=is_classifier)
+  regularizer = group_lasso_from_ratio(
+    penalty_ratio, is_input_conv=is_input_conv, is_classifier=is_classifier
+  )
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -162,6 +167,7 @@ class Layer:
     module: the module itself.
     kind: ``"conv"`` (``ConvBN``: HWIO kernel + BatchNorm) or ``"linear"`` (``(in, out)``).
   """
+
   path: tuple
   module: Any
   kind: str
@@ -196,6 +202,7 @@ class ChannelTensor:
     branch: ``(stage, block)`` if the tensor lives inside a residual branch (it may then
       shrink to zero width: the branch is removed), else None.
   """
+
   name: str
   writers: list[Layer] = dataclasses.field(default_factory=list)
   readers: list[Layer] = dataclasses.field(default_factory=list)
@@ -258,8 +265,9 @@ def _build_graph(model: nnx.Module) -> _Graph:
   if _is_chain_model(model):
     return _chain_graph(model)
   raise ValueError(
-      f"model must be a residual (stem/stages/head) or chain (features/classifier) network, "
-      f"got {type(model).__name__}")
+    f"model must be a residual (stem/stages/head) or chain (features/classifier) network, "
+    f"got {type(model).__name__}"
+  )
 
 
 def _residual_graph(model: nnx.Module) -> _Graph:
@@ -283,8 +291,9 @@ def _residual_graph(model: nnx.Module) -> _Graph:
         branches[(s, b)] = layers
         stream.readers.append(layers[0])
         for first, second in zip(layers[:-1], layers[1:]):
-          tensors.append(ChannelTensor(first.name, writers=[first], readers=[second],
-                                       branch=(s, b)))
+          tensors.append(
+            ChannelTensor(first.name, writers=[first], readers=[second], branch=(s, b))
+          )
         out.writers.append(layers[-1])
       stream = out
   stream.readers.append(Layer(("head",), model.head, "linear"))
@@ -344,6 +353,7 @@ class ReconfigureReport:
     removed_branch_offset: largest |constant| a removed branch's last BatchNorm emitted for a
       zero input (the only difference from the zeroed model; 0 if no branch was removed).
   """
+
   channels_before: dict[str, int]
   channels_after: dict[str, int]
   removed_layers: list[str]
@@ -360,8 +370,10 @@ class ReconfigureReport:
   @property
   def channels_removed(self) -> dict[str, int]:
     """Output channels removed per layer (a removed layer counts all its channels)."""
-    return {name: before - self.channels_after.get(name, 0)
-            for name, before in self.channels_before.items()}
+    return {
+      name: before - self.channels_after.get(name, 0)
+      for name, before in self.channels_before.items()
+    }
 
   @property
   def changed(self) -> bool:
@@ -376,20 +388,25 @@ class ReconfigureReport:
   def summary(self) -> str:
     removed = sum(self.channels_removed.values())
     total = sum(self.channels_before.values())
-    text = (f"removed {removed}/{total} channels, {len(self.removed_layers)} layers "
-            f"({len(self.removed_branches)} branches); params {self.params_before} -> "
-            f"{self.params_after}")
+    text = (
+      f"removed {removed}/{total} channels, {len(self.removed_layers)} layers "
+      f"({len(self.removed_branches)} branches); params {self.params_before} -> "
+      f"{self.params_after}"
+    )
     if self.flops_ratio is not None:
-      text += (f"; inference FLOPs {self.flops_before / 1e6:.2f}M -> "
-               f"{self.flops_after / 1e6:.2f}M ({self.flops_ratio:.1%})")
+      text += (
+        f"; inference FLOPs {self.flops_before / 1e6:.2f}M -> "
+        f"{self.flops_after / 1e6:.2f}M ({self.flops_ratio:.1%})"
+      )
     return text
 
 
 # ----------------------------------------------------------------------------- slicing
 
 
-def _slice_leaf(leaf: Any, remainder: tuple, in_index: Optional[np.ndarray],
-                out_index: Optional[np.ndarray]) -> Any:
+def _slice_leaf(
+  leaf: Any, remainder: tuple, in_index: Optional[np.ndarray], out_index: Optional[np.ndarray]
+) -> Any:
   """Slice one variable of a layer.  ``remainder`` is its path inside the layer.
 
   Done in NumPy on the host: an eager ``jnp.take`` would compile one gather per shape.
@@ -439,15 +456,16 @@ def _rebuild_like(template: Any, old: Any, slicer: _Slicer) -> Any:
     if value is old_leaf and np.shape(value) == np.shape(template_leaf):
       return old_leaf  # untouched (also RNG keys, which have no plain dtype)
     if np.shape(value) != np.shape(template_leaf):
-      raise ValueError(f"{'/'.join(map(str, names))}: sliced shape {np.shape(value)} != "
-                       f"rebuilt model's {np.shape(template_leaf)}")
+      raise ValueError(
+        f"{'/'.join(map(str, names))}: sliced shape {np.shape(value)} != "
+        f"rebuilt model's {np.shape(template_leaf)}"
+      )
     return jnp.asarray(value, dtype=template_leaf.dtype)
 
   return jax.tree_util.tree_map_with_path(fill, template)
 
 
-def _map_param_subtrees(opt_state: Any, old_params: Any, new_params: Any,
-                        slicer: _Slicer) -> Any:
+def _map_param_subtrees(opt_state: Any, old_params: Any, new_params: Any, slicer: _Slicer) -> Any:
   """Replace every sub-tree of ``opt_state`` shaped like ``old_params`` by its sliced copy.
 
   Optax states hold per-parameter statistics as trees with the params' structure (what
@@ -502,14 +520,14 @@ def _bn_zero_input_offset(layer: Layer) -> float:
   return float(np.max(np.abs(offset))) if np.size(offset) else 0.0
 
 
-def _new_spec(model: nnx.Module, graph: _Graph, keep: dict[int, np.ndarray],
-              removed: set[tuple[int, int]]) -> Any:
+def _new_spec(
+  model: nnx.Module, graph: _Graph, keep: dict[int, np.ndarray], removed: set[tuple[int, int]]
+) -> Any:
   spec = model.spec
   if _is_chain_model(model):
     widths = [len(keep[id(t)]) for t in graph.tensors]
     n_conv = len(model.features)
-    return dataclasses.replace(spec, widths=tuple(widths[:n_conv]),
-                               hidden=tuple(widths[n_conv:]))
+    return dataclasses.replace(spec, widths=tuple(widths[:n_conv]), hidden=tuple(widths[n_conv:]))
   # Residual: one width per stream tensor; look it up through the layers writing it.
   width_of_writer = {}
   for tensor in graph.tensors:
@@ -535,10 +553,14 @@ def _new_spec(model: nnx.Module, graph: _Graph, keep: dict[int, np.ndarray],
   return dataclasses.replace(spec, stem_width=stem_width, stages=tuple(stages))
 
 
-def reconfigure(model: nnx.Module, opt_state: Any = None, *,
-                threshold: float = DEFAULT_THRESHOLD,
-                input_shape: Optional[Sequence[int]] = None,
-                count_flops: bool = True):
+def reconfigure(
+  model: nnx.Module,
+  opt_state: Any = None,
+  *,
+  threshold: float = DEFAULT_THRESHOLD,
+  input_shape: Optional[Sequence[int]] = None,
+  count_flops: bool = True,
+):
   """Removes dead channels and dead residual branches (PruneTrain §4.2).
 
   Args:
@@ -612,18 +634,20 @@ def reconfigure(model: nnx.Module, opt_state: Any = None, *,
   # Built abstractly (no initialisation is run, nothing compiles): every variable is then
   # filled from the old model.
   new_model = nnx.eval_shape(
-      lambda: type(model)(new_spec, num_classes=model.num_classes, rngs=nnx.Rngs(0)))
+    lambda: type(model)(new_spec, num_classes=model.num_classes, rngs=nnx.Rngs(0))
+  )
   new_model.train()
-  nnx.update(new_model, _rebuild_like(nnx.as_pure(nnx.state(new_model)),
-                                      nnx.as_pure(nnx.state(model)), slicer))
+  nnx.update(
+    new_model,
+    _rebuild_like(nnx.as_pure(nnx.state(new_model)), nnx.as_pure(nnx.state(model)), slicer),
+  )
   if _is_eval_mode(model):
     new_model.eval()
 
   new_opt_state = _reconfigure_opt_state(opt_state, model, new_model, slicer)
 
   # 5. Report.
-  before = {l.name: int(l.kernel().shape[-1])
-            for l in _all_layers(_build_graph(model))}
+  before = {l.name: int(l.kernel().shape[-1]) for l in _all_layers(_build_graph(model))}
   after = {l.name: int(l.kernel().shape[-1]) for l in _all_layers(_build_graph(new_model))}
   offset = max((_bn_zero_input_offset(graph.branches[key][-1]) for key in removed), default=0.0)
   shape = tuple(input_shape) if input_shape is not None else _default_input_shape(model.spec)
@@ -632,13 +656,19 @@ def reconfigure(model: nnx.Module, opt_state: Any = None, *,
     flops_before, train_before = _flops(model, shape)
     flops_after, train_after = _flops(new_model, shape)
   report = ReconfigureReport(
-      channels_before=before, channels_after=after,
-      removed_layers=sorted("/".join(map(str, p)) for p in removed_layers),
-      removed_branches=sorted(f"stages/{s}/{b}" for s, b in removed),
-      params_before=_param_count(model), params_after=_param_count(new_model),
-      flops_before=flops_before, flops_after=flops_after,
-      train_flops_before=train_before, train_flops_after=train_after,
-      input_shape=shape if count_flops else None, removed_branch_offset=offset)
+    channels_before=before,
+    channels_after=after,
+    removed_layers=sorted("/".join(map(str, p)) for p in removed_layers),
+    removed_branches=sorted(f"stages/{s}/{b}" for s, b in removed),
+    params_before=_param_count(model),
+    params_after=_param_count(new_model),
+    flops_before=flops_before,
+    flops_after=flops_after,
+    train_flops_before=train_before,
+    train_flops_after=train_after,
+    input_shape=shape if count_flops else None,
+    removed_branch_offset=offset,
+  )
   return new_model, new_opt_state, report
 
 
@@ -650,8 +680,9 @@ def _all_layers(graph: _Graph) -> list[Layer]:
   return list(seen.values())
 
 
-def _reconfigure_opt_state(opt_state: Any, model: nnx.Module, new_model: nnx.Module,
-                           slicer: _Slicer) -> Any:
+def _reconfigure_opt_state(
+  opt_state: Any, model: nnx.Module, new_model: nnx.Module, slicer: _Slicer
+) -> Any:
   if opt_state is None:
     return None
   old_params = nnx.as_pure(nnx.state(model, nnx.Param))
@@ -669,8 +700,9 @@ def _reconfigure_opt_state(opt_state: Any, model: nnx.Module, new_model: nnx.Mod
 # ----------------------------------------------------------------------------- training loop
 
 
-def model_costs(model: nnx.Module, image_shape: Sequence[int], *,
-                num_devices: int = 4) -> dict[str, float]:
+def model_costs(
+  model: nnx.Module, image_shape: Sequence[int], *, num_devices: int = 4
+) -> dict[str, float]:
   """Per-image and per-step costs of a model (PruneTrain §5 Tab. 1, Fig. 8, Fig. 11).
 
   Uses :mod:`jaxprune.flops` (tracing; no compilation).
@@ -689,11 +721,11 @@ def model_costs(model: nnx.Module, image_shape: Sequence[int], *,
   layers = flops.layer_flops(model, shape)
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   return {
-      "inference_flops": float(flops.inference_flops(layers)),
-      "train_flops": float(flops.training_flops_per_step(layers)),
-      "bn_bytes": float(sum(t.training_bytes for t in flops.batchnorm_traffic(model, shape))),
-      "allreduce_bytes": float(flops.allreduce_bytes(params, num_devices)),
-      "params": float(_param_count(model)),
+    "inference_flops": float(flops.inference_flops(layers)),
+    "train_flops": float(flops.training_flops_per_step(layers)),
+    "bn_bytes": float(sum(t.training_bytes for t in flops.batchnorm_traffic(model, shape))),
+    "allreduce_bytes": float(flops.allreduce_bytes(params, num_devices)),
+    "params": float(_param_count(model)),
   }
 
 
@@ -731,29 +763,48 @@ class PruneTrainCallback(Reconfigure):
     trainer = Trainer(model, with_group_lasso(train.sgd(schedule)), callbacks=[callback])
   """
 
-  def __init__(self, *, every_epochs: int = 10, threshold: float = DEFAULT_THRESHOLD,
-               image_shape: Sequence[int] = (32, 32, 3), dynamic_batch: bool = True,
-               granularity: int = 32, max_batch_size: Optional[int] = None,
-               num_devices: int = 4):
-    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold)
-            and threshold >= 0):
+  def __init__(
+    self,
+    *,
+    every_epochs: int = 10,
+    threshold: float = DEFAULT_THRESHOLD,
+    image_shape: Sequence[int] = (32, 32, 3),
+    dynamic_batch: bool = True,
+    granularity: int = 32,
+    max_batch_size: Optional[int] = None,
+    num_devices: int = 4,
+  ):
+    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
       raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
     if not isinstance(every_epochs, int) or every_epochs < 1:
       raise ValueError(f"every_epochs must be a positive int, got {every_epochs!r}")
     if num_devices < 1:
       raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     super().__init__(
-        functools.partial(reconfigure, threshold=threshold, input_shape=(1, *image_shape)),
-        every_epochs, image_shape=tuple(image_shape), grow_batch=dynamic_batch,
-        granularity=granularity, max_batch_size=max_batch_size,
-        report_metrics=_report_metrics, changed=lambda report: report.changed)
+      functools.partial(reconfigure, threshold=threshold, input_shape=(1, *image_shape)),
+      every_epochs,
+      image_shape=tuple(image_shape),
+      grow_batch=dynamic_batch,
+      granularity=granularity,
+      max_batch_size=max_batch_size,
+      report_metrics=_report_metrics,
+      changed=lambda report: report.changed,
+    )
     self.threshold = threshold
     self.dynamic_batch = dynamic_batch
     self.num_devices = num_devices
     self._state: dict[str, Any] = {
-        "batch_size": None, "last_step": 0, "costs": None,
-        "dense_costs": None, "train_flops": 0.0, "dense_train_flops": 0.0, "images": 0,
-        "bn_bytes": 0.0, "allreduce_bytes": 0.0, "dense_allreduce_bytes": 0.0}
+      "batch_size": None,
+      "last_step": 0,
+      "costs": None,
+      "dense_costs": None,
+      "train_flops": 0.0,
+      "dense_train_flops": 0.0,
+      "images": 0,
+      "bn_bytes": 0.0,
+      "allreduce_bytes": 0.0,
+      "dense_allreduce_bytes": 0.0,
+    }
 
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
   def state_dict(self) -> dict[str, Any]:
@@ -773,13 +824,16 @@ class PruneTrainCallback(Reconfigure):
     record.update({f"pt_{key}": value for key, value in hooked.items()})
     if hooked["reconfigured"]:
       new_model = trainer.model
-      costs = self._state["costs"] = model_costs(new_model, self.image_shape,
-                                                 num_devices=self.num_devices)
-      record.update({
+      costs = self._state["costs"] = model_costs(
+        new_model, self.image_shape, num_devices=self.num_devices
+      )
+      record.update(
+        {
           "pt_inference_flops_after": costs["inference_flops"],
           "pt_params_after": costs["params"],
           "pt_spec": repr(new_model.spec),
-      })
+        }
+      )
     if "next_batch_size" in hooked:
       self._state["batch_size"] = hooked["next_batch_size"]
     return record
@@ -788,8 +842,7 @@ class PruneTrainCallback(Reconfigure):
     """Adds the epoch just trained to the running cost totals; returns its record entries."""
     state = self._state
     if state["costs"] is None:
-      state["costs"] = model_costs(trainer.model, self.image_shape,
-                                   num_devices=self.num_devices)
+      state["costs"] = model_costs(trainer.model, self.image_shape, num_devices=self.num_devices)
       state["dense_costs"] = dict(state["costs"])
     if state["batch_size"] is None:
       state["batch_size"] = int(trainer.reference_batch_size)
@@ -805,14 +858,14 @@ class PruneTrainCallback(Reconfigure):
     state["allreduce_bytes"] += costs["allreduce_bytes"] * steps
     state["dense_allreduce_bytes"] += dense["allreduce_bytes"] * images / reference
     return {
-        "pt_params": costs["params"],
-        "pt_inference_flops": costs["inference_flops"],
-        "pt_train_flops": state["train_flops"],
-        "pt_dense_train_flops": state["dense_train_flops"],
-        "pt_train_flops_ratio": state["train_flops"] / max(state["dense_train_flops"], 1.0),
-        "pt_bn_bytes": state["bn_bytes"],
-        "pt_epoch_allreduce_bytes": costs["allreduce_bytes"] * steps,
-        "pt_allreduce_ratio": state["allreduce_bytes"] / max(state["dense_allreduce_bytes"], 1.0),
+      "pt_params": costs["params"],
+      "pt_inference_flops": costs["inference_flops"],
+      "pt_train_flops": state["train_flops"],
+      "pt_dense_train_flops": state["dense_train_flops"],
+      "pt_train_flops_ratio": state["train_flops"] / max(state["dense_train_flops"], 1.0),
+      "pt_bn_bytes": state["bn_bytes"],
+      "pt_epoch_allreduce_bytes": costs["allreduce_bytes"] * steps,
+      "pt_allreduce_ratio": state["allreduce_bytes"] / max(state["dense_allreduce_bytes"], 1.0),
     }
 
 
@@ -820,5 +873,7 @@ def _report_metrics(report: ReconfigureReport) -> dict[str, Any]:
   """Record entries of a reconfiguration that removed something (``pt_``-prefixed later)."""
   if not report.changed:
     return {}
-  return {"channels_removed": sum(report.channels_removed.values()),
-          "layers_removed": len(report.removed_layers)}
+  return {
+    "channels_removed": sum(report.channels_removed.values()),
+    "layers_removed": len(report.removed_layers),
+  }

@@ -14,83 +14,98 @@ from jaxprune import clicktrain_transform as ct
 
 
 def _params(seed=0):
-    rng = np.random.default_rng(seed)
-    n = lambda *shape, scale: jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
-    return {
-        "stem": {"kernel": n(3, 3, 3, 6, scale=0.3)},
-        "block": {
-            "conv1": {"kernel": n(3, 3, 6, 8, scale=0.2)},
-            "conv2": {"kernel": n(1, 1, 8, 8, scale=0.3)},
-            "shortcut": {"kernel": n(1, 1, 6, 8, scale=0.3)},
-        },
-        "head": {"kernel": n(8, 3, scale=0.3), "bias": jnp.zeros(3)},
-    }
+  rng = np.random.default_rng(seed)
+  n = lambda *shape, scale: jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+  return {
+    "stem": {"kernel": n(3, 3, 3, 6, scale=0.3)},
+    "block": {
+      "conv1": {"kernel": n(3, 3, 6, 8, scale=0.2)},
+      "conv2": {"kernel": n(1, 1, 8, 8, scale=0.3)},
+      "shortcut": {"kernel": n(1, 1, 6, 8, scale=0.3)},
+    },
+    "head": {"kernel": n(8, 3, scale=0.3), "bias": jnp.zeros(3)},
+  }
 
 
 def _conv(x, w):
-    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
-                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return jax.lax.conv_general_dilated(
+    x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
 
 
 def _loss(p, x, y):
-    h = jax.nn.relu(_conv(x, p["stem"]["kernel"]))
-    b = jax.nn.relu(_conv(h, p["block"]["conv1"]["kernel"]))
-    b = _conv(b, p["block"]["conv2"]["kernel"]) + _conv(h, p["block"]["shortcut"]["kernel"])
-    logits = jax.nn.relu(b).mean((1, 2)) @ p["head"]["kernel"] + p["head"]["bias"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  h = jax.nn.relu(_conv(x, p["stem"]["kernel"]))
+  b = jax.nn.relu(_conv(h, p["block"]["conv1"]["kernel"]))
+  b = _conv(b, p["block"]["conv2"]["kernel"]) + _conv(h, p["block"]["shortcut"]["kernel"])
+  logits = jax.nn.relu(b).mean((1, 2)) @ p["head"]["kernel"] + p["head"]["bias"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def _batch(i):
-    rng = np.random.default_rng(100 + i)
-    return jnp.asarray(rng.normal(size=(8, 6, 6, 3)), jnp.float32), jnp.arange(8) % 3
+  rng = np.random.default_rng(100 + i)
+  return jnp.asarray(rng.normal(size=(8, 6, 6, 3)), jnp.float32), jnp.arange(8) % 3
 
 
 def _fake_grads(params, i):
-    rng = np.random.default_rng(1000 + i)
-    return jax.tree.map(lambda l: jnp.asarray(rng.normal(size=l.shape), l.dtype), params)
+  rng = np.random.default_rng(1000 + i)
+  return jax.tree.map(lambda l: jnp.asarray(rng.normal(size=l.shape), l.dtype), params)
 
 
 CONV1, CONV2 = "block/conv1/kernel", "block/conv2/kernel"
 
 
 def test_default_layer_filter():
-    st = ct.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3).init(_params())
-    assert set(st.layers) == {CONV1, CONV2}  # no stem, no 1x1 shortcut, no dense
-    assert st.layers[CONV1].votes.shape == (6, 8, 12)
-    assert st.layers[CONV2].votes is None  # 1x1: kernel pruning only
+  st = ct.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3).init(_params())
+  assert set(st.layers) == {CONV1, CONV2}  # no stem, no 1x1 shortcut, no dense
+  assert st.layers[CONV1].votes.shape == (6, 8, 12)
+  assert st.layers[CONV2].votes is None  # 1x1: kernel pruning only
 
 
 def test_stage_schedule_fixed_epochs():
-    spe = 3
-    tx = ct.clicktrain(optax.sgd(0.0), steps_per_epoch=spe, hard_prune_epoch=6, pool_start_epoch=2,
-                       pool_epochs=1, finalize_epochs=2)
-    p = _params()
-    st = tx.init(p)
-    update = jax.jit(tx.update)
-    stages = []
-    for i in range(8 * spe):
-        stages.append(int(st.stage))
-        _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(1.0))
-    per_epoch = [stages[e * spe:(e + 1) * spe] for e in range(8)]
-    assert all(len(set(s)) == 1 for s in per_epoch)  # transitions only at epoch ends
-    assert [s[0] for s in per_epoch] == [ct.WARMUP, ct.WARMUP, ct.POOL, ct.FINALIZE, ct.FINALIZE,
-                                         ct.REGULARIZE, ct.PRUNED, ct.PRUNED]
+  spe = 3
+  tx = ct.clicktrain(
+    optax.sgd(0.0),
+    steps_per_epoch=spe,
+    hard_prune_epoch=6,
+    pool_start_epoch=2,
+    pool_epochs=1,
+    finalize_epochs=2,
+  )
+  p = _params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  stages = []
+  for i in range(8 * spe):
+    stages.append(int(st.stage))
+    _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(1.0))
+  per_epoch = [stages[e * spe : (e + 1) * spe] for e in range(8)]
+  assert all(len(set(s)) == 1 for s in per_epoch)  # transitions only at epoch ends
+  assert [s[0] for s in per_epoch] == [
+    ct.WARMUP,
+    ct.WARMUP,
+    ct.POOL,
+    ct.FINALIZE,
+    ct.FINALIZE,
+    ct.REGULARIZE,
+    ct.PRUNED,
+    ct.PRUNED,
+  ]
 
 
 def test_loss_derivative_trigger():
-    spe = 2
-    tx = ct.clicktrain(optax.sgd(0.0), steps_per_epoch=spe, hard_prune_epoch=50)
-    p = _params()
-    st = tx.init(p)
-    update = jax.jit(tx.update)
-    # epoch means: 3.0, 2.0 (Δ=1.0), 1.6 (Δ=0.4), 1.4 (Δ=0.2 < 0.27 -> pool from epoch 4)
-    losses = [3.1, 2.9, 2.2, 1.8, 1.5, 1.7, 1.2, 1.6, 1.0, 1.0]
-    stages = []
-    for i, l in enumerate(losses):
-        _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(l))
-        stages.append(int(st.stage))
-    assert stages[:7] == [ct.WARMUP] * 7
-    assert stages[7] == ct.POOL and int(st.stage_start_epoch) == 4
+  spe = 2
+  tx = ct.clicktrain(optax.sgd(0.0), steps_per_epoch=spe, hard_prune_epoch=50)
+  p = _params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  # epoch means: 3.0, 2.0 (Δ=1.0), 1.6 (Δ=0.4), 1.4 (Δ=0.2 < 0.27 -> pool from epoch 4)
+  losses = [3.1, 2.9, 2.2, 1.8, 1.5, 1.7, 1.2, 1.6, 1.0, 1.0]
+  stages = []
+  for i, l in enumerate(losses):
+    _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(l))
+    stages.append(int(st.stage))
+  assert stages[:7] == [ct.WARMUP] * 7
+  assert stages[7] == ct.POOL and int(st.stage_start_epoch) == 4
 
 
 # One shared paper-mode run (fixed params, fake gradients, identity inner optimizer so
@@ -103,271 +118,324 @@ LAMBDA = 0.01
 
 @functools.lru_cache(maxsize=None)
 def _paper_run():
-    tx = ct.clicktrain(optax.identity(), steps_per_epoch=2, hard_prune_epoch=50, pool_start_epoch=0,
-                       pool_epochs=1, finalize_epochs=2, pool_size=5, kernel_prune_ratio=RATIOS,
-                       group_lasso=LAMBDA)
-    p = _params()
-    st = tx.init(p)
-    update = jax.jit(tx.update)
-    states = [st]
-    for i, l in enumerate(LOSSES):
-        _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(l))
-        states.append(st)
-    return update, p, states
+  tx = ct.clicktrain(
+    optax.identity(),
+    steps_per_epoch=2,
+    hard_prune_epoch=50,
+    pool_start_epoch=0,
+    pool_epochs=1,
+    finalize_epochs=2,
+    pool_size=5,
+    kernel_prune_ratio=RATIOS,
+    group_lasso=LAMBDA,
+  )
+  p = _params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  states = [st]
+  for i, l in enumerate(LOSSES):
+    _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(l))
+    states.append(st)
+  return update, p, states
 
 
 def test_pool_accumulation_and_global_pool():
-    _, p, states = _paper_run()
-    w = p["block"]["conv1"]["kernel"]
-    expect = np.zeros(126, np.int64)
-    for i in range(2):
-        g = _fake_grads(p, i)["block"]["conv1"]["kernel"]
-        imp = np.moveaxis(np.asarray((g * w) ** 2), (0, 1), (-2, -1))
-        expect += np.bincount(np.asarray(patterns.dppg_candidates(imp)).ravel(), minlength=126)
-    st = states[2]
-    assert int(st.stage) == ct.FINALIZE
-    np.testing.assert_array_equal(st.layers[CONV1].competitive_scores, expect)
-    assert expect.sum() == 2 * 6 * 8
-    pool = sorted(range(126), key=lambda i: (-expect[i], i))[:5]
-    np.testing.assert_array_equal(st.layers[CONV1].pool, pool)
-    assert st.layers[CONV2].pool is None
+  _, p, states = _paper_run()
+  w = p["block"]["conv1"]["kernel"]
+  expect = np.zeros(126, np.int64)
+  for i in range(2):
+    g = _fake_grads(p, i)["block"]["conv1"]["kernel"]
+    imp = np.moveaxis(np.asarray((g * w) ** 2), (0, 1), (-2, -1))
+    expect += np.bincount(np.asarray(patterns.dppg_candidates(imp)).ravel(), minlength=126)
+  st = states[2]
+  assert int(st.stage) == ct.FINALIZE
+  np.testing.assert_array_equal(st.layers[CONV1].competitive_scores, expect)
+  assert expect.sum() == 2 * 6 * 8
+  pool = sorted(range(126), key=lambda i: (-expect[i], i))[:5]
+  np.testing.assert_array_equal(st.layers[CONV1].pool, pool)
+  assert st.layers[CONV2].pool is None
 
 
 def _expected_votes(p, steps, pool_masks):
-    w = p["block"]["conv1"]["kernel"]
-    votes = np.zeros((6, 8, 5), np.int64)
-    kscore = np.zeros((6, 8))
-    for i in steps:
-        g = _fake_grads(p, i)["block"]["conv1"]["kernel"]
-        s = np.asarray(importance.pattern_scores(w, g, pool_masks))
-        votes += np.eye(5, dtype=np.int64)[s.argmax(-1)]
-        kscore += np.asarray(importance.kernel_scores(w, g))
-    return votes, kscore
+  w = p["block"]["conv1"]["kernel"]
+  votes = np.zeros((6, 8, 5), np.int64)
+  kscore = np.zeros((6, 8))
+  for i in steps:
+    g = _fake_grads(p, i)["block"]["conv1"]["kernel"]
+    s = np.asarray(importance.pattern_scores(w, g, pool_masks))
+    votes += np.eye(5, dtype=np.int64)[s.argmax(-1)]
+    kscore += np.asarray(importance.kernel_scores(w, g))
+  return votes, kscore
 
 
 def test_finalization_votes_skip_batches_failing_margin():
-    _, p, states = _paper_run()
-    pool = np.asarray(states[2].layers[CONV1].pool)
-    pool_masks = patterns.all_patterns()[pool]
-    # after batches 2 and 3: batch 3 (loss 0.9 -> 0.99) did not vote
-    votes, _ = _expected_votes(p, [2], pool_masks)
-    np.testing.assert_array_equal(states[4].layers[CONV1].votes, votes)
-    assert int(states[4].layers[CONV1].votes.sum()) == 48
-    votes, kscore = _expected_votes(p, [2, 4, 5], pool_masks)
-    st = states[-1]
-    assert int(st.stage) == ct.REGULARIZE
-    ls = st.layers[CONV1]
-    np.testing.assert_array_equal(ls.votes, votes)
-    np.testing.assert_allclose(ls.kernel_score_sum, kscore, rtol=1e-5)
-    np.testing.assert_array_equal(ls.pattern_id, pool[votes.argmax(-1)])
-    m = np.asarray(ls.pattern_mask)  # the chosen pattern per kernel
-    np.testing.assert_array_equal(np.moveaxis(m, (0, 1), (-2, -1)),
-                                  patterns.all_patterns()[np.asarray(ls.pattern_id)])
+  _, p, states = _paper_run()
+  pool = np.asarray(states[2].layers[CONV1].pool)
+  pool_masks = patterns.all_patterns()[pool]
+  # after batches 2 and 3: batch 3 (loss 0.9 -> 0.99) did not vote
+  votes, _ = _expected_votes(p, [2], pool_masks)
+  np.testing.assert_array_equal(states[4].layers[CONV1].votes, votes)
+  assert int(states[4].layers[CONV1].votes.sum()) == 48
+  votes, kscore = _expected_votes(p, [2, 4, 5], pool_masks)
+  st = states[-1]
+  assert int(st.stage) == ct.REGULARIZE
+  ls = st.layers[CONV1]
+  np.testing.assert_array_equal(ls.votes, votes)
+  np.testing.assert_allclose(ls.kernel_score_sum, kscore, rtol=1e-5)
+  np.testing.assert_array_equal(ls.pattern_id, pool[votes.argmax(-1)])
+  m = np.asarray(ls.pattern_mask)  # the chosen pattern per kernel
+  np.testing.assert_array_equal(
+    np.moveaxis(m, (0, 1), (-2, -1)), patterns.all_patterns()[np.asarray(ls.pattern_id)]
+  )
 
 
 def test_kernel_finalization_counts():
-    st = _paper_run()[2][-1]
-    for name, n, ratio in ((CONV1, 6 * 8, RATIOS[0]), (CONV2, 8 * 8, RATIOS[1])):
-        keep = np.asarray(st.layers[name].kernel_keep)
-        assert (~keep).sum() == math.ceil(ratio * n - 1e-9)
-        s = np.asarray(st.layers[name].kernel_score_sum)
-        assert s[~keep].max() <= s[keep].min()
+  st = _paper_run()[2][-1]
+  for name, n, ratio in ((CONV1, 6 * 8, RATIOS[0]), (CONV2, 8 * 8, RATIOS[1])):
+    keep = np.asarray(st.layers[name].kernel_keep)
+    assert (~keep).sum() == math.ceil(ratio * n - 1e-9)
+    s = np.asarray(st.layers[name].kernel_score_sum)
+    assert s[~keep].max() <= s[keep].min()
 
 
 def test_per_layer_ratio_callable_and_errors():
-    tx = ct.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3,
-                       kernel_prune_ratio=lambda path, shape: 0.75 if shape[0] == 1 else 0.5)
-    assert set(tx.init(_params()).layers) == {CONV1, CONV2}
-    with pytest.raises(ValueError, match="kernel_prune_ratio"):
-        ct.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3,
-                      kernel_prune_ratio=[0.5]).init(_params())
-    with pytest.raises(ValueError, match="kernel_prune_ratio"):
-        ct.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3,
-                      kernel_prune_ratio=[0.5, 1.5]).init(_params())
+  tx = ct.clicktrain(
+    optax.sgd(0.1),
+    steps_per_epoch=1,
+    hard_prune_epoch=3,
+    kernel_prune_ratio=lambda path, shape: 0.75 if shape[0] == 1 else 0.5,
+  )
+  assert set(tx.init(_params()).layers) == {CONV1, CONV2}
+  with pytest.raises(ValueError, match="kernel_prune_ratio"):
+    ct.clicktrain(
+      optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=[0.5]
+    ).init(_params())
+  with pytest.raises(ValueError, match="kernel_prune_ratio"):
+    ct.clicktrain(
+      optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=[0.5, 1.5]
+    ).init(_params())
 
 
 def test_group_lasso_gradient_matches_autodiff():
-    update, p, states = _paper_run()
-    st = states[-1]
-    assert int(st.stage) == ct.REGULARIZE
-    g = _fake_grads(p, 99)
-    u, _ = update(g, st, p, value=jnp.float32(0.9))
-    penalty_grad = jax.grad(lambda q: LAMBDA * ct.group_lasso_penalty(q, st))(p)
-    expect = jax.tree.map(jnp.add, g, penalty_grad)
-    for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(expect)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert float(jnp.abs(penalty_grad["block"]["conv1"]["kernel"]).max()) > 0
-    assert float(jnp.abs(penalty_grad["block"]["conv2"]["kernel"]).max()) > 0
+  update, p, states = _paper_run()
+  st = states[-1]
+  assert int(st.stage) == ct.REGULARIZE
+  g = _fake_grads(p, 99)
+  u, _ = update(g, st, p, value=jnp.float32(0.9))
+  penalty_grad = jax.grad(lambda q: LAMBDA * ct.group_lasso_penalty(q, st))(p)
+  expect = jax.tree.map(jnp.add, g, penalty_grad)
+  for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(expect)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  assert float(jnp.abs(penalty_grad["block"]["conv1"]["kernel"]).max()) > 0
+  assert float(jnp.abs(penalty_grad["block"]["conv2"]["kernel"]).max()) > 0
 
 
 def test_hard_prune_keeps_pruned_weights_exactly_zero():
-    spe = 2
-    inner = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05, momentum=0.9))
-    tx = ct.clicktrain(inner, steps_per_epoch=spe, hard_prune_epoch=4, pool_start_epoch=1,
-                       pool_epochs=1, finalize_epochs=1, pool_size=6, kernel_prune_ratio=0.5)
-    p = _params()
-    st = tx.init(p)
+  spe = 2
+  inner = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05, momentum=0.9))
+  tx = ct.clicktrain(
+    inner,
+    steps_per_epoch=spe,
+    hard_prune_epoch=4,
+    pool_start_epoch=1,
+    pool_epochs=1,
+    finalize_epochs=1,
+    pool_size=6,
+    kernel_prune_ratio=0.5,
+  )
+  p = _params()
+  st = tx.init(p)
 
-    @jax.jit
-    def step(p, st, x, y):
-        l, g = jax.value_and_grad(_loss)(p, x, y)
-        u, st = tx.update(g, st, p, value=l)
-        return optax.apply_updates(p, u), st
+  @jax.jit
+  def step(p, st, x, y):
+    l, g = jax.value_and_grad(_loss)(p, x, y)
+    u, st = tx.update(g, st, p, value=l)
+    return optax.apply_updates(p, u), st
 
-    mask0 = None
-    for i in range(30):
-        p, st = step(p, st, *_batch(i))
-        if i >= spe * 4:  # the first step of epoch 4 (the hard prune) is done
-            masks = ct.clicktrain_masks(st, p)
-            if mask0 is None:
-                mask0 = masks
-            for name, path in ((CONV1, ("block", "conv1")), (CONV2, ("block", "conv2"))):
-                w = np.asarray(p[path[0]][path[1]]["kernel"])
-                m = np.asarray(masks[path[0]][path[1]]["kernel"])
-                assert np.all(w[m == 0] == 0.0), (i, name)
-                assert np.all(m == np.asarray(mask0[path[0]][path[1]]["kernel"]))
-    assert int(st.stage) == ct.PRUNED
-    w = np.asarray(p["block"]["conv1"]["kernel"])
-    # 4 of 9 per kept kernel, half of the kernels kept
-    assert np.count_nonzero(w) == 4 * 24
-    assert ct.compression_ratio(st, p) > 1.5
-    assert masks["stem"]["kernel"] is None
+  mask0 = None
+  for i in range(30):
+    p, st = step(p, st, *_batch(i))
+    if i >= spe * 4:  # the first step of epoch 4 (the hard prune) is done
+      masks = ct.clicktrain_masks(st, p)
+      if mask0 is None:
+        mask0 = masks
+      for name, path in ((CONV1, ("block", "conv1")), (CONV2, ("block", "conv2"))):
+        w = np.asarray(p[path[0]][path[1]]["kernel"])
+        m = np.asarray(masks[path[0]][path[1]]["kernel"])
+        assert np.all(w[m == 0] == 0.0), (i, name)
+        assert np.all(m == np.asarray(mask0[path[0]][path[1]]["kernel"]))
+  assert int(st.stage) == ct.PRUNED
+  w = np.asarray(p["block"]["conv1"]["kernel"])
+  # 4 of 9 per kept kernel, half of the kernels kept
+  assert np.count_nonzero(w) == 4 * 24
+  assert ct.compression_ratio(st, p) > 1.5
+  assert masks["stem"]["kernel"] is None
 
 
 def _one_shot_reference(w, g, ratio):
-    """NumPy re-implementation of the released code's rule on one batch."""
-    w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
-    blocks = [np.array([[c == "1" for c in r] for r in s.split("/")], float)
-              for s in ("000/011/011", "000/110/110", "011/011/000", "110/110/000")]
-    kh, kw, cin, cout = w.shape
-    pat = np.zeros((cin, cout), int)
-    ks = np.zeros((cin, cout))
-    for c in range(cin):
-        for f in range(cout):
-            t = g[:, :, c, f] * w[:, :, c, f]
-            scores = [np.sum((t * b) ** 2) for b in blocks]
-            pat[c, f] = int(np.argmax(scores))
-            ks[c, f] = np.sum(t ** 2)
-    n_pruned = math.ceil(ratio * cin * cout)
-    flat = sorted(range(cin * cout), key=lambda i: (ks.ravel()[i], i))[:n_pruned]
-    keep = np.ones(cin * cout, bool)
-    keep[flat] = False
-    mask = np.stack([blocks[i] for i in pat.ravel()]).reshape(cin, cout, 3, 3)
-    return pat, keep.reshape(cin, cout), np.moveaxis(mask, (2, 3), (0, 1)) * keep.reshape(cin, cout)
+  """NumPy re-implementation of the released code's rule on one batch."""
+  w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
+  blocks = [
+    np.array([[c == "1" for c in r] for r in s.split("/")], float)
+    for s in ("000/011/011", "000/110/110", "011/011/000", "110/110/000")
+  ]
+  kh, kw, cin, cout = w.shape
+  pat = np.zeros((cin, cout), int)
+  ks = np.zeros((cin, cout))
+  for c in range(cin):
+    for f in range(cout):
+      t = g[:, :, c, f] * w[:, :, c, f]
+      scores = [np.sum((t * b) ** 2) for b in blocks]
+      pat[c, f] = int(np.argmax(scores))
+      ks[c, f] = np.sum(t**2)
+  n_pruned = math.ceil(ratio * cin * cout)
+  flat = sorted(range(cin * cout), key=lambda i: (ks.ravel()[i], i))[:n_pruned]
+  keep = np.ones(cin * cout, bool)
+  keep[flat] = False
+  mask = np.stack([blocks[i] for i in pat.ravel()]).reshape(cin, cout, 3, 3)
+  return pat, keep.reshape(cin, cout), np.moveaxis(mask, (2, 3), (0, 1)) * keep.reshape(cin, cout)
 
 
 def test_one_shot_matches_released_rule():
-    spe = 2
-    tx = ct.clicktrain(optax.sgd(0.0), steps_per_epoch=spe, hard_prune_epoch=3, mode="one_shot",
-                       one_shot_epoch=1, kernel_prune_ratio=0.35)
-    p = _params()
-    st = tx.init(p)
-    update = jax.jit(tx.update)
-    for i in range(spe + 1):
-        _, st = update(_fake_grads(p, i), st, p)
-        assert int(st.stage) == (ct.WARMUP if i < spe else ct.REGULARIZE)
-    g = _fake_grads(p, spe)  # the first batch of epoch 1
-    pat, keep, mask = _one_shot_reference(p["block"]["conv1"]["kernel"], g["block"]["conv1"]["kernel"], 0.35)
-    ls = st.layers[CONV1]
-    np.testing.assert_array_equal(ls.pattern_id, patterns.library_pattern_ids()[:4][pat])
-    np.testing.assert_array_equal(ls.kernel_keep, keep)
-    np.testing.assert_array_equal(ct.clicktrain_masks(st, p)["block"]["conv1"]["kernel"], mask)
-    ks = np.asarray(importance.kernel_scores(p["block"]["conv2"]["kernel"], g["block"]["conv2"]["kernel"]))
-    n = math.ceil(0.35 * 64)
-    assert set(np.flatnonzero(~np.asarray(st.layers[CONV2].kernel_keep).ravel())) == \
-        set(sorted(range(64), key=lambda i: (ks.ravel()[i], i))[:n])
+  spe = 2
+  tx = ct.clicktrain(
+    optax.sgd(0.0),
+    steps_per_epoch=spe,
+    hard_prune_epoch=3,
+    mode="one_shot",
+    one_shot_epoch=1,
+    kernel_prune_ratio=0.35,
+  )
+  p = _params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  for i in range(spe + 1):
+    _, st = update(_fake_grads(p, i), st, p)
+    assert int(st.stage) == (ct.WARMUP if i < spe else ct.REGULARIZE)
+  g = _fake_grads(p, spe)  # the first batch of epoch 1
+  pat, keep, mask = _one_shot_reference(
+    p["block"]["conv1"]["kernel"], g["block"]["conv1"]["kernel"], 0.35
+  )
+  ls = st.layers[CONV1]
+  np.testing.assert_array_equal(ls.pattern_id, patterns.library_pattern_ids()[:4][pat])
+  np.testing.assert_array_equal(ls.kernel_keep, keep)
+  np.testing.assert_array_equal(ct.clicktrain_masks(st, p)["block"]["conv1"]["kernel"], mask)
+  ks = np.asarray(
+    importance.kernel_scores(p["block"]["conv2"]["kernel"], g["block"]["conv2"]["kernel"])
+  )
+  n = math.ceil(0.35 * 64)
+  assert set(np.flatnonzero(~np.asarray(st.layers[CONV2].kernel_keep).ravel())) == set(
+    sorted(range(64), key=lambda i: (ks.ravel()[i], i))[:n]
+  )
 
 
 def test_one_shot_ties_go_to_first_pattern():
-    tx = ct.clicktrain(optax.sgd(0.0), steps_per_epoch=1, hard_prune_epoch=3, mode="one_shot",
-                       one_shot_epoch=0, kernel_prune_ratio=0.0)
-    p = jax.tree.map(jnp.ones_like, _params())
-    st = tx.init(p)
-    _, st = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, p), st, p)
-    assert np.all(np.asarray(st.layers[CONV1].pattern_id) == patterns.library_pattern_ids()[0])
+  tx = ct.clicktrain(
+    optax.sgd(0.0),
+    steps_per_epoch=1,
+    hard_prune_epoch=3,
+    mode="one_shot",
+    one_shot_epoch=0,
+    kernel_prune_ratio=0.0,
+  )
+  p = jax.tree.map(jnp.ones_like, _params())
+  st = tx.init(p)
+  _, st = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, p), st, p)
+  assert np.all(np.asarray(st.layers[CONV1].pattern_id) == patterns.library_pattern_ids()[0])
 
 
 def test_state_round_trip(tmp_path):
-    st = _paper_run()[2][-1]
-    leaves, tdef = jax.tree.flatten(st)
-    back = jax.tree.unflatten(tdef, leaves)
-    assert isinstance(back, ct.ClickTrainState)
-    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back)):
-        np.testing.assert_array_equal(a, b)
-    ocp = pytest.importorskip("orbax.checkpoint")
-    path = tmp_path / "ckpt"
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, st)
-    with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, st))
-    restored = jax.tree.unflatten(tdef, jax.tree.leaves(restored))
-    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(restored)):
-        np.testing.assert_array_equal(a, b)
+  st = _paper_run()[2][-1]
+  leaves, tdef = jax.tree.flatten(st)
+  back = jax.tree.unflatten(tdef, leaves)
+  assert isinstance(back, ct.ClickTrainState)
+  for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(a, b)
+  ocp = pytest.importorskip("orbax.checkpoint")
+  path = tmp_path / "ckpt"
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, st)
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, st))
+  restored = jax.tree.unflatten(tdef, jax.tree.leaves(restored))
+  for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_bad_arguments():
-    sgd = optax.sgd(0.1)
-    with pytest.raises(ValueError, match="mode"):
-        ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, mode="admm")
-    with pytest.raises(ValueError, match="steps_per_epoch"):
-        ct.clicktrain(sgd, steps_per_epoch=0, hard_prune_epoch=3)
-    with pytest.raises(ValueError, match="one_shot_epoch"):
-        ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, mode="one_shot")
-    with pytest.raises(ValueError, match="hard_prune_epoch"):
-        ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=2, mode="one_shot", one_shot_epoch=2)
-    with pytest.raises(ValueError, match="kernel_prune_ratio"):
-        ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=-0.1)
-    with pytest.raises(ValueError, match="group_lasso"):
-        ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, group_lasso=-1.0)
-    with pytest.raises(ValueError, match="margin_rule"):
-        ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, margin_rule="x")
-    with pytest.raises(ValueError, match="pool_size"):
-        ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, pool_size=0)
-    with pytest.raises(ValueError, match="layer_filter"):
-        ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3,
-                      layer_filter=lambda path, shape: "yes").init(_params())
-    tx = ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3)
-    p = _params()
-    with pytest.raises(ValueError, match="loss"):
-        tx.update(p, tx.init(p), p)
-    with pytest.raises(ValueError, match="params"):
-        tx.update(p, tx.init(p), value=1.0)
+  sgd = optax.sgd(0.1)
+  with pytest.raises(ValueError, match="mode"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, mode="admm")
+  with pytest.raises(ValueError, match="steps_per_epoch"):
+    ct.clicktrain(sgd, steps_per_epoch=0, hard_prune_epoch=3)
+  with pytest.raises(ValueError, match="one_shot_epoch"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, mode="one_shot")
+  with pytest.raises(ValueError, match="hard_prune_epoch"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=2, mode="one_shot", one_shot_epoch=2)
+  with pytest.raises(ValueError, match="kernel_prune_ratio"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=-0.1)
+  with pytest.raises(ValueError, match="group_lasso"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, group_lasso=-1.0)
+  with pytest.raises(ValueError, match="margin_rule"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, margin_rule="x")
+  with pytest.raises(ValueError, match="pool_size"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, pool_size=0)
+  with pytest.raises(ValueError, match="layer_filter"):
+    ct.clicktrain(
+      sgd, steps_per_epoch=1, hard_prune_epoch=3, layer_filter=lambda path, shape: "yes"
+    ).init(_params())
+  tx = ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3)
+  p = _params()
+  with pytest.raises(ValueError, match="loss"):
+    tx.update(p, tx.init(p), p)
+  with pytest.raises(ValueError, match="params"):
+    tx.update(p, tx.init(p), value=1.0)
 
 
 def test_mixed_kernel_sizes_get_one_pool_per_size():
-    rng = np.random.default_rng(3)
-    p = {"a": {"kernel": jnp.asarray(rng.normal(size=(5, 5, 4, 6)), jnp.float32)},
-         "b": {"kernel": jnp.asarray(rng.normal(size=(3, 3, 6, 6)), jnp.float32)},
-         "c": {"kernel": jnp.asarray(rng.normal(size=(5, 5, 6, 4)), jnp.float32)}}
-    tx = ct.clicktrain(optax.identity(), steps_per_epoch=1, hard_prune_epoch=5, pool_start_epoch=0,
-                       pool_epochs=1, finalize_epochs=1, pool_size=3, kernel_prune_ratio=0.5)
-    st = tx.init(p)
-    assert st.layers["a/kernel"].competitive_scores.shape == (math.comb(25, 4),)
-    update = jax.jit(tx.update)
-    for i in range(2):
-        _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(1.0))
-    assert int(st.stage) == ct.REGULARIZE
-    a, b, c = (st.layers[k] for k in ("a/kernel", "b/kernel", "c/kernel"))
-    # one global pool per kernel size: the summed competitive scores of that size's layers
-    total5 = np.asarray(a.competitive_scores) + np.asarray(c.competitive_scores)
-    expect5 = sorted(range(total5.size), key=lambda i: (-total5[i], i))[:3]
-    np.testing.assert_array_equal(a.pool, expect5)
-    np.testing.assert_array_equal(c.pool, expect5)
-    assert b.pool.shape == (3,) and int(b.competitive_scores.sum()) == 36
-    for ls in (a, b, c):
-        m = np.asarray(ls.pattern_mask)
-        assert np.all(m.sum((0, 1)) == 4)  # 4 kept weights in every kernel
-        assert set(np.unique(np.asarray(ls.pattern_id))) <= set(np.asarray(ls.pool).tolist())
+  rng = np.random.default_rng(3)
+  p = {
+    "a": {"kernel": jnp.asarray(rng.normal(size=(5, 5, 4, 6)), jnp.float32)},
+    "b": {"kernel": jnp.asarray(rng.normal(size=(3, 3, 6, 6)), jnp.float32)},
+    "c": {"kernel": jnp.asarray(rng.normal(size=(5, 5, 6, 4)), jnp.float32)},
+  }
+  tx = ct.clicktrain(
+    optax.identity(),
+    steps_per_epoch=1,
+    hard_prune_epoch=5,
+    pool_start_epoch=0,
+    pool_epochs=1,
+    finalize_epochs=1,
+    pool_size=3,
+    kernel_prune_ratio=0.5,
+  )
+  st = tx.init(p)
+  assert st.layers["a/kernel"].competitive_scores.shape == (math.comb(25, 4),)
+  update = jax.jit(tx.update)
+  for i in range(2):
+    _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(1.0))
+  assert int(st.stage) == ct.REGULARIZE
+  a, b, c = (st.layers[k] for k in ("a/kernel", "b/kernel", "c/kernel"))
+  # one global pool per kernel size: the summed competitive scores of that size's layers
+  total5 = np.asarray(a.competitive_scores) + np.asarray(c.competitive_scores)
+  expect5 = sorted(range(total5.size), key=lambda i: (-total5[i], i))[:3]
+  np.testing.assert_array_equal(a.pool, expect5)
+  np.testing.assert_array_equal(c.pool, expect5)
+  assert b.pool.shape == (3,) and int(b.competitive_scores.sum()) == 36
+  for ls in (a, b, c):
+    m = np.asarray(ls.pattern_mask)
+    assert np.all(m.sum((0, 1)) == 4)  # 4 kept weights in every kernel
+    assert set(np.unique(np.asarray(ls.pattern_id))) <= set(np.asarray(ls.pool).tolist())
 
 
 def test_state_round_trip_through_train_checkpoint_store(tmp_path):
-    store_mod = pytest.importorskip("jaxprune.train.checkpoint")
-    st = _paper_run()[2][-1]
-    store = store_mod.CheckpointStore(tmp_path / "ckpt")
-    store.save(1, {"opt_state": st}, {"epoch": 1})
-    fresh = jax.tree.map(jnp.zeros_like, st)
-    arrays, meta = store.restore(1, {"opt_state": fresh})
-    back = arrays["opt_state"]
-    assert isinstance(back, ct.ClickTrainState) and meta["epoch"] == 1
-    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back)):
-        np.testing.assert_array_equal(a, b)
+  store_mod = pytest.importorskip("jaxprune.train.checkpoint")
+  st = _paper_run()[2][-1]
+  store = store_mod.CheckpointStore(tmp_path / "ckpt")
+  store.save(1, {"opt_state": st}, {"epoch": 1})
+  fresh = jax.tree.map(jnp.zeros_like, st)
+  arrays, meta = store.restore(1, {"opt_state": fresh})
+  back = arrays["opt_state"]
+  assert isinstance(back, ct.ClickTrainState) and meta["epoch"] == 1
+  for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(a, b)

@@ -15,7 +15,7 @@ import pytest
 from jaxprune import distributed
 
 _SCRIPT = textwrap.dedent(
-    r"""
+  r"""
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
     import jax.numpy as jnp
@@ -80,38 +80,38 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_sparse_allreduce_pmap_and_shard_map_match_masked_dense_mean():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "OK" in proc.stdout
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+    [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "OK" in proc.stdout
 
 
 def test_mask_indices_are_sorted_flat_positions():
-    mask = np.zeros((3, 3, 2, 2), bool)
-    mask[0, 1, 1, 0] = mask[2, 2, 0, 1] = True
-    idx = distributed.mask_indices({"w": mask, "b": None})
-    assert idx["b"] is None
-    np.testing.assert_array_equal(idx["w"], np.flatnonzero(mask.reshape(-1)))
-    assert idx["w"].dtype == np.int32
+  mask = np.zeros((3, 3, 2, 2), bool)
+  mask[0, 1, 1, 0] = mask[2, 2, 0, 1] = True
+  idx = distributed.mask_indices({"w": mask, "b": None})
+  assert idx["b"] is None
+  np.testing.assert_array_equal(idx["w"], np.flatnonzero(mask.reshape(-1)))
+  assert idx["w"].dtype == np.int32
 
 
 def test_reduced_elements_counts_kept_entries():
-    params = {"w": np.zeros((3, 3, 2, 2)), "b": np.zeros((7,))}
-    mask = np.zeros((3, 3, 2, 2), bool)
-    mask[:, :, 0, 0] = True
-    idx = distributed.mask_indices({"w": mask, "b": None})
-    assert distributed.reduced_elements(params, idx) == (9 + 7, 36 + 7)
-    assert distributed.reduced_elements(params) == (43, 43)
+  params = {"w": np.zeros((3, 3, 2, 2)), "b": np.zeros((7,))}
+  mask = np.zeros((3, 3, 2, 2), bool)
+  mask[:, :, 0, 0] = True
+  idx = distributed.mask_indices({"w": mask, "b": None})
+  assert distributed.reduced_elements(params, idx) == (9 + 7, 36 + 7)
+  assert distributed.reduced_elements(params) == (43, 43)
 
 
 def test_too_many_indices_is_rejected():
-    import jax
+  import jax
 
-    grads = {"w": np.zeros((2, 2), np.float32)}
-    bad = {"w": np.arange(5, dtype=np.int32)}
-    with pytest.raises(ValueError, match="indices"):
-        jax.pmap(lambda g: distributed.sparse_psum(g, bad, "i"), axis_name="i")(
-            {"w": grads["w"][None]})
+  grads = {"w": np.zeros((2, 2), np.float32)}
+  bad = {"w": np.arange(5, dtype=np.int32)}
+  with pytest.raises(ValueError, match="indices"):
+    jax.pmap(lambda g: distributed.sparse_psum(g, bad, "i"), axis_name="i")({"w": grads["w"][None]})

@@ -20,12 +20,16 @@ def _params(seed=0):
   keys = jax.random.split(jax.random.key(seed), 8)
   normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32)
   return {
-      "stem": {"conv": {"kernel": normal(keys[0], (3, 3, 3, 4))},
-               "bn": {"scale": normal(keys[1], (4,)), "bias": normal(keys[2], (4,))}},
-      "block": {"conv": {"kernel": normal(keys[3], (3, 3, 4, 5))},
-                "shortcut": {"kernel": normal(keys[4], (1, 1, 4, 5))}},
-      "hidden": {"kernel": normal(keys[5], (5, 6)), "bias": normal(keys[6], (6,))},
-      "out": {"kernel": normal(keys[7], (6, 3))},
+    "stem": {
+      "conv": {"kernel": normal(keys[0], (3, 3, 3, 4))},
+      "bn": {"scale": normal(keys[1], (4,)), "bias": normal(keys[2], (4,))},
+    },
+    "block": {
+      "conv": {"kernel": normal(keys[3], (3, 3, 4, 5))},
+      "shortcut": {"kernel": normal(keys[4], (1, 1, 4, 5))},
+    },
+    "hidden": {"kernel": normal(keys[5], (5, 6)), "bias": normal(keys[6], (6,))},
+    "out": {"kernel": normal(keys[7], (6, 3))},
   }
 
 
@@ -37,7 +41,7 @@ def _loop_penalty(p, xp=jnp):
   total = 0.0
 
   def norm(group):
-    return xp.sqrt(xp.sum(group ** 2) + EPS)
+    return xp.sqrt(xp.sum(group**2) + EPS)
 
   stem = p["stem"]["conv"]["kernel"]
   for f in range(stem.shape[3]):
@@ -65,8 +69,9 @@ def _is_stem(names, leaf, kernels):
 def test_penalty_matches_group_loop():
   params = _params()
   numpy_params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
-  np.testing.assert_allclose(gl.penalty(params, is_input_conv=_is_stem),
-                             _loop_penalty(numpy_params, np), rtol=1e-5)
+  np.testing.assert_allclose(
+    gl.penalty(params, is_input_conv=_is_stem), _loop_penalty(numpy_params, np), rtol=1e-5
+  )
 
 
 def test_default_predicates_find_stem_and_classifier():
@@ -83,8 +88,7 @@ def test_default_predicates_find_stem_and_classifier():
 
 def test_predicate_override_changes_groups():
   params = _params()
-  everything = gl.penalty(params, is_input_conv=lambda *a: False,
-                          is_classifier=lambda *a: False)
+  everything = gl.penalty(params, is_input_conv=lambda *a: False, is_classifier=lambda *a: False)
   stem = np.asarray(params["stem"]["conv"]["kernel"])
   out = np.asarray(params["out"]["kernel"])
   extra = sum(math.sqrt(np.sum(stem[:, :, c, :] ** 2) + EPS) for c in range(3))
@@ -97,12 +101,14 @@ def test_predicate_override_changes_groups():
 def test_model_layout(family):
   # (abstract: the layout needs only paths and shapes).
   if family == "resnet":
-    model = nnx.eval_shape(lambda: models.create("prunetrain-resnet20", num_classes=10,
-                                                 rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(
+      lambda: models.create("prunetrain-resnet20", num_classes=10, rngs=nnx.Rngs(0))
+    )
     stem_path, classifier_path = ("stem", "conv", "kernel"), ("head", "kernel")
   else:
-    model = nnx.eval_shape(lambda: models.create("clicktrain-vgg11", num_classes=10,
-                                                 rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(
+      lambda: models.create("clicktrain-vgg11", num_classes=10, rngs=nnx.Rngs(0))
+    )
     stem_path, classifier_path = ("features", 0, "conv", "kernel"), ("classifier", 2, "kernel")
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   flat = jax.tree_util.tree_flatten_with_path(gl.leaf_groups(params))[0]
@@ -124,8 +130,12 @@ def test_group_lasso_adds_coefficient_times_gradient():
   tx = gl.group_lasso(0.3, is_input_conv=_is_stem)
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   reference = jax.jit(jax.grad(_loop_penalty))(params)
-  jax.tree.map(lambda u, g, r: np.testing.assert_allclose(u, g + 0.3 * r, rtol=1e-4, atol=1e-6),
-               updates, grads, reference)
+  jax.tree.map(
+    lambda u, g, r: np.testing.assert_allclose(u, g + 0.3 * r, rtol=1e-4, atol=1e-6),
+    updates,
+    grads,
+    reference,
+  )
 
 
 def test_gradient_of_a_zero_group_is_zero():
@@ -145,7 +155,9 @@ def test_coefficient_from_ratio_gives_the_ratio(ratio):
   assert lam * penalty / (loss + lam * penalty) == pytest.approx(ratio, rel=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, name", [
+@pytest.mark.parametrize(
+  "kwargs, name",
+  [
     (dict(ratio=0.0, loss=1.0, penalty=1.0), "ratio"),
     (dict(ratio=1.0, loss=1.0, penalty=1.0), "ratio"),
     (dict(ratio=-0.2, loss=1.0, penalty=1.0), "ratio"),
@@ -153,7 +165,8 @@ def test_coefficient_from_ratio_gives_the_ratio(ratio):
     (dict(ratio=0.2, loss=1.0, penalty=-3.0), "penalty"),
     (dict(ratio=0.2, loss=-1.0, penalty=3.0), "loss"),
     (dict(ratio=0.2, loss=float("nan"), penalty=3.0), "loss"),
-])
+  ],
+)
 def test_coefficient_from_ratio_rejects_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name):
     gl.coefficient_from_ratio(**kwargs)
@@ -185,8 +198,9 @@ def test_ratio_is_set_at_first_step_then_fixed():
   lam = float(state.coefficient)
   assert lam * gl0 / (2.5 + lam * gl0) == pytest.approx(0.2, rel=1e-5)
   ref = jax.jit(jax.grad(gl.penalty))(params)
-  jax.tree.map(lambda u, r: np.testing.assert_allclose(u, lam * r, rtol=1e-5, atol=1e-7),
-               updates, ref)
+  jax.tree.map(
+    lambda u, r: np.testing.assert_allclose(u, lam * r, rtol=1e-5, atol=1e-7), updates, ref
+  )
   # Later steps: other loss, other params: λ unchanged.
   other = jax.tree.map(lambda x: 0.5 * x, params)
   _, state2 = update(grads, state, other, value=0.1)
@@ -213,8 +227,9 @@ def test_with_group_lasso_in_nnx_optimizer():
 
   params0 = nnx.as_pure(nnx.state(model, nnx.Param))
   gl0 = float(jax.jit(gl.penalty)(params0))
-  optimizer = nnx.Optimizer(model, pt.with_group_lasso(optax.sgd(0.1, momentum=0.9),
-                                                       penalty_ratio=0.25), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(
+    model, pt.with_group_lasso(optax.sgd(0.1, momentum=0.9), penalty_ratio=0.25), wrt=nnx.Param
+  )
 
   @nnx.jit
   def step(model, optimizer):
@@ -226,8 +241,10 @@ def test_with_group_lasso_in_nnx_optimizer():
   lam = float(optimizer.opt_state.group_lasso.coefficient[...])
   assert lam * gl0 / (float(loss) + lam * gl0) == pytest.approx(0.25, rel=1e-5)
   # The momentum received grad + λ∇GL (SGD momentum's first trace is the update input).
-  expected = jax.tree.map(lambda g, r: g + lam * r, nnx.as_pure(nnx.state(grads, nnx.Param)),
-                          jax.jit(jax.grad(gl.penalty))(params0))
+  expected = jax.tree.map(
+    lambda g, r: g + lam * r,
+    nnx.as_pure(nnx.state(grads, nnx.Param)),
+    jax.jit(jax.grad(gl.penalty))(params0),
+  )
   trace = nnx.as_pure(optimizer.opt_state.inner[0].trace)
-  jax.tree.map(lambda t, e: np.testing.assert_allclose(t, e, rtol=1e-4, atol=1e-6),
-               trace, expected)
+  jax.tree.map(lambda t, e: np.testing.assert_allclose(t, e, rtol=1e-4, atol=1e-6), trace, expected)

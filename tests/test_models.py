@@ -265,7 +265,9 @@ def test_convbn_matches_pytorch_padding(k, stride):
   layer.train()
   out = np.asarray(_apply(layer, jnp.asarray(x)))
   conv = _conv_reference(x, np.asarray(layer.conv.kernel[...]), stride, k // 2)
-  np.testing.assert_allclose(layer.bn.mean[...], 0.1 * conv.mean(axis=(0, 1, 2)), rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(
+    layer.bn.mean[...], 0.1 * conv.mean(axis=(0, 1, 2)), rtol=1e-4, atol=1e-6
+  )
   normalised = (conv - conv.mean(axis=(0, 1, 2))) / np.sqrt(conv.var(axis=(0, 1, 2)) + 1e-5)
   np.testing.assert_allclose(out, normalised, rtol=1e-3, atol=1e-4)
 
@@ -355,7 +357,9 @@ def test_model_with_removed_block_runs_and_rebuilds():
   out = _apply(model, jnp.ones((1, 8, 8, 3)))
   assert out.shape == (1, 10) and bool(jnp.all(jnp.isfinite(out)))
   dense = nnx.eval_shape(lambda: ResNet(spec, num_classes=10, rngs=nnx.Rngs(0)))
-  removed = stage.blocks[1].widths[0] * stage.width * 9 * 2 + 2 * (stage.blocks[1].widths[0] + stage.width)
+  removed = stage.blocks[1].widths[0] * stage.width * 9 * 2 + 2 * (
+    stage.blocks[1].widths[0] + stage.width
+  )
   assert models.param_count(model) == models.param_count(dense) - removed
 
 
@@ -379,7 +383,9 @@ def test_resnet9_layout_by_hand():
     return 0.2 * (h.max(axis=(1, 2)) @ model.head.kernel[...])
 
   expected = by_hand(model, x)
-  np.testing.assert_allclose(np.asarray(_apply(model, x)), np.asarray(expected), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(_apply(model, x)), np.asarray(expected), rtol=1e-5, atol=1e-6
+  )
   assert model.head.bias is None
 
 

@@ -13,99 +13,99 @@ _TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 def _key_for(method):
-    return jax.random.key(9) if method in ("random", "mvue") else None
+  return jax.random.key(9) if method in ("random", "mvue") else None
 
 
 @pytest.mark.parametrize(
-    "method, n, m, shape, dtype",
-    [
-        ("magnitude", 2, 4, (2, 4, 4, 32), jnp.float32),
-        ("magnitude", 3, 8, (3, 5, 24), jnp.bfloat16),  # odd row count, 3 channel tiles
-        ("rescaled_magnitude", 2, 4, (2, 8, 8, 16), jnp.float32),
-        ("rescaled_magnitude", 4, 16, (2, 4, 4, 32), jnp.float16),
-        ("random", 1, 4, (2, 4, 4, 16), jnp.float32),
-        ("mvue", 2, 8, (2, 3, 16), jnp.bfloat16),
-    ],
+  "method, n, m, shape, dtype",
+  [
+    ("magnitude", 2, 4, (2, 4, 4, 32), jnp.float32),
+    ("magnitude", 3, 8, (3, 5, 24), jnp.bfloat16),  # odd row count, 3 channel tiles
+    ("rescaled_magnitude", 2, 4, (2, 8, 8, 16), jnp.float32),
+    ("rescaled_magnitude", 4, 16, (2, 4, 4, 32), jnp.float16),
+    ("random", 1, 4, (2, 4, 4, 16), jnp.float32),
+    ("mvue", 2, 8, (2, 3, 16), jnp.bfloat16),
+  ],
 )
 def test_interpret_matches_reference(method, n, m, shape, dtype):
-    x = jax.random.normal(KEY, shape).astype(dtype)
-    x = x.at[..., 1].set(x[..., 0])  # ties
-    key = _key_for(method)
-    ref = sdgp.nm_prune(x, n, m, method, key=key, backend="reference")
-    got = sdgp.nm_prune(x, n, m, method, key=key, backend="pallas")  # interpreted on CPU
-    assert got.dtype == dtype and got.shape == x.shape
-    np.testing.assert_array_equal(np.asarray(got) != 0, np.asarray(ref) != 0)
-    tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    np.testing.assert_allclose(
-        np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)), rtol=tol, atol=tol
-    )
+  x = jax.random.normal(KEY, shape).astype(dtype)
+  x = x.at[..., 1].set(x[..., 0])  # ties
+  key = _key_for(method)
+  ref = sdgp.nm_prune(x, n, m, method, key=key, backend="reference")
+  got = sdgp.nm_prune(x, n, m, method, key=key, backend="pallas")  # interpreted on CPU
+  assert got.dtype == dtype and got.shape == x.shape
+  np.testing.assert_array_equal(np.asarray(got) != 0, np.asarray(ref) != 0)
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(
+    np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)), rtol=tol, atol=tol
+  )
 
 
 def test_interpret_nan_policy_matches_reference():
-    x = jax.random.normal(KEY, (2, 4, 8)).at[0, 0, 2].set(jnp.nan).at[1, 2, 5].set(-jnp.inf)
-    for method in ("magnitude", "mvue"):
-        ref = sdgp.nm_prune(x, 1, 4, method, key=KEY, backend="reference")
-        got = sdgp.nm_prune(x, 1, 4, method, key=KEY, backend="pallas")
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-        assert np.isnan(np.asarray(got)[0, 0, 2])
+  x = jax.random.normal(KEY, (2, 4, 8)).at[0, 0, 2].set(jnp.nan).at[1, 2, 5].set(-jnp.inf)
+  for method in ("magnitude", "mvue"):
+    ref = sdgp.nm_prune(x, 1, 4, method, key=KEY, backend="reference")
+    got = sdgp.nm_prune(x, 1, 4, method, key=KEY, backend="pallas")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert np.isnan(np.asarray(got)[0, 0, 2])
 
 
 def test_interpret_under_vmap():
-    x = jax.random.normal(KEY, (3, 2, 4, 16))
-    keys = jax.random.split(KEY, 3)
-    f = lambda backend: jax.vmap(lambda x, k: sdgp.nm_prune(x, 2, 4, "mvue", key=k, backend=backend))
-    np.testing.assert_array_equal(f("pallas")(x, keys), f("reference")(x, keys))
+  x = jax.random.normal(KEY, (3, 2, 4, 16))
+  keys = jax.random.split(KEY, 3)
+  f = lambda backend: jax.vmap(lambda x, k: sdgp.nm_prune(x, 2, 4, "mvue", key=k, backend=backend))
+  np.testing.assert_array_equal(f("pallas")(x, keys), f("reference")(x, keys))
 
 
 def _export_cuda(f, *shapes):
-    exported = jax.export.export(
-        jax.jit(f),
-        platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL)],
-    )(*shapes)
-    return exported.mlir_module()
+  exported = jax.export.export(
+    jax.jit(f),
+    platforms=["cuda"],
+    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL)],
+  )(*shapes)
+  return exported.mlir_module()
 
 
 @pytest.mark.parametrize(
-    "method, n, m, dtype",
-    [
-        ("magnitude", 2, 4, jnp.float32),
-        ("rescaled_magnitude", 2, 4, jnp.bfloat16),
-        ("random", 2, 4, jnp.float16),
-        ("mvue", 2, 4, jnp.float32),
-        ("magnitude", 4, 32, jnp.bfloat16),
-        ("mvue", 4, 32, jnp.float32),
-    ],
+  "method, n, m, dtype",
+  [
+    ("magnitude", 2, 4, jnp.float32),
+    ("rescaled_magnitude", 2, 4, jnp.bfloat16),
+    ("random", 2, 4, jnp.float16),
+    ("mvue", 2, 4, jnp.float32),
+    ("magnitude", 4, 32, jnp.bfloat16),
+    ("mvue", 4, 32, jnp.float32),
+  ],
 )
 def test_cross_lowers_for_cuda(method, n, m, dtype):
-    key = _key_for(method)
-    text = _export_cuda(
-        lambda x: sdgp.nm_prune(x, n, m, method, key=key),  # backend="auto"
-        jax.ShapeDtypeStruct((8, 32, 32, 128), dtype),
-    )
-    assert _TRITON_CALL in text
+  key = _key_for(method)
+  text = _export_cuda(
+    lambda x: sdgp.nm_prune(x, n, m, method, key=key),  # backend="auto"
+    jax.ShapeDtypeStruct((8, 32, 32, 128), dtype),
+  )
+  assert _TRITON_CALL in text
 
 
 def test_sdgp_conv_gradient_cross_lowers_for_cuda():
-    def loss(x, w):
-        return sdgp.sdgp_conv(x, w, n=2, m=4, method="rescaled_magnitude").astype(jnp.float32).sum()
+  def loss(x, w):
+    return sdgp.sdgp_conv(x, w, n=2, m=4, method="rescaled_magnitude").astype(jnp.float32).sum()
 
-    text = _export_cuda(
-        jax.grad(loss, argnums=(0, 1)),
-        jax.ShapeDtypeStruct((4, 16, 16, 64), jnp.bfloat16),
-        jax.ShapeDtypeStruct((3, 3, 64, 128), jnp.bfloat16),
-    )
-    assert _TRITON_CALL in text
+  text = _export_cuda(
+    jax.grad(loss, argnums=(0, 1)),
+    jax.ShapeDtypeStruct((4, 16, 16, 64), jnp.bfloat16),
+    jax.ShapeDtypeStruct((3, 3, 64, 128), jnp.bfloat16),
+  )
+  assert _TRITON_CALL in text
 
 
 def test_auto_uses_reference_off_gpu_and_for_unsupported_shapes():
-    f = jax.jit(lambda x: sdgp.nm_prune(x, 2, 4, "magnitude"))
-    cpu_text = f.lower(jax.ShapeDtypeStruct((2, 4, 4, 8), jnp.float32)).as_text()
-    assert "triton" not in cpu_text and "mosaic" not in cpu_text
-    # rescaled needs all of H*W in one block; 7x7 is not a power of two -> reference on GPU too
-    odd = jax.ShapeDtypeStruct((2, 7, 7, 8), jnp.float32)
-    assert not kernel.supports(odd.shape, 2, 4, "rescaled_magnitude")
-    text = _export_cuda(lambda x: sdgp.nm_prune(x, 2, 4, "rescaled_magnitude"), odd)
-    assert _TRITON_CALL not in text
-    with pytest.raises(ValueError, match="x"):
-        sdgp.nm_prune(jnp.ones(odd.shape), 2, 4, "rescaled_magnitude", backend="pallas")
+  f = jax.jit(lambda x: sdgp.nm_prune(x, 2, 4, "magnitude"))
+  cpu_text = f.lower(jax.ShapeDtypeStruct((2, 4, 4, 8), jnp.float32)).as_text()
+  assert "triton" not in cpu_text and "mosaic" not in cpu_text
+  # rescaled needs all of H*W in one block; 7x7 is not a power of two -> reference on GPU too
+  odd = jax.ShapeDtypeStruct((2, 7, 7, 8), jnp.float32)
+  assert not kernel.supports(odd.shape, 2, 4, "rescaled_magnitude")
+  text = _export_cuda(lambda x: sdgp.nm_prune(x, 2, 4, "rescaled_magnitude"), odd)
+  assert _TRITON_CALL not in text
+  with pytest.raises(ValueError, match="x"):
+    sdgp.nm_prune(jnp.ones(odd.shape), 2, 4, "rescaled_magnitude", backend="pallas")

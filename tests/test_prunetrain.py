@@ -23,9 +23,18 @@ def _spec(family):
   if family == "prunetrain-resnet":  # He et al. basic blocks; stage 0 shares the stem tensor
     return models.ResNet, models.prunetrain_resnet_spec(20).scaled(0.25), 8
   if family == "bottleneck":  # PruneTrain's ResNet-50 layout, 2 blocks per stage
-    return models.ResNet, models.ResNetSpec.uniform(
-        "bottleneck", stem_width=4, stage_widths=(8, 16), num_blocks=(2, 2), strides=(1, 2),
-        inner_widths=((4, 4), (4, 4))), 8
+    return (
+      models.ResNet,
+      models.ResNetSpec.uniform(
+        "bottleneck",
+        stem_width=4,
+        stage_widths=(8, 16),
+        num_blocks=(2, 2),
+        strides=(1, 2),
+        inner_widths=((4, 4), (4, 4)),
+      ),
+      8,
+    )
   if family == "clicktrain-resnet":  # 4 stages; first stage without projection
     return models.ResNet, models.clicktrain_resnet_spec(18).scaled(1 / 16), 8
   if family == "prunetrain-vgg":
@@ -35,8 +44,13 @@ def _spec(family):
   raise AssertionError(family)
 
 
-FAMILIES = ["prunetrain-resnet", "bottleneck", "clicktrain-resnet", "prunetrain-vgg",
-            "clicktrain-vgg"]
+FAMILIES = [
+  "prunetrain-resnet",
+  "bottleneck",
+  "clicktrain-resnet",
+  "prunetrain-vgg",
+  "clicktrain-vgg",
+]
 _BUILT = {}
 
 
@@ -140,8 +154,14 @@ def _params(model):
 
 def _random_opt_state(tx, model):
   state = tx.init(_params(model))
-  return jax.tree.map(lambda x: jnp.asarray(RNG.normal(size=np.shape(x)).astype(np.float32))
-                      if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+  return jax.tree.map(
+    lambda x: (
+      jnp.asarray(RNG.normal(size=np.shape(x)).astype(np.float32))
+      if jnp.issubdtype(x.dtype, jnp.floating)
+      else x
+    ),
+    state,
+  )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -177,19 +197,22 @@ def test_optimizer_state_is_the_slice_of_the_old_state(family):
     # and its BatchNorm; the stem is untouched.
     np.testing.assert_array_equal(new["head"]["kernel"], np.delete(old["head"]["kernel"], 1, 0))
     proj = lambda t: t["stages"][2][0]["shortcut"]
-    np.testing.assert_array_equal(proj(new)["conv"]["kernel"],
-                                  np.delete(proj(old)["conv"]["kernel"], 1, 3))
+    np.testing.assert_array_equal(
+      proj(new)["conv"]["kernel"], np.delete(proj(old)["conv"]["kernel"], 1, 3)
+    )
     np.testing.assert_array_equal(proj(new)["bn"]["scale"], np.delete(proj(old)["bn"]["scale"], 1))
     np.testing.assert_array_equal(new["stem"]["conv"]["kernel"], old["stem"]["conv"]["kernel"])
   else:
     conv = lambda t, i: t["features"][i]["conv"]["kernel"]
     np.testing.assert_array_equal(conv(new, 2), np.delete(conv(old, 2), 0, 3))
     np.testing.assert_array_equal(conv(new, 3), np.delete(conv(old, 3), 0, 2))
-    np.testing.assert_array_equal(new["features"][2]["bn"]["bias"],
-                                  np.delete(old["features"][2]["bn"]["bias"], 0))
+    np.testing.assert_array_equal(
+      new["features"][2]["bn"]["bias"], np.delete(old["features"][2]["bn"]["bias"], 0)
+    )
     dense = lambda t, i: t["classifier"][i]
-    np.testing.assert_array_equal(dense(new, 0)["kernel"],
-                                  np.delete(np.delete(dense(old, 0)["kernel"], 0, 0), 1, 1))
+    np.testing.assert_array_equal(
+      dense(new, 0)["kernel"], np.delete(np.delete(dense(old, 0)["kernel"], 0, 0), 1, 1)
+    )
     np.testing.assert_array_equal(dense(new, 0)["bias"], np.delete(dense(old, 0)["bias"], 1))
     np.testing.assert_array_equal(dense(new, 1)["kernel"], np.delete(dense(old, 1)["kernel"], 1, 0))
     np.testing.assert_array_equal(dense(new, 2)["kernel"], dense(old, 2)["kernel"])
@@ -203,8 +226,9 @@ def test_reconfiguring_again_changes_nothing():
   twice, state2, report = pt.reconfigure(once, state, count_flops=False)
   assert not report.changed and not report.removed_layers
   assert twice.spec == once.spec
-  jax.tree.map(np.testing.assert_array_equal, nnx.as_pure(nnx.state(twice)),
-               nnx.as_pure(nnx.state(once)))
+  jax.tree.map(
+    np.testing.assert_array_equal, nnx.as_pure(nnx.state(twice)), nnx.as_pure(nnx.state(once))
+  )
   jax.tree.map(np.testing.assert_array_equal, state2, state)
 
 
@@ -227,13 +251,12 @@ def test_threshold_is_absolute_max_magnitude():
   new_model, _, _ = pt.reconfigure(model, None, count_flops=False)
   assert new_model.spec == expected_spec
   x = _images(16)
-  np.testing.assert_allclose(_forward(new_model, x), _forward(reference, x), rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(_forward(new_model, x), _forward(reference, x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family, where", [("prunetrain-resnet", (1, 1)),
-                                           ("bottleneck", (1, 0)),
-                                           ("bottleneck", (0, 1))])
+@pytest.mark.parametrize(
+  "family, where", [("prunetrain-resnet", (1, 1)), ("bottleneck", (1, 0)), ("bottleneck", (0, 1))]
+)
 def test_dead_branch_is_removed(family, where):
   model, size = _model(family)
   s, b = where
@@ -268,7 +291,8 @@ def test_removed_branch_offset_is_reported():
   _, _, report = pt.reconfigure(model, None, count_flops=False)
   bn = block.conv2.bn
   offset = np.asarray(bn.bias[...]) - np.asarray(bn.scale[...]) * np.asarray(bn.mean[...]) / (
-      np.sqrt(np.asarray(bn.var[...]) + bn.epsilon))
+    np.sqrt(np.asarray(bn.var[...]) + bn.epsilon)
+  )
   assert report.removed_branch_offset == pytest.approx(np.abs(offset).max(), rel=1e-5)
 
 
@@ -300,7 +324,6 @@ def test_bad_input():
       pt.reconfigure(model, None, threshold=threshold)
   with pytest.raises(ValueError, match="model"):
     pt.reconfigure(nnx.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0))), None)
-  resnet9 = nnx.eval_shape(lambda: models.create("sdgp-resnet9", num_classes=10,
-                                                 rngs=nnx.Rngs(0)))
+  resnet9 = nnx.eval_shape(lambda: models.create("sdgp-resnet9", num_classes=10, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="model"):
     pt.reconfigure(resnet9, None)

@@ -59,23 +59,28 @@ def test_callback_reconfigures_inside_the_trainer():
   labels = rng.integers(0, 10, size=64).astype(np.int32)
   dataset = data.Dataset.from_arrays(images, labels, num_classes=10)
   loader = data.Loader(dataset, 16, shuffle=True, seed=0, drop_last=True)
-  model = models.ResNet(models.prunetrain_resnet_spec(8).scaled(0.5), num_classes=10,
-                        rngs=nnx.Rngs(0))
+  model = models.ResNet(
+    models.prunetrain_resnet_spec(8).scaled(0.5), num_classes=10, rngs=nnx.Rngs(0)
+  )
   # Kill one stem channel everywhere it is written and read (stem, stage-0 block, the
   # stage-1 projection and first conv); LR 0 keeps it dead through training.
   c = 3
-  for param, index in [(model.stem.conv.kernel, (..., c)),
-                       (model.stages[0][0].conv2.conv.kernel, (..., c)),
-                       (model.stages[0][0].conv1.conv.kernel, (slice(None), slice(None), c)),
-                       (model.stages[1][0].shortcut.conv.kernel, (slice(None), slice(None), c)),
-                       (model.stages[1][0].conv1.conv.kernel, (slice(None), slice(None), c))]:
+  for param, index in [
+    (model.stem.conv.kernel, (..., c)),
+    (model.stages[0][0].conv2.conv.kernel, (..., c)),
+    (model.stages[0][0].conv1.conv.kernel, (slice(None), slice(None), c)),
+    (model.stages[1][0].shortcut.conv.kernel, (slice(None), slice(None), c)),
+    (model.stages[1][0].conv1.conv.kernel, (slice(None), slice(None), c)),
+  ]:
     array = np.array(param[...])
     array[index] = 0.0
     param[...] = array
-  callback = pt.PruneTrainCallback(every_epochs=1, image_shape=(8, 8, 3), granularity=16,
-                                   max_batch_size=64)
-  trainer = train.Trainer(model, pt.with_group_lasso(train.sgd(0.0, momentum=0.9)),
-                          callbacks=[callback], progress=False)
+  callback = pt.PruneTrainCallback(
+    every_epochs=1, image_shape=(8, 8, 3), granularity=16, max_batch_size=64
+  )
+  trainer = train.Trainer(
+    model, pt.with_group_lasso(train.sgd(0.0, momentum=0.9)), callbacks=[callback], progress=False
+  )
   history = trainer.fit(loader, None, epochs=2)
   first, second = history
   assert first["pt_reconfigured"] and first["pt_channels_removed"] == 2  # stem + conv2

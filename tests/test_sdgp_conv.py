@@ -16,70 +16,87 @@ KEY = jax.random.key(0)
 # ----------------------------------------------------------------------------------------
 
 CONV_CASES = [
-    dict(strides=(1, 1), padding="SAME"),
-    dict(strides=(2, 2), padding="VALID"),
-    dict(strides=(1, 2), padding=((2, 1), (0, 1)), rhs_dilation=(2, 1)),
-    dict(strides=(1, 1), padding="SAME", feature_group_count=2),
-    dict(strides=(1, 1), padding=1, lhs_dilation=(2, 2)),
+  dict(strides=(1, 1), padding="SAME"),
+  dict(strides=(2, 2), padding="VALID"),
+  dict(strides=(1, 2), padding=((2, 1), (0, 1)), rhs_dilation=(2, 1)),
+  dict(strides=(1, 1), padding="SAME", feature_group_count=2),
+  dict(strides=(1, 1), padding=1, lhs_dilation=(2, 2)),
 ]
 
 
 @pytest.mark.parametrize(
-    "case, method",
-    list(zip(CONV_CASES, ["magnitude", "rescaled_magnitude", "mvue", "random", "rescaled_magnitude"])),
+  "case, method",
+  list(
+    zip(CONV_CASES, ["magnitude", "rescaled_magnitude", "mvue", "random", "rescaled_magnitude"])
+  ),
 )
 def test_sdgp_conv_vjp_matches_hand_pruned(case, method):
-    kx, kw, kg = jax.random.split(jax.random.key(11), 3)
-    groups = case.get("feature_group_count", 1)
-    x = jax.random.normal(kx, (2, 7, 6, 4))
-    w = jax.random.normal(kw, (3, 3, 4 // groups, 8))
-    key = jax.random.key(4) if method in ("mvue", "random") else None
+  kx, kw, kg = jax.random.split(jax.random.key(11), 3)
+  groups = case.get("feature_group_count", 1)
+  x = jax.random.normal(kx, (2, 7, 6, 4))
+  w = jax.random.normal(kw, (3, 3, 4 // groups, 8))
+  key = jax.random.key(4) if method in ("mvue", "random") else None
 
-    def dense(x, w):
-        padding = [(1, 1), (1, 1)] if case["padding"] == 1 else case["padding"]
-        return jax.lax.conv_general_dilated(
-            x, w, case["strides"], padding,
-            lhs_dilation=case.get("lhs_dilation"), rhs_dilation=case.get("rhs_dilation"),
-            dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=groups,
-        )
+  def dense(x, w):
+    padding = [(1, 1), (1, 1)] if case["padding"] == 1 else case["padding"]
+    return jax.lax.conv_general_dilated(
+      x,
+      w,
+      case["strides"],
+      padding,
+      lhs_dilation=case.get("lhs_dilation"),
+      rhs_dilation=case.get("rhs_dilation"),
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      feature_group_count=groups,
+    )
 
-    @jax.jit
-    def both(x, w):
-        y, vjp = jax.vjp(lambda x, w: sdgp.sdgp_conv(x, w, n=2, m=4, method=method, key=key, **case), x, w)
-        y_ref, vjp_ref = jax.vjp(dense, x, w)
-        g = jax.random.normal(kg, y.shape)
-        g_pruned = sdgp.nm_prune(g, 2, 4, method, key=key)  # pruned by hand
-        dx_ref, _ = vjp_ref(g_pruned)
-        dx_dense, dw_ref = vjp_ref(g)  # weight gradient from the dense cotangent
-        return (y, *vjp(g)), (y_ref, dx_ref, dw_ref), dx_dense
+  @jax.jit
+  def both(x, w):
+    y, vjp = jax.vjp(
+      lambda x, w: sdgp.sdgp_conv(x, w, n=2, m=4, method=method, key=key, **case), x, w
+    )
+    y_ref, vjp_ref = jax.vjp(dense, x, w)
+    g = jax.random.normal(kg, y.shape)
+    g_pruned = sdgp.nm_prune(g, 2, 4, method, key=key)  # pruned by hand
+    dx_ref, _ = vjp_ref(g_pruned)
+    dx_dense, dw_ref = vjp_ref(g)  # weight gradient from the dense cotangent
+    return (y, *vjp(g)), (y_ref, dx_ref, dw_ref), dx_dense
 
-    (y, dx, dw), (y_ref, dx_ref, dw_ref), dx_dense = both(x, w)
-    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-4)
-    assert not np.allclose(dx, dx_dense, atol=1e-3)  # pruning did change dX
+  (y, dx, dw), (y_ref, dx_ref, dw_ref), dx_dense = both(x, w)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-4)
+  assert not np.allclose(dx, dx_dense, atol=1e-3)  # pruning did change dX
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_sdgp_conv_low_precision_under_jit_and_vmap(dtype):
-    x = jax.random.normal(KEY, (3, 2, 5, 5, 4)).astype(dtype)
-    w = (0.3 * jax.random.normal(jax.random.key(1), (3, 3, 4, 8))).astype(dtype)
-    loss = lambda x, w: sdgp.sdgp_conv(x, w, n=2, m=4, method="rescaled_magnitude").astype(jnp.float32).sum()
-    dx, dw = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(x, w)
-    assert dx.dtype == dtype and dw.dtype == dtype and dx.shape == x.shape and dw.shape == (3, 3, 3, 4, 8)
-    dx0, dw0 = jax.grad(loss, argnums=(0, 1))(x[0], w)
-    np.testing.assert_allclose(dx[0].astype(jnp.float32), dx0.astype(jnp.float32), rtol=2e-2, atol=2e-2)
-    np.testing.assert_allclose(dw[0].astype(jnp.float32), dw0.astype(jnp.float32), rtol=2e-2, atol=2e-2)
+  x = jax.random.normal(KEY, (3, 2, 5, 5, 4)).astype(dtype)
+  w = (0.3 * jax.random.normal(jax.random.key(1), (3, 3, 4, 8))).astype(dtype)
+  loss = lambda x, w: (
+    sdgp.sdgp_conv(x, w, n=2, m=4, method="rescaled_magnitude").astype(jnp.float32).sum()
+  )
+  dx, dw = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(x, w)
+  assert (
+    dx.dtype == dtype and dw.dtype == dtype and dx.shape == x.shape and dw.shape == (3, 3, 3, 4, 8)
+  )
+  dx0, dw0 = jax.grad(loss, argnums=(0, 1))(x[0], w)
+  np.testing.assert_allclose(
+    dx[0].astype(jnp.float32), dx0.astype(jnp.float32), rtol=2e-2, atol=2e-2
+  )
+  np.testing.assert_allclose(
+    dw[0].astype(jnp.float32), dw0.astype(jnp.float32), rtol=2e-2, atol=2e-2
+  )
 
 
 def test_sdgp_conv_bad_arguments():
-    x, w = jnp.ones((1, 4, 4, 4)), jnp.ones((3, 3, 4, 6))
-    with pytest.raises(ValueError, match="kernel"):
-        sdgp.sdgp_conv(x, w, n=2, m=4, method="magnitude")
-    with pytest.raises(ValueError, match="key"):
-        sdgp.sdgp_conv(x, jnp.ones((3, 3, 4, 8)), n=2, m=4, method="random")
-    with pytest.raises(ValueError, match="x"):
-        sdgp.sdgp_conv(jnp.ones((4, 4, 4)), jnp.ones((3, 3, 4, 8)), n=2, m=4, method="magnitude")
+  x, w = jnp.ones((1, 4, 4, 4)), jnp.ones((3, 3, 4, 6))
+  with pytest.raises(ValueError, match="kernel"):
+    sdgp.sdgp_conv(x, w, n=2, m=4, method="magnitude")
+  with pytest.raises(ValueError, match="key"):
+    sdgp.sdgp_conv(x, jnp.ones((3, 3, 4, 8)), n=2, m=4, method="random")
+  with pytest.raises(ValueError, match="x"):
+    sdgp.sdgp_conv(jnp.ones((4, 4, 4)), jnp.ones((3, 3, 4, 8)), n=2, m=4, method="magnitude")
 
 
 # ----------------------------------------------------------------------------------------
@@ -88,74 +105,84 @@ def test_sdgp_conv_bad_arguments():
 
 
 class _TinyNet(nnx.Module):
-    def __init__(self, rngs):
-        self.stem = nnx.Conv(3, 8, (3, 3), use_bias=False, rngs=rngs)
-        self.blocks = nnx.List([nnx.Conv(8, 8, (3, 3), rngs=rngs), nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs)])
-        self.head = nnx.Linear(16, 5, rngs=rngs)
+  def __init__(self, rngs):
+    self.stem = nnx.Conv(3, 8, (3, 3), use_bias=False, rngs=rngs)
+    self.blocks = nnx.List(
+      [nnx.Conv(8, 8, (3, 3), rngs=rngs), nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs)]
+    )
+    self.head = nnx.Linear(16, 5, rngs=rngs)
 
-    def __call__(self, x):
-        x = jax.nn.relu(self.stem(x))
-        for conv in self.blocks:
-            x = jax.nn.relu(conv(x))
-        return self.head(x.mean((1, 2)))
+  def __call__(self, x):
+    x = jax.nn.relu(self.stem(x))
+    for conv in self.blocks:
+      x = jax.nn.relu(conv(x))
+    return self.head(x.mean((1, 2)))
 
 
 @nnx.jit
 def _grads(model, x):
-    return nnx.grad(lambda mdl: (mdl(x) ** 2).sum())(model)
+  return nnx.grad(lambda mdl: (mdl(x) ** 2).sum())(model)
 
 
 def test_convert_model_shares_weights_and_skips_stem_and_dense():
-    model = _TinyNet(nnx.Rngs(0))
-    old = [model.stem, model.blocks[0], model.blocks[1], model.head]
-    params_before = nnx.state(model, nnx.Param)
-    x = jax.random.normal(KEY, (2, 8, 8, 3))
-    grads_dense = _grads(model, x)
-    y_dense = nnx.jit(lambda mdl, x: mdl(x))(model, x)
-    converted = sdgp.convert_model(model, n=2, m=4, method="magnitude")
-    assert converted is model
-    assert model.stem is old[0] and type(model.stem) is nnx.Conv
-    assert model.head is old[3]
-    for i in range(2):
-        assert isinstance(model.blocks[i], sdgp.SDGPConv)
-        assert model.blocks[i].kernel is old[i + 1].kernel and model.blocks[i].bias is old[i + 1].bias
-    params_after = nnx.state(model, nnx.Param)
-    assert jax.tree.structure(params_before) == jax.tree.structure(params_after)
-    jax.tree.map(np.testing.assert_array_equal, params_before, params_after)
-    np.testing.assert_allclose(nnx.jit(lambda mdl, x: mdl(x))(model, x), y_dense, rtol=1e-6)  # forward unchanged
-    grads_sdgp = _grads(model, x)
-    # the top conv's dW and the head see the dense cotangent; the stem gets a pruned one
-    np.testing.assert_allclose(grads_sdgp["head"]["kernel"][...], grads_dense["head"]["kernel"][...], rtol=1e-5)
-    np.testing.assert_allclose(grads_sdgp["blocks"][1]["kernel"][...], grads_dense["blocks"][1]["kernel"][...], rtol=1e-5)
-    assert not np.allclose(grads_sdgp["stem"]["kernel"][...], grads_dense["stem"]["kernel"][...])
+  model = _TinyNet(nnx.Rngs(0))
+  old = [model.stem, model.blocks[0], model.blocks[1], model.head]
+  params_before = nnx.state(model, nnx.Param)
+  x = jax.random.normal(KEY, (2, 8, 8, 3))
+  grads_dense = _grads(model, x)
+  y_dense = nnx.jit(lambda mdl, x: mdl(x))(model, x)
+  converted = sdgp.convert_model(model, n=2, m=4, method="magnitude")
+  assert converted is model
+  assert model.stem is old[0] and type(model.stem) is nnx.Conv
+  assert model.head is old[3]
+  for i in range(2):
+    assert isinstance(model.blocks[i], sdgp.SDGPConv)
+    assert model.blocks[i].kernel is old[i + 1].kernel and model.blocks[i].bias is old[i + 1].bias
+  params_after = nnx.state(model, nnx.Param)
+  assert jax.tree.structure(params_before) == jax.tree.structure(params_after)
+  jax.tree.map(np.testing.assert_array_equal, params_before, params_after)
+  np.testing.assert_allclose(
+    nnx.jit(lambda mdl, x: mdl(x))(model, x), y_dense, rtol=1e-6
+  )  # forward unchanged
+  grads_sdgp = _grads(model, x)
+  # the top conv's dW and the head see the dense cotangent; the stem gets a pruned one
+  np.testing.assert_allclose(
+    grads_sdgp["head"]["kernel"][...], grads_dense["head"]["kernel"][...], rtol=1e-5
+  )
+  np.testing.assert_allclose(
+    grads_sdgp["blocks"][1]["kernel"][...], grads_dense["blocks"][1]["kernel"][...], rtol=1e-5
+  )
+  assert not np.allclose(grads_sdgp["stem"]["kernel"][...], grads_dense["stem"]["kernel"][...])
 
 
 def test_convert_model_identity_when_n_equals_m():
-    model = _TinyNet(nnx.Rngs(1))
-    x = jax.random.normal(KEY, (2, 8, 8, 3))
-    dense = _grads(model, x)
-    sdgp.convert_model(model, n=4, m=4, method="magnitude")
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), _grads(model, x), dense)
+  model = _TinyNet(nnx.Rngs(1))
+  x = jax.random.normal(KEY, (2, 8, 8, 3))
+  dense = _grads(model, x)
+  sdgp.convert_model(model, n=4, m=4, method="magnitude")
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), _grads(model, x), dense
+  )
 
 
 def test_random_method_keys_advance_in_jitted_step():
-    model = sdgp.convert_model(_TinyNet(nnx.Rngs(2)), n=1, m=4, method="mvue", seed=3)
-    k0 = [jax.random.key_data(model.blocks[i].sdgp_key[...]) for i in range(2)]
-    assert not np.array_equal(k0[0], k0[1])  # per-layer keys
-    x = jax.random.normal(KEY, (2, 8, 8, 3))
-    step = _grads
-    g1 = step(model, x)
-    k1 = jax.random.key_data(model.blocks[0].sdgp_key[...])
-    g2 = step(model, x)
-    assert not np.array_equal(k0[0], k1)
-    # fresh masks per step: the stem's gradient (below two pruned convs) changes
-    assert not np.allclose(g1["stem"]["kernel"][...], g2["stem"]["kernel"][...])
+  model = sdgp.convert_model(_TinyNet(nnx.Rngs(2)), n=1, m=4, method="mvue", seed=3)
+  k0 = [jax.random.key_data(model.blocks[i].sdgp_key[...]) for i in range(2)]
+  assert not np.array_equal(k0[0], k0[1])  # per-layer keys
+  x = jax.random.normal(KEY, (2, 8, 8, 3))
+  step = _grads
+  g1 = step(model, x)
+  k1 = jax.random.key_data(model.blocks[0].sdgp_key[...])
+  g2 = step(model, x)
+  assert not np.array_equal(k0[0], k1)
+  # fresh masks per step: the stem's gradient (below two pruned convs) changes
+  assert not np.allclose(g1["stem"]["kernel"][...], g2["stem"]["kernel"][...])
 
 
 def test_convert_model_bad_arguments():
-    with pytest.raises(ValueError, match="model"):
-        sdgp.convert_model(_TinyNet(nnx.Rngs(0)), n=2, m=16, method="magnitude")
-    with pytest.raises(ValueError, match="method"):
-        sdgp.convert_model(_TinyNet(nnx.Rngs(0)), n=2, m=4, method="bogus")
-    with pytest.raises(ValueError, match="out_features"):
-        sdgp.SDGPConv(8, 6, (3, 3), n=2, m=4, method="magnitude", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="model"):
+    sdgp.convert_model(_TinyNet(nnx.Rngs(0)), n=2, m=16, method="magnitude")
+  with pytest.raises(ValueError, match="method"):
+    sdgp.convert_model(_TinyNet(nnx.Rngs(0)), n=2, m=4, method="bogus")
+  with pytest.raises(ValueError, match="out_features"):
+    sdgp.SDGPConv(8, 6, (3, 3), n=2, m=4, method="magnitude", rngs=nnx.Rngs(0))

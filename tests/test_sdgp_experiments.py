@@ -10,33 +10,38 @@ from jaxprune import models
 
 
 def test_fig8_settings_parse_and_reject():
-    assert sdgp_fig8._parse_settings("2:4,4:32") == [(2, 4), (4, 32)]
-    for bad in ("2-4", "5:4", "1:64", "0:4"):
-        with pytest.raises(ValueError, match="--settings"):
-            sdgp_fig8._parse_settings(bad)
+  assert sdgp_fig8._parse_settings("2:4,4:32") == [(2, 4), (4, 32)]
+  for bad in ("2-4", "5:4", "1:64", "0:4"):
+    with pytest.raises(ValueError, match="--settings"):
+      sdgp_fig8._parse_settings(bad)
 
 
 def test_budget_overrides_and_lr_scaling():
-    parser = argparse.ArgumentParser()
-    sdgp_table1.add_budget_arguments(parser)
-    budget = sdgp_table1.resolve_budget(parser.parse_args(["--budget", "cpu", "--epochs", "150",
-                                                           "--batch-size", "512",
-                                                           "--train-subset", "0"]))
-    # the paper's recipe comes back when the budget is the paper's
-    assert budget["peak_lr"] == 0.5 and budget["peak_epoch"] == 2.0
-    assert budget["train_subset"] is None
-    full = sdgp_table1.resolve_budget(parser.parse_args(["--budget", "full"]))
-    assert full["width"] == 1.0 and full["epochs"] == 150 and full["batch_size"] == 512
+  parser = argparse.ArgumentParser()
+  sdgp_table1.add_budget_arguments(parser)
+  budget = sdgp_table1.resolve_budget(
+    parser.parse_args(
+      ["--budget", "cpu", "--epochs", "150", "--batch-size", "512", "--train-subset", "0"]
+    )
+  )
+  # the paper's recipe comes back when the budget is the paper's
+  assert budget["peak_lr"] == 0.5 and budget["peak_epoch"] == 2.0
+  assert budget["train_subset"] is None
+  full = sdgp_table1.resolve_budget(parser.parse_args(["--budget", "full"]))
+  assert full["width"] == 1.0 and full["epochs"] == 150 and full["batch_size"] == 512
 
 
 def test_timemodel_records_every_conv_with_its_shapes():
-    model = models.create("sdgp-resnet9", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=0.125)
-    layers = sdgp_timemodel.conv_layers(model, (2, 32, 32, 3))
-    convs = [c for _, c in nnx.iter_modules(model) if isinstance(c, nnx.Conv)]
-    assert len(layers) == len(convs) == 8
-    assert layers[0]["lhs"] == (2, 32, 32, 3)  # the stem runs first
-    for layer in layers:
-        assert layer["lhs"][-1] == layer["rhs"][-2]  # input channels match the kernel
-    # the recorder was removed again
-    assert all(c.conv_general_dilated is not None and not isinstance(
-        c.conv_general_dilated, sdgp_timemodel._ConvRecorder) for c in convs)
+  model = models.create("sdgp-resnet9", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=0.125)
+  layers = sdgp_timemodel.conv_layers(model, (2, 32, 32, 3))
+  convs = [c for _, c in nnx.iter_modules(model) if isinstance(c, nnx.Conv)]
+  assert len(layers) == len(convs) == 8
+  assert layers[0]["lhs"] == (2, 32, 32, 3)  # the stem runs first
+  for layer in layers:
+    assert layer["lhs"][-1] == layer["rhs"][-2]  # input channels match the kernel
+  # the recorder was removed again
+  assert all(
+    c.conv_general_dilated is not None
+    and not isinstance(c.conv_general_dilated, sdgp_timemodel._ConvRecorder)
+    for c in convs
+  )

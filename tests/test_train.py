@@ -28,8 +28,9 @@ class TinySpec:
 class TinyCNN(nnx.Module):
   """Conv-BN-ReLU, dropout, linear head: has batch stats and an RNG stream."""
 
-  def __init__(self, spec: TinySpec = TinySpec(), *, num_classes: int = 3, rngs: nnx.Rngs,
-               dropout: float = 0.2):
+  def __init__(
+    self, spec: TinySpec = TinySpec(), *, num_classes: int = 3, rngs: nnx.Rngs, dropout: float = 0.2
+  ):
     self.spec, self.num_classes = spec, num_classes
     (width,) = spec.widths
     self.c1 = nnx.Conv(1, width, (3, 3), use_bias=False, rngs=rngs)
@@ -59,10 +60,13 @@ class ArrayLoader:
 
   def __iter__(self):
     n = len(self.images)
-    order = (np.random.default_rng((self.seed, self.epoch)).permutation(n) if self.shuffle
-             else np.arange(n))
+    order = (
+      np.random.default_rng((self.seed, self.epoch)).permutation(n)
+      if self.shuffle
+      else np.arange(n)
+    )
     for i in range(len(self)):
-      idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+      idx = order[i * self.batch_size : (i + 1) * self.batch_size]
       yield self.images[idx], self.labels[idx]
 
 
@@ -85,18 +89,26 @@ _SMOOTHING = 0.1
 
 
 def _trainer(model=None, **kwargs):
-  return jt.Trainer(model if model is not None else _model(), _TX,
-                    label_smoothing=_SMOOTHING, **kwargs)
+  return jt.Trainer(
+    model if model is not None else _model(), _TX, label_smoothing=_SMOOTHING, **kwargs
+  )
 
 
-_TIMING_KEYS = {"images_per_s", "step_images_per_s", "data_wait_s", "epoch_time_s",
-                "eval_time_s", "wall_time_s"}
+_TIMING_KEYS = {
+  "images_per_s",
+  "step_images_per_s",
+  "data_wait_s",
+  "epoch_time_s",
+  "eval_time_s",
+  "wall_time_s",
+}
 
 
 def _assert_trees_equal(a, b):
   def plain(x):
     x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
     return np.asarray(x)
+
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(plain(x), plain(y)), a, b)
 
 
@@ -179,7 +191,9 @@ def test_warmup_hand_computed():
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("call, arg", [
+@pytest.mark.parametrize(
+  "call, arg",
+  [
     (lambda: jt.step_schedule(0.1, 0, [1]), "steps_per_epoch"),
     (lambda: jt.step_schedule(0.1, 10, [5, 3]), "milestones"),
     (lambda: jt.step_schedule(0.1, 10, [-1]), "milestones"),
@@ -191,7 +205,8 @@ def test_warmup_hand_computed():
     (lambda: jt.sgd(0.1, momentum=1.0), "momentum"),
     (lambda: jt.sgd(0.1, weight_decay=-1.0), "weight_decay"),
     (lambda: jt.sgd(0.1, momentum=0.0, nesterov=True), "nesterov"),
-])
+  ],
+)
 def test_bad_schedule_and_optimizer_args(call, arg):
   with pytest.raises(ValueError, match=arg):
     call()
@@ -217,12 +232,20 @@ def _torch_sgd_reference(params, grads_seq, lr, momentum, wd, nesterov, decay):
 @pytest.mark.parametrize("only_kernels", [False, True])
 def test_sgd_weight_decay_matches_torch_loop(nesterov, only_kernels):
   rng = np.random.default_rng(3)
-  params = {"kernel": rng.normal(size=(3, 3, 2, 4)).astype(np.float32),
-            "bias": rng.normal(size=(4,)).astype(np.float32)}
-  grads_seq = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()}
-               for _ in range(4)]
-  tx = jt.sgd(0.05, 0.9, nesterov=nesterov, weight_decay=0.01,
-              decay_mask=jt.kernels_only if only_kernels else None)
+  params = {
+    "kernel": rng.normal(size=(3, 3, 2, 4)).astype(np.float32),
+    "bias": rng.normal(size=(4,)).astype(np.float32),
+  }
+  grads_seq = [
+    {k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(4)
+  ]
+  tx = jt.sgd(
+    0.05,
+    0.9,
+    nesterov=nesterov,
+    weight_decay=0.01,
+    decay_mask=jt.kernels_only if only_kernels else None,
+  )
   p = jax.tree.map(jnp.asarray, params)
   state = tx.init(p)
   for g in grads_seq:
@@ -301,11 +324,11 @@ def test_train_step_passes_loss_as_value_to_extra_args_transform():
   reference = nnx.clone(model)
   reference.train()
   want = jt.cross_entropy(reference(jnp.asarray(images)), jnp.asarray(labels), 0.1)
-  trainer = jt.Trainer(model, optax.chain(_record_value(), optax.sgd(0.1)),
-                       label_smoothing=0.1)
+  trainer = jt.Trainer(model, optax.chain(_record_value(), optax.sgd(0.1)), label_smoothing=0.1)
   m = jt.Metrics.zeros()
-  _, _, opt_state, m = trainer.steps.train(trainer.params, trainer.rest, trainer.opt_state, m,
-                                           images, labels)
+  _, _, opt_state, m = trainer.steps.train(
+    trainer.params, trainer.rest, trainer.opt_state, m, images, labels
+  )
   recorded = opt_state[0]
   assert int(recorded.calls) == 1
   np.testing.assert_allclose(float(recorded.value), float(want), rtol=1e-5)
@@ -329,15 +352,21 @@ def test_train_step_matches_nnx_optimizer():
   for _ in range(2):
     reference_step(model_b, opt, jnp.asarray(images), jnp.asarray(labels))
     trainer.params, trainer.rest, trainer.opt_state, _ = trainer.steps.train(
-        trainer.params, trainer.rest, trainer.opt_state, jt.Metrics.zeros(), images, labels)
+      trainer.params, trainer.rest, trainer.opt_state, jt.Metrics.zeros(), images, labels
+    )
     trainer._model_synced = False
   got = nnx.state(trainer.model, nnx.Param)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               nnx.as_pure(got), nnx.as_pure(nnx.state(model_b, nnx.Param)))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    nnx.as_pure(got),
+    nnx.as_pure(nnx.state(model_b, nnx.Param)),
+  )
   # batch statistics were updated the same way
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               nnx.as_pure(nnx.state(trainer.model, nnx.BatchStat)),
-               nnx.as_pure(nnx.state(model_b, nnx.BatchStat)))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    nnx.as_pure(nnx.state(trainer.model, nnx.BatchStat)),
+    nnx.as_pure(nnx.state(model_b, nnx.BatchStat)),
+  )
 
 
 def test_eval_flip_tta_and_padding_match_eager_model():
@@ -381,15 +410,30 @@ def test_step_memory_grows_with_batch():
 def test_fit_learns_and_writes_json_lines(tmp_path):
   images, labels = _data(48)
   log = tmp_path / "log.jsonl"
-  trainer = jt.fit(_model(), _TX, ArrayLoader(images, labels, 8),
-                   ArrayLoader(images[:16], labels[:16], 8, shuffle=False), epochs=4,
-                   log_path=log, label_smoothing=_SMOOTHING,
-                   metrics={"double_epoch": lambda t: 2 * t.epoch})
+  trainer = jt.fit(
+    _model(),
+    _TX,
+    ArrayLoader(images, labels, 8),
+    ArrayLoader(images[:16], labels[:16], 8, shuffle=False),
+    epochs=4,
+    log_path=log,
+    label_smoothing=_SMOOTHING,
+    metrics={"double_epoch": lambda t: 2 * t.epoch},
+  )
   records = [json.loads(line) for line in log.read_text().splitlines()]
   assert [r["epoch"] for r in records] == [1, 2, 3, 4]
   assert [r["double_epoch"] for r in records] == [2, 4, 6, 8]
-  for key in ("train_loss", "train_acc", "test_loss", "test_acc", "lr", "images_per_s",
-              "step_images_per_s", "wall_time_s", "batch_size"):
+  for key in (
+    "train_loss",
+    "train_acc",
+    "test_loss",
+    "test_acc",
+    "lr",
+    "images_per_s",
+    "step_images_per_s",
+    "wall_time_s",
+    "batch_size",
+  ):
     assert key in records[0]
   assert records[-1]["train_loss"] < records[0]["train_loss"]
   assert records[-1]["step"] == 4 * 6
@@ -428,8 +472,11 @@ class _BatchAndWidthHook(jt.Callback):
       # Keep the LR state (schedule position, scale), as a real reconfiguration that slices
       # the old optimizer state does.
       (old_lr,) = _lr_states(trainer.opt_state)
-      new_state = jax.tree.map(lambda n: old_lr if isinstance(n, jt.ScaleByLrState) else n,
-                               new_state, is_leaf=lambda n: isinstance(n, jt.ScaleByLrState))
+      new_state = jax.tree.map(
+        lambda n: old_lr if isinstance(n, jt.ScaleByLrState) else n,
+        new_state,
+        is_leaf=lambda n: isinstance(n, jt.ScaleByLrState),
+      )
       trainer.replace(new_model, new_state)
     return {"hook_epoch": epoch}
 
@@ -476,9 +523,15 @@ def test_reconfigure_callback_grows_batch_into_freed_memory():
     narrow = _model(seed=7, spec=TinySpec((1,)))
     return narrow, _TX.init(nnx.as_pure(nnx.state(narrow, nnx.Param))), "report"
 
-  hook = jt.Reconfigure(shrink, every_epochs=2, image_shape=(6, 6, 1), grow_batch=True,
-                        granularity=8, max_batch_size=24,
-                        report_metrics=lambda report: {"report": report})
+  hook = jt.Reconfigure(
+    shrink,
+    every_epochs=2,
+    image_shape=(6, 6, 1),
+    grow_batch=True,
+    granularity=8,
+    max_batch_size=24,
+    report_metrics=lambda report: {"report": report},
+  )
   trainer = _trainer(callbacks=[hook])
   history = trainer.fit(ArrayLoader(images, labels, 8), epochs=3)
   assert calls == [TinySpec((4,))]
@@ -515,21 +568,30 @@ def _loaders(use_data_package):
   images, labels = _data(48)
   if use_data_package:
     from jaxprune import data
+
     # The same small images as uint8, through the data package's seeded, resumable loader
     # with augmentation (pad-crop + flip draws depend on (seed, epoch, step)).
     uint8 = np.clip(images * 40 + 128, 0, 255).astype(np.uint8)
     dataset = data.Dataset.from_arrays(uint8, labels)
-    return (data.Loader(dataset, 8, shuffle=True, seed=3, augment="prunetrain", prefetch=0),
-            data.Loader(dataset, 8, shuffle=False, drop_last=False, prefetch=0))
-  return (ArrayLoader(images, labels, 8, seed=3),
-          ArrayLoader(images[:16], labels[:16], 8, shuffle=False))
+    return (
+      data.Loader(dataset, 8, shuffle=True, seed=3, augment="prunetrain", prefetch=0),
+      data.Loader(dataset, 8, shuffle=False, drop_last=False, prefetch=0),
+    )
+  return (
+    ArrayLoader(images, labels, 8, seed=3),
+    ArrayLoader(images[:16], labels[:16], 8, shuffle=False),
+  )
 
 
 def _run(tmp_path, epochs, hook=None, use_data_package=False):
   train, test = _loaders(use_data_package)
   model = _model()
-  trainer = _trainer(model, checkpoint_dir=tmp_path / "ckpt", log_path=tmp_path / "log.jsonl",
-                     callbacks=[hook] if hook else [])
+  trainer = _trainer(
+    model,
+    checkpoint_dir=tmp_path / "ckpt",
+    log_path=tmp_path / "log.jsonl",
+    callbacks=[hook] if hook else [],
+  )
   trainer.fit(train, test, epochs=epochs)
   return trainer
 
@@ -546,12 +608,11 @@ def test_resume_is_exact(tmp_path, reconfigure, stop):
   make_hook = (lambda: _BatchAndWidthHook()) if reconfigure else (lambda: None)
   use_data = not reconfigure
   straight = _run(tmp_path / "a", 4, make_hook(), use_data)
-  _run(tmp_path / "b", stop, make_hook(), use_data)         # stop after `stop` epochs ...
+  _run(tmp_path / "b", stop, make_hook(), use_data)  # stop after `stop` epochs ...
   resumed = _run(tmp_path / "b", 4, make_hook(), use_data)  # ... fresh trainer, resume, finish
   assert resumed.epoch == 4 and resumed.step == straight.step
   assert _strip_timing(resumed.history) == _strip_timing(straight.history)
-  _assert_trees_equal(nnx.as_pure(nnx.state(resumed.model)),
-                      nnx.as_pure(nnx.state(straight.model)))
+  _assert_trees_equal(nnx.as_pure(nnx.state(resumed.model)), nnx.as_pure(nnx.state(straight.model)))
   _assert_trees_equal(resumed.opt_state, straight.opt_state)
   logged = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
   assert [r["epoch"] for r in logged] == [1, 2, 3, 4]
@@ -561,6 +622,7 @@ def test_resume_is_exact(tmp_path, reconfigure, stop):
 
 def test_interrupted_checkpoint_write_is_not_resumed(tmp_path, monkeypatch):
   import orbax.checkpoint as ocp
+
   images, labels = _data(48)
   loader = ArrayLoader(images, labels, 8)
   trainer = _trainer(checkpoint_dir=tmp_path / "ckpt")
@@ -583,8 +645,7 @@ def test_interrupted_checkpoint_write_is_not_resumed(tmp_path, monkeypatch):
   assert fresh.store.latest_step() == 1
   assert fresh.restore_checkpoint(loader)
   assert fresh.epoch == 1
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, fresh.params),
-               good_params)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, fresh.params), good_params)
 
 
 def test_checkpoint_store_rejects_wrong_shapes(tmp_path):
@@ -610,6 +671,7 @@ def test_spec_json_round_trip():
 
 def test_experiment_runner_lists_and_rejects_unknown(capsys):
   from experiments import run
+
   assert {"quickstart", "cifar_baseline"} <= set(run.available())
   assert "run" not in run.available()
   assert run.main(["--list"]) == 0
@@ -622,9 +684,11 @@ def test_experiment_runner_lists_and_rejects_unknown(capsys):
 
 def test_quickstart_rejects_unknown_method_and_formats_rows():
   from experiments import quickstart
+
   with pytest.raises(SystemExit):
     quickstart._parse(["--methods", "dense,no_such_method"])
   assert "dense" in quickstart.METHODS
-  table = quickstart.format_table([{"method": "dense", "test_acc": 0.5, "compression": 1.0,
-                                    "train_time_s": 3.0}])
+  table = quickstart.format_table(
+    [{"method": "dense", "test_acc": 0.5, "compression": 1.0, "train_time_s": 3.0}]
+  )
   assert "| dense | 50.00% | 1.00x | 3.0 |" in table.splitlines()

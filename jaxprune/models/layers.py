@@ -175,9 +175,7 @@ def _shortcut(
 ) -> ConvBN | None:
   if projection:
     # He et al. option B: 1x1 conv + BN, no ReLU (the ReLU comes after the sum).
-    return ConvBN(
-      in_features, out_features, 1, strides=strides, padding=0, relu=False, rngs=rngs
-    )
+    return ConvBN(in_features, out_features, 1, strides=strides, padding=0, relu=False, rngs=rngs)
   if strides != 1 or in_features != out_features:
     raise ValueError(
       "projection=False needs strides == 1 and in_features == out_features, got "

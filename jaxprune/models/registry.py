@@ -102,9 +102,7 @@ def create(
     fields = {f.name for f in dataclasses.fields(spec)}
     unknown = sorted(set(spec_overrides) - fields)
     if unknown:
-      raise ValueError(
-        f"unknown spec field(s) {unknown} for {name!r}; fields: {sorted(fields)}"
-      )
+      raise ValueError(f"unknown spec field(s) {unknown} for {name!r}; fields: {sorted(fields)}")
     spec = dataclasses.replace(spec, **spec_overrides)
   return model_class(spec, num_classes=num_classes, rngs=rngs)
 

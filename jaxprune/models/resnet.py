@@ -193,8 +193,7 @@ class ResNetSpec:
         inner_widths = [(w,) for w in stage_widths]
     elif len(inner_widths) != len(stage_widths):
       raise ValueError(
-        f"inner_widths has {len(inner_widths)} entries but stage_widths has "
-        f"{len(stage_widths)}"
+        f"inner_widths has {len(inner_widths)} entries but stage_widths has {len(stage_widths)}"
       )
     stages = []
     in_width = stem_width

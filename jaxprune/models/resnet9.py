@@ -130,9 +130,7 @@ class ResNet9(nnx.Module):
       ]
     )
     self.layer3 = ConvBN(spec.layer2, spec.layer3, 3, padding=0, kernel_init=init, rngs=rngs)
-    self.head = nnx.Linear(
-      spec.layer3, num_classes, use_bias=False, kernel_init=init, rngs=rngs
-    )
+    self.head = nnx.Linear(spec.layer3, num_classes, use_bias=False, kernel_init=init, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = self.layer1(self.prep(x))

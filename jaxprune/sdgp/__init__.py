@@ -14,14 +14,14 @@ from jaxprune.sdgp.conv import SDGPConv, SDGPKey, convert_model, sdgp_conv
 from jaxprune.sdgp.prune import BACKENDS, nm_prune, nm_prune_reference
 
 __all__ = [
-    "BACKENDS",
-    "MAX_GROUP",
-    "METHODS",
-    "RESCALE_EPS",
-    "SDGPConv",
-    "SDGPKey",
-    "convert_model",
-    "nm_prune",
-    "nm_prune_reference",
-    "sdgp_conv",
+  "BACKENDS",
+  "MAX_GROUP",
+  "METHODS",
+  "RESCALE_EPS",
+  "SDGPConv",
+  "SDGPKey",
+  "convert_model",
+  "nm_prune",
+  "nm_prune_reference",
+  "sdgp_conv",
 ]

@@ -29,80 +29,76 @@ _CANONICAL_NAN_BITS = 0x7FC00000
 
 
 def validate(shape: Sequence[int], dtype, n, m, method: str, key) -> None:
-    """Raises ``ValueError`` naming the bad argument of ``nm_prune``."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1 or m > MAX_GROUP:
-        raise ValueError(f"m must be an int in [1, {MAX_GROUP}], got {m!r}")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > m:
-        raise ValueError(f"n must be an int with 1 <= n <= m={m}, got {n!r}")
-    if len(shape) < 1 or shape[-1] % m != 0:
-        raise ValueError(
-            f"x: last axis ({shape[-1] if shape else 'none'}) must be divisible by m={m}"
-        )
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"x must have a floating dtype, got {dtype}")
-    if method == "mvue" and m % n != 0:
-        raise ValueError(
-            f"n: method 'mvue' needs m divisible by n (n independent unbiased 1:(m/n) "
-            f"draws per group), got n={n}, m={m}"
-        )
-    if method == "rescaled_magnitude" and len(shape) < 2:
-        raise ValueError(
-            "x: method 'rescaled_magnitude' needs at least 2 axes (sample, ..., channel)"
-        )
-    if method in ("random", "mvue") and key is None:
-        raise ValueError(f"key is required for method {method!r}")
+  """Raises ``ValueError`` naming the bad argument of ``nm_prune``."""
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if not isinstance(m, int) or isinstance(m, bool) or m < 1 or m > MAX_GROUP:
+    raise ValueError(f"m must be an int in [1, {MAX_GROUP}], got {m!r}")
+  if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > m:
+    raise ValueError(f"n must be an int with 1 <= n <= m={m}, got {n!r}")
+  if len(shape) < 1 or shape[-1] % m != 0:
+    raise ValueError(f"x: last axis ({shape[-1] if shape else 'none'}) must be divisible by m={m}")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"x must have a floating dtype, got {dtype}")
+  if method == "mvue" and m % n != 0:
+    raise ValueError(
+      f"n: method 'mvue' needs m divisible by n (n independent unbiased 1:(m/n) "
+      f"draws per group), got n={n}, m={m}"
+    )
+  if method == "rescaled_magnitude" and len(shape) < 2:
+    raise ValueError("x: method 'rescaled_magnitude' needs at least 2 axes (sample, ..., channel)")
+  if method in ("random", "mvue") and key is None:
+    raise ValueError(f"key is required for method {method!r}")
 
 
 def uniform_shape(shape: Sequence[int], n: int, m: int, method: str) -> tuple[int, ...] | None:
-    """Shape of the uniforms a method consumes (``None`` for deterministic methods).
+  """Shape of the uniforms a method consumes (``None`` for deterministic methods).
 
-    ``random`` draws one uniform per entry (the kept set is the ``n`` largest draws, a
-    uniformly random ``n``-subset). ``mvue`` draws one per sub-block of ``m // n`` entries,
-    laid out group-major: entry ``g * n + s`` of the last axis is sub-block ``s`` of group ``g``.
-    """
-    if method == "random":
-        return tuple(shape)
-    if method == "mvue":
-        return tuple(shape[:-1]) + (shape[-1] // m * n,)
-    return None
+  ``random`` draws one uniform per entry (the kept set is the ``n`` largest draws, a
+  uniformly random ``n``-subset). ``mvue`` draws one per sub-block of ``m // n`` entries,
+  laid out group-major: entry ``g * n + s`` of the last axis is sub-block ``s`` of group ``g``.
+  """
+  if method == "random":
+    return tuple(shape)
+  if method == "mvue":
+    return tuple(shape[:-1]) + (shape[-1] // m * n,)
+  return None
 
 
 def seeds_from_key(key: Array) -> Array:
-    """Two uint32 seeds for ``hash_uniform`` (one small threefry draw)."""
-    return jax.random.bits(key, (2,), jnp.uint32)
+  """Two uint32 seeds for ``hash_uniform`` (one small threefry draw)."""
+  return jax.random.bits(key, (2,), jnp.uint32)
 
 
 def _mix32(h: Array) -> Array:
-    # "lowbias32" integer finaliser (C. Wellons): a bijection on uint32 with low bias.
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x7FEB352D)
-    h = h ^ (h >> 15)
-    h = h * jnp.uint32(0x846CA68B)
-    return h ^ (h >> 16)
+  # "lowbias32" integer finaliser (C. Wellons): a bijection on uint32 with low bias.
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x7FEB352D)
+  h = h ^ (h >> 15)
+  h = h * jnp.uint32(0x846CA68B)
+  return h ^ (h >> 16)
 
 
 def hash_uniform(index: Array, seeds) -> Array:
-    """Counter-based U[0, 1) draws: a hash of (seeds, flat element index), float32.
+  """Counter-based U[0, 1) draws: a hash of (seeds, flat element index), float32.
 
-    Used instead of ``jax.random.uniform`` over the whole gradient so the Pallas kernel can
-    make the very same draws in registers (no extra pass over a uniforms tensor) and so
-    XLA needs no large threefry computation. 24-bit resolution.
-    """
-    seed0, seed1 = seeds[0], seeds[1]  # a (2,) array, or two scalars inside a kernel
-    index = index.astype(jnp.uint32)
-    h = _mix32(_mix32(index ^ seed0) + seed1)
-    return (h >> 8).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
+  Used instead of ``jax.random.uniform`` over the whole gradient so the Pallas kernel can
+  make the very same draws in registers (no extra pass over a uniforms tensor) and so
+  XLA needs no large threefry computation. 24-bit resolution.
+  """
+  seed0, seed1 = seeds[0], seeds[1]  # a (2,) array, or two scalars inside a kernel
+  index = index.astype(jnp.uint32)
+  h = _mix32(_mix32(index ^ seed0) + seed1)
+  return (h >> 8).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 def order_keys(magnitudes: Array) -> Array:
-    """int32 keys ordering non-negative floats, NaN above +inf, all NaNs equal."""
-    magnitudes = magnitudes.astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(magnitudes, jnp.int32)
-    return jnp.where(magnitudes != magnitudes, jnp.int32(_CANONICAL_NAN_BITS), bits)
+  """int32 keys ordering non-negative floats, NaN above +inf, all NaNs equal."""
+  magnitudes = magnitudes.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(magnitudes, jnp.int32)
+  return jnp.where(magnitudes != magnitudes, jnp.int32(_CANONICAL_NAN_BITS), bits)
 
 
 def rescale_factor(abs_sum: Array, abs_sum_pruned: Array) -> Array:
-    """SDGP §III-B rescaled magnitude: Σ|x| / (Σ|pruned| + ε), keeping each channel's L1."""
-    return abs_sum / (abs_sum_pruned + RESCALE_EPS)
+  """SDGP §III-B rescaled magnitude: Σ|x| / (Σ|pruned| + ε), keeping each channel's L1."""
+  return abs_sum / (abs_sum_pruned + RESCALE_EPS)

@@ -27,157 +27,157 @@ _NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 def _pair(value, name: str) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value, value)
-    value = tuple(int(v) for v in value)
-    if len(value) != 2:
-        raise ValueError(f"{name} must be an int or a pair, got {value!r}")
-    return value
+  if isinstance(value, int):
+    return (value, value)
+  value = tuple(int(v) for v in value)
+  if len(value) != 2:
+    raise ValueError(f"{name} must be an int or a pair, got {value!r}")
+  return value
 
 
 def _canonical_padding(padding) -> str | tuple[tuple[int, int], ...]:
-    if isinstance(padding, str):
-        if padding.upper() not in ("SAME", "VALID", "SAME_LOWER"):
-            raise ValueError(f"padding must be 'SAME', 'VALID' or explicit pairs, got {padding!r}")
-        return padding.upper()
-    if isinstance(padding, int):
-        return ((padding, padding), (padding, padding))
-    pads = []
-    for p in padding:
-        if isinstance(p, int):
-            pads.append((p, p))
-        else:
-            lo, hi = p
-            pads.append((int(lo), int(hi)))
-    if len(pads) != 2:
-        raise ValueError(f"padding must have 2 spatial entries, got {padding!r}")
-    return tuple(pads)
+  if isinstance(padding, str):
+    if padding.upper() not in ("SAME", "VALID", "SAME_LOWER"):
+      raise ValueError(f"padding must be 'SAME', 'VALID' or explicit pairs, got {padding!r}")
+    return padding.upper()
+  if isinstance(padding, int):
+    return ((padding, padding), (padding, padding))
+  pads = []
+  for p in padding:
+    if isinstance(p, int):
+      pads.append((p, p))
+    else:
+      lo, hi = p
+      pads.append((int(lo), int(hi)))
+  if len(pads) != 2:
+    raise ValueError(f"padding must have 2 spatial entries, got {padding!r}")
+  return tuple(pads)
 
 
 def _check_out_channels(name: str, channels: int, m) -> None:
-    # Groups run over output channels (the dX conv's reduction axis), so they must tile it.
-    if isinstance(m, int) and m >= 1 and channels % m != 0:
-        raise ValueError(f"{name}: {channels} output channels are not divisible by m={m}")
+  # Groups run over output channels (the dX conv's reduction axis), so they must tile it.
+  if isinstance(m, int) and m >= 1 and channels % m != 0:
+    raise ValueError(f"{name}: {channels} output channels are not divisible by m={m}")
 
 
 @dataclasses.dataclass(frozen=True)
 class _ConvConfig:
-    """Static (hashable) description of one SDGP conv."""
+  """Static (hashable) description of one SDGP conv."""
 
-    n: int
-    m: int
-    method: str
-    strides: tuple[int, ...]
-    padding: str | tuple[tuple[int, int], ...]
-    lhs_dilation: tuple[int, ...]
-    rhs_dilation: tuple[int, ...]
-    feature_group_count: int
-    precision: object
-    backend: str
+  n: int
+  m: int
+  method: str
+  strides: tuple[int, ...]
+  padding: str | tuple[tuple[int, int], ...]
+  lhs_dilation: tuple[int, ...]
+  rhs_dilation: tuple[int, ...]
+  feature_group_count: int
+  precision: object
+  backend: str
 
-    def conv(self, x: Array, kernel: Array) -> Array:
-        return jax.lax.conv_general_dilated(
-            x,
-            kernel,
-            self.strides,
-            self.padding,
-            lhs_dilation=self.lhs_dilation,
-            rhs_dilation=self.rhs_dilation,
-            dimension_numbers=_NHWC,
-            feature_group_count=self.feature_group_count,
-            precision=self.precision,
-        )
+  def conv(self, x: Array, kernel: Array) -> Array:
+    return jax.lax.conv_general_dilated(
+      x,
+      kernel,
+      self.strides,
+      self.padding,
+      lhs_dilation=self.lhs_dilation,
+      rhs_dilation=self.rhs_dilation,
+      dimension_numbers=_NHWC,
+      feature_group_count=self.feature_group_count,
+      precision=self.precision,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _sdgp_conv(config: _ConvConfig, x: Array, kernel: Array, key: Array | None) -> Array:
-    return config.conv(x, kernel)
+  return config.conv(x, kernel)
 
 
 def _sdgp_conv_fwd(config, x, kernel, key):
-    return config.conv(x, kernel), (x, kernel, key)
+  return config.conv(x, kernel), (x, kernel, key)
 
 
 def _sdgp_conv_bwd(config, residuals, cotangent):
-    x, kernel, key = residuals
-    # dW from the dense output gradient (SDGP §III-A: dL/dO is copied before pruning).
-    _, weight_vjp = jax.vjp(lambda w: config.conv(x, w), kernel)
-    (d_kernel,) = weight_vjp(cotangent)
-    # dX from the N:M-pruned output gradient (SDGP Alg. 1, groups on the channel axis).
-    # The barrier keeps XLA from fusing (and so recomputing) the cotangent's producers into
-    # the pruning pass: the cotangent is materialised once for the dW conv anyway.
-    cotangent = jax.lax.optimization_barrier(cotangent)
-    pruned = nm_prune(cotangent, config.n, config.m, config.method, key=key, backend=config.backend)
-    _, input_vjp = jax.vjp(lambda x_: config.conv(x_, kernel), x)
-    (d_x,) = input_vjp(pruned)
-    return d_x, d_kernel, None
+  x, kernel, key = residuals
+  # dW from the dense output gradient (SDGP §III-A: dL/dO is copied before pruning).
+  _, weight_vjp = jax.vjp(lambda w: config.conv(x, w), kernel)
+  (d_kernel,) = weight_vjp(cotangent)
+  # dX from the N:M-pruned output gradient (SDGP Alg. 1, groups on the channel axis).
+  # The barrier keeps XLA from fusing (and so recomputing) the cotangent's producers into
+  # the pruning pass: the cotangent is materialised once for the dW conv anyway.
+  cotangent = jax.lax.optimization_barrier(cotangent)
+  pruned = nm_prune(cotangent, config.n, config.m, config.method, key=key, backend=config.backend)
+  _, input_vjp = jax.vjp(lambda x_: config.conv(x_, kernel), x)
+  (d_x,) = input_vjp(pruned)
+  return d_x, d_kernel, None
 
 
 _sdgp_conv.defvjp(_sdgp_conv_fwd, _sdgp_conv_bwd)
 
 
 def sdgp_conv(
-    x: Array,
-    kernel: Array,
-    *,
-    n: int,
-    m: int,
-    method: str,
-    strides: int | Sequence[int] = (1, 1),
-    padding="SAME",
-    lhs_dilation: int | Sequence[int] = (1, 1),
-    rhs_dilation: int | Sequence[int] = (1, 1),
-    feature_group_count: int = 1,
-    precision=None,
-    key: Array | None = None,
-    backend: str = "auto",
+  x: Array,
+  kernel: Array,
+  *,
+  n: int,
+  m: int,
+  method: str,
+  strides: int | Sequence[int] = (1, 1),
+  padding="SAME",
+  lhs_dilation: int | Sequence[int] = (1, 1),
+  rhs_dilation: int | Sequence[int] = (1, 1),
+  feature_group_count: int = 1,
+  precision=None,
+  key: Array | None = None,
+  backend: str = "auto",
 ) -> Array:
-    """2-D convolution (NHWC × HWIO) with SDGP's backward pass.
+  """2-D convolution (NHWC × HWIO) with SDGP's backward pass.
 
-    Forward is ``lax.conv_general_dilated``. The VJP returns ``dW`` computed from the dense
-    output gradient and ``dX`` computed from ``nm_prune(dO, n, m, method, key=key)`` — groups
-    of ``m`` consecutive output channels at each (sample, h, w), the reduction axis of the
-    input-gradient conv (SDGP §III-A). ``key`` is not differentiated; pass a fresh one per
-    layer and step for ``"random"`` / ``"mvue"`` (``SDGPConv`` does this).
+  Forward is ``lax.conv_general_dilated``. The VJP returns ``dW`` computed from the dense
+  output gradient and ``dX`` computed from ``nm_prune(dO, n, m, method, key=key)`` — groups
+  of ``m`` consecutive output channels at each (sample, h, w), the reduction axis of the
+  input-gradient conv (SDGP §III-A). ``key`` is not differentiated; pass a fresh one per
+  layer and step for ``"random"`` / ``"mvue"`` (``SDGPConv`` does this).
 
-    Args:
-      x: NHWC input.
-      kernel: HWIO kernel; its output channels must be divisible by ``m``.
-      n, m, method, backend: as in ``jaxprune.sdgp.nm_prune``.
-      strides, padding, lhs_dilation, rhs_dilation, feature_group_count, precision: as in
-        ``lax.conv_general_dilated`` (``padding``: ``"SAME"``, ``"VALID"``, an int or
-        ``((lo, hi), (lo, hi))``).
-      key: PRNG key for the random methods.
+  Args:
+    x: NHWC input.
+    kernel: HWIO kernel; its output channels must be divisible by ``m``.
+    n, m, method, backend: as in ``jaxprune.sdgp.nm_prune``.
+    strides, padding, lhs_dilation, rhs_dilation, feature_group_count, precision: as in
+      ``lax.conv_general_dilated`` (``padding``: ``"SAME"``, ``"VALID"``, an int or
+      ``((lo, hi), (lo, hi))``).
+    key: PRNG key for the random methods.
 
-    Returns:
-      The NHWC convolution output.
+  Returns:
+    The NHWC convolution output.
 
-    Example:
-      >>> y = sdgp_conv(x, w, n=2, m=4, method="rescaled_magnitude")
-      >>> dx, dw = jax.grad(lambda x, w: sdgp_conv(x, w, n=2, m=4,
-      ...     method="magnitude").sum(), argnums=(0, 1))(x, w)
-    """
-    if x.ndim != 4:
-        raise ValueError(f"x must be NHWC (4-D), got shape {x.shape}")
-    if kernel.ndim != 4:
-        raise ValueError(f"kernel must be HWIO (4-D), got shape {kernel.shape}")
-    _check_out_channels("kernel", kernel.shape[-1], m)
-    _nm_core.validate((1, kernel.shape[-1]), jnp.float32, n, m, method, key)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    config = _ConvConfig(
-        n=n,
-        m=m,
-        method=method,
-        strides=_pair(strides, "strides"),
-        padding=_canonical_padding(padding),
-        lhs_dilation=_pair(lhs_dilation, "lhs_dilation"),
-        rhs_dilation=_pair(rhs_dilation, "rhs_dilation"),
-        feature_group_count=int(feature_group_count),
-        precision=precision,
-        backend=backend,
-    )
-    return _sdgp_conv(config, x, kernel, key)
+  Example:
+    >>> y = sdgp_conv(x, w, n=2, m=4, method="rescaled_magnitude")
+    >>> dx, dw = jax.grad(lambda x, w: sdgp_conv(x, w, n=2, m=4,
+    ...     method="magnitude").sum(), argnums=(0, 1))(x, w)
+  """
+  if x.ndim != 4:
+    raise ValueError(f"x must be NHWC (4-D), got shape {x.shape}")
+  if kernel.ndim != 4:
+    raise ValueError(f"kernel must be HWIO (4-D), got shape {kernel.shape}")
+  _check_out_channels("kernel", kernel.shape[-1], m)
+  _nm_core.validate((1, kernel.shape[-1]), jnp.float32, n, m, method, key)
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  config = _ConvConfig(
+    n=n,
+    m=m,
+    method=method,
+    strides=_pair(strides, "strides"),
+    padding=_canonical_padding(padding),
+    lhs_dilation=_pair(lhs_dilation, "lhs_dilation"),
+    rhs_dilation=_pair(rhs_dilation, "rhs_dilation"),
+    feature_group_count=int(feature_group_count),
+    precision=precision,
+    backend=backend,
+  )
+  return _sdgp_conv(config, x, kernel, key)
 
 
 # ---------------------------------------------------------------------------------------
@@ -192,251 +192,251 @@ _ACTIVE_KEY: contextvars.ContextVar = contextvars.ContextVar("sdgp_active_key", 
 
 @contextlib.contextmanager
 def _active_key(key):
-    token = _ACTIVE_KEY.set(key)
-    try:
-        yield
-    finally:
-        _ACTIVE_KEY.reset(token)
+  token = _ACTIVE_KEY.set(key)
+  try:
+    yield
+  finally:
+    _ACTIVE_KEY.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
 class _SDGPConvFunction:
-    """Drop-in for ``lax.conv_general_dilated`` inside ``nnx.Conv`` (a static attribute)."""
+  """Drop-in for ``lax.conv_general_dilated`` inside ``nnx.Conv`` (a static attribute)."""
 
-    n: int
-    m: int
-    method: str
-    backend: str
+  n: int
+  m: int
+  method: str
+  backend: str
 
-    def __call__(
-        self,
-        inputs,
-        kernel,
-        window_strides,
-        padding,
-        lhs_dilation=None,
-        rhs_dilation=None,
-        dimension_numbers=None,
-        feature_group_count=1,
-        precision=None,
-        out_sharding=None,
-        preferred_element_type=None,
-    ):
-        if inputs.ndim != 4:
-            raise ValueError(f"SDGPConv supports 2-D convolutions only, got input {inputs.shape}")
-        y = sdgp_conv(
-            inputs,
-            kernel,
-            n=self.n,
-            m=self.m,
-            method=self.method,
-            strides=window_strides,
-            padding=padding,
-            lhs_dilation=lhs_dilation or (1, 1),
-            rhs_dilation=rhs_dilation or (1, 1),
-            feature_group_count=feature_group_count,
-            precision=precision,
-            key=_ACTIVE_KEY.get(),
-            backend=self.backend,
-        )
-        if preferred_element_type is not None:
-            y = y.astype(preferred_element_type)
-        return y
+  def __call__(
+    self,
+    inputs,
+    kernel,
+    window_strides,
+    padding,
+    lhs_dilation=None,
+    rhs_dilation=None,
+    dimension_numbers=None,
+    feature_group_count=1,
+    precision=None,
+    out_sharding=None,
+    preferred_element_type=None,
+  ):
+    if inputs.ndim != 4:
+      raise ValueError(f"SDGPConv supports 2-D convolutions only, got input {inputs.shape}")
+    y = sdgp_conv(
+      inputs,
+      kernel,
+      n=self.n,
+      m=self.m,
+      method=self.method,
+      strides=window_strides,
+      padding=padding,
+      lhs_dilation=lhs_dilation or (1, 1),
+      rhs_dilation=rhs_dilation or (1, 1),
+      feature_group_count=feature_group_count,
+      precision=precision,
+      key=_ACTIVE_KEY.get(),
+      backend=self.backend,
+    )
+    if preferred_element_type is not None:
+      y = y.astype(preferred_element_type)
+    return y
 
 
 class SDGPKey(nnx.Variable):
-    """PRNG key of an ``SDGPConv`` with a random method; advanced on every call.
+  """PRNG key of an ``SDGPConv`` with a random method; advanced on every call.
 
-    Not an ``nnx.Param``: a train step must carry it like BatchNorm statistics (``nnx.jit``
-    and ``nnx.value_and_grad`` do; a functional loop must return ``nnx.state(model)``).
-    """
+  Not an ``nnx.Param``: a train step must carry it like BatchNorm statistics (``nnx.jit``
+  and ``nnx.value_and_grad`` do; a functional loop must return ``nnx.state(model)``).
+  """
 
 
 class SDGPConv(nnx.Conv):
-    """``nnx.Conv`` whose input gradient uses the N:M-pruned output gradient (SDGP).
+  """``nnx.Conv`` whose input gradient uses the N:M-pruned output gradient (SDGP).
 
-    Same parameters (``kernel``, ``bias``) and forward as ``nnx.Conv``; only the VJP w.r.t.
-    the input changes (see ``sdgp_conv``). For ``"random"`` / ``"mvue"`` the layer holds an
-    ``SDGPKey`` variable ``sdgp_key`` that is split on every call, so every layer and step
-    draws fresh masks inside a jitted train step.
+  Same parameters (``kernel``, ``bias``) and forward as ``nnx.Conv``; only the VJP w.r.t.
+  the input changes (see ``sdgp_conv``). For ``"random"`` / ``"mvue"`` the layer holds an
+  ``SDGPKey`` variable ``sdgp_key`` that is split on every call, so every layer and step
+  draws fresh masks inside a jitted train step.
 
-    Example:
-      >>> conv = SDGPConv(64, 128, (3, 3), n=2, m=4, method="rescaled_magnitude",
-      ...                 rngs=nnx.Rngs(0))
-      >>> sdgp = SDGPConv.from_conv(nnx.Conv(64, 128, (3, 3), rngs=nnx.Rngs(0)),
-      ...                           n=2, m=4, method="mvue", key=jax.random.key(1))
-    """
+  Example:
+    >>> conv = SDGPConv(64, 128, (3, 3), n=2, m=4, method="rescaled_magnitude",
+    ...                 rngs=nnx.Rngs(0))
+    >>> sdgp = SDGPConv.from_conv(nnx.Conv(64, 128, (3, 3), rngs=nnx.Rngs(0)),
+    ...                           n=2, m=4, method="mvue", key=jax.random.key(1))
+  """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        kernel_size,
-        strides=1,
-        *,
-        n: int,
-        m: int,
-        method: str,
-        key: Array | None = None,
-        backend: str = "auto",
-        rngs: nnx.Rngs,
-        **conv_kwargs,
-    ):
-        """Builds the layer; ``conv_kwargs`` are ``nnx.Conv``'s keyword arguments.
-
-        Args:
-          in_features, out_features, kernel_size, strides: as ``nnx.Conv``.
-          n, m, method, backend: as ``jaxprune.sdgp.nm_prune``; ``m`` divides out_features.
-          key: seed key of the random methods; default ``rngs.sdgp()`` (falls back to
-            ``rngs.default``).
-          rngs: ``nnx.Rngs`` for the parameters.
-          **conv_kwargs: forwarded to ``nnx.Conv``.
-        """
-        _check_out_channels("out_features", out_features, m)
-        _nm_core.validate((1, out_features), jnp.float32, n, m, method, key=0)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if "conv_general_dilated" in conv_kwargs:
-            raise ValueError("conv_general_dilated: SDGPConv sets its own convolution")
-        padding = conv_kwargs.get("padding", "SAME")
-        if isinstance(padding, str) and padding.upper() in ("CIRCULAR", "REFLECT", "CAUSAL"):
-            raise ValueError(f"padding {padding!r} is not supported by SDGPConv")
-        super().__init__(
-            in_features,
-            out_features,
-            kernel_size,
-            strides,
-            conv_general_dilated=_SDGPConvFunction(n, m, method, backend),
-            rngs=rngs,
-            **conv_kwargs,
-        )
-        self.n = n
-        self.m = m
-        self.method = method
-        if method in _RANDOM_METHODS:
-            if key is None:
-                key = rngs.sdgp() if "sdgp" in rngs else rngs.default()
-            self.sdgp_key = SDGPKey(key)
-        else:
-            self.sdgp_key = nnx.data(None)
-
-    @classmethod
-    def from_conv(
-        cls,
-        conv: nnx.Conv,
-        *,
-        n: int,
-        m: int,
-        method: str,
-        key: Array | None = None,
-        backend: str = "auto",
-    ) -> SDGPConv:
-        """An ``SDGPConv`` sharing ``conv``'s ``kernel`` / ``bias`` Variables and settings."""
-        if isinstance(conv, SDGPConv):
-            raise ValueError("conv is already an SDGPConv")
-        if method in _RANDOM_METHODS and key is None:
-            raise ValueError(f"key is required for method {method!r}")
-        zeros = nnx.initializers.zeros
-        new = cls(
-            conv.in_features,
-            conv.out_features,
-            conv.kernel_size,
-            conv.strides,
-            n=n,
-            m=m,
-            method=method,
-            key=key,
-            backend=backend,
-            rngs=nnx.Rngs(0),
-            padding=conv.padding,
-            input_dilation=conv.input_dilation,
-            kernel_dilation=conv.kernel_dilation,
-            feature_group_count=conv.feature_group_count,
-            use_bias=conv.use_bias,
-            mask=conv.mask,
-            dtype=conv.dtype,
-            param_dtype=conv.param_dtype,
-            precision=conv.precision,
-            promote_dtype=conv.promote_dtype,
-            preferred_element_type=conv.preferred_element_type,
-            # Zero init: the fresh params are replaced by the shared Variables just below.
-            kernel_init=zeros,
-            bias_init=zeros,
-        )
-        new.kernel = conv.kernel
-        new.bias = conv.bias
-        return new
-
-    def __call__(self, inputs: Array, out_sharding=None) -> Array:
-        key = None
-        if self.sdgp_key is not None:
-            # Fresh key per call (= per layer and step): SDGP draws new masks every iteration.
-            state_key, key = jax.random.split(self.sdgp_key[...])
-            self.sdgp_key[...] = state_key
-        with _active_key(key):
-            return super().__call__(inputs, out_sharding=out_sharding)
-
-
-def convert_model(
-    model: nnx.Module,
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    kernel_size,
+    strides=1,
     *,
     n: int,
     m: int,
     method: str,
-    min_in_channels: int = 4,
-    seed: int | Array = 0,
+    key: Array | None = None,
     backend: str = "auto",
-) -> nnx.Module:
-    """Swaps every ``nnx.Conv`` with ``>= min_in_channels`` inputs for an ``SDGPConv``, in place.
-
-    SDGP applies N:M pruning to every conv's data gradient except the stem's (3 input
-    channels, its input gradient is never used) and leaves Dense layers untouched
-    (DESIGN.md). Weights are shared: each ``SDGPConv`` holds the original ``kernel`` /
-    ``bias`` Variables, so ``nnx.state(model, nnx.Param)`` is unchanged and the gradients
-    differ only through the pruned input gradients.
+    rngs: nnx.Rngs,
+    **conv_kwargs,
+  ):
+    """Builds the layer; ``conv_kwargs`` are ``nnx.Conv``'s keyword arguments.
 
     Args:
-      model: any NNX module (mutated in place and returned).
-      n, m, method, backend: as ``jaxprune.sdgp.nm_prune``.
-      min_in_channels: convs with fewer input channels are kept (default 4: skip RGB stems).
-      seed: int or key; layer ``i`` (in graph order) gets ``fold_in(key, i)``.
-
-    Returns:
-      ``model``, with its convs replaced.
-
-    Raises:
-      ValueError: bad ``n``/``m``/``method``, or a conv to convert whose output channels are
-        not divisible by ``m`` (named in the message).
-
-    Example:
-      >>> model = convert_model(models.create("sdgp-resnet9", num_classes=10,
-      ...                       rngs=nnx.Rngs(0)), n=2, m=4, method="rescaled_magnitude")
+      in_features, out_features, kernel_size, strides: as ``nnx.Conv``.
+      n, m, method, backend: as ``jaxprune.sdgp.nm_prune``; ``m`` divides out_features.
+      key: seed key of the random methods; default ``rngs.sdgp()`` (falls back to
+        ``rngs.default``).
+      rngs: ``nnx.Rngs`` for the parameters.
+      **conv_kwargs: forwarded to ``nnx.Conv``.
     """
-    _nm_core.validate((1, m), jnp.float32, n, m, method, key=0)
-    base_key = jax.random.key(seed) if isinstance(seed, int) else seed
-    targets = []
-    for path, module in nnx.iter_modules(model):
-        if (
-            isinstance(module, nnx.Conv)
-            and not isinstance(module, SDGPConv)
-            and module.in_features >= min_in_channels
-        ):
-            if not path:
-                raise ValueError("model: pass a model containing convs, not a conv itself")
-            if module.out_features % m != 0:
-                raise ValueError(
-                    f"model: conv at {'/'.join(map(str, path))} has {module.out_features} "
-                    f"output channels, not divisible by m={m}"
-                )
-            targets.append((path, module))
-    for index, (path, conv) in enumerate(targets):
-        key = jax.random.fold_in(base_key, index) if method in _RANDOM_METHODS else None
-        new = SDGPConv.from_conv(conv, n=n, m=m, method=method, key=key, backend=backend)
-        parent = model
-        for part in path[:-1]:
-            parent = parent[part] if isinstance(part, int) else getattr(parent, part)
-        if isinstance(path[-1], int):
-            parent[path[-1]] = new
-        else:
-            setattr(parent, path[-1], new)
-    return model
+    _check_out_channels("out_features", out_features, m)
+    _nm_core.validate((1, out_features), jnp.float32, n, m, method, key=0)
+    if backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if "conv_general_dilated" in conv_kwargs:
+      raise ValueError("conv_general_dilated: SDGPConv sets its own convolution")
+    padding = conv_kwargs.get("padding", "SAME")
+    if isinstance(padding, str) and padding.upper() in ("CIRCULAR", "REFLECT", "CAUSAL"):
+      raise ValueError(f"padding {padding!r} is not supported by SDGPConv")
+    super().__init__(
+      in_features,
+      out_features,
+      kernel_size,
+      strides,
+      conv_general_dilated=_SDGPConvFunction(n, m, method, backend),
+      rngs=rngs,
+      **conv_kwargs,
+    )
+    self.n = n
+    self.m = m
+    self.method = method
+    if method in _RANDOM_METHODS:
+      if key is None:
+        key = rngs.sdgp() if "sdgp" in rngs else rngs.default()
+      self.sdgp_key = SDGPKey(key)
+    else:
+      self.sdgp_key = nnx.data(None)
+
+  @classmethod
+  def from_conv(
+    cls,
+    conv: nnx.Conv,
+    *,
+    n: int,
+    m: int,
+    method: str,
+    key: Array | None = None,
+    backend: str = "auto",
+  ) -> SDGPConv:
+    """An ``SDGPConv`` sharing ``conv``'s ``kernel`` / ``bias`` Variables and settings."""
+    if isinstance(conv, SDGPConv):
+      raise ValueError("conv is already an SDGPConv")
+    if method in _RANDOM_METHODS and key is None:
+      raise ValueError(f"key is required for method {method!r}")
+    zeros = nnx.initializers.zeros
+    new = cls(
+      conv.in_features,
+      conv.out_features,
+      conv.kernel_size,
+      conv.strides,
+      n=n,
+      m=m,
+      method=method,
+      key=key,
+      backend=backend,
+      rngs=nnx.Rngs(0),
+      padding=conv.padding,
+      input_dilation=conv.input_dilation,
+      kernel_dilation=conv.kernel_dilation,
+      feature_group_count=conv.feature_group_count,
+      use_bias=conv.use_bias,
+      mask=conv.mask,
+      dtype=conv.dtype,
+      param_dtype=conv.param_dtype,
+      precision=conv.precision,
+      promote_dtype=conv.promote_dtype,
+      preferred_element_type=conv.preferred_element_type,
+      # Zero init: the fresh params are replaced by the shared Variables just below.
+      kernel_init=zeros,
+      bias_init=zeros,
+    )
+    new.kernel = conv.kernel
+    new.bias = conv.bias
+    return new
+
+  def __call__(self, inputs: Array, out_sharding=None) -> Array:
+    key = None
+    if self.sdgp_key is not None:
+      # Fresh key per call (= per layer and step): SDGP draws new masks every iteration.
+      state_key, key = jax.random.split(self.sdgp_key[...])
+      self.sdgp_key[...] = state_key
+    with _active_key(key):
+      return super().__call__(inputs, out_sharding=out_sharding)
+
+
+def convert_model(
+  model: nnx.Module,
+  *,
+  n: int,
+  m: int,
+  method: str,
+  min_in_channels: int = 4,
+  seed: int | Array = 0,
+  backend: str = "auto",
+) -> nnx.Module:
+  """Swaps every ``nnx.Conv`` with ``>= min_in_channels`` inputs for an ``SDGPConv``, in place.
+
+  SDGP applies N:M pruning to every conv's data gradient except the stem's (3 input
+  channels, its input gradient is never used) and leaves Dense layers untouched
+  (DESIGN.md). Weights are shared: each ``SDGPConv`` holds the original ``kernel`` /
+  ``bias`` Variables, so ``nnx.state(model, nnx.Param)`` is unchanged and the gradients
+  differ only through the pruned input gradients.
+
+  Args:
+    model: any NNX module (mutated in place and returned).
+    n, m, method, backend: as ``jaxprune.sdgp.nm_prune``.
+    min_in_channels: convs with fewer input channels are kept (default 4: skip RGB stems).
+    seed: int or key; layer ``i`` (in graph order) gets ``fold_in(key, i)``.
+
+  Returns:
+    ``model``, with its convs replaced.
+
+  Raises:
+    ValueError: bad ``n``/``m``/``method``, or a conv to convert whose output channels are
+      not divisible by ``m`` (named in the message).
+
+  Example:
+    >>> model = convert_model(models.create("sdgp-resnet9", num_classes=10,
+    ...                       rngs=nnx.Rngs(0)), n=2, m=4, method="rescaled_magnitude")
+  """
+  _nm_core.validate((1, m), jnp.float32, n, m, method, key=0)
+  base_key = jax.random.key(seed) if isinstance(seed, int) else seed
+  targets = []
+  for path, module in nnx.iter_modules(model):
+    if (
+      isinstance(module, nnx.Conv)
+      and not isinstance(module, SDGPConv)
+      and module.in_features >= min_in_channels
+    ):
+      if not path:
+        raise ValueError("model: pass a model containing convs, not a conv itself")
+      if module.out_features % m != 0:
+        raise ValueError(
+          f"model: conv at {'/'.join(map(str, path))} has {module.out_features} "
+          f"output channels, not divisible by m={m}"
+        )
+      targets.append((path, module))
+  for index, (path, conv) in enumerate(targets):
+    key = jax.random.fold_in(base_key, index) if method in _RANDOM_METHODS else None
+    new = SDGPConv.from_conv(conv, n=n, m=m, method=method, key=key, backend=backend)
+    parent = model
+    for part in path[:-1]:
+      parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+    if isinstance(path[-1], int):
+      parent[path[-1]] = new
+    else:
+      setattr(parent, path[-1], new)
+  return model

@@ -18,9 +18,12 @@ def encode_spec(obj: Any) -> Any:
   """JSON-compatible form of a spec: dataclasses, tuples, lists, dicts and scalars."""
   if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
     cls = type(obj)
-    return {_DATACLASS: f"{cls.__module__}:{cls.__qualname__}",
-            "fields": {f.name: encode_spec(getattr(obj, f.name))
-                       for f in dataclasses.fields(obj) if f.init}}
+    return {
+      _DATACLASS: f"{cls.__module__}:{cls.__qualname__}",
+      "fields": {
+        f.name: encode_spec(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init
+      },
+    }
   if isinstance(obj, tuple):
     return {_TUPLE: [encode_spec(v) for v in obj]}
   if isinstance(obj, list):

@@ -44,11 +44,18 @@ class Reconfigure(Callback):
     ...                    grow_batch=True)  # doctest: +SKIP
   """
 
-  def __init__(self, reconfigure: ReconfigureFn, every_epochs: int, *,
-               image_shape: tuple[int, ...] | None = None, grow_batch: bool = False,
-               granularity: int = 32, max_batch_size: int | None = 8192,
-               report_metrics: Callable[[Any], Mapping[str, Any]] | None = None,
-               changed: Callable[[Any], bool] | None = None):
+  def __init__(
+    self,
+    reconfigure: ReconfigureFn,
+    every_epochs: int,
+    *,
+    image_shape: tuple[int, ...] | None = None,
+    grow_batch: bool = False,
+    granularity: int = 32,
+    max_batch_size: int | None = 8192,
+    report_metrics: Callable[[Any], Mapping[str, Any]] | None = None,
+    changed: Callable[[Any], bool] | None = None,
+  ):
     if every_epochs < 1:
       raise ValueError(f"every_epochs must be >= 1, got {every_epochs}")
     if grow_batch and image_shape is None:
@@ -89,8 +96,12 @@ class Reconfigure(Callback):
     trainer.replace(new_model, new_opt_state)
     if self.grow_batch and batch:
       new_batch = grow_batch_size(
-          lambda size: trainer.step_memory(size, self.image_shape)["total"], batch,
-          self.budget_bytes, granularity=self.granularity, max_batch_size=self.max_batch_size)
+        lambda size: trainer.step_memory(size, self.image_shape)["total"],
+        batch,
+        self.budget_bytes,
+        granularity=self.granularity,
+        max_batch_size=self.max_batch_size,
+      )
       if new_batch > batch:
         trainer.set_batch_size(new_batch, scale_lr=True)  # linear LR scaling (§4.3)
       metrics["next_batch_size"] = new_batch

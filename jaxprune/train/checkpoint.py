@@ -83,8 +83,9 @@ class CheckpointStore:
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
     self.directory = os.path.abspath(os.fspath(directory))
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                           enable_async_checkpointing=False)
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+    )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def all_steps(self) -> list[int]:
@@ -100,14 +101,20 @@ class CheckpointStore:
   def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Write checkpoint ``step`` (blocks until it is complete and renamed into place)."""
     stored = jax.tree.map(_storable, _to_nested(arrays))
-    self._manager.save(step, args=ocp.args.Composite(
-        **{_ARRAYS: ocp.args.StandardSave(stored), _META: ocp.args.JsonSave(meta)}), force=True)
+    self._manager.save(
+      step,
+      args=ocp.args.Composite(
+        **{_ARRAYS: ocp.args.StandardSave(stored), _META: ocp.args.JsonSave(meta)}
+      ),
+      force=True,
+    )
     self._manager.wait_until_finished()
 
   def restore_meta(self, step: int) -> dict[str, Any]:
     """The JSON record of checkpoint ``step``."""
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        **{_META: ocp.args.JsonRestore()}))
+    restored = self._manager.restore(
+      step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
+    )
     return dict(restored[_META])
 
   def restore(self, step: int, template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -126,16 +133,22 @@ class CheckpointStore:
         reconfigured: rebuild it from ``meta["model_spec"]`` first).
     """
     abstract = jax.tree.map(_abstract_storable, _to_nested(template))
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        **{_ARRAYS: ocp.args.StandardRestore(abstract), _META: ocp.args.JsonRestore()}))
+    restored = self._manager.restore(
+      step,
+      args=ocp.args.Composite(
+        **{_ARRAYS: ocp.args.StandardRestore(abstract), _META: ocp.args.JsonRestore()}
+      ),
+    )
     stored = restored[_ARRAYS]
 
     def fill(path, like):
       value = _lookup(stored, path)
       want = jax.eval_shape(_storable, like) if _is_prng_key(like) else like
       if tuple(np.shape(value)) != tuple(np.shape(want)):
-        raise ValueError(f"template: shape of {jax.tree_util.keystr(path)} is "
-                         f"{np.shape(want)} but the checkpoint has {np.shape(value)}")
+        raise ValueError(
+          f"template: shape of {jax.tree_util.keystr(path)} is "
+          f"{np.shape(want)} but the checkpoint has {np.shape(value)}"
+        )
       value = jnp.asarray(value)
       if _is_prng_key(like):
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))

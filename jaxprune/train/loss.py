@@ -19,7 +19,8 @@ def _targets(labels: jax.Array, num_classes: int, label_smoothing: float) -> jax
   elif labels.ndim == 2:
     if labels.shape[-1] != num_classes:
       raise ValueError(
-          f"labels: soft labels have {labels.shape[-1]} classes, logits have {num_classes}")
+        f"labels: soft labels have {labels.shape[-1]} classes, logits have {num_classes}"
+      )
     targets = labels.astype(jnp.float32)
   else:
     raise ValueError(f"labels: expected shape [B] or [B, C], got {labels.shape}")
@@ -28,8 +29,9 @@ def _targets(labels: jax.Array, num_classes: int, label_smoothing: float) -> jax
   return targets
 
 
-def cross_entropy_per_example(logits: jax.Array, labels: jax.Array,
-                              label_smoothing: float = 0.0) -> jax.Array:
+def cross_entropy_per_example(
+  logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0
+) -> jax.Array:
   """Per-example softmax cross-entropy ``[B]``.
 
   Args:

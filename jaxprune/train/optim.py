@@ -27,10 +27,11 @@ import optax
 
 class ScaleByLrState(NamedTuple):
   """State of :func:`scale_by_lr`."""
-  step: jax.Array            # float32 schedule position
+
+  step: jax.Array  # float32 schedule position
   step_increment: jax.Array  # float32 added to ``step`` per update
-  lr_scale: jax.Array        # float32 multiplier set on the host
-  lr: jax.Array              # float32 LR applied by the last update
+  lr_scale: jax.Array  # float32 multiplier set on the host
+  lr: jax.Array  # float32 LR applied by the last update
 
 
 def scale_by_lr(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformationExtraArgs:
@@ -56,10 +57,12 @@ def scale_by_lr(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransfor
   def init_fn(params):
     del params
     lr0 = schedule(jnp.float32(0)) if schedule else learning_rate
-    return ScaleByLrState(step=jnp.zeros([], jnp.float32),
-                          step_increment=jnp.ones([], jnp.float32),
-                          lr_scale=jnp.ones([], jnp.float32),
-                          lr=jnp.asarray(lr0, jnp.float32))
+    return ScaleByLrState(
+      step=jnp.zeros([], jnp.float32),
+      step_increment=jnp.ones([], jnp.float32),
+      lr_scale=jnp.ones([], jnp.float32),
+      lr=jnp.asarray(lr0, jnp.float32),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -100,8 +103,10 @@ def set_lr_scale(opt_state: Any, lr_scale: float) -> Any:
     raise ValueError(f"lr_scale must be positive, got {lr_scale}")
   new_state, found = _replace_lr_states(opt_state, lr_scale=lr_scale)
   if not found:
-    raise ValueError("opt_state: no scale_by_lr state found; build the optimizer with "
-                     "jaxprune.train.sgd(...) or include jaxprune.train.scale_by_lr(...)")
+    raise ValueError(
+      "opt_state: no scale_by_lr state found; build the optimizer with "
+      "jaxprune.train.sgd(...) or include jaxprune.train.scale_by_lr(...)"
+    )
   return new_state
 
 
@@ -140,10 +145,14 @@ def kernels_only(params: Any) -> Any:
   return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
-def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.9, *,
-        nesterov: bool = False, weight_decay: float = 0.0,
-        decay_mask: Any | Callable[[Any], Any] | None = None
-        ) -> optax.GradientTransformationExtraArgs:
+def sgd(
+  learning_rate: optax.ScalarOrSchedule,
+  momentum: float = 0.9,
+  *,
+  nesterov: bool = False,
+  weight_decay: float = 0.0,
+  decay_mask: Any | Callable[[Any], Any] | None = None,
+) -> optax.GradientTransformationExtraArgs:
   """SGD with momentum and *coupled* weight decay, exactly as ``torch.optim.SGD``.
 
   Per step (``dampening = 0``): ``d = g + wd * w``; ``buf = momentum * buf + d``;

@@ -19,8 +19,9 @@ def _check_steps_per_epoch(steps_per_epoch: int) -> None:
     raise ValueError(f"steps_per_epoch must be a positive int, got {steps_per_epoch!r}")
 
 
-def step_schedule(base_lr: float, steps_per_epoch: int, milestones: Sequence[float],
-                  factor: float = 0.1) -> optax.Schedule:
+def step_schedule(
+  base_lr: float, steps_per_epoch: int, milestones: Sequence[float], factor: float = 0.1
+) -> optax.Schedule:
   """Piecewise-constant schedule: multiply the LR by ``factor`` at each milestone epoch.
 
   PruneTrain's CIFAR recipe: ``step_schedule(0.1, 391, [91, 136])``.
@@ -56,9 +57,14 @@ def step_schedule(base_lr: float, steps_per_epoch: int, milestones: Sequence[flo
   return schedule
 
 
-def triangular_schedule(peak_lr: float, steps_per_epoch: int, peak_epoch: float,
-                        total_epochs: float, start_lr: float = 0.0,
-                        end_lr: float = 0.0) -> optax.Schedule:
+def triangular_schedule(
+  peak_lr: float,
+  steps_per_epoch: int,
+  peak_epoch: float,
+  total_epochs: float,
+  start_lr: float = 0.0,
+  end_lr: float = 0.0,
+) -> optax.Schedule:
   """One-cycle / triangular schedule: linear from ``start_lr`` to ``peak_lr`` at
   ``peak_epoch``, then linear to ``end_lr`` at ``total_epochs`` (held there after).
 
@@ -85,10 +91,8 @@ def triangular_schedule(peak_lr: float, steps_per_epoch: int, peak_epoch: float,
   if total_epochs <= 0:
     raise ValueError(f"total_epochs must be positive, got {total_epochs}")
   if not 0 <= peak_epoch <= total_epochs:
-    raise ValueError(
-        f"peak_epoch must be in [0, total_epochs={total_epochs}], got {peak_epoch}")
-  xs = jnp.asarray([0.0, peak_epoch * steps_per_epoch, total_epochs * steps_per_epoch],
-                   jnp.float32)
+    raise ValueError(f"peak_epoch must be in [0, total_epochs={total_epochs}], got {peak_epoch}")
+  xs = jnp.asarray([0.0, peak_epoch * steps_per_epoch, total_epochs * steps_per_epoch], jnp.float32)
   ys = jnp.asarray([start_lr, peak_lr, end_lr], jnp.float32)
 
   def schedule(step):
@@ -97,8 +101,9 @@ def triangular_schedule(peak_lr: float, steps_per_epoch: int, peak_epoch: float,
   return schedule
 
 
-def with_warmup(schedule: optax.ScalarOrSchedule, warmup_steps: int,
-                start_factor: float = 0.0) -> optax.Schedule:
+def with_warmup(
+  schedule: optax.ScalarOrSchedule, warmup_steps: int, start_factor: float = 0.0
+) -> optax.Schedule:
   """Linear warmup multiplied onto any schedule.
 
   ``lr(t) = schedule(t) * (start_factor + (1 - start_factor) * min(1, t / warmup_steps))``,

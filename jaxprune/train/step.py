@@ -30,6 +30,7 @@ PerExampleLoss = Callable[[jax.Array, jax.Array], jax.Array]
 
 class Metrics(NamedTuple):
   """Device-side running sums; ``count`` is the number of examples."""
+
   loss_sum: jax.Array
   correct_sum: jax.Array
   count: jax.Array
@@ -42,8 +43,11 @@ class Metrics(NamedTuple):
     count = float(self.count)
     if count == 0:
       return {"loss": float("nan"), "acc": float("nan"), "count": 0}
-    return {"loss": float(self.loss_sum) / count, "acc": float(self.correct_sum) / count,
-            "count": int(count)}
+    return {
+      "loss": float(self.loss_sum) / count,
+      "acc": float(self.correct_sum) / count,
+      "count": int(count),
+    }
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.GraphDef, Any, Any]:
@@ -69,9 +73,17 @@ def default_loss(label_smoothing: float = 0.0) -> PerExampleLoss:
   return functools.partial(cross_entropy_per_example, label_smoothing=label_smoothing)
 
 
-def _train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtraArgs,
-                loss_fn: PerExampleLoss, params: Any, rest: Any, opt_state: Any,
-                metrics: Metrics, images: jax.Array, labels: jax.Array):
+def _train_step(
+  graphdef: nnx.GraphDef,
+  tx: optax.GradientTransformationExtraArgs,
+  loss_fn: PerExampleLoss,
+  params: Any,
+  rest: Any,
+  opt_state: Any,
+  metrics: Metrics,
+  images: jax.Array,
+  labels: jax.Array,
+):
   def compute_loss(params):
     model = nnx.merge(graphdef, params, rest)
     logits = model(images)
@@ -84,15 +96,25 @@ def _train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtraArg
   updates, opt_state = tx.update(grads, opt_state, params, value=loss)
   params = optax.apply_updates(params, updates)
   batch = images.shape[0]
-  metrics = Metrics(metrics.loss_sum + loss * batch,
-                    metrics.correct_sum + jnp.sum(correct_per_example(logits, labels)),
-                    metrics.count + batch)
+  metrics = Metrics(
+    metrics.loss_sum + loss * batch,
+    metrics.correct_sum + jnp.sum(correct_per_example(logits, labels)),
+    metrics.count + batch,
+  )
   return params, new_rest, opt_state, metrics
 
 
-def _eval_step(graphdef: nnx.GraphDef, loss_fn: PerExampleLoss, flip_tta: bool, params: Any,
-               rest: Any, metrics: Metrics, images: jax.Array, labels: jax.Array,
-               weights: jax.Array) -> Metrics:
+def _eval_step(
+  graphdef: nnx.GraphDef,
+  loss_fn: PerExampleLoss,
+  flip_tta: bool,
+  params: Any,
+  rest: Any,
+  metrics: Metrics,
+  images: jax.Array,
+  labels: jax.Array,
+  weights: jax.Array,
+) -> Metrics:
   model = nnx.merge(graphdef, params, rest)
   logits = model(images)
   if flip_tta:
@@ -100,20 +122,27 @@ def _eval_step(graphdef: nnx.GraphDef, loss_fn: PerExampleLoss, flip_tta: bool, 
     # and its horizontal mirror (NHWC: width is axis 2).
     logits = 0.5 * (logits + model(images[:, :, ::-1, :]))
   per_example = loss_fn(logits, labels)
-  return Metrics(metrics.loss_sum + jnp.sum(per_example * weights),
-                 metrics.correct_sum + jnp.sum(correct_per_example(logits, labels) * weights),
-                 metrics.count + jnp.sum(weights))
+  return Metrics(
+    metrics.loss_sum + jnp.sum(per_example * weights),
+    metrics.correct_sum + jnp.sum(correct_per_example(logits, labels) * weights),
+    metrics.count + jnp.sum(weights),
+  )
 
 
 @functools.lru_cache(maxsize=32)
-def step_functions(train_graphdef: nnx.GraphDef, eval_graphdef: nnx.GraphDef,
-                   tx: optax.GradientTransformation, loss_fn: PerExampleLoss, *,
-                   flip_tta: bool = False, donate: bool = True) -> "StepFunctions":
+def step_functions(
+  train_graphdef: nnx.GraphDef,
+  eval_graphdef: nnx.GraphDef,
+  tx: optax.GradientTransformation,
+  loss_fn: PerExampleLoss,
+  *,
+  flip_tta: bool = False,
+  donate: bool = True,
+) -> "StepFunctions":
   """Cached :class:`StepFunctions`: a model structure seen before (same graphdefs, same
   ``tx`` and ``loss_fn`` objects) reuses the already compiled executables, e.g. when a
   run is resumed in the same process or several runs share one optimizer."""
-  return StepFunctions(train_graphdef, eval_graphdef, tx, loss_fn, flip_tta=flip_tta,
-                       donate=donate)
+  return StepFunctions(train_graphdef, eval_graphdef, tx, loss_fn, flip_tta=flip_tta, donate=donate)
 
 
 class StepFunctions:
@@ -125,14 +154,25 @@ class StepFunctions:
   weight 0 are padding (so a short last batch reuses the compiled step).
   """
 
-  def __init__(self, train_graphdef: nnx.GraphDef, eval_graphdef: nnx.GraphDef,
-               tx: optax.GradientTransformation, loss_fn: PerExampleLoss, *,
-               flip_tta: bool = False, donate: bool = True):
+  def __init__(
+    self,
+    train_graphdef: nnx.GraphDef,
+    eval_graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    loss_fn: PerExampleLoss,
+    *,
+    flip_tta: bool = False,
+    donate: bool = True,
+  ):
     tx = optax.with_extra_args_support(tx)
-    self.train = jax.jit(functools.partial(_train_step, train_graphdef, tx, loss_fn),
-                         donate_argnums=(0, 1, 2, 3) if donate else ())
-    self.evaluate = jax.jit(functools.partial(_eval_step, eval_graphdef, loss_fn, flip_tta),
-                            donate_argnums=(2,) if donate else ())
+    self.train = jax.jit(
+      functools.partial(_train_step, train_graphdef, tx, loss_fn),
+      donate_argnums=(0, 1, 2, 3) if donate else (),
+    )
+    self.evaluate = jax.jit(
+      functools.partial(_eval_step, eval_graphdef, loss_fn, flip_tta),
+      donate_argnums=(2,) if donate else (),
+    )
 
 
 def _abstract(tree: Any) -> Any:
@@ -142,14 +182,26 @@ def _abstract(tree: Any) -> Any:
 def memory_bytes(stats: Any) -> int:
   """Bytes a compiled executable needs: arguments + outputs + temporaries - donated
   aliases, or XLA's reported peak if that is larger."""
-  total = int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-              + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+  total = int(
+    stats.argument_size_in_bytes
+    + stats.output_size_in_bytes
+    + stats.temp_size_in_bytes
+    - stats.alias_size_in_bytes
+  )
   return max(total, int(getattr(stats, "peak_memory_in_bytes", 0) or 0))
 
 
-def train_step_memory(steps: StepFunctions, params: Any, rest: Any, opt_state: Any,
-                      image_shape: tuple[int, ...], batch_size: int, *,
-                      num_classes: int | None = None, soft_labels: bool = False) -> dict[str, int]:
+def train_step_memory(
+  steps: StepFunctions,
+  params: Any,
+  rest: Any,
+  opt_state: Any,
+  image_shape: tuple[int, ...],
+  batch_size: int,
+  *,
+  num_classes: int | None = None,
+  soft_labels: bool = False,
+) -> dict[str, int]:
   """XLA memory analysis of the compiled train step at ``batch_size``.
 
   Compiles (does not run) ``steps.train`` on abstract inputs of shape
@@ -174,14 +226,25 @@ def train_step_memory(steps: StepFunctions, params: Any, rest: Any, opt_state: A
   if soft_labels and num_classes is None:
     raise ValueError("num_classes is required when soft_labels=True")
   images = jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32)
-  labels = (jax.ShapeDtypeStruct((batch_size, num_classes), jnp.float32) if soft_labels
-            else jax.ShapeDtypeStruct((batch_size,), jnp.int32))
-  compiled = steps.train.lower(_abstract(params), _abstract(rest), _abstract(opt_state),
-                               _abstract(Metrics.zeros()), images, labels).compile()
+  labels = (
+    jax.ShapeDtypeStruct((batch_size, num_classes), jnp.float32)
+    if soft_labels
+    else jax.ShapeDtypeStruct((batch_size,), jnp.int32)
+  )
+  compiled = steps.train.lower(
+    _abstract(params),
+    _abstract(rest),
+    _abstract(opt_state),
+    _abstract(Metrics.zeros()),
+    images,
+    labels,
+  ).compile()
   stats = compiled.memory_analysis()
-  return {"argument": int(stats.argument_size_in_bytes),
-          "output": int(stats.output_size_in_bytes),
-          "temp": int(stats.temp_size_in_bytes),
-          "alias": int(stats.alias_size_in_bytes),
-          "generated_code": int(stats.generated_code_size_in_bytes),
-          "total": memory_bytes(stats)}
+  return {
+    "argument": int(stats.argument_size_in_bytes),
+    "output": int(stats.output_size_in_bytes),
+    "temp": int(stats.temp_size_in_bytes),
+    "alias": int(stats.alias_size_in_bytes),
+    "generated_code": int(stats.generated_code_size_in_bytes),
+    "total": memory_bytes(stats),
+  }

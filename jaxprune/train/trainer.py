@@ -36,8 +36,15 @@ from flax import nnx
 from jaxprune.train import optim
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.checkpoint import CheckpointStore
-from jaxprune.train.step import (Metrics, PerExampleLoss, StepFunctions, default_loss,
-                                 split_model, step_functions, train_step_memory)
+from jaxprune.train.step import (
+  Metrics,
+  PerExampleLoss,
+  StepFunctions,
+  default_loss,
+  split_model,
+  step_functions,
+  train_step_memory,
+)
 
 
 class Callback:
@@ -72,7 +79,6 @@ class Callback:
 
 
 class _FunctionCallback(Callback):
-
   def __init__(self, fn: Callable[["Trainer", int], Mapping[str, Any] | None]):
     self._fn = fn
 
@@ -124,8 +130,14 @@ def _set_loader_batch_size(loader: Any, batch_size: int) -> None:
     loader.batch_size = batch_size
 
 
-def grow_batch_size(memory_of: Callable[[int], int], batch_size: int, budget: int, *,
-                    granularity: int = 32, max_batch_size: int | None = None) -> int:
+def grow_batch_size(
+  memory_of: Callable[[int], int],
+  batch_size: int,
+  budget: int,
+  *,
+  granularity: int = 32,
+  max_batch_size: int | None = None,
+) -> int:
   """The largest ``batch_size + k·granularity`` (``k >= 0``) whose step fits ``budget``.
 
   PruneTrain §4.3 grows the mini-batch, in steps of 32, into the memory a reconfiguration
@@ -202,15 +214,24 @@ class Trainer:
     >>> history = trainer.fit(train_loader, test_loader, epochs=10)  # doctest: +SKIP
   """
 
-  def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *,
-               label_smoothing: float = 0.0, loss_fn: PerExampleLoss | None = None,
-               flip_tta: bool = False,
-               callbacks: Sequence[Callback | Callable[["Trainer", int], Any]] = (),
-               metrics: Mapping[str, Callable[["Trainer"], Any]] | None = None,
-               log_path: str | os.PathLike | None = None,
-               checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 1,
-               max_to_keep: int | None = 2, progress: bool | None = None,
-               model_builder: Callable[[Any], nnx.Module] | None = None, donate: bool = True):
+  def __init__(
+    self,
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    *,
+    label_smoothing: float = 0.0,
+    loss_fn: PerExampleLoss | None = None,
+    flip_tta: bool = False,
+    callbacks: Sequence[Callback | Callable[["Trainer", int], Any]] = (),
+    metrics: Mapping[str, Callable[["Trainer"], Any]] | None = None,
+    log_path: str | os.PathLike | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int = 1,
+    max_to_keep: int | None = 2,
+    progress: bool | None = None,
+    model_builder: Callable[[Any], nnx.Module] | None = None,
+    donate: bool = True,
+  ):
     if not 0.0 <= label_smoothing < 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if checkpoint_every < 1:
@@ -219,21 +240,25 @@ class Trainer:
     self.loss_fn = loss_fn if loss_fn is not None else default_loss(label_smoothing)
     self.flip_tta = flip_tta
     self.callbacks: list[Callback] = [
-        c if isinstance(c, Callback) else _FunctionCallback(c) for c in callbacks]
+      c if isinstance(c, Callback) else _FunctionCallback(c) for c in callbacks
+    ]
     for c in self.callbacks:
       if c.every_steps is not None and c.every_steps < 1:
         raise ValueError(f"callbacks: every_steps must be >= 1, got {c.every_steps}")
     self.metrics = dict(metrics or {})
     self.log_path = os.fspath(log_path) if log_path is not None else None
     self.checkpoint_every = checkpoint_every
-    self.store = (CheckpointStore(checkpoint_dir, max_to_keep=max_to_keep)
-                  if checkpoint_dir is not None else None)
+    self.store = (
+      CheckpointStore(checkpoint_dir, max_to_keep=max_to_keep)
+      if checkpoint_dir is not None
+      else None
+    )
     self.progress = _is_tty() if progress is None else progress
     self.model_builder = model_builder
     self.donate = donate
 
-    self.epoch = 0   # completed epochs
-    self.step = 0    # completed optimizer steps
+    self.epoch = 0  # completed epochs
+    self.step = 0  # completed optimizer steps
     self.history: list[dict[str, Any]] = []
     self.reference_batch_size: int | None = None
     self.batch_size: int | None = None  # the training loader's batch size this epoch
@@ -248,8 +273,9 @@ class Trainer:
     train_gd, eval_gd, params, rest = split_model(model)
     self.params, self.rest, self.opt_state = params, rest, opt_state
     self._model_synced = True
-    self._steps = step_functions(train_gd, eval_gd, self.tx, self.loss_fn,
-                                 flip_tta=self.flip_tta, donate=self.donate)
+    self._steps = step_functions(
+      train_gd, eval_gd, self.tx, self.loss_fn, flip_tta=self.flip_tta, donate=self.donate
+    )
 
   @property
   def model(self) -> nnx.Module:
@@ -273,7 +299,8 @@ class Trainer:
     model = self.model if model is None else model
     opt_state = self.opt_state if opt_state is None else opt_state
     expected, expected_def = jax.tree.flatten(
-        jax.eval_shape(self.tx.init, nnx.as_pure(nnx.state(model, nnx.Param))))
+      jax.eval_shape(self.tx.init, nnx.as_pure(nnx.state(model, nnx.Param)))
+    )
     got, got_def = jax.tree.flatten(opt_state)
     if expected_def != got_def or [e.shape for e in expected] != [np.shape(g) for g in got]:
       raise ValueError("opt_state: structure or shapes do not match tx.init(model params)")
@@ -316,25 +343,39 @@ class Trainer:
     if scale_lr and new_size != old_size:
       self.lr_scale = (self.lr_scale or 1.0) * new_size / old_size
     if self.reference_batch_size:
-      self.opt_state = optim.set_step_increment(self.opt_state,
-                                                new_size / self.reference_batch_size)
+      self.opt_state = optim.set_step_increment(
+        self.opt_state, new_size / self.reference_batch_size
+      )
 
-  def step_memory(self, batch_size: int, image_shape: tuple[int, ...],
-                  **kwargs: Any) -> dict[str, int]:
+  def step_memory(
+    self, batch_size: int, image_shape: tuple[int, ...], **kwargs: Any
+  ) -> dict[str, int]:
     """XLA memory statistics of the compiled train step at ``batch_size`` (bytes).
 
     Memoised per model/optimizer shapes, since each analysis compiles the step."""
     shapes = tuple(np.shape(x) for x in jax.tree.leaves((self.params, self.rest, self.opt_state)))
-    key = (id(self._steps), shapes, int(batch_size), tuple(image_shape),
-           tuple(sorted(kwargs.items())))
+    key = (
+      id(self._steps),
+      shapes,
+      int(batch_size),
+      tuple(image_shape),
+      tuple(sorted(kwargs.items())),
+    )
     if key not in self._memory_cache:
-      self._memory_cache[key] = train_step_memory(self._steps, self.params, self.rest,
-                                                  self.opt_state, image_shape, batch_size,
-                                                  **kwargs)
+      self._memory_cache[key] = train_step_memory(
+        self._steps, self.params, self.rest, self.opt_state, image_shape, batch_size, **kwargs
+      )
     return dict(self._memory_cache[key])
 
-  def largest_batch_size(self, budget_bytes: int, image_shape: tuple[int, ...], *,
-                         granularity: int = 32, limit: int = 8192, **kwargs: Any) -> int:
+  def largest_batch_size(
+    self,
+    budget_bytes: int,
+    image_shape: tuple[int, ...],
+    *,
+    granularity: int = 32,
+    limit: int = 8192,
+    **kwargs: Any,
+  ) -> int:
     """Largest multiple of ``granularity`` (<= ``limit``) whose compiled train step needs at
     most ``budget_bytes`` (PruneTrain §4.3: grow the batch into the memory a
     reconfiguration freed, in steps of 32). Searched by :func:`grow_batch_size`; each
@@ -347,10 +388,12 @@ class Trainer:
       raise ValueError(f"granularity must be in [1, limit], got {granularity} (limit {limit})")
     memory_of = lambda batch: self.step_memory(batch, image_shape, **kwargs)["total"]
     if memory_of(granularity) > budget_bytes:
-      raise ValueError(f"budget_bytes {budget_bytes} is below the step's memory at batch "
-                       f"{granularity}")
-    return grow_batch_size(memory_of, granularity, budget_bytes, granularity=granularity,
-                           max_batch_size=limit)
+      raise ValueError(
+        f"budget_bytes {budget_bytes} is below the step's memory at batch {granularity}"
+      )
+    return grow_batch_size(
+      memory_of, granularity, budget_bytes, granularity=granularity, max_batch_size=limit
+    )
 
   # ----------------------------------------------------------------- train / eval
   def train_epoch(self, loader: Iterable) -> dict[str, float]:
@@ -364,6 +407,7 @@ class Trainer:
     bar = None
     if self.progress:
       from tqdm.auto import tqdm
+
       bar = tqdm(total=total, desc=f"epoch {self.epoch + 1}", leave=False, dynamic_ncols=True)
     images_seen, data_wait, steps = 0, 0.0, 0
     start = time.perf_counter()
@@ -376,7 +420,8 @@ class Trainer:
         break
       data_wait += time.perf_counter() - t0
       self.params, self.rest, self.opt_state, metrics = self._steps.train(
-          self.params, self.rest, self.opt_state, metrics, images, labels)
+        self.params, self.rest, self.opt_state, metrics, images, labels
+      )
       self._model_synced = False
       self.step += 1
       steps += 1
@@ -393,12 +438,19 @@ class Trainer:
     if bar is not None:
       bar.close()
     if steps == 0:
-      raise ValueError("train_loader yielded no batches (batch_size larger than the "
-                       "dataset with drop_last=True?)")
+      raise ValueError(
+        "train_loader yielded no batches (batch_size larger than the dataset with drop_last=True?)"
+      )
     compute = max(elapsed - data_wait, 1e-9)
-    return {"train_loss": summary["loss"], "train_acc": summary["acc"], "steps": steps,
-            "images_per_s": images_seen / elapsed, "step_images_per_s": images_seen / compute,
-            "data_wait_s": data_wait, "epoch_time_s": elapsed}
+    return {
+      "train_loss": summary["loss"],
+      "train_acc": summary["acc"],
+      "steps": steps,
+      "images_per_s": images_seen / elapsed,
+      "step_images_per_s": images_seen / compute,
+      "data_wait_s": data_wait,
+      "epoch_time_s": elapsed,
+    }
 
   def evaluate(self, loader: Iterable) -> dict[str, float]:
     """Loss and accuracy over ``loader`` in eval mode (BatchNorm running statistics,
@@ -426,15 +478,19 @@ class Trainer:
   # ----------------------------------------------------------------- checkpoints
   def _meta(self, loader: Any) -> dict[str, Any]:
     loader_state = _loader_state(loader) if loader is not None else None
-    return {"epoch": self.epoch, "step": self.step,
-            "batch_size": _loader_batch_size(loader),
-            "reference_batch_size": self.reference_batch_size,
-            # A batch change requested by an epoch-end hook applies at the next epoch.
-            "pending_batch_size": (list(self._pending_batch_size)
-                                   if self._pending_batch_size else None),
-            "loader_state": loader_state, "model_spec": _model_spec(self._model),
-            "callbacks": [c.state_dict() for c in self.callbacks],
-            "elapsed_s": self._elapsed_before, "history": self.history}
+    return {
+      "epoch": self.epoch,
+      "step": self.step,
+      "batch_size": _loader_batch_size(loader),
+      "reference_batch_size": self.reference_batch_size,
+      # A batch change requested by an epoch-end hook applies at the next epoch.
+      "pending_batch_size": (list(self._pending_batch_size) if self._pending_batch_size else None),
+      "loader_state": loader_state,
+      "model_spec": _model_spec(self._model),
+      "callbacks": [c.state_dict() for c in self.callbacks],
+      "elapsed_s": self._elapsed_before,
+      "history": self.history,
+    }
 
   def save_checkpoint(self, loader: Any = None) -> None:
     """Write a checkpoint of the current state (no-op without ``checkpoint_dir``)."""
@@ -448,8 +504,10 @@ class Trainer:
       return self.model_builder(spec)
     num_classes = getattr(self._model, "num_classes", None)
     if num_classes is None:
-      raise ValueError("checkpoint: model spec differs from the current model's and no "
-                       "model_builder was given to rebuild it")
+      raise ValueError(
+        "checkpoint: model spec differs from the current model's and no "
+        "model_builder was given to rebuild it"
+      )
     return type(self._model)(spec, num_classes=num_classes, rngs=nnx.Rngs(0))
 
   def restore_checkpoint(self, loader: Any = None, step: int | None = None) -> bool:
@@ -464,10 +522,10 @@ class Trainer:
     if meta.get("model_spec") is not None and meta["model_spec"] != _model_spec(model):
       model = self._rebuild_model(decode_spec(meta["model_spec"]))
     _, _, params, rest = split_model(model)
-    template = {"params": params, "rest": rest,
-                "opt_state": jax.eval_shape(self.tx.init, params)}
-    template["opt_state"] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                         template["opt_state"])
+    template = {"params": params, "rest": rest, "opt_state": jax.eval_shape(self.tx.init, params)}
+    template["opt_state"] = jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype), template["opt_state"]
+    )
     arrays, meta = self.store.restore(step, template)
     nnx.update(model, arrays["params"], arrays["rest"])
     self._set_model(model, arrays["opt_state"])
@@ -504,8 +562,14 @@ class Trainer:
       f.write(json.dumps(record) + "\n")
 
   # ----------------------------------------------------------------- main loop
-  def fit(self, train_loader: Iterable, test_loader: Iterable | None = None, epochs: int = 1,
-          *, resume: bool = True) -> list[dict[str, Any]]:
+  def fit(
+    self,
+    train_loader: Iterable,
+    test_loader: Iterable | None = None,
+    epochs: int = 1,
+    *,
+    resume: bool = True,
+  ) -> list[dict[str, Any]]:
     """Train until ``epochs`` epochs are complete (resuming from the latest checkpoint).
 
     Returns:
@@ -557,8 +621,14 @@ class Trainer:
     return self.history
 
 
-def fit(model: nnx.Module, tx: optax.GradientTransformation, train_loader: Iterable,
-        test_loader: Iterable | None = None, epochs: int = 1, **trainer_kwargs: Any) -> Trainer:
+def fit(
+  model: nnx.Module,
+  tx: optax.GradientTransformation,
+  train_loader: Iterable,
+  test_loader: Iterable | None = None,
+  epochs: int = 1,
+  **trainer_kwargs: Any,
+) -> Trainer:
   """Build a :class:`Trainer` and run :meth:`Trainer.fit`; returns the trainer
   (``trainer.model``, ``trainer.history``).
 
