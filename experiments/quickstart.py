@@ -1,7 +1,7 @@
 """Quickstart: train on scikit-learn's 8x8 digits and print a results table.
 
-Runs in about two minutes on 2 CPU cores (five methods x 15 epochs), with no data to download (the digits ship inside
-scikit-learn). Every row is a *method*: an optimizer factory plus an optional model
+Runs in about two minutes on 2 CPU cores (five methods x 15 epochs), with no data to
+download (the digits ship inside scikit-learn). Every row is a *method*: an optimizer factory plus an optional model
 converter, trained with the same data, model and budget, so pruning methods can be
 compared with the dense baseline:
 
