@@ -45,3 +45,30 @@ def test_timemodel_records_every_conv_with_its_shapes():
     and not isinstance(c.conv_general_dilated, sdgp_timemodel._ConvRecorder)
     for c in convs
   )
+
+
+def test_fig8_resume_keeps_earlier_cells_and_trains_only_missing_ones(tmp_path, monkeypatch):
+  trained = []
+
+  def fake_train_row(method, n, m, budget, train_set, test_set, args):
+    trained.append((method, n, m))
+    return {"method": method, "n": n, "m": m, "test_acc": 0.5 + n / (10 * m)}
+
+  monkeypatch.setattr(sdgp_fig8, "RESULTS", tmp_path)
+  monkeypatch.setattr(sdgp_table1, "load_data", lambda args, budget: (None, None))
+  monkeypatch.setattr(sdgp_table1, "train_row", fake_train_row)
+
+  sdgp_fig8.main(["--budget", "cpu", "--no-dense", "--settings", "1:4,2:8"])
+  assert trained == [("rescaled_magnitude", 1, 4), ("rescaled_magnitude", 2, 8)]
+  trained.clear()
+  out = sdgp_fig8.main(["--budget", "cpu", "--no-dense", "--resume", "--settings", "2:8,4:32"])
+  assert trained == [("rescaled_magnitude", 4, 32)]  # 2:8 came from the file
+  assert sorted((c["n"], c["m"]) for c in out["cells"]) == [(1, 4), (2, 8), (4, 32)]
+  md = (tmp_path / "sdgp_fig8_cpu.md").read_text()
+  assert "3 of 3" in md and "--resume" in md
+
+  # A file written under another budget is not silently mixed in.
+  with pytest.raises(ValueError, match="--resume"):
+    sdgp_fig8.main(
+      ["--budget", "full", "--name", "sdgp_fig8_cpu", "--no-dense", "--resume", "--settings", "1:4"]
+    )
