@@ -13,34 +13,17 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
+from experiments._machine import cpu_description
 from jaxprune import data
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRESETS = ("none", "prunetrain", "sdgp", "clicktrain-mixup")
-
-
-def _machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        cpu = line.split(":", 1)[1].strip()
-        break
-  except OSError:
-    pass
-  return (
-    f"{cpu}, {os.cpu_count()} logical CPUs; Python {platform.python_version()}, NumPy {np.__version__}, "
-    f"{platform.system()} {platform.machine()}"
-  )
 
 
 def _throughput(loader: data.Loader, epochs: int) -> tuple[float, float, float]:
@@ -129,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
   )
   result = dict(
     date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    machine=_machine(),
+    machine=cpu_description(),
     command=command.strip(),
     epochs=args.epochs,
     num_images=len(train),

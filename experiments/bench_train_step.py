@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import bench_loader
+from experiments._machine import machine_description
 from jaxprune import models, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     "",
     f"- Command: `{command}`",
     f"- Date: {date}",
-    f"- Machine: {bench_loader._machine()}; JAX {jax.__version__}",
+    f"- Machine: {machine_description()}",
     f"- Model: prunetrain-resnet20 at half width on 8x8x1 inputs, SGD momentum + wd; "
     f"{args.steps} timed steps after 2 warm-up steps. Times on a shared machine vary; "
     "compare rows of the same batch.",

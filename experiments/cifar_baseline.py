@@ -28,16 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import bench_loader
+from experiments._machine import machine_description
 from jaxprune import data, models, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def machine_description() -> str:
-  """CPU / Python (as the loader benchmark reports it) plus the JAX version and devices."""
-  devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
-  return f"{bench_loader._machine()}; JAX {jax.__version__} on {devices}"
 
 
 def step_throughput(

@@ -35,21 +35,11 @@ import optax
 from flax import nnx
 
 import jaxprune
+from experiments._machine import machine_description
 from jaxprune import clicktrain_transform as ct
 from jaxprune import models, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _machine() -> str:
-  try:
-    from experiments.cifar_baseline import machine_description
-
-    return machine_description()
-  except Exception:  # pragma: no cover - description only
-    import platform
-
-    return f"{platform.processor() or platform.machine()}; JAX {jax.__version__}"
 
 
 def _forced(state: ct.ClickTrainState, stage: int) -> ct.ClickTrainState:
@@ -170,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "",
     f"- Command: `{command}`",
     f"- Date: {date}",
-    f"- Machine: {_machine()} (shared with other jobs: medians of {args.rounds} interleaved "
+    f"- Machine: {machine_description()} (shared with other jobs: medians of {args.rounds} interleaved "
     f"rounds of {args.steps} steps)",
     "- Step: the full jitted train step (forward, backward, optimizer update) of "
     "`jaxprune.train`; inner optimizer = `train.sgd(0.01, momentum=0.9, weight_decay=5e-4)`; "

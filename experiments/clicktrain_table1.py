@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import shlex
 import sys
 from collections.abc import Sequence
@@ -44,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 import jaxprune
+from experiments._machine import machine_description
 from jaxprune import clicktrain_transform as ct
 from jaxprune import data, flops, models, patterns, train
 
@@ -259,12 +259,7 @@ def _plots(result: dict[str, Any], stem: Path) -> None:
 
 def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str) -> str:
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  try:
-    from experiments.cifar_baseline import machine_description
-
-    machine = machine_description()
-  except Exception:  # pragma: no cover
-    machine = f"JAX {jax.__version__}"
+  machine = machine_description()
   mode = (
     f"reduced budget: width x{args.width}, {args.train_subset} train / {args.test_subset} "
     f"test images, {args.epochs} epochs"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import shlex
 import statistics
 import sys
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments._machine import machine_description
 from jaxprune import flops, models, train
 from jaxprune import prunetrain as pt
 
@@ -154,10 +154,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def _write(result: dict[str, Any], args: argparse.Namespace, command: str) -> None:
   RESULTS.mkdir(parents=True, exist_ok=True)
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  machine = (
-    f"{platform.processor() or platform.machine()}, {jax.device_count()} "
-    f"{jax.devices()[0].platform} device(s), JAX {jax.__version__}"
-  )
+  machine = machine_description()
   result = {**result, "date": date, "machine": machine}
   (RESULTS / "prunetrain_speed.json").write_text(json.dumps(result, indent=1, default=str))
   lines = [

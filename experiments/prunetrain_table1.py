@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import shlex
 import sys
 import time
@@ -36,9 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 from flax import nnx
 
+from experiments._machine import machine_description
 from jaxprune import data, models, train
 from jaxprune import prunetrain as pt
 
@@ -257,10 +256,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: str) -> None:
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  machine = (
-    f"{platform.processor() or platform.machine()}, {jax.device_count()} "
-    f"{jax.devices()[0].platform} device(s), JAX {jax.__version__}"
-  )
+  machine = machine_description()
   (RESULTS / f"{name}.json").write_text(
     json.dumps(
       {

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import sdgp_table1
+from experiments._machine import machine_description
 from jaxprune import sdgp
 
 RESULTS = sdgp_table1.RESULTS
@@ -147,7 +148,7 @@ def _write(
     f"- Status: {len(results)} of {planned} runs done",
     f"- Command: `{command}`",
     f"- Date: {date}",
-    f"- Machine: {sdgp_table1.machine_description()}",
+    f"- Machine: {machine_description()}",
     f"- Budget: width ×{budget['width']}, {subset} training images, {budget['epochs']} epochs, "
     f"batch {budget['batch_size']}, peak lr {budget['peak_lr']:g} at epoch "
     f"{budget['peak_epoch']:g}; test on {budget['test_subset'] or 10_000} images (flip TTA); "

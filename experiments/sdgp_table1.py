@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import shlex
 import sys
 import time
@@ -27,10 +26,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 from flax import nnx
 
+from experiments._machine import machine_description
 from jaxprune import data, models, sdgp, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -44,14 +43,6 @@ BUDGETS = {
   "cpu": dict(width=0.125, train_subset=5_000, test_subset=2_000, epochs=3, batch_size=64),
 }
 PAPER_BATCH, PAPER_PEAK_LR, PAPER_PEAK_EPOCH, PAPER_EPOCHS = 512, 0.5, 2.0, 150
-
-
-def machine_description() -> str:
-  devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
-  return (
-    f"{platform.machine()} {platform.processor() or ''}".strip()
-    + f", Python {platform.python_version()}; JAX {jax.__version__} on {devices}"
-  )
 
 
 def add_budget_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.sdgp_table1 import machine_description
+from experiments._machine import machine_description
 from jaxprune import models, sdgp, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
