@@ -80,7 +80,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -89,6 +89,7 @@ import numpy as np
 import optax
 
 from jaxprune import importance as _imp
+from jaxprune.flops import param_path
 from jaxprune import patterns as _pat
 
 __all__ = [
@@ -141,18 +142,10 @@ class ClickTrainState(NamedTuple):
   inner_state: optax.OptState
 
 
-def _key_str(k: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 def _path_str(path: Sequence[Any]) -> str:
   # NNX Variables flatten with a trailing `.value` attribute on some code paths
-  # (nnx.Optimizer.init vs update): drop it so the names agree.
-  keys = [k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]
-  return "/".join(_key_str(k) for k in keys)
+  # (nnx.Optimizer.init vs update); param_path drops it so the names agree.
+  return "/".join(str(k) for k in param_path(path))
 
 
 def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:

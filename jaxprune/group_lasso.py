@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxprune.flops import param_path
+
 __all__ = [
   "EPSILON",
   "GroupLassoState",
@@ -69,28 +71,10 @@ PathPredicate = Callable[[tuple, Any, Sequence[tuple]], bool]
 def path_names(path: KeyPath) -> tuple:
   """A JAX key path as plain names: ``DictKey('a')`` → ``'a'``, ``SequenceKey(0)`` → ``0``.
 
-  Args:
-    path: a key path from ``jax.tree_util.tree_flatten_with_path``.
-
-  Returns:
-    A tuple of str / int names.  A trailing ``'value'`` (NNX ``Variable``
-    attribute) is dropped so that params and optimizer state agree.
+  The NNX ``Variable`` ``value`` attribute is dropped so that params and optimizer state
+  agree; this is :func:`jaxprune.flops.param_path`.
   """
-  names = []
-  for key in path:
-    if isinstance(key, jax.tree_util.DictKey):
-      names.append(key.key)
-    elif isinstance(key, jax.tree_util.SequenceKey):
-      names.append(key.idx)
-    elif isinstance(key, jax.tree_util.GetAttrKey):
-      names.append(key.name)
-    elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-      names.append(key.key)
-    else:  # pragma: no cover - other key kinds are not produced by NNX/Linen
-      names.append(str(key))
-  if names and names[-1] in ("value", "raw_value"):
-    names.pop()
-  return tuple(names)
+  return param_path(path)
 
 
 def _is_kernel(leaf: Any) -> bool:
