@@ -108,8 +108,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   schedule = train.step_schedule(args.lr, steps_per_epoch, milestones)
   tx = train.sgd(schedule, momentum=0.9, weight_decay=args.weight_decay)
   model = models.create(args.model, num_classes=train_set.num_classes, rngs=nnx.Rngs(args.seed))
+  # What fixes the trajectory: a resume under other settings is refused, not mixed in.
+  run_config = {
+    k: getattr(args, k)
+    for k in ("model", "epochs", "batch_size", "lr", "weight_decay", "seed", "root")
+  }
   trainer = train.Trainer(
-    model, tx, log_path=log_path, checkpoint_dir=ckpt, progress=True if args.progress else None
+    model,
+    tx,
+    log_path=log_path,
+    checkpoint_dir=ckpt,
+    progress=True if args.progress else None,
+    run_config=run_config,
   )
 
   images, labels = next(iter(train_loader.iter_epoch(0)))

@@ -648,6 +648,24 @@ def test_interrupted_checkpoint_write_is_not_resumed(tmp_path, monkeypatch):
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, fresh.params), good_params)
 
 
+def test_resume_refuses_a_differently_configured_run(tmp_path):
+  images, labels = _data(48)
+  loader = ArrayLoader(images, labels, 8)
+  ckpt = tmp_path / "ckpt"
+  _trainer(checkpoint_dir=ckpt, run_config={"epochs": 3, "milestones": (2,)}).fit(loader, epochs=1)
+  # the same config (a tuple stored as a JSON list still compares equal) resumes
+  same = _trainer(_model(seed=9), checkpoint_dir=ckpt, run_config={"epochs": 3, "milestones": [2]})
+  assert same.restore_checkpoint(loader) and same.epoch == 1
+  other = _trainer(
+    _model(seed=9), checkpoint_dir=ckpt, run_config={"epochs": 10, "milestones": [5]}
+  )
+  with pytest.raises(ValueError, match=r"run_config.*epochs: checkpoint 3 vs now 10"):
+    other.fit(loader, epochs=2)
+  assert other.epoch == 0  # nothing was restored
+  with pytest.raises(ValueError, match="run_config"):
+    _trainer(run_config={"schedule": lambda step: 0.1})
+
+
 def test_checkpoint_store_rejects_wrong_shapes(tmp_path):
   store = jt.CheckpointStore(tmp_path / "c")
   store.save(1, {"a": {"w": jnp.ones((2, 3))}}, {"epoch": 1})

@@ -185,6 +185,24 @@ def grow_batch_size(
   return batch_size + low * granularity
 
 
+def _check_run_config(
+  saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None, directory: Any
+) -> None:
+  """Refuse to resume a checkpoint written by a differently configured run."""
+  if saved is None or current is None or saved == current:
+    return
+  keys = sorted(set(saved) | set(current))
+  diff = [
+    f"{k}: checkpoint {saved.get(k, '<absent>')!r} vs now {current.get(k, '<absent>')!r}"
+    for k in keys
+    if saved.get(k, "<absent>") != current.get(k, "<absent>")
+  ]
+  raise ValueError(
+    f"run_config differs from the one stored in the checkpoints of {directory} "
+    f"({'; '.join(diff)}): use another checkpoint_dir or delete it"
+  )
+
+
 class Trainer:
   """Train an NNX model with any Optax transform.
 
@@ -208,6 +226,10 @@ class Trainer:
       ``model.spec`` differs from the current model's (a reconfigured model); default
       ``type(model)(spec, num_classes=model.num_classes, rngs=nnx.Rngs(0))``.
     donate: donate state buffers to the jitted step.
+    run_config: JSON-serialisable description of the run (epochs, schedule, seed, ...)
+      stored with every checkpoint. Resuming from a checkpoint written with a different
+      ``run_config`` raises ``ValueError`` instead of silently continuing another run
+      (e.g. a 10-epoch schedule on top of a 3-epoch one).
 
   Example:
     >>> trainer = Trainer(model, sgd(0.1, 0.9, weight_decay=5e-4), label_smoothing=0.1)  # doctest: +SKIP
@@ -231,6 +253,7 @@ class Trainer:
     progress: bool | None = None,
     model_builder: Callable[[Any], nnx.Module] | None = None,
     donate: bool = True,
+    run_config: Mapping[str, Any] | None = None,
   ):
     if not 0.0 <= label_smoothing < 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
@@ -256,6 +279,12 @@ class Trainer:
     self.progress = _is_tty() if progress is None else progress
     self.model_builder = model_builder
     self.donate = donate
+    # Round-trip through JSON so the comparison on resume sees what the checkpoint stores
+    # (tuples become lists); unserialisable values fail here, not at the first save.
+    try:
+      self.run_config = json.loads(json.dumps(dict(run_config))) if run_config else None
+    except TypeError as e:
+      raise ValueError(f"run_config must be JSON-serialisable: {e}") from None
 
     self.epoch = 0  # completed epochs
     self.step = 0  # completed optimizer steps
@@ -490,6 +519,7 @@ class Trainer:
       "callbacks": [c.state_dict() for c in self.callbacks],
       "elapsed_s": self._elapsed_before,
       "history": self.history,
+      "run_config": self.run_config,
     }
 
   def save_checkpoint(self, loader: Any = None) -> None:
@@ -518,6 +548,7 @@ class Trainer:
     if step is None:
       return False
     meta = self.store.restore_meta(step)
+    _check_run_config(meta.get("run_config"), self.run_config, self.store.directory)
     model = self._model
     if meta.get("model_spec") is not None and meta["model_spec"] != _model_spec(model):
       model = self._rebuild_model(decode_spec(meta["model_spec"]))
