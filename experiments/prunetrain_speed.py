@@ -9,7 +9,8 @@ own step function) of the dense and the pruned model in the same run, interleave
 same batch size.  The measured time ratio is put beside the training-FLOP ratio
 (:mod:`jaxprune.flops`); target: time ratio within 1.25x of the FLOP ratio.
 
-    python -m experiments.run prunetrain_speed [--model prunetrain-resnet32] [--keep 0.75 0.5 0.25]
+    python -m experiments.run prunetrain_speed [--model prunetrain-resnet32] [--keep 0.75 0.5 0.25] \
+        [--run experiments/results/prunetrain_table1_<model>_budget.json]
 
 Writes ``experiments/results/prunetrain_speed.{md,json}``.
 """
@@ -95,6 +96,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=3, help="steps per timing block")
   parser.add_argument("--repeats", type=int, default=5, help="interleaved timing blocks")
   parser.add_argument("--image-size", type=int, default=32)
+  parser.add_argument(
+    "--run",
+    nargs="*",
+    default=[],
+    help="prunetrain_table1 result JSON files: also time each run's final reconfigured model",
+  )
   args = parser.parse_args(argv)
   if any(not 0 < k <= 1 for k in args.keep):
     parser.error("--keep values must be in (0, 1]")
@@ -111,11 +118,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   dense_model = models.create(args.model, num_classes=10, rngs=nnx.Rngs(0))
   dense_flops = flops.training_flops_per_step(dense_model, input_shape)
   dense = _Timed(dense_model, args.batch_size, image_shape)
-  rows = []
+  candidates = []  # (label, keep or None, reconfigured model)
   for keep in args.keep:
     model = nnx.clone(dense_model)
     kill_channels(model, keep)
-    pruned_model, _, report = pt.reconfigure(model, None, input_shape=(1, *image_shape))
+    pruned_model, _, _ = pt.reconfigure(model, None, input_shape=(1, *image_shape))
+    candidates.append((f"{100 * keep:.0f}% (uniform)", keep, pruned_model))
+  for path in args.run:
+    run = json.loads(Path(path).read_text())
+    if run["args"]["model"] != args.model:
+      raise ValueError(f"--run: {path} trained {run['args']['model']}, not {args.model}")
+    spec = train.decode_spec(run["runs"]["prunetrain"]["final_spec_json"])
+    pruned_model = type(dense_model)(spec, num_classes=10, rngs=nnx.Rngs(0))
+    candidates.append((f"PruneTrain run {Path(path).stem}", None, pruned_model))
+  rows = []
+  for label, keep, pruned_model in candidates:
+    params = sum(np.size(x) for x in jax.tree.leaves(nnx.state(pruned_model, nnx.Param)))
     pruned_flops = flops.training_flops_per_step(pruned_model, input_shape)
     pruned = _Timed(pruned_model, args.batch_size, image_shape)
     dense_times, pruned_times = [], []
@@ -127,8 +145,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     time_ratio = pruned_time / dense_time
     rows.append(
       {
+        "label": label,
         "keep": keep,
-        "params": report.params_after,
+        "params": params,
         "train_flops_ratio": flop_ratio,
         "time_ratio": time_ratio,
         "time_over_flops": time_ratio / flop_ratio,
@@ -164,18 +183,19 @@ def _write(result: dict[str, Any], args: argparse.Namespace, command: str) -> No
     f"- Date: {date}; machine: {machine}",
     f"- Jitted train step (forward + backward + SGD momentum), batch {args.batch_size}, "
     f"{args.image_size}x{args.image_size} images; median of {args.repeats} interleaved "
-    f"blocks of {args.steps} steps. Channels killed uniformly at random in every channel "
-    "tensor, then `jaxprune.prunetrain.reconfigure`.",
+    f"blocks of {args.steps} steps. Uniform rows: that fraction of the channels kept, "
+    "killed at random in every channel tensor, then `jaxprune.prunetrain.reconfigure`; "
+    "run rows: the final model of a PruneTrain run (`--run`).",
     f"- Dense: {result['dense_params']:,} params, "
     f"{result['dense_train_flops'] / 1e9:.2f} GFLOPs per step.",
     "",
-    "| kept channels | params | train FLOPs ratio | step time ratio | time / FLOPs "
+    "| model | params | train FLOPs ratio | step time ratio | time / FLOPs "
     "(target ≤ 1.25) | dense step (ms) | pruned step (ms) |",
     "|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in result["rows"]:
     lines.append(
-      f"| {100 * r['keep']:.0f}% | {r['params']:,} | {r['train_flops_ratio']:.3f} "
+      f"| {r['label']} | {r['params']:,} | {r['train_flops_ratio']:.3f} "
       f"| {r['time_ratio']:.3f} | {r['time_over_flops']:.2f} "
       f"| {1e3 * r['dense_step_s']:.1f} | {1e3 * r['pruned_step_s']:.1f} |"
     )

@@ -184,6 +184,8 @@ def _run(
     "params": final_costs["params"],
     "params_ratio": final_costs["params"] / dense_costs["params"],
     "final_spec": repr(trainer.model.spec),
+    # JSON form, so benchmarks can rebuild the final model (prunetrain_speed --run)
+    "final_spec_json": train.encode_spec(trainer.model.spec),
     "history": history,
   }
   if callback is not None:

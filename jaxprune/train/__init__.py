@@ -21,6 +21,7 @@ Any Optax transform works in place of ``train.sgd`` (``GradientTransformationExt
 receive ``value=loss``); LR scaling needs a ``train.scale_by_lr`` inside it.
 """
 
+from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.checkpoint import CheckpointStore
 from jaxprune.train.loss import (
   accuracy,
@@ -53,6 +54,8 @@ from jaxprune.train.callbacks import Reconfigure
 
 __all__ = [
   "CheckpointStore",
+  "decode_spec",
+  "encode_spec",
   "accuracy",
   "correct_per_example",
   "cross_entropy",
