@@ -560,6 +560,7 @@ def reconfigure(
   threshold: float = DEFAULT_THRESHOLD,
   input_shape: Optional[Sequence[int]] = None,
   count_flops: bool = True,
+  channel_multiple: int = 1,
 ):
   """Removes dead channels and dead residual branches (PruneTrain §4.2).
 
@@ -573,6 +574,12 @@ def reconfigure(
     input_shape: input shape for the FLOPs in the report; default one 32x32 image (224x224
       for ImageNet specs).
     count_flops: set False to skip the FLOPs tracing.
+    channel_multiple: round every kept channel count up to a multiple of this (capped at
+      the current width) by keeping the strongest dead channels as well. Not in the paper:
+      CPU and GPU convolutions run much slower at odd channel counts, e.g. a reduced-budget
+      ResNet-32 run's final model (widths 3–35) took 0.64x the dense step for 0.33x the
+      FLOPs, and 0.56x once its widths were rounded up to multiples of 8 (0.43x the FLOPs).
+      Dead residual branches are still removed.
 
   Returns:
     ``(new_model, new_opt_state, report)``; ``new_model`` is a fresh module built from the
@@ -584,6 +591,7 @@ def reconfigure(
   """
   if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
     raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+  _check_channel_multiple(channel_multiple)
   if not hasattr(model, "spec"):
     raise ValueError(f"model must carry a width spec (model.spec), got {type(model).__name__}")
   graph = _build_graph(model)
@@ -616,6 +624,8 @@ def reconfigure(
       strength = np.max([l.output_magnitude() for l in tensor.writers], axis=0)
       live = np.zeros_like(live)
       live[int(np.argmax(strength))] = True
+    if channel_multiple > 1:
+      live = _round_up_live(tensor, live, channel_multiple)
     keep[id(tensor)] = np.flatnonzero(live)
 
   # 3. Kept input / output indices per layer.
@@ -670,6 +680,33 @@ def reconfigure(
     removed_branch_offset=offset,
   )
   return new_model, new_opt_state, report
+
+
+def _check_channel_multiple(channel_multiple: Any) -> None:
+  if (
+    not isinstance(channel_multiple, int)
+    or isinstance(channel_multiple, bool)
+    or channel_multiple < 1
+  ):
+    raise ValueError(f"channel_multiple must be an int >= 1, got {channel_multiple!r}")
+
+
+def _round_up_live(tensor: ChannelTensor, live: np.ndarray, multiple: int) -> np.ndarray:
+  """``live`` plus the strongest dead channels, up to a multiple of ``multiple`` channels."""
+  count = int(live.sum())
+  target = min(tensor.width, -(-count // multiple) * multiple)
+  if target == count:
+    return live
+  strength = np.max(
+    [l.output_magnitude() for l in tensor.writers] + [l.input_magnitude() for l in tensor.readers],
+    axis=0,
+  )
+  dead = np.flatnonzero(~live)
+  # strongest first; ties to the lower index (stable sort of the negated strength)
+  revived = dead[np.argsort(-strength[dead], kind="stable")[: target - count]]
+  live = live.copy()
+  live[revived] = True
+  return live
 
 
 def _all_layers(graph: _Graph) -> list[Layer]:
@@ -756,6 +793,7 @@ class PruneTrainCallback(Reconfigure):
     granularity: batch growth step (paper: 32).
     max_batch_size: cap on the batch size (e.g. the training-set size).
     num_devices: devices of the ring all-reduce cost model (paper Fig. 11 uses 4 GPUs).
+    channel_multiple: passed to :func:`reconfigure` (round kept channel counts up).
 
   Example::
 
@@ -773,15 +811,22 @@ class PruneTrainCallback(Reconfigure):
     granularity: int = 32,
     max_batch_size: Optional[int] = None,
     num_devices: int = 4,
+    channel_multiple: int = 1,
   ):
     if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
       raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+    _check_channel_multiple(channel_multiple)
     if not isinstance(every_epochs, int) or every_epochs < 1:
       raise ValueError(f"every_epochs must be a positive int, got {every_epochs!r}")
     if num_devices < 1:
       raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     super().__init__(
-      functools.partial(reconfigure, threshold=threshold, input_shape=(1, *image_shape)),
+      functools.partial(
+        reconfigure,
+        threshold=threshold,
+        input_shape=(1, *image_shape),
+        channel_multiple=channel_multiple,
+      ),
       every_epochs,
       image_shape=tuple(image_shape),
       grow_batch=dynamic_batch,

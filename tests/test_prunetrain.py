@@ -317,8 +317,28 @@ def test_nnx_optimizer_and_flops_report():
   assert "channels" in report.summary()
 
 
+@pytest.mark.parametrize("family", ["prunetrain-resnet", "clicktrain-vgg"])
+def test_channel_multiple_rounds_widths_up_and_keeps_the_function(family):
+  model, size = _model(family)
+  _kill_channel(model, family)  # dead channels are exactly zero: reviving them is exact
+  x = _images(size)
+  plain, _, _ = pt.reconfigure(model, None, count_flops=False)
+  aligned, _, _ = pt.reconfigure(model, None, count_flops=False, channel_multiple=8)
+  before = [t.width for t in pt.channel_graph(model)]
+  after = [t.width for t in pt.channel_graph(aligned)]
+  shrunk = [t.width for t in pt.channel_graph(plain)]
+  assert len(before) == len(after) == len(shrunk)
+  for b, a, p in zip(before, after, shrunk):
+    assert p <= a <= b and (a % 8 == 0 or a == b) and a - p < 8
+  assert after != shrunk  # some width was rounded up
+  np.testing.assert_allclose(_forward(aligned, x), _forward(model, x), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_input():
   model, _ = _model("prunetrain-resnet")
+  for multiple in (0, 2.0, True):
+    with pytest.raises(ValueError, match="channel_multiple"):
+      pt.reconfigure(model, None, channel_multiple=multiple)
   for threshold in (-1.0, float("nan"), float("inf")):
     with pytest.raises(ValueError, match="threshold"):
       pt.reconfigure(model, None, threshold=threshold)
