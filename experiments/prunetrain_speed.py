@@ -18,6 +18,7 @@ Writes ``experiments/results/prunetrain_speed.{md,json}``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import shlex
@@ -63,6 +64,33 @@ def kill_channels(model: nnx.Module, keep: float, seed: int = 0) -> None:
       param[...] = array
 
 
+def _round_spec(spec: Any, multiple: int, dense_spec: Any) -> Any:
+  """A ResNet spec with every width rounded up to ``multiple`` (capped at the dense width)."""
+  if not hasattr(spec, "stages"):
+    raise ValueError(f"--channel-multiple: only ResNet specs are supported, got {spec!r}")
+
+  def up(width: int, cap: int) -> int:
+    return min(cap, -(-width // multiple) * multiple)
+
+  stages = []
+  for stage, dense_stage in zip(spec.stages, dense_spec.stages):
+    blocks = tuple(
+      dataclasses.replace(
+        block,
+        widths=None
+        if block.widths is None
+        else tuple(up(w, c) for w, c in zip(block.widths, dense_block.widths)),
+      )
+      for block, dense_block in zip(stage.blocks, dense_stage.blocks)
+    )
+    stages.append(
+      dataclasses.replace(stage, width=up(stage.width, dense_stage.width), blocks=blocks)
+    )
+  return dataclasses.replace(
+    spec, stem_width=up(spec.stem_width, dense_spec.stem_width), stages=tuple(stages)
+  )
+
+
 class _Timed:
   """The trainer's jitted train step for one model, with its own state copies."""
 
@@ -102,6 +130,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     default=[],
     help="prunetrain_table1 result JSON files: also time each run's final reconfigured model",
   )
+  parser.add_argument(
+    "--channel-multiple",
+    type=int,
+    default=None,
+    help="with --run: also time the run's model with every width rounded up to this multiple "
+    "(what reconfigure(channel_multiple=...) would keep)",
+  )
   args = parser.parse_args(argv)
   if any(not 0 < k <= 1 for k in args.keep):
     parser.error("--keep values must be in (0, 1]")
@@ -131,6 +166,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     spec = train.decode_spec(run["runs"]["prunetrain"]["final_spec_json"])
     pruned_model = type(dense_model)(spec, num_classes=10, rngs=nnx.Rngs(0))
     candidates.append((f"PruneTrain run {Path(path).stem}", None, pruned_model))
+    if args.channel_multiple:
+      rounded = _round_spec(spec, args.channel_multiple, dense_model.spec)
+      candidates.append(
+        (
+          f"same, widths rounded up to x{args.channel_multiple}",
+          None,
+          type(dense_model)(rounded, num_classes=10, rngs=nnx.Rngs(0)),
+        )
+      )
   rows = []
   for label, keep, pruned_model in candidates:
     params = sum(np.size(x) for x in jax.tree.leaves(nnx.state(pruned_model, nnx.Param)))

@@ -294,8 +294,8 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
   if args.budget:
     lines.append(
       "- Reduced budget: a few epochs on a subset cannot reach the paper's accuracy. "
-      "The penalty ratio and threshold are raised so that channels die within ~200 "
-      "steps (see the module docstring for the arithmetic). Compare the two "
+      "The penalty ratio and threshold are raised so that channels die within the "
+      "run (see the module docstring for the arithmetic). Compare the two "
       "measured rows with each other, not with the paper's numbers."
     )
   lines += [

@@ -576,9 +576,10 @@ def reconfigure(
     count_flops: set False to skip the FLOPs tracing.
     channel_multiple: round every kept channel count up to a multiple of this (capped at
       the current width) by keeping the strongest dead channels as well. Not in the paper:
-      CPU and GPU convolutions run much slower at odd channel counts, e.g. a reduced-budget
-      ResNet-32 run's final model (widths 3–35) took 0.64x the dense step for 0.33x the
-      FLOPs, and 0.56x once its widths were rounded up to multiples of 8 (0.43x the FLOPs).
+      convolutions run faster at channel counts that fill the vector width; on a 2-core CPU
+      a reduced-budget ResNet-32 run's final model (widths 3–35) took 0.61x the dense step
+      for 0.33x the FLOPs, and 0.58x with its widths rounded up to multiples of 8 (0.43x
+      the FLOPs; ``experiments/results/prunetrain_speed.md``).
       Dead residual branches are still removed.
 
   Returns:
