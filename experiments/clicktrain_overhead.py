@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "",
     f"- Command: `{command}`",
     f"- Date: {date}",
-    f"- Machine: {machine_description()} (shared with other jobs: medians of {args.rounds} interleaved "
+    f"- Machine: {machine_description()} (medians of {args.rounds} interleaved "
     f"rounds of {args.steps} steps)",
     "- Step: the full jitted train step (forward, backward, optimizer update) of "
     "`jaxprune.train`; inner optimizer = `train.sgd(0.01, momentum=0.9, weight_decay=5e-4)`; "
