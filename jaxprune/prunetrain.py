@@ -590,9 +590,7 @@ def reconfigure(
     ValueError: negative / non-finite ``threshold``, an unsupported model, or an optimizer
       state that does not match the model's params.
   """
-  if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
-    raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
-  _check_channel_multiple(channel_multiple)
+  _check_reconfigure_args(threshold, channel_multiple)
   if not hasattr(model, "spec"):
     raise ValueError(f"model must carry a width spec (model.spec), got {type(model).__name__}")
   graph = _build_graph(model)
@@ -683,7 +681,9 @@ def reconfigure(
   return new_model, new_opt_state, report
 
 
-def _check_channel_multiple(channel_multiple: Any) -> None:
+def _check_reconfigure_args(threshold: Any, channel_multiple: Any) -> None:
+  if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
+    raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
   if (
     not isinstance(channel_multiple, int)
     or isinstance(channel_multiple, bool)
@@ -814,9 +814,8 @@ class PruneTrainCallback(Reconfigure):
     num_devices: int = 4,
     channel_multiple: int = 1,
   ):
-    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
-      raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
-    _check_channel_multiple(channel_multiple)
+    # checked here too, so a bad value fails when the callback is built, not epochs later
+    _check_reconfigure_args(threshold, channel_multiple)
     if not isinstance(every_epochs, int) or every_epochs < 1:
       raise ValueError(f"every_epochs must be a positive int, got {every_epochs!r}")
     if num_devices < 1:
