@@ -52,6 +52,7 @@ __all__ = [
   "default_is_input_conv",
   "group_lasso",
   "group_lasso_from_ratio",
+  "group_shrink",
   "leaf_groups",
   "path_names",
   "penalty",
@@ -254,6 +255,53 @@ def coefficient_from_ratio(ratio: float, loss: Any, penalty: Any) -> jax.Array:
   ratio = jnp.asarray(ratio, jnp.float32)
   return (
     ratio * jnp.asarray(loss, jnp.float32) / ((1.0 - ratio) * jnp.asarray(penalty, jnp.float32))
+  )
+
+
+def group_shrink(
+  params: Any,
+  threshold: Any,
+  *,
+  is_input_conv: Optional[PathPredicate] = None,
+  is_classifier: Optional[PathPredicate] = None,
+) -> Any:
+  """Group soft-thresholding: the proximal step of ``threshold``·GL (PruneTrain Eq. 2).
+
+  Every group ``g`` becomes ``g·max(0, 1 − threshold/‖g‖)``: groups with norm at most
+  ``threshold`` are set to exactly zero, the others shrink by ``threshold`` in norm.  A
+  kernel in both an output and an input family (every inner conv) is shrunk by its output
+  groups first, then by its input groups.  The groups overlap, so this sequence is an
+  approximation of the proximal operator of the summed penalty, the usual one in proximal
+  training of overlapping group lasso; each step is exact for its own family, and a group
+  already at zero stays at zero.
+
+  Args:
+    params: a parameter pytree.
+    threshold: η·λ (step size times coefficient), a non-negative scalar.
+    is_input_conv: see :func:`leaf_groups`.
+    is_classifier: see :func:`leaf_groups`.
+
+  Returns:
+    ``params`` with every penalised group shrunk; other leaves unchanged.
+  """
+  layout = leaf_groups(params, is_input_conv=is_input_conv, is_classifier=is_classifier)
+  threshold = jnp.asarray(threshold, jnp.float32)
+
+  def shrink(groups: Optional[LeafGroups], leaf: Any) -> Any:
+    if groups is None:
+      return leaf
+    for axis in (groups.output_axis, groups.input_axis):
+      if axis is None:
+        continue
+      other = tuple(a for a in range(leaf.ndim) if a != axis)
+      norm = jnp.sqrt(jnp.sum(jnp.square(leaf.astype(jnp.float32)), axis=other, keepdims=True))
+      # max(0, 1 − t/‖g‖), written so that a zero group gives 0, not 0/0
+      scale = jnp.maximum(norm - threshold, 0.0) / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny)
+      leaf = (leaf * scale).astype(leaf.dtype)
+    return leaf
+
+  return jax.tree.map(
+    shrink, layout, params, is_leaf=lambda x: x is None or isinstance(x, LeafGroups)
   )
 
 

@@ -248,3 +248,107 @@ def test_with_group_lasso_in_nnx_optimizer():
   )
   trace = nnx.as_pure(optimizer.opt_state.inner[0].trace)
   jax.tree.map(lambda t, e: np.testing.assert_allclose(t, e, rtol=1e-4, atol=1e-6), trace, expected)
+
+
+def _loop_shrink(p, threshold):
+  """Group soft-thresholding, group by group in NumPy: output groups, then input groups."""
+  layout = {
+    ("stem", "conv"): (3, None),
+    ("block", "conv"): (3, 2),
+    ("block", "shortcut"): (3, 2),
+    ("hidden",): (1, 0),
+    ("out",): (None, 0),
+  }
+  out = jax.tree.map(lambda x: np.array(x, np.float64), p)
+  for path, axes in layout.items():
+    node = out
+    for name in path:
+      node = node[name]
+    kernel = node["kernel"]
+    for axis in axes:
+      if axis is None:
+        continue
+      for c in range(kernel.shape[axis]):
+        index = [slice(None)] * kernel.ndim
+        index[axis] = c
+        group = kernel[tuple(index)]
+        norm = math.sqrt(float(np.sum(group**2)))
+        kernel[tuple(index)] = group * (max(0.0, 1.0 - threshold / norm) if norm > 0 else 0.0)
+  return out
+
+
+def _group_norms(p):
+  norms = []
+  for path in [("block", "conv"), ("block", "shortcut"), ("hidden",)]:
+    node = p
+    for name in path:
+      node = node[name]
+    k = np.asarray(node["kernel"])
+    norms.append(np.sqrt(np.sum(k**2, axis=tuple(range(k.ndim - 1)))))
+  return np.concatenate(norms)
+
+
+def test_group_shrink_matches_loop_reference():
+  params = _params(5)
+  # A threshold between the group norms: some groups die, the others shrink.
+  threshold = float(np.median(_group_norms(params)))
+  got = jax.jit(gl.group_shrink)(params, threshold)
+  ref = _loop_shrink(params, threshold)
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6), got, ref)
+  dead = (_group_norms(got) == 0.0).sum()
+  assert 0 < dead < len(_group_norms(got))  # exact zeros, not just small
+  # BatchNorm parameters and biases are untouched.
+  np.testing.assert_array_equal(got["stem"]["bn"]["scale"], params["stem"]["bn"]["scale"])
+  np.testing.assert_array_equal(got["hidden"]["bias"], params["hidden"]["bias"])
+  # A zero group stays zero (no 0/0).
+  again = gl.group_shrink(got, threshold)
+  assert np.all(np.isfinite(again["block"]["conv"]["kernel"]))
+
+
+def _sgd_first_step_then_shrink(params, grads, lr, lam):
+  moved = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+  return _loop_shrink(moved, lr * lam)
+
+
+def test_proximal_step_follows_the_inner_learning_rate():
+  from jaxprune import train
+
+  params = _params(6)
+  grads = jax.tree.map(lambda x: 0.3 * jnp.cos(x), params)
+  # Schedule 1.0 at step 0, 0.25 afterwards; the dynamic mini-batch's LR multiplier is 2.
+  schedule = lambda step: jnp.where(step < 1, 1.0, 0.25)
+  tx = pt.with_group_lasso(train.sgd(schedule, momentum=0.0), penalty_ratio=0.6, proximal=True)
+  state = train.set_lr_scale(tx.init(params), 2.0)
+  update = jax.jit(tx.update)
+  updates, state = update(grads, state, params, value=1.7)
+  lam = float(state.group_lasso.coefficient)
+  gl0 = float(gl.penalty(params))
+  assert lam * gl0 / (1.7 + lam * gl0) == pytest.approx(0.6, rel=1e-5)  # Eq. 3 unchanged
+  new = optax.apply_updates(params, updates)
+  ref = _sgd_first_step_then_shrink(params, grads, 2.0, lam)
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5), new, ref)
+  # Second step: the schedule's 0.25 times the multiplier.
+  updates2, state = update(grads, state, new, value=0.5)
+  ref2 = _sgd_first_step_then_shrink(new, grads, 0.5, lam)
+  jax.tree.map(
+    lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5),
+    optax.apply_updates(new, updates2),
+    ref2,
+  )
+  # The same with an explicit learning_rate around a plain Optax SGD.
+  tx = pt.with_group_lasso(optax.sgd(2.0), penalty_ratio=0.6, proximal=True, learning_rate=2.0)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params, value=1.7)
+  jax.tree.map(
+    lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5),
+    optax.apply_updates(params, updates),
+    ref,
+  )
+
+
+def test_proximal_bad_arguments():
+  params = _params()
+  with pytest.raises(ValueError, match="learning_rate"):
+    pt.with_group_lasso(optax.sgd(0.1), learning_rate=0.1)
+  # Nothing to read the step size from: fails at init, naming the argument.
+  with pytest.raises(ValueError, match="learning_rate"):
+    pt.with_group_lasso(optax.sgd(0.1), proximal=True).init(params)

@@ -53,18 +53,23 @@ def test_grow_batch_size_bad_input():
     pt.PruneTrainCallback(threshold=-1.0)
 
 
-def test_callback_reconfigures_inside_the_trainer():
-  rng = np.random.default_rng(0)
+def _loader(seed):
+  rng = np.random.default_rng(seed)
   images = rng.integers(0, 256, size=(64, 8, 8, 3), dtype=np.uint8)
   labels = rng.integers(0, 10, size=64).astype(np.int32)
   dataset = data.Dataset.from_arrays(images, labels, num_classes=10)
-  loader = data.Loader(dataset, 16, shuffle=True, seed=0, drop_last=True)
-  model = models.ResNet(
+  return data.Loader(dataset, 16, shuffle=True, seed=0, drop_last=True)
+
+
+def _small_resnet():
+  return models.ResNet(
     models.prunetrain_resnet_spec(8).scaled(0.5), num_classes=10, rngs=nnx.Rngs(0)
   )
-  # Kill one stem channel everywhere it is written and read (stem, stage-0 block, the
-  # stage-1 projection and first conv); LR 0 keeps it dead through training.
-  c = 3
+
+
+def _scale_stream_channel(model, c, factor):
+  """Scale stage-0 stream channel ``c`` where it is written (stem, the block's conv2) and
+  read (the block's conv1, the stage-1 projection and first conv)."""
   for param, index in [
     (model.stem.conv.kernel, (..., c)),
     (model.stages[0][0].conv2.conv.kernel, (..., c)),
@@ -73,8 +78,14 @@ def test_callback_reconfigures_inside_the_trainer():
     (model.stages[1][0].conv1.conv.kernel, (slice(None), slice(None), c)),
   ]:
     array = np.array(param[...])
-    array[index] = 0.0
+    array[index] *= factor
     param[...] = array
+
+
+def test_callback_reconfigures_inside_the_trainer():
+  loader, model = _loader(0), _small_resnet()
+  # Kill one stem channel everywhere it is written and read; LR 0 keeps it dead.
+  _scale_stream_channel(model, 3, 0.0)
   callback = pt.PruneTrainCallback(
     every_epochs=1, image_shape=(8, 8, 3), granularity=16, max_batch_size=64
   )
@@ -94,3 +105,33 @@ def test_callback_reconfigures_inside_the_trainer():
   new_batch = first["pt_next_batch_size"]
   assert 16 <= new_batch <= 64 and second["batch_size"] == new_batch
   assert second["lr_scale"] == pytest.approx(new_batch / 16)
+
+
+def _weak_channel_run(proximal):
+  """Two epochs of PruneTrain on a small ResNet whose stage-0 stream channel 3 starts weak.
+
+  The channel's writer and reader groups are scaled to 2% (norm ~0.03, the others ~1);
+  λ from ratio 0.99 with lr 0.1 shrinks a group by ~0.06 per step, so the proximal form
+  zeroes the weak channel in the first steps while the others only shrink.
+  """
+  loader, model = _loader(1), _small_resnet()
+  _scale_stream_channel(model, 3, 0.02)
+  # threshold 1e-30: only groups at exactly zero count as dead
+  callback = pt.PruneTrainCallback(
+    every_epochs=1, threshold=1e-30, image_shape=(8, 8, 3), dynamic_batch=False
+  )
+  tx = pt.with_group_lasso(train.sgd(0.1, momentum=0.9), penalty_ratio=0.99, proximal=proximal)
+  trainer = train.Trainer(model, tx, callbacks=[callback], progress=False)
+  history = trainer.fit(loader, None, epochs=2)
+  return sum(r.get("pt_channels_removed", 0) for r in history), trainer
+
+
+def test_proximal_group_lasso_reaches_exact_zeros_in_training():
+  removed, trainer = _weak_channel_run(proximal=True)
+  assert removed == 2  # the weak stream channel, in its two writers (stem, block conv2)
+  assert trainer.model.spec.stem_width == 7 and trainer.model.spec.stages[0].width == 7
+  assert trainer.model.spec.stages[1:] == _small_resnet().spec.stages[1:]
+  assert np.isfinite(trainer.history[-1]["train_loss"])
+  # The paper's subgradient form, same λ and steps: the groups get small, never zero.
+  removed_subgradient, _ = _weak_channel_run(proximal=False)
+  assert removed_subgradient == 0

@@ -120,10 +120,18 @@ def set_step_increment(opt_state: Any, step_increment: float) -> Any:
   return _replace_lr_states(opt_state, step_increment=step_increment)[0]
 
 
+def find_lr_states(opt_state: Any) -> list[ScaleByLrState]:
+  """Every :class:`ScaleByLrState` in an optimizer state tree, in flatten order.
+
+  Works on traced states too (inside ``jit``): the tree structure is static.
+  """
+  return [s for s in jax.tree.leaves(opt_state, is_leaf=_is_lr_state) if _is_lr_state(s)]
+
+
 def get_lr(opt_state: Any) -> float | None:
   """The LR applied by the last update (first ``scale_by_lr`` or ``inject_hyperparams``
   ``learning_rate`` found), or ``None`` if the optimizer exposes neither."""
-  lr_states = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_lr_state) if _is_lr_state(s)]
+  lr_states = find_lr_states(opt_state)
   if lr_states:
     return float(lr_states[0].lr)
   try:
@@ -135,7 +143,7 @@ def get_lr(opt_state: Any) -> float | None:
 
 def get_lr_scale(opt_state: Any) -> float | None:
   """The ``lr_scale`` of the first :class:`ScaleByLrState`, or ``None``."""
-  lr_states = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_lr_state) if _is_lr_state(s)]
+  lr_states = find_lr_states(opt_state)
   return float(lr_states[0].lr_scale) if lr_states else None
 
 
