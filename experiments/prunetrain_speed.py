@@ -18,7 +18,6 @@ Writes ``experiments/results/prunetrain_speed.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import shlex
@@ -66,35 +65,16 @@ def kill_channels(model: nnx.Module, keep: float, seed: int = 0) -> None:
 
 def _round_spec(spec: Any, multiple: int, dense_spec: Any) -> Any:
   """A ResNet spec with every width rounded up to ``multiple`` (capped at the dense width)."""
-  if not hasattr(spec, "stages"):
+  if not hasattr(spec, "map_widths"):
     raise ValueError(f"--channel-multiple: only ResNet specs are supported, got {spec!r}")
-
-  def up(width: int, cap: int) -> int:
-    return min(cap, -(-width // multiple) * multiple)
-
-  stages = []
-  for stage, dense_stage in zip(spec.stages, dense_spec.stages):
-    blocks = tuple(
-      dataclasses.replace(
-        block,
-        widths=None
-        if block.widths is None
-        else tuple(up(w, c) for w, c in zip(block.widths, dense_block.widths)),
-      )
-      for block, dense_block in zip(stage.blocks, dense_stage.blocks)
-    )
-    stages.append(
-      dataclasses.replace(stage, width=up(stage.width, dense_stage.width), blocks=blocks)
-    )
-  return dataclasses.replace(
-    spec, stem_width=up(spec.stem_width, dense_spec.stem_width), stages=tuple(stages)
-  )
+  return spec.map_widths(lambda width, cap: min(cap, -(-width // multiple) * multiple), dense_spec)
 
 
 class _Timed:
   """The trainer's jitted train step for one model, with its own state copies."""
 
   def __init__(self, model: nnx.Module, batch: int, image_shape: tuple[int, ...]):
+    self.batch, self.image_shape = batch, image_shape
     train_gd, eval_gd, params, rest = train.split_model(model)
     # The step donates its inputs: copy, so the model's own arrays stay valid.
     params, rest = jax.tree.map(jnp.copy, (params, rest))
@@ -106,6 +86,13 @@ class _Timed:
     self.labels = jnp.asarray(rng.integers(0, 10, size=batch).astype(np.int32))
     self.run(2)  # compile + warm up
 
+  def memory(self, batch: int) -> int:
+    """XLA's memory analysis of this step compiled at ``batch`` (what §4.3 budgets)."""
+    params, rest, opt_state, _ = self.state
+    return train.train_step_memory(self.steps, params, rest, opt_state, self.image_shape, batch)[
+      "total"
+    ]
+
   def run(self, steps: int) -> float:
     start = time.perf_counter()
     state = self.state
@@ -114,6 +101,37 @@ class _Timed:
     jax.block_until_ready(state)
     self.state = state
     return (time.perf_counter() - start) / steps
+
+
+def _time_row(
+  label: str,
+  keep: float | None,
+  params: int,
+  flop_ratio: float,
+  dense: _Timed,
+  pruned: _Timed,
+  args: argparse.Namespace,
+) -> dict[str, Any]:
+  """Interleaved timing of ``pruned`` against ``dense``; ratios are per training image."""
+  dense_times, pruned_times = [], []
+  for _ in range(args.repeats):  # interleaved, so load changes hit both alike
+    dense_times.append(dense.run(args.steps))
+    pruned_times.append(pruned.run(args.steps))
+  dense_time, pruned_time = statistics.median(dense_times), statistics.median(pruned_times)
+  time_ratio = (pruned_time / pruned.batch) / (dense_time / dense.batch)
+  return {
+    "label": label,
+    "keep": keep,
+    "params": params,
+    "batch": pruned.batch,
+    "train_flops_ratio": flop_ratio,  # per image, so the same at any batch
+    "time_ratio": time_ratio,
+    "time_over_flops": time_ratio / flop_ratio,
+    "dense_step_s": dense_time,
+    "pruned_step_s": pruned_time,
+    "dense_times": dense_times,
+    "pruned_times": pruned_times,
+  }
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -137,6 +155,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     help="with --run: also time the run's model with every width rounded up to this multiple "
     "(what reconfigure(channel_multiple=...) would keep)",
   )
+  parser.add_argument(
+    "--grown-batch",
+    action="store_true",
+    help="also time every pruned model at the batch PruneTrain's dynamic mini-batch grows "
+    "it to (+32 while the step's memory fits the dense step's) and compare time per image",
+  )
+  parser.add_argument("--max-batch-size", type=int, default=1024, help="cap of --grown-batch")
   args = parser.parse_args(argv)
   if any(not 0 < k <= 1 for k in args.keep):
     parser.error("--keep values must be in (0, 1]")
@@ -178,31 +203,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   rows = []
   for label, keep, pruned_model in candidates:
     params = sum(np.size(x) for x in jax.tree.leaves(nnx.state(pruned_model, nnx.Param)))
-    pruned_flops = flops.training_flops_per_step(pruned_model, input_shape)
+    flop_ratio = flops.training_flops_per_step(pruned_model, input_shape) / dense_flops
     pruned = _Timed(pruned_model, args.batch_size, image_shape)
-    dense_times, pruned_times = [], []
-    for _ in range(args.repeats):  # interleaved, so load changes hit both alike
-      dense_times.append(dense.run(args.steps))
-      pruned_times.append(pruned.run(args.steps))
-    dense_time, pruned_time = statistics.median(dense_times), statistics.median(pruned_times)
-    flop_ratio = pruned_flops / dense_flops
-    time_ratio = pruned_time / dense_time
-    rows.append(
-      {
-        "label": label,
-        "keep": keep,
-        "params": params,
-        "train_flops_ratio": flop_ratio,
-        "time_ratio": time_ratio,
-        "time_over_flops": time_ratio / flop_ratio,
-        "dense_step_s": dense_time,
-        "pruned_step_s": pruned_time,
-        "dense_times": dense_times,
-        "pruned_times": pruned_times,
-        "spec": repr(pruned_model.spec),
-      }
-    )
-    print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("times")}), flush=True)
+    timed = [(label, pruned)]
+    if args.grown_batch:
+      # PruneTrain §4.3: the batch grows into the memory the reconfiguration freed.
+      grown = pt.grow_batch_size(
+        pruned.memory,
+        args.batch_size,
+        dense.memory(args.batch_size),
+        granularity=32,
+        max_batch_size=args.max_batch_size,
+      )
+      if grown > args.batch_size:
+        timed.append((f"{label}, dynamic mini-batch", _Timed(pruned_model, grown, image_shape)))
+    for row_label, candidate in timed:
+      rows.append(_time_row(row_label, keep, params, flop_ratio, dense, candidate, args))
+      rows[-1]["spec"] = repr(pruned_model.spec)
+      print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("times")}), flush=True)
   result = {
     "args": vars(args),
     "command": command,
@@ -225,21 +243,25 @@ def _write(result: dict[str, Any], args: argparse.Namespace, command: str) -> No
     "",
     f"- Command: `{command}`",
     f"- Date: {date}; machine: {machine}",
-    f"- Jitted train step (forward + backward + SGD momentum), batch {args.batch_size}, "
-    f"{args.image_size}x{args.image_size} images; median of {args.repeats} interleaved "
-    f"blocks of {args.steps} steps. Uniform rows: that fraction of the channels kept, "
-    "killed at random in every channel tensor, then `jaxprune.prunetrain.reconfigure`; "
-    "run rows: the final model of a PruneTrain run (`--run`).",
+    f"- Jitted train step (forward + backward + SGD momentum), dense at batch "
+    f"{args.batch_size}, {args.image_size}x{args.image_size} images; median of "
+    f"{args.repeats} interleaved blocks of {args.steps} steps. Uniform rows: that fraction "
+    "of the channels kept, killed at random in every channel tensor, then "
+    "`jaxprune.prunetrain.reconfigure`; run rows: the final model of a PruneTrain run "
+    "(`--run`). Dynamic mini-batch rows: the same model at the batch PruneTrain §4.3 grows "
+    "it to (+32 while XLA's memory analysis of the step stays within the dense step's). "
+    "Time and FLOP ratios are per training image.",
     f"- Dense: {result['dense_params']:,} params, "
     f"{result['dense_train_flops'] / 1e9:.2f} GFLOPs per step.",
     "",
-    "| model | params | train FLOPs ratio | step time ratio | time / FLOPs "
+    "| model | params | batch | train FLOPs ratio | time ratio | time / FLOPs "
     "(target ≤ 1.25) | dense step (ms) | pruned step (ms) |",
-    "|---:|---:|---:|---:|---:|---:|---:|",
+    "|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in result["rows"]:
     lines.append(
-      f"| {r['label']} | {r['params']:,} | {r['train_flops_ratio']:.3f} "
+      f"| {r['label']} | {r['params']:,} | {r.get('batch', args.batch_size)} "
+      f"| {r['train_flops_ratio']:.3f} "
       f"| {r['time_ratio']:.3f} | {r['time_over_flops']:.2f} "
       f"| {1e3 * r['dense_step_s']:.1f} | {1e3 * r['pruned_step_s']:.1f} |"
     )

@@ -363,6 +363,35 @@ def test_model_with_removed_block_runs_and_rebuilds():
   assert models.param_count(model) == models.param_count(dense) - removed
 
 
+def test_map_widths_rounds_against_a_reference_spec():
+  dense = models.prunetrain_resnet_spec(20)
+  stage = dense.stages[1]
+  pruned_stage = dataclasses.replace(
+    stage,
+    width=19,
+    blocks=(
+      dataclasses.replace(stage.blocks[0], widths=(3,)),
+      dataclasses.replace(stage.blocks[1], widths=None),
+      dataclasses.replace(stage.blocks[2], widths=(31,)),
+    ),
+  )
+  stem_stage = dataclasses.replace(dense.stages[0], width=5)  # the stem's stream
+  pruned = dataclasses.replace(
+    dense, stem_width=5, stages=(stem_stage, pruned_stage, dense.stages[2])
+  )
+  up8 = pruned.map_widths(lambda w, cap: min(cap, -(-w // 8) * 8), dense)
+  assert up8.stem_width == 8 and up8.stages[0].width == 8
+  assert up8.stages[1].width == 24  # stage width 32: 19 → 24
+  assert [b.widths for b in up8.stages[1].blocks] == [(8,), None, (32,)]  # 31 → 32, cap 32
+  assert up8.stages[0].blocks == dense.stages[0].blocks and up8.stages[2] == dense.stages[2]
+  # scaled is map_widths with a rounding rule
+  assert dense.scaled(0.5) == dense.map_widths(lambda w, _: max(1, round(w * 0.5)))
+  with pytest.raises(ValueError, match="like"):
+    dense.map_widths(lambda w, _: w, models.prunetrain_resnet_spec(32))
+  with pytest.raises(ValueError, match="like"):
+    dense.map_widths(lambda w, _: w, pruned)  # a block removed in like, present here
+
+
 def test_resnet9_layout_by_hand():
   spec = models.sdgp_resnet9_spec().scaled(1 / 32)
   model = ResNet9(spec, num_classes=3, rngs=nnx.Rngs(0))

@@ -18,7 +18,7 @@ The first block of a stage carries the stage stride (on ``conv1`` of a basic blo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
@@ -208,25 +208,41 @@ class ResNetSpec:
   def scaled(self, multiplier: float) -> ResNetSpec:
     """Every width times ``multiplier`` (rounded, at least 1); structure unchanged."""
     check_multiplier(multiplier)
+    return self.map_widths(lambda width, _: scale_width(width, multiplier))
 
-    def scale_block(block: BlockSpec) -> BlockSpec:
+  def map_widths(self, fn: Callable[[int, int], int], like: ResNetSpec | None = None) -> ResNetSpec:
+    """Every width ``w`` replaced by ``fn(w, w_like)``; structure unchanged.
+
+    ``w_like`` is the width in the same position of ``like`` (default: this spec), e.g.
+    the dense model's widths when rounding a pruned spec up without exceeding them.
+    Removed blocks (``widths=None``) stay removed.
+
+    Raises:
+      ValueError: ``like`` has other stages or blocks, or a removed block where this
+        spec has one.
+    """
+    like = self if like is None else like
+    if like.num_blocks != self.num_blocks:
+      raise ValueError(f"like: blocks per stage {like.num_blocks} differ from {self.num_blocks}")
+
+    def map_block(block: BlockSpec, like_block: BlockSpec) -> BlockSpec:
       if block.widths is None:
         return block
+      if like_block.widths is None or len(like_block.widths) != len(block.widths):
+        raise ValueError(f"like: block {like_block} does not match {block}")
       return dataclasses.replace(
-        block, widths=tuple(scale_width(w, multiplier) for w in block.widths)
+        block, widths=tuple(fn(w, w_like) for w, w_like in zip(block.widths, like_block.widths))
       )
 
     stages = tuple(
       dataclasses.replace(
         stage,
-        width=scale_width(stage.width, multiplier),
-        blocks=tuple(scale_block(b) for b in stage.blocks),
+        width=fn(stage.width, like_stage.width),
+        blocks=tuple(map(map_block, stage.blocks, like_stage.blocks)),
       )
-      for stage in self.stages
+      for stage, like_stage in zip(self.stages, like.stages)
     )
-    return dataclasses.replace(
-      self, stem_width=scale_width(self.stem_width, multiplier), stages=stages
-    )
+    return dataclasses.replace(self, stem_width=fn(self.stem_width, like.stem_width), stages=stages)
 
 
 class ResNet(nnx.Module):
