@@ -214,7 +214,15 @@ def with_group_lasso(
       is_input_conv=is_input_conv,
       is_classifier=is_classifier,
     )
-    updates = jax.tree.map(lambda new, old, u: (new - old).astype(u.dtype), shrunk, params, updates)
+    # Leaves without groups come back from group_shrink as the very same array: keep their
+    # update exactly as ``inner`` made it instead of the rounded (p + u) − p.
+    updates = jax.tree.map(
+      lambda new, before, old, u: u if new is before else (new - old).astype(u.dtype),
+      shrunk,
+      moved,
+      params,
+      updates,
+    )
     return updates, PruneTrainState(lasso_state, inner_state, state.count + 1)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -326,6 +326,9 @@ def test_proximal_step_follows_the_inner_learning_rate():
   assert lam * gl0 / (1.7 + lam * gl0) == pytest.approx(0.6, rel=1e-5)  # Eq. 3 unchanged
   new = optax.apply_updates(params, updates)
   ref = _sgd_first_step_then_shrink(params, grads, 2.0, lam)
+  # Leaves without groups keep the inner update bit for bit.
+  np.testing.assert_array_equal(updates["stem"]["bn"]["scale"], -2.0 * grads["stem"]["bn"]["scale"])
+  np.testing.assert_array_equal(updates["hidden"]["bias"], -2.0 * grads["hidden"]["bias"])
   jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5), new, ref)
   # Second step: the schedule's 0.25 times the multiplier.
   updates2, state = update(grads, state, new, value=0.5)
