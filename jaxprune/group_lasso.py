@@ -56,6 +56,7 @@ __all__ = [
   "leaf_groups",
   "path_names",
   "penalty",
+  "set_coefficient_once",
 ]
 
 # PruneTrain's group norm is sqrt(Σw² + ε): ε keeps the gradient finite at a
@@ -416,19 +417,46 @@ def group_lasso_from_ratio(
 
   def update_fn(updates, state, params=None, *, value=None, **extra_args):
     del extra_args
-    if params is None:
-      raise ValueError("group_lasso_from_ratio needs params")
-    if value is None:
-      raise ValueError("group_lasso_from_ratio needs the loss: update(..., value=loss)")
-    first = coefficient_from_ratio(
+    state = set_coefficient_once(
+      state,
       penalty_ratio,
+      params,
       value,
-      penalty(params, is_input_conv=is_input_conv, is_classifier=is_classifier),
+      is_input_conv=is_input_conv,
+      is_classifier=is_classifier,
     )
-    coefficient = jnp.where(state.initialized, state.coefficient, first)
-    updates = _add_penalty_gradient(updates, params, coefficient, is_input_conv, is_classifier)
-    return updates, GroupLassoRatioState(
-      coefficient=coefficient, initialized=jnp.ones((), jnp.bool_)
+    updates = _add_penalty_gradient(
+      updates, params, state.coefficient, is_input_conv, is_classifier
     )
+    return updates, state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def set_coefficient_once(
+  state: GroupLassoRatioState,
+  penalty_ratio: float,
+  params: Any,
+  value: Any,
+  *,
+  is_input_conv: Optional[PathPredicate] = None,
+  is_classifier: Optional[PathPredicate] = None,
+) -> GroupLassoRatioState:
+  """λ of :func:`group_lasso_from_ratio`'s state: set from (``value``, ``params``) at the
+  first call (Eq. 3), unchanged afterwards.  Shared with PruneTrain's proximal form, which
+  needs λ but not the penalty gradient.
+
+  Raises:
+    ValueError: ``params`` or ``value`` (the loss) is None.
+  """
+  if params is None:
+    raise ValueError("group_lasso_from_ratio needs params")
+  if value is None:
+    raise ValueError("group_lasso_from_ratio needs the loss: update(..., value=loss)")
+  first = coefficient_from_ratio(
+    penalty_ratio,
+    value,
+    penalty(params, is_input_conv=is_input_conv, is_classifier=is_classifier),
+  )
+  coefficient = jnp.where(state.initialized, state.coefficient, first)
+  return GroupLassoRatioState(coefficient=coefficient, initialized=jnp.ones((), jnp.bool_))

@@ -69,6 +69,7 @@ from jaxprune.group_lasso import (  # noqa: F401  (re-exported for ``prunetrain.
   group_shrink,
   path_names,
   penalty,
+  set_coefficient_once,
 )
 
 __all__ = [
@@ -198,8 +199,15 @@ def with_group_lasso(
       updates, lasso_state = regularizer.update(updates, state.group_lasso, params, **extra_args)
       updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
       return updates, PruneTrainState(lasso_state, inner_state, state.count)
-    # λ is set (first step) by the ratio transform; its gradient term is not used here.
-    _, lasso_state = regularizer.update(updates, state.group_lasso, params, **extra_args)
+    # λ only: the proximal form does not add the penalty gradient.
+    lasso_state = set_coefficient_once(
+      state.group_lasso,
+      penalty_ratio,
+      params,
+      extra_args.get("value"),
+      is_input_conv=is_input_conv,
+      is_classifier=is_classifier,
+    )
     updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
     if learning_rate is None:
       step_size = _applied_lr(inner_state)
@@ -650,8 +658,8 @@ def reconfigure(
     channel_multiple: round every kept channel count up to a multiple of this (capped at
       the current width) by keeping the strongest dead channels as well. Not in the paper:
       convolutions run faster at channel counts that fill the vector width; on a 2-core CPU
-      a reduced-budget ResNet-32 run's final model (widths 3–35) took 0.61x the dense step
-      for 0.33x the FLOPs, and 0.58x with its widths rounded up to multiples of 8 (0.43x
+      a reduced-budget ResNet-32 run's final model (widths 3–35) took 0.62x the dense step
+      for 0.33x the FLOPs, and 0.60x with its widths rounded up to multiples of 8 (0.43x
       the FLOPs; ``experiments/results/prunetrain_speed.md``).
       Dead residual branches are still removed.
 
