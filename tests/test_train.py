@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -99,6 +100,7 @@ _TIMING_KEYS = {
   "step_images_per_s",
   "data_wait_s",
   "epoch_time_s",
+  "cpu_time_s",
   "eval_time_s",
   "wall_time_s",
 }
@@ -440,6 +442,31 @@ def test_fit_learns_and_writes_json_lines(tmp_path):
   assert records[0]["lr"] == pytest.approx(0.1)
   assert records[-1]["lr"] == pytest.approx(0.01)  # step schedule: x0.1 from epoch 2
   assert trainer.history == records
+
+
+class _BusyLoader(ArrayLoader):
+  """Spends ``busy_s`` of CPU (not sleep) producing every batch."""
+
+  busy_s = 0.05
+
+  def __iter__(self):
+    for batch in super().__iter__():
+      start = time.process_time()
+      while time.process_time() - start < self.busy_s:
+        pass
+      yield batch
+
+
+def test_epoch_cpu_time_counts_the_process_cpu_seconds():
+  images, labels = _data(48)
+  loader = _BusyLoader(images, labels, 8)
+  trainer = _trainer()
+  trainer.train_epoch(loader)  # compile outside the measured epoch
+  before = time.process_time()
+  record = trainer.train_epoch(loader)
+  outer = time.process_time() - before
+  # the loader's busy loop is CPU time of the process; sleeping would not be
+  assert len(loader) * _BusyLoader.busy_s <= record["cpu_time_s"] <= outer
 
 
 def test_empty_loader_is_an_error():

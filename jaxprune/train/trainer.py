@@ -440,6 +440,9 @@ class Trainer:
       bar = tqdm(total=total, desc=f"epoch {self.epoch + 1}", leave=False, dynamic_ncols=True)
     images_seen, data_wait, steps = 0, 0.0, 0
     start = time.perf_counter()
+    # CPU seconds of the whole process (XLA's threads, the loader's): unlike wall time, not
+    # inflated when a shared host takes the cores away (steal time).
+    cpu_start = time.process_time()
     iterator = iter(loader)
     while True:
       t0 = time.perf_counter()
@@ -464,6 +467,7 @@ class Trainer:
           bar.set_postfix(loss=f"{float(metrics.loss_sum / metrics.count):.4f}")
     summary = metrics.summary()  # blocks until the last step finished
     elapsed = time.perf_counter() - start
+    cpu_time = time.process_time() - cpu_start
     if bar is not None:
       bar.close()
     if steps == 0:
@@ -479,6 +483,7 @@ class Trainer:
       "step_images_per_s": images_seen / compute,
       "data_wait_s": data_wait,
       "epoch_time_s": elapsed,
+      "cpu_time_s": cpu_time,
     }
 
   def evaluate(self, loader: Iterable) -> dict[str, float]:
