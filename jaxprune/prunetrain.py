@@ -876,6 +876,12 @@ class PruneTrainCallback(Reconfigure):
     max_batch_size: cap on the batch size (e.g. the training-set size).
     num_devices: devices of the ring all-reduce cost model (paper Fig. 11 uses 4 GPUs).
     channel_multiple: passed to :func:`reconfigure` (round kept channel counts up).
+    min_flops_saving: install a reconfiguration only when it cuts the inference FLOPs by at
+      least this fraction (0 = whenever a channel died, as in the paper).  Each installed
+      reconfiguration recompiles the step (and, with ``dynamic_batch``, compiles it again per
+      memory probe), which on a CPU costs as much as ~100 training steps of ResNet-32: a few
+      dead channels are not worth it.  Skipped dead channels stay in the model (zero or
+      near zero) and go at the next reconfiguration that is worth installing.
 
   Example::
 
@@ -894,9 +900,12 @@ class PruneTrainCallback(Reconfigure):
     max_batch_size: Optional[int] = None,
     num_devices: int = 4,
     channel_multiple: int = 1,
+    min_flops_saving: float = 0.0,
   ):
     # checked here too, so a bad value fails when the callback is built, not epochs later
     _check_reconfigure_args(threshold, channel_multiple)
+    if not 0.0 <= min_flops_saving < 1.0:
+      raise ValueError(f"min_flops_saving must be in [0, 1), got {min_flops_saving!r}")
     if not isinstance(every_epochs, int) or every_epochs < 1:
       raise ValueError(f"every_epochs must be a positive int, got {every_epochs!r}")
     if num_devices < 1:
@@ -913,9 +922,10 @@ class PruneTrainCallback(Reconfigure):
       grow_batch=dynamic_batch,
       granularity=granularity,
       max_batch_size=max_batch_size,
-      report_metrics=_report_metrics,
-      changed=lambda report: report.changed,
+      report_metrics=lambda report: _report_metrics(report) if self._worth(report) else {},
+      changed=self._worth,
     )
+    self.min_flops_saving = float(min_flops_saving)
     self.threshold = threshold
     self.dynamic_batch = dynamic_batch
     self.num_devices = num_devices
@@ -931,6 +941,14 @@ class PruneTrainCallback(Reconfigure):
       "allreduce_bytes": 0.0,
       "dense_allreduce_bytes": 0.0,
     }
+
+  def _worth(self, report: ReconfigureReport) -> bool:
+    """Install ``report``'s model? Something died and the FLOP saving is big enough."""
+    if not report.changed:
+      return False
+    if self.min_flops_saving == 0.0 or report.flops_ratio is None:
+      return True
+    return 1.0 - report.flops_ratio >= self.min_flops_saving
 
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
   def state_dict(self) -> dict[str, Any]:

@@ -51,6 +51,9 @@ def test_grow_batch_size_bad_input():
     pt.PruneTrainCallback(every_epochs=0)
   with pytest.raises(ValueError, match="threshold"):
     pt.PruneTrainCallback(threshold=-1.0)
+  for bad in (-0.1, 1.0):
+    with pytest.raises(ValueError, match="min_flops_saving"):
+      pt.PruneTrainCallback(min_flops_saving=bad)
 
 
 def _loader(seed):
@@ -105,6 +108,35 @@ def test_callback_reconfigures_inside_the_trainer():
   new_batch = first["pt_next_batch_size"]
   assert 16 <= new_batch <= 64 and second["batch_size"] == new_batch
   assert second["lr_scale"] == pytest.approx(new_batch / 16)
+
+
+def test_min_flops_saving_skips_small_reconfigurations():
+  def dead_channel_model():  # one dead stream channel: a small FLOP saving
+    model = _small_resnet()
+    _scale_stream_channel(model, 3, 0.0)
+    return model
+
+  dense_spec = _small_resnet().spec
+  _, _, report = pt.reconfigure(dead_channel_model(), None, input_shape=(1, 8, 8, 3))
+  saving = 1.0 - report.flops_ratio
+  assert 0.0 < saving < 0.2
+
+  def run(min_flops_saving):
+    callback = pt.PruneTrainCallback(
+      every_epochs=1, image_shape=(8, 8, 3), dynamic_batch=False, min_flops_saving=min_flops_saving
+    )
+    tx = pt.with_group_lasso(train.sgd(0.0, momentum=0.9))
+    trainer = train.Trainer(dead_channel_model(), tx, callbacks=[callback], progress=False)
+    return trainer, trainer.fit(_loader(0), None, epochs=1)[0]
+
+  skipped, record = run(saving * 1.01)
+  assert record["pt_reconfigured"] is False and "pt_channels_removed" not in record
+  assert skipped.model.spec == dense_spec
+  # the dead channel stays dead (LR 0) until a reconfiguration worth installing removes it
+  np.testing.assert_array_equal(skipped.model.stem.conv.kernel[..., 3], 0.0)
+  installed, record = run(saving * 0.99)
+  assert record["pt_reconfigured"] and record["pt_channels_removed"] == 2
+  assert installed.model.spec.stem_width == dense_spec.stem_width - 1
 
 
 def _weak_channel_run(proximal):
