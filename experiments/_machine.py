@@ -31,3 +31,17 @@ def machine_description() -> str:
 
   devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
   return f"{cpu_description()}; JAX {jax.__version__} on {jax.device_count()}x {devices}"
+
+
+def host_steal_seconds() -> float | None:
+  """CPU seconds the hypervisor has taken from this machine's CPUs since boot (all CPUs).
+
+  ``/proc/stat``'s steal column; None where it is not available.  On a shared virtual
+  machine, steal time stretches wall-clock measurements without changing the work done, so
+  result files report it beside wall time.
+  """
+  try:
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+  except (OSError, IndexError, ValueError):
+    return None
