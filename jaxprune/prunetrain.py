@@ -924,7 +924,7 @@ class PruneTrainCallback(Reconfigure):
       grow_batch=dynamic_batch,
       granularity=granularity,
       max_batch_size=max_batch_size,
-      report_metrics=lambda report: _report_metrics(report) if self._worth(report) else {},
+      report_metrics=_report_metrics,
       changed=self._worth,
     )
     self.min_flops_saving = float(min_flops_saving)
@@ -1016,9 +1016,7 @@ class PruneTrainCallback(Reconfigure):
 
 
 def _report_metrics(report: ReconfigureReport) -> dict[str, Any]:
-  """Record entries of a reconfiguration that removed something (``pt_``-prefixed later)."""
-  if not report.changed:
-    return {}
+  """Record entries of an installed reconfiguration (``pt_``-prefixed later)."""
   return {
     "channels_removed": sum(report.channels_removed.values()),
     "layers_removed": len(report.removed_layers),

@@ -31,9 +31,11 @@ class Reconfigure(Callback):
     grow_batch: grow the batch into the freed memory (PruneTrain's dynamic mini-batch).
     granularity: batch sizes grow in steps of this.
     max_batch_size: upper bound of the grown batch (e.g. the data set size); ``None`` = none.
-    report_metrics: ``report -> dict`` of entries for the epoch's JSON line.
+    report_metrics: ``report -> dict`` of entries for the epoch's JSON line, for a
+      reconfiguration that is installed.
     changed: ``report -> bool``; when it says False the model is kept (no recompilation,
-      no batch growth) and the record says ``reconfigured: False``.  Default: always True.
+      no batch growth) and the record says only ``reconfigured: False``.  Default: always
+      True.
 
   Attributes:
     reports: the ``report`` of every reconfiguration so far.
@@ -87,12 +89,11 @@ class Reconfigure(Callback):
       self.budget_bytes = trainer.step_memory(batch, self.image_shape)["total"]
     new_model, new_opt_state, report = self.reconfigure(trainer.model, trainer.opt_state)
     self.reports.append(report)
+    if self.changed is not None and not self.changed(report):
+      return {"reconfigured": False}
     metrics: dict[str, Any] = {"reconfigured": True}
     if self.report_metrics is not None:
       metrics.update(self.report_metrics(report))
-    if self.changed is not None and not self.changed(report):
-      metrics["reconfigured"] = False
-      return metrics
     trainer.replace(new_model, new_opt_state)
     if self.grow_batch and batch:
       new_batch = grow_batch_size(
