@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from experiments._machine import host_steal_seconds, machine_description
+from experiments._op_profile import KINDS, op_seconds_by_kind
 from jaxprune import flops, models, train
 from jaxprune import prunetrain as pt
 
@@ -102,6 +103,16 @@ class _Timed:
     jax.block_until_ready(state)
     self.state = state
     return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps
+
+  def op_profile(self, steps: int) -> dict[str, float]:
+    """Op-seconds per step by kind of XLA op (:mod:`experiments._op_profile`)."""
+    compiled = self.steps.train.lower(*self.state, self.images, self.labels).compile()
+
+    def run():
+      self.state = compiled(*self.state, self.images, self.labels)
+      return self.state
+
+    return op_seconds_by_kind(run, compiled.as_text(), steps)
 
 
 def _time_row(
@@ -183,6 +194,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     "it to (+32 while the step's memory fits the dense step's) and compare time per image",
   )
   parser.add_argument("--max-batch-size", type=int, default=1024, help="cap of --grown-batch")
+  parser.add_argument(
+    "--op-profile",
+    action="store_true",
+    help="also trace the dense and every pruned step (at --batch-size) with jax.profiler and "
+    "split the op time into convolution / dot, transpose / copy and elementwise / reduction",
+  )
   args = parser.parse_args(argv)
   if any(not 0 < k <= 1 for k in args.keep):
     parser.error("--keep values must be in (0, 1]")
@@ -241,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for row_label, candidate in timed:
       rows.append(_time_row(row_label, keep, params, flop_ratio, dense, candidate, args))
       rows[-1]["spec"] = repr(pruned_model.spec)
+      if args.op_profile and candidate is pruned:
+        rows[-1]["dense_op_s"] = dense.op_profile(args.steps * args.repeats)
+        rows[-1]["pruned_op_s"] = pruned.op_profile(args.steps * args.repeats)
       print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("times")}), flush=True)
   result = {
     "args": vars(args),
@@ -292,7 +312,43 @@ def _write(result: dict[str, Any], args: argparse.Namespace, command: str) -> No
       f"| {1e3 * r['dense_step_s']:.1f} | {1e3 * r['pruned_step_s']:.1f} "
       f"| {'—' if steal is None else f'{steal:.1f}'} |"
     )
+  lines += _op_profile_lines(result["rows"])
   (RESULTS / "prunetrain_speed.md").write_text("\n".join(lines) + "\n")
+
+
+def _op_profile_lines(rows: list[dict[str, Any]]) -> list[str]:
+  """The ``--op-profile`` table: per kind of op, pruned / dense op time and its share."""
+  rows = [r for r in rows if "pruned_op_s" in r]
+  if not rows:
+    return []
+  lines = [
+    "",
+    "Op time by kind (`--op-profile`: one `jax.profiler` trace of "
+    "`--steps` x `--repeats` steps each, summed op durations per step): the pruned / dense "
+    "ratio of each kind, beside the FLOP ratio, and each kind's share of the step's op time "
+    "(dense → pruned).",
+    "",
+    "| model | train FLOPs ratio | op-time ratio | "
+    + " | ".join(f"{kind} ratio" for kind in KINDS)
+    + " | "
+    + " | ".join(f"{kind} share" for kind in KINDS)
+    + " |",
+    "|---:" * (3 + 2 * len(KINDS)) + "|",
+  ]
+  for r in rows:
+    dense, pruned = r["dense_op_s"], r["pruned_op_s"]
+    dense_total, pruned_total = sum(dense.values()), sum(pruned.values())
+    lines.append(
+      f"| {r['label']} | {r['train_flops_ratio']:.3f} | {pruned_total / dense_total:.3f} | "
+      + " | ".join(f"{pruned[k] / dense[k]:.3f}" if dense[k] else "—" for k in KINDS)
+      + " | "
+      + " | ".join(
+        f"{100 * dense[k] / dense_total:.0f}% → {100 * pruned[k] / pruned_total:.0f}%"
+        for k in KINDS
+      )
+      + " |"
+    )
+  return lines
 
 
 if __name__ == "__main__":

@@ -153,9 +153,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--skip-dense", action="store_true", help="run PruneTrain only")
   parser.add_argument(
     "--reuse-dense",
-    action="store_true",
-    help="with --skip-dense: keep the dense row of an earlier run's JSON "
-    "(same model / data / schedule) instead of dropping it",
+    nargs="?",
+    const="",
+    default=None,
+    metavar="JSON",
+    help="with --skip-dense: keep the dense row of an earlier run's JSON (same model / data / "
+    "schedule; default: this run's name without --name-suffix) instead of dropping it",
   )
   parser.add_argument("--name-suffix", default="", help="appended to the result file names")
   parser.add_argument("--seed", type=int, default=0)
@@ -281,9 +284,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.test_subset or None, args.seed + 1
   )
   runs = {}
-  if args.skip_dense and args.reuse_dense:
-    previous = RESULTS / (name[: -len(args.name_suffix)] if args.name_suffix else name)
-    earlier = json.loads(previous.with_suffix(".json").read_text())
+  if args.skip_dense and args.reuse_dense is not None:
+    previous = (
+      Path(args.reuse_dense)
+      if args.reuse_dense
+      else (RESULTS / (name[: -len(args.name_suffix)] if args.name_suffix else name)).with_suffix(
+        ".json"
+      )
+    )
+    earlier = json.loads(previous.read_text())
     same = (
       "model",
       "train_subset",
@@ -296,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "seed",
     )
     if any(earlier["args"][k] != getattr(args, k) for k in same):
-      raise ValueError(f"--reuse-dense: {previous}.json was run with other settings")
+      raise ValueError(f"--reuse-dense: {previous} was run with other settings")
     runs["dense"] = earlier["runs"]["dense"]
   for method in ["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]:
     print(
