@@ -269,16 +269,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "dense_params": sum(np.size(x) for x in jax.tree.leaves(nnx.state(dense_model, nnx.Param))),
     "rows": rows,
   }
-  _write(result, args, command)
+  _write(result, args)
   return result
 
 
-def _write(result: dict[str, Any], args: argparse.Namespace, command: str) -> None:
+def _write(result: dict[str, Any], args: argparse.Namespace) -> None:
   RESULTS.mkdir(parents=True, exist_ok=True)
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   machine = machine_description()
   result = {**result, "date": date, "machine": machine}
   (RESULTS / "prunetrain_speed.json").write_text(json.dumps(result, indent=1, default=str))
+  (RESULTS / "prunetrain_speed.md").write_text("\n".join(_markdown(result, args)) + "\n")
+
+
+def _markdown(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
+  """The results table of ``result`` (as written to the JSON), one line per item."""
+  command, date, machine = result["command"], result["date"], result["machine"]
   lines = [
     f"# PruneTrain: training-step time after reconfiguration vs FLOPs ({args.model})",
     "",
@@ -312,8 +318,7 @@ def _write(result: dict[str, Any], args: argparse.Namespace, command: str) -> No
       f"| {1e3 * r['dense_step_s']:.1f} | {1e3 * r['pruned_step_s']:.1f} "
       f"| {'—' if steal is None else f'{steal:.1f}'} |"
     )
-  lines += _op_profile_lines(result["rows"])
-  (RESULTS / "prunetrain_speed.md").write_text("\n".join(lines) + "\n")
+  return lines + _op_profile_lines(result["rows"])
 
 
 def _op_profile_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -328,18 +333,19 @@ def _op_profile_lines(rows: list[dict[str, Any]]) -> list[str]:
     "ratio of each kind, beside the FLOP ratio, and each kind's share of the step's op time "
     "(dense → pruned).",
     "",
-    "| model | train FLOPs ratio | op-time ratio | "
+    "| model | train FLOPs ratio | op time dense → pruned (ms) | op-time ratio | "
     + " | ".join(f"{kind} ratio" for kind in KINDS)
     + " | "
     + " | ".join(f"{kind} share" for kind in KINDS)
     + " |",
-    "|---:" * (3 + 2 * len(KINDS)) + "|",
+    "|---:" * (4 + 2 * len(KINDS)) + "|",
   ]
   for r in rows:
     dense, pruned = r["dense_op_s"], r["pruned_op_s"]
     dense_total, pruned_total = sum(dense.values()), sum(pruned.values())
     lines.append(
-      f"| {r['label']} | {r['train_flops_ratio']:.3f} | {pruned_total / dense_total:.3f} | "
+      f"| {r['label']} | {r['train_flops_ratio']:.3f} "
+      f"| {1e3 * dense_total:.0f} → {1e3 * pruned_total:.0f} | {pruned_total / dense_total:.3f} | "
       + " | ".join(f"{pruned[k] / dense[k]:.3f}" if dense[k] else "—" for k in KINDS)
       + " | "
       + " | ".join(
