@@ -170,7 +170,43 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
       setattr(args, key, value)
   if args.epochs < 1 or args.interval < 1:
     parser.error("--epochs and --interval must be >= 1")
+  if args.reuse_dense is not None and not args.skip_dense:
+    parser.error("--reuse-dense needs --skip-dense (otherwise the dense row is run)")
   return args
+
+
+# Settings that make a dense row reusable: the dense run does not depend on the others.
+_DENSE_SETTINGS = (
+  "model",
+  "train_subset",
+  "test_subset",
+  "epochs",
+  "batch_size",
+  "lr",
+  "milestones",
+  "weight_decay",
+  "seed",
+)
+
+
+def _reused_dense_run(args: argparse.Namespace, name: str) -> dict[str, Any] | None:
+  """The dense run of ``--reuse-dense``'s JSON (None without the flag).
+
+  Raises:
+    ValueError: that JSON was run with other dense settings (:data:`_DENSE_SETTINGS`).
+  """
+  if args.reuse_dense is None:
+    return None
+  if args.reuse_dense:
+    previous = Path(args.reuse_dense)
+  else:
+    base = name[: -len(args.name_suffix)] if args.name_suffix else name
+    previous = (RESULTS / base).with_suffix(".json")
+  earlier = json.loads(previous.read_text())
+  different = [k for k in _DENSE_SETTINGS if earlier["args"].get(k) != getattr(args, k)]
+  if different:
+    raise ValueError(f"--reuse-dense: {previous} was run with other {', '.join(different)}")
+  return earlier["runs"]["dense"]
 
 
 def _run(
@@ -273,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     + ("_budget" if args.budget else "")
     + args.name_suffix
   )
+  reused = _reused_dense_run(args, name)  # before loading data: a mismatch fails fast
   RESULTS.mkdir(parents=True, exist_ok=True)
   log_dir = RESULTS / "scratch" / name
   log_dir.mkdir(parents=True, exist_ok=True)
@@ -284,29 +321,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.test_subset or None, args.seed + 1
   )
   runs = {}
-  if args.skip_dense and args.reuse_dense is not None:
-    previous = (
-      Path(args.reuse_dense)
-      if args.reuse_dense
-      else (RESULTS / (name[: -len(args.name_suffix)] if args.name_suffix else name)).with_suffix(
-        ".json"
-      )
-    )
-    earlier = json.loads(previous.read_text())
-    same = (
-      "model",
-      "train_subset",
-      "test_subset",
-      "epochs",
-      "batch_size",
-      "lr",
-      "milestones",
-      "weight_decay",
-      "seed",
-    )
-    if any(earlier["args"][k] != getattr(args, k) for k in same):
-      raise ValueError(f"--reuse-dense: {previous} was run with other settings")
-    runs["dense"] = earlier["runs"]["dense"]
+  if reused is not None:
+    runs["dense"] = reused
   for method in ["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]:
     print(
       f"[{name}] {method}: {len(train_set)} train / {len(test_set)} test images, "
