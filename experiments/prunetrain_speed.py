@@ -12,7 +12,7 @@ same batch size.  The measured time ratio is put beside the training-FLOP ratio
     python -m experiments.run prunetrain_speed [--model prunetrain-resnet32] [--keep 0.75 0.5 0.25] \
         [--run experiments/results/prunetrain_table1_<model>_budget.json]
 
-Writes ``experiments/results/prunetrain_speed.{md,json}``.
+Writes ``experiments/results/prunetrain_speed{--name-suffix}.{md,json}``.
 """
 
 from __future__ import annotations
@@ -169,7 +169,13 @@ def _time_row(
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="prunetrain_speed", description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="prunetrain-resnet32")
-  parser.add_argument("--keep", type=float, nargs="+", default=[0.75, 0.5, 0.25])
+  parser.add_argument(
+    "--keep",
+    type=float,
+    nargs="*",
+    default=[0.75, 0.5, 0.25],
+    help="fractions of the channels kept in the uniform rows (none: only --run rows)",
+  )
   parser.add_argument("--batch-size", type=int, default=64)
   parser.add_argument("--steps", type=int, default=3, help="steps per timing block")
   parser.add_argument("--repeats", type=int, default=5, help="interleaved timing blocks")
@@ -200,7 +206,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     help="also trace the dense and every pruned step (at --batch-size) with jax.profiler and "
     "split the op time into convolution / dot, transpose / copy and elementwise / reduction",
   )
+  parser.add_argument("--name-suffix", default="", help="appended to the result file names")
   args = parser.parse_args(argv)
+  if not args.keep and not args.run:
+    parser.error("nothing to time: give --keep fractions or --run files")
   if any(not 0 < k <= 1 for k in args.keep):
     parser.error("--keep values must be in (0, 1]")
   return args
@@ -278,8 +287,9 @@ def _write(result: dict[str, Any], args: argparse.Namespace) -> None:
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   machine = machine_description()
   result = {**result, "date": date, "machine": machine}
-  (RESULTS / "prunetrain_speed.json").write_text(json.dumps(result, indent=1, default=str))
-  (RESULTS / "prunetrain_speed.md").write_text("\n".join(_markdown(result, args)) + "\n")
+  name = f"prunetrain_speed{args.name_suffix}"
+  (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+  (RESULTS / f"{name}.md").write_text("\n".join(_markdown(result, args)) + "\n")
 
 
 def _markdown(result: dict[str, Any], args: argparse.Namespace) -> list[str]:

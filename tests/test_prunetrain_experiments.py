@@ -1,10 +1,10 @@
-"""PruneTrain experiment plumbing: reusing an earlier run's dense row."""
+"""PruneTrain experiment plumbing: reusing an earlier run's dense row, the speed options."""
 
 import json
 
 import pytest
 
-from experiments import prunetrain_table1
+from experiments import prunetrain_speed, prunetrain_table1
 
 
 def _write_earlier(path, args, dense):
@@ -50,3 +50,12 @@ def test_reuse_dense_without_skip_dense_is_an_error(tmp_path):
     prunetrain_table1._parse(["--budget", "--reuse-dense", str(tmp_path / "x.json")])
   args = prunetrain_table1._parse(["--budget"])
   assert prunetrain_table1._reused_dense_run(args, "any_name") is None
+
+
+def test_speed_options():
+  args = prunetrain_speed._parse(["--keep", "--run", "a.json", "--name-suffix", "_x"])
+  assert args.keep == [] and args.run == ["a.json"] and args.name_suffix == "_x"
+  assert prunetrain_speed._parse([]).keep == [0.75, 0.5, 0.25]
+  for bad in (["--keep"], ["--keep", "0"], ["--keep", "1.5"]):
+    with pytest.raises(SystemExit):
+      prunetrain_speed._parse(bad)
