@@ -36,6 +36,13 @@ run's training CPU seconds and the host's steal time are recorded beside the wal
 shared virtual machine steal time stretches wall time (by 2× in some epochs of earlier runs)
 without changing the work.
 
+``--paired`` trains dense and PruneTrain in one process, alternating epochs, for the
+wall-time comparison: run back to back, the two rows saw different host loads (two identical
+dense runs, `_milestones` and `_milestones_skip5`, trained in 1310 s and 840 s), far more
+than the saving being measured.
+Alternating, both see the same drift; the paired run computes exactly what the two separate
+runs compute (tested).
+
 Writes ``experiments/results/prunetrain_table1_<model>[_budget].{md,json}`` (and JSON lines
 per run) with the paper's Table 1 numbers beside the measured ones.
 """
@@ -43,6 +50,7 @@ per run) with the paper's Table 1 numbers beside the measured ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import shlex
@@ -160,6 +168,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     help="with --skip-dense: keep the dense row of an earlier run's JSON (same model / data / "
     "schedule; default: this run's name without --name-suffix) instead of dropping it",
   )
+  parser.add_argument(
+    "--paired",
+    action="store_true",
+    help="train dense and PruneTrain in one process, alternating epochs, so that both see "
+    "the same host load (the wall-time comparison of a shared machine)",
+  )
   parser.add_argument("--name-suffix", default="", help="appended to the result file names")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--root", default=None, help="CIFAR-10 source (default: data package's)")
@@ -172,6 +186,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error("--epochs and --interval must be >= 1")
   if args.reuse_dense is not None and not args.skip_dense:
     parser.error("--reuse-dense needs --skip-dense (otherwise the dense row is run)")
+  if args.paired and args.skip_dense:
+    parser.error("--paired trains the dense row beside PruneTrain: drop --skip-dense")
   return args
 
 
@@ -209,9 +225,34 @@ def _reused_dense_run(args: argparse.Namespace, name: str) -> dict[str, Any] | N
   return earlier["runs"]["dense"]
 
 
-def _run(
-  args: argparse.Namespace, method: str, train_set, test_set, log_dir: Path
-) -> dict[str, Any]:
+@dataclasses.dataclass
+class _Run:
+  """One method's training, advanced epoch by epoch (so two can alternate, ``--paired``)."""
+
+  method: str
+  trainer: train.Trainer
+  train_loader: data.Loader
+  test_loader: data.Loader
+  callback: pt.PruneTrainCallback | None
+  dense_costs: dict[str, Any]
+  image_shape: tuple[int, ...]
+  wall_s: float = 0.0
+  steal_s: float | None = 0.0
+
+  def advance(self, epochs: int) -> None:
+    """Train until ``epochs`` epochs are complete, adding the wall and steal time taken."""
+    steal_start = host_steal_seconds()
+    start = time.perf_counter()
+    self.trainer.fit(self.train_loader, self.test_loader, epochs=epochs, resume=False)
+    self.wall_s += time.perf_counter() - start
+    steal_end = host_steal_seconds()
+    if steal_start is None or steal_end is None or self.steal_s is None:
+      self.steal_s = None
+    else:
+      self.steal_s += steal_end - steal_start
+
+
+def _build(args: argparse.Namespace, method: str, train_set, test_set, log_dir: Path) -> _Run:
   train_loader = data.Loader(
     train_set, args.batch_size, shuffle=True, seed=args.seed, augment="prunetrain", drop_last=True
   )
@@ -225,7 +266,6 @@ def _run(
   model = models.create(args.model, num_classes=train_set.num_classes, rngs=nnx.Rngs(args.seed))
   image_shape = tuple(train_set.images.shape[1:])
   callback = None
-  callbacks = []
   if method == "prunetrain":
     tx = pt.with_group_lasso(tx, penalty_ratio=args.penalty_ratio, proximal=args.proximal)
     callback = pt.PruneTrainCallback(
@@ -237,16 +277,31 @@ def _run(
       max_batch_size=len(train_set),
       min_flops_saving=args.min_flops_saving,
     )
-    callbacks.append(callback)
   dense_costs = pt.model_costs(model, image_shape)
   trainer = train.Trainer(
-    model, tx, callbacks=callbacks, progress=False, log_path=log_dir / f"{method}.jsonl"
+    model,
+    tx,
+    callbacks=[callback] if callback is not None else [],
+    progress=False,
+    log_path=log_dir / f"{method}.jsonl",
   )
-  steal_start = host_steal_seconds()
-  start = time.perf_counter()
-  history = trainer.fit(train_loader, test_loader, epochs=args.epochs, resume=False)
-  wall = time.perf_counter() - start
-  steal_end = host_steal_seconds()
+  return _Run(method, trainer, train_loader, test_loader, callback, dense_costs, image_shape)
+
+
+def _train_paired(runs: Sequence[_Run], epochs: int) -> None:
+  """Alternate the runs epoch by epoch, the order swapped every epoch (ABBA...).
+
+  Both then train under the same host load: on a shared machine the load drifts over
+  minutes, so back-to-back runs (~15 min each at the reduced budget) can differ by more than
+  the saving being measured.
+  """
+  for epoch in range(1, epochs + 1):
+    for run in runs if epoch % 2 else reversed(runs):
+      run.advance(epoch)
+
+
+def _result(args: argparse.Namespace, run: _Run) -> dict[str, Any]:
+  trainer, callback, history = run.trainer, run.callback, run.trainer.history
   final_model, final_layers_removed = trainer.model, 0
   if callback is not None:
     # The inference model: whatever is dead at the end goes, also channels whose removal a
@@ -255,20 +310,25 @@ def _run(
       trainer.model,
       None,
       threshold=args.threshold,
-      input_shape=(1, *image_shape),
+      input_shape=(1, *run.image_shape),
       channel_multiple=args.channel_multiple,
     )
     final_layers_removed = len(final_report.removed_layers)
-  final_costs = pt.model_costs(final_model, image_shape)
+  final_costs = pt.model_costs(final_model, run.image_shape)
+  dense_costs = run.dense_costs
+  train_time = sum(r["epoch_time_s"] for r in history)
+  eval_time = sum(r.get("eval_time_s", 0.0) for r in history)
   result = {
-    "method": method,
+    "method": run.method,
     "test_acc": history[-1]["test_acc"],
     "best_test_acc": max(r["test_acc"] for r in history),
-    "wall_time_s": wall,
-    "train_time_s": sum(r["epoch_time_s"] for r in history),
+    "wall_time_s": run.wall_s,
+    "train_time_s": train_time,
+    # between epochs, outside evaluation: reconfigurations, batch-growth probes, logging
+    "between_epochs_s": run.wall_s - train_time - eval_time,
     # process CPU seconds of the training epochs: the work, whatever the host's steal time
     "train_cpu_time_s": sum(r["cpu_time_s"] for r in history),
-    "host_steal_s": None if steal_start is None else steal_end - steal_start,
+    "host_steal_s": run.steal_s,
     "inference_flops": final_costs["inference_flops"],
     "inference_flops_ratio": final_costs["inference_flops"] / dense_costs["inference_flops"],
     "params": final_costs["params"],
@@ -323,13 +383,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   runs = {}
   if reused is not None:
     runs["dense"] = reused
-  for method in ["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]:
-    print(
-      f"[{name}] {method}: {len(train_set)} train / {len(test_set)} test images, "
-      f"{args.epochs} epochs",
-      flush=True,
-    )
-    runs[method] = _run(args, method, train_set, test_set, log_dir)
+  methods = ["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]
+  print(
+    f"[{name}] {', '.join(methods)}{' (paired)' if args.paired else ''}: {len(train_set)} "
+    f"train / {len(test_set)} test images, {args.epochs} epochs",
+    flush=True,
+  )
+  if args.paired:
+    paired = [_build(args, method, train_set, test_set, log_dir) for method in methods]
+    _train_paired(paired, args.epochs)
+    for run in paired:
+      runs[run.method] = _result(args, run)
+    _write(name, args, runs, command)
+  for method in [] if args.paired else methods:
+    run = _build(args, method, train_set, test_set, log_dir)
+    run.advance(args.epochs)
+    runs[method] = _result(args, run)
     _write(name, args, runs, command)
   return runs
 
@@ -352,6 +421,47 @@ def _cpu_time_rows(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list
       + " |"
     )
   return rows
+
+
+def _between_epoch_rows(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list[str]:
+  """Rows for the time between epochs (reconfigurations) and the training total (runs that
+  logged it): what a reconfiguration costs is part of PruneTrain's wall time."""
+  runs = [run for run in (pt_run, dense) if run is not None]
+  if any(run.get("between_epochs_s") is None for run in runs):
+    return []
+  label = " / ".join(name for name, run in (("PruneTrain", pt_run), ("dense", dense)) if run)
+  total = [run["train_time_s"] + run["between_epochs_s"] for run in runs]
+  ratio = f" ({total[0] / total[1]:.3f}×)" if len(total) == 2 else ""
+  return [
+    f"| between epochs: reconfigurations, batch probes (s) {label} | "
+    + " / ".join(f"{run['between_epochs_s']:.0f}" for run in runs)
+    + " |",
+    f"| training wall time, epochs + between (s) {label} | "
+    + " / ".join(f"{t:.0f}" for t in total)
+    + f"{ratio} |",
+  ]
+
+
+def _paired_epoch_rows(pt_run: dict[str, Any], dense: dict[str, Any]) -> list[str]:
+  """Per-epoch times of a ``--paired`` run: each PruneTrain epoch beside the dense epoch
+  trained next to it, with the inference FLOPs of the model that trained it."""
+  lines = [
+    "| epoch | dense epoch (s) | PruneTrain epoch (s) | ratio | PruneTrain between (s) "
+    "| FLOPs of the model trained | dense CPU (s) | PruneTrain CPU (s) |",
+    "|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  dense_flops = pt_run["history"][0]["pt_inference_flops"]
+  wall_before = 0.0
+  for d, p in zip(dense["history"], pt_run["history"]):
+    between = p["wall_time_s"] - wall_before - p["epoch_time_s"] - p.get("eval_time_s", 0.0)
+    wall_before = p["wall_time_s"]
+    lines.append(
+      f"| {p['epoch']} | {d['epoch_time_s']:.1f} | {p['epoch_time_s']:.1f} "
+      f"| {p['epoch_time_s'] / d['epoch_time_s']:.3f} | {between:.1f} "
+      f"| {p['pt_inference_flops'] / dense_flops:.3f} | {d['cpu_time_s']:.0f} "
+      f"| {p['cpu_time_s']:.0f} |"
+    )
+  return lines
 
 
 def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: str) -> None:
@@ -403,6 +513,12 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
       "run (see the module docstring for the arithmetic). Compare the two "
       "measured rows with each other, not with the paper's numbers."
     )
+  if args.paired:
+    lines.append(
+      "- Paired: dense and PruneTrain trained in one process, alternating epochs (the order "
+      "swapped every epoch), so that both saw the same host load; each run's times count "
+      "its own epochs only."
+    )
   lines += [
     "",
     "| | test acc | Δ acc vs dense | train FLOPs (vs dense) | inference FLOPs | "
@@ -440,6 +556,7 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
       f"{dense['train_time_s']:.0f} |"
       if dense
       else f"| train time (s) | {pt_run['train_time_s']:.0f} |",
+      *_between_epoch_rows(pt_run, dense),
       *_cpu_time_rows(pt_run, dense),
       f"| final spec | `{pt_run['final_spec']}` |",
       "",
@@ -453,6 +570,8 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
         f"| {r.get('pt_params_after', r['pt_params']):,.0f} "
         f"| {r.get('pt_channels_removed', 0)} |"
       )
+    if args.paired and dense:
+      lines += ["", *_paired_epoch_rows(pt_run, dense)]
   (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -59,3 +59,87 @@ def test_speed_options():
   for bad in (["--keep"], ["--keep", "0"], ["--keep", "1.5"]):
     with pytest.raises(SystemExit):
       prunetrain_speed._parse(bad)
+
+
+class _RecordingRun:
+  def __init__(self, method, calls):
+    self.method, self.calls = method, calls
+
+  def advance(self, epochs):
+    self.calls.append((self.method, epochs))
+
+
+def test_train_paired_alternates_epochs_and_swaps_the_order():
+  calls = []
+  runs = [_RecordingRun("dense", calls), _RecordingRun("prunetrain", calls)]
+  prunetrain_table1._train_paired(runs, 3)
+  assert calls == [
+    ("dense", 1),
+    ("prunetrain", 1),
+    ("prunetrain", 2),
+    ("dense", 2),
+    ("dense", 3),
+    ("prunetrain", 3),
+  ]
+
+
+def test_paired_is_rejected_with_skip_dense():
+  with pytest.raises(SystemExit):
+    prunetrain_table1._parse(["--budget", "--paired", "--skip-dense"])
+  assert prunetrain_table1._parse(["--budget", "--paired"]).paired
+
+
+def test_paired_training_computes_what_separate_runs_compute(tmp_path, monkeypatch):
+  """Alternating two trainers' epochs must not change either run: same losses, accuracy,
+  reconfigurations and final weights as each run trained alone."""
+  import jax
+  import numpy as np
+
+  from jaxprune import data, models
+
+  create = models.create
+  monkeypatch.setattr(
+    prunetrain_table1.models,
+    "create",
+    lambda name, **kw: create("prunetrain-resnet20", width_multiplier=0.25, **kw),
+  )
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, size=(48, 8, 8, 3), dtype=np.uint8)
+  labels = np.arange(48, dtype=np.int32) % 10
+  train_set = data.Dataset.from_arrays(images, labels, num_classes=10)
+  test_set = data.Dataset.from_arrays(images[:16], labels[:16], num_classes=10)
+  # ratio and threshold high enough that channels die in the second epoch's check
+  args = prunetrain_table1._parse(
+    ["--budget", "--epochs", "2", "--batch-size", "16", "--lr", "0.5", "--milestones"]
+    + ["--penalty-ratio", "0.95", "--threshold", "0.3", "--no-dynamic-batch"]
+  )
+
+  def build(method, sub):
+    (tmp_path / sub).mkdir(exist_ok=True)
+    return prunetrain_table1._build(args, method, train_set, test_set, tmp_path / sub)
+
+  paired = [build("dense", "paired"), build("prunetrain", "paired")]
+  prunetrain_table1._train_paired(paired, args.epochs)
+  for run in paired:
+    alone = build(run.method, "alone")
+    alone.advance(args.epochs)
+    keys = ("train_loss", "test_acc", "steps", "batch_size", "pt_channels_removed")
+    assert [[r.get(k) for k in keys] for r in run.trainer.history] == [
+      [r.get(k) for k in keys] for r in alone.trainer.history
+    ]
+    for a, b in zip(jax.tree.leaves(run.trainer.params), jax.tree.leaves(alone.trainer.params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  pt_history = paired[1].trainer.history
+  assert any(r.get("pt_channels_removed", 0) > 0 for r in pt_history), pt_history
+  # the paired table: one row per epoch, PruneTrain's epoch time beside dense's
+  monkeypatch.setattr(prunetrain_table1, "RESULTS", tmp_path)
+  args.paired = True
+  results = {run.method: prunetrain_table1._result(args, run) for run in paired}
+  prunetrain_table1._write("paired", args, results, "cmd")
+  lines = (tmp_path / "paired.md").read_text().splitlines()
+  header = lines.index(next(line for line in lines if line.startswith("| epoch | dense epoch")))
+  rows = [line.split("|")[1:-1] for line in lines[header + 2 : header + 2 + args.epochs]]
+  for row, d, p in zip(rows, results["dense"]["history"], pt_history):
+    assert float(row[1]) == pytest.approx(d["epoch_time_s"], abs=0.06)
+    assert float(row[2]) == pytest.approx(p["epoch_time_s"], abs=0.06)
+  assert float(rows[-1][5]) < 1.0  # the second epoch trained the pruned model
