@@ -45,3 +45,10 @@ def host_steal_seconds() -> float | None:
     return int(fields[8]) / os.sysconf("SC_CLK_TCK")
   except (OSError, IndexError, ValueError):
     return None
+
+
+def steal_since(start: float | None) -> float | None:
+  """Host steal seconds since ``start`` (a :func:`host_steal_seconds` reading), or None
+  where either reading is unavailable."""
+  end = host_steal_seconds()
+  return None if start is None or end is None else end - start

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments._machine import host_steal_seconds, machine_description
+from experiments._machine import host_steal_seconds, machine_description, steal_since
 from experiments._op_profile import KINDS, op_seconds_by_kind
 from jaxprune import flops, models, train
 from jaxprune import prunetrain as pt
@@ -68,7 +68,7 @@ def _round_spec(spec: Any, multiple: int, dense_spec: Any) -> Any:
   """A ResNet spec with every width rounded up to ``multiple`` (capped at the dense width)."""
   if not hasattr(spec, "map_widths"):
     raise ValueError(f"--channel-multiple: only ResNet specs are supported, got {spec!r}")
-  return spec.map_widths(lambda width, cap: min(cap, -(-width // multiple) * multiple), dense_spec)
+  return spec.map_widths(lambda width, cap: pt.rounded_width(width, multiple, cap), dense_spec)
 
 
 class _Timed:
@@ -140,7 +140,7 @@ def _time_row(
     wall, cpu = pruned.run(args.steps)
     pruned_times.append(wall)
     pruned_cpu.append(cpu)
-  steal_end = host_steal_seconds()
+  steal = steal_since(steal_start)
   dense_time, pruned_time = statistics.median(dense_times), statistics.median(pruned_times)
   time_ratio = (pruned_time / pruned.batch) / (dense_time / dense.batch)
   cpu_ratio = (statistics.median(pruned_cpu) / pruned.batch) / (
@@ -162,7 +162,7 @@ def _time_row(
     "pruned_times": pruned_times,
     "dense_cpu_times": dense_cpu,
     "pruned_cpu_times": pruned_cpu,
-    "host_steal_s": None if steal_start is None else steal_end - steal_start,
+    "host_steal_s": steal,
   }
 
 

@@ -62,7 +62,7 @@ from typing import Any
 
 from flax import nnx
 
-from experiments._machine import host_steal_seconds, machine_description
+from experiments._machine import host_steal_seconds, machine_description, steal_since
 from jaxprune import data, models, train
 from jaxprune import prunetrain as pt
 
@@ -245,11 +245,8 @@ class _Run:
     start = time.perf_counter()
     self.trainer.fit(self.train_loader, self.test_loader, epochs=epochs, resume=False)
     self.wall_s += time.perf_counter() - start
-    steal_end = host_steal_seconds()
-    if steal_start is None or steal_end is None or self.steal_s is None:
-      self.steal_s = None
-    else:
-      self.steal_s += steal_end - steal_start
+    steal = steal_since(steal_start)
+    self.steal_s = None if steal is None or self.steal_s is None else self.steal_s + steal
 
 
 def _build(args: argparse.Namespace, method: str, train_set, test_set, log_dir: Path) -> _Run:
@@ -446,8 +443,10 @@ def _paired_epoch_rows(pt_run: dict[str, Any], dense: dict[str, Any]) -> list[st
   """Per-epoch times of a ``--paired`` run: each PruneTrain epoch beside the dense epoch
   trained next to it, with the inference FLOPs of the model that trained it."""
   lines = [
-    "| epoch | dense epoch (s) | PruneTrain epoch (s) | ratio | PruneTrain between (s) "
-    "| FLOPs of the model trained | dense CPU (s) | PruneTrain CPU (s) |",
+    (
+      "| epoch | dense epoch (s) | PruneTrain epoch (s) | ratio | PruneTrain between (s) "
+      "| FLOPs of the model trained | dense CPU (s) | PruneTrain CPU (s) |"
+    ),
     "|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   dense_flops = pt_run["history"][0]["pt_inference_flops"]

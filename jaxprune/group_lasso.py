@@ -56,6 +56,7 @@ __all__ = [
   "leaf_groups",
   "path_names",
   "penalty",
+  "penalty_gradient",
   "set_coefficient_once",
 ]
 
@@ -310,12 +311,52 @@ class GroupLassoState(NamedTuple):
   """Stateless: :func:`group_lasso` keeps no statistics."""
 
 
+def penalty_gradient(
+  params: Any,
+  *,
+  is_input_conv: Optional[PathPredicate] = None,
+  is_classifier: Optional[PathPredicate] = None,
+) -> Any:
+  """∇GL(params) of :func:`penalty`, written out: each group ``g`` contributes
+  ``w_g / sqrt(Σ_{w∈g} w² + ε)`` (PruneTrain Eq. 2).
+
+  Equal to ``jax.grad(penalty)``, but computed as one norm per group family and one product
+  per kernel.  Autodiff of the summed penalty compiles to about twice as many small fused
+  ops (the forward sums, their reverse broadcasts and the per-family adds, per kernel); on a
+  CPU each is a separate dispatch, and a ResNet-32 step has ~30 kernels.
+
+  Args:
+    params: a parameter pytree.
+    is_input_conv: see :func:`leaf_groups`.
+    is_classifier: see :func:`leaf_groups`.
+
+  Returns:
+    A pytree like ``params``: the gradient, zero for leaves without groups.
+  """
+  layout = leaf_groups(params, is_input_conv=is_input_conv, is_classifier=is_classifier)
+
+  def gradient(groups: Optional[LeafGroups], leaf: Any) -> Any:
+    if groups is None:
+      return jnp.zeros_like(leaf)
+    w = leaf.astype(jnp.float32)
+    inverse_norms = 0.0
+    for axis in (groups.output_axis, groups.input_axis):
+      if axis is not None:
+        other = tuple(a for a in range(leaf.ndim) if a != axis)
+        inverse_norms = inverse_norms + jax.lax.rsqrt(
+          jnp.sum(jnp.square(w), axis=other, keepdims=True) + EPSILON
+        )
+    return (w * inverse_norms).astype(leaf.dtype)
+
+  return jax.tree.map(
+    gradient, layout, params, is_leaf=lambda x: x is None or isinstance(x, LeafGroups)
+  )
+
+
 def _add_penalty_gradient(
   updates: Any, params: Any, coefficient: jax.Array, is_input_conv, is_classifier
 ) -> Any:
-  grads = jax.grad(lambda p: penalty(p, is_input_conv=is_input_conv, is_classifier=is_classifier))(
-    params
-  )
+  grads = penalty_gradient(params, is_input_conv=is_input_conv, is_classifier=is_classifier)
   return jax.tree.map(lambda u, g: u + (coefficient * g).astype(u.dtype), updates, grads)
 
 
@@ -450,13 +491,23 @@ def set_coefficient_once(
     ValueError: ``params`` or ``value`` (the loss) is None.
   """
   if params is None:
-    raise ValueError("group_lasso_from_ratio needs params")
+    raise ValueError("params: λ from the penalty ratio needs update(updates, state, params)")
   if value is None:
-    raise ValueError("group_lasso_from_ratio needs the loss: update(..., value=loss)")
-  first = coefficient_from_ratio(
-    penalty_ratio,
-    value,
-    penalty(params, is_input_conv=is_input_conv, is_classifier=is_classifier),
-  )
-  coefficient = jnp.where(state.initialized, state.coefficient, first)
+    raise ValueError("value: λ from the penalty ratio needs the loss, update(..., value=loss)")
+
+  def first() -> jax.Array:
+    return coefficient_from_ratio(
+      penalty_ratio,
+      value,
+      penalty(params, is_input_conv=is_input_conv, is_classifier=is_classifier),
+    )
+
+  if isinstance(state.initialized, jax.core.Tracer):
+    # Under jit the step is compiled once for all steps: a conditional, so that the penalty
+    # of every kernel is computed at the first step only, not at each one.
+    coefficient = jax.lax.cond(
+      state.initialized, lambda: jnp.asarray(state.coefficient, jnp.float32), first
+    )
+  else:
+    coefficient = state.coefficient if bool(state.initialized) else first()
   return GroupLassoRatioState(coefficient=coefficient, initialized=jnp.ones((), jnp.bool_))

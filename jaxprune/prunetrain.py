@@ -87,6 +87,7 @@ __all__ = [
   "model_costs",
   "penalty",
   "reconfigure",
+  "rounded_width",
   "with_group_lasso",
 ]
 
@@ -775,10 +776,16 @@ def _check_reconfigure_args(threshold: Any, channel_multiple: Any) -> None:
     raise ValueError(f"channel_multiple must be an int >= 1, got {channel_multiple!r}")
 
 
+def rounded_width(width: int, multiple: int, cap: int) -> int:
+  """``width`` rounded up to a multiple of ``multiple``, at most ``cap`` (the width it was
+  pruned from): the width :func:`reconfigure` keeps with ``channel_multiple=multiple``."""
+  return min(cap, -(-width // multiple) * multiple)
+
+
 def _round_up_live(tensor: ChannelTensor, live: np.ndarray, multiple: int) -> np.ndarray:
   """``live`` plus the strongest dead channels, up to a multiple of ``multiple`` channels."""
   count = int(live.sum())
-  target = min(tensor.width, -(-count // multiple) * multiple)
+  target = rounded_width(count, multiple, tensor.width)
   if target == count:
     return live
   strength = np.max(

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxprune import group_lasso as gl
-from jaxprune import models
+from jaxprune import models, train
 from jaxprune import prunetrain as pt
 
 EPS = 1e-8
@@ -142,10 +142,27 @@ def test_gradient_of_a_zero_group_is_zero():
   params = _params(2)
   params["block"]["conv"]["kernel"] = params["block"]["conv"]["kernel"].at[..., 1].set(0.0)
   params["block"]["conv"]["kernel"] = params["block"]["conv"]["kernel"].at[:, :, 2, :].set(0.0)
-  grad = jax.jit(jax.grad(gl.penalty))(params)["block"]["conv"]["kernel"]
-  assert np.all(np.isfinite(grad))
-  np.testing.assert_array_equal(grad[..., 1], 0.0)
-  np.testing.assert_array_equal(grad[:, :, 2, :], 0.0)
+  for gradient in (jax.grad(gl.penalty), gl.penalty_gradient):
+    grad = jax.jit(gradient)(params)["block"]["conv"]["kernel"]
+    assert np.all(np.isfinite(grad))
+    np.testing.assert_array_equal(grad[..., 1], 0.0)
+    np.testing.assert_array_equal(grad[:, :, 2, :], 0.0)
+
+
+@pytest.mark.parametrize("family", ["prunetrain-resnet32", "prunetrain-vgg11"])
+def test_penalty_gradient_equals_autodiff_of_the_penalty(family):
+  model = models.create(family, num_classes=10, rngs=nnx.Rngs(0), width_multiplier=0.25)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  # a dead output group and a dead input group, as during training
+  leaves, treedef = jax.tree.flatten(params)
+  kernel = next(i for i, x in enumerate(leaves) if x.ndim == 4 and x.shape[2] > 3)
+  leaves[kernel] = leaves[kernel].at[..., 0].set(0.0).at[:, :, 1, :].set(0.0)
+  params = jax.tree.unflatten(treedef, leaves)
+  written_out = jax.jit(gl.penalty_gradient)(params)
+  autodiff = jax.jit(jax.grad(gl.penalty))(params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), written_out, autodiff
+  )
 
 
 @pytest.mark.parametrize("ratio", [0.05, 0.2, 0.25, 0.9])
@@ -184,8 +201,14 @@ def test_bad_transform_arguments():
   with pytest.raises(ValueError, match="params"):
     gl.group_lasso(0.1).update(params, gl.GroupLassoState(), None)
   tx = gl.group_lasso_from_ratio(0.2)
-  with pytest.raises(ValueError, match="loss"):
+  with pytest.raises(ValueError, match="value: .* the loss"):
     tx.update(params, tx.init(params), params)
+  with pytest.raises(ValueError, match="params: "):
+    tx.update(params, tx.init(params), None, value=1.0)
+  # the proximal form sets λ the same way and names the same arguments
+  proximal = pt.with_group_lasso(train.sgd(0.1), proximal=True)
+  with pytest.raises(ValueError, match="value: .* the loss"):
+    proximal.update(params, proximal.init(params), params)
 
 
 def test_ratio_is_set_at_first_step_then_fixed():
@@ -205,6 +228,11 @@ def test_ratio_is_set_at_first_step_then_fixed():
   other = jax.tree.map(lambda x: 0.5 * x, params)
   _, state2 = update(grads, state, other, value=0.1)
   assert float(state2.coefficient) == lam
+  # the same outside jit (the state is concrete there: no conditional is traced)
+  _, eager = tx.update(grads, tx.init(params), params, value=2.5)
+  assert float(eager.coefficient) == pytest.approx(lam, rel=1e-6)
+  _, eager2 = tx.update(grads, eager, other, value=0.1)
+  assert float(eager2.coefficient) == float(eager.coefficient)
 
 
 class _TinyNet(nnx.Module):

@@ -332,6 +332,8 @@ def test_channel_multiple_rounds_widths_up_and_keeps_the_function(family):
     assert p <= a <= b and (a % 8 == 0 or a == b) and a - p < 8
   assert after != shrunk  # some width was rounded up
   np.testing.assert_allclose(_forward(aligned, x), _forward(model, x), rtol=1e-5, atol=1e-5)
+  # rounded_width states the same rule for one width
+  assert [pt.rounded_width(p, 8, b) for b, p in zip(before, shrunk)] == after
 
 
 def test_bad_input():
