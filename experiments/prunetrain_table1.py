@@ -31,17 +31,18 @@ not amplified by momentum) removed channels from epoch 2 on but held the network
 
 ``--min-flops-saving f`` installs a reconfiguration only when it saves at least ``f`` of the
 inference FLOPs (``PruneTrainCallback(min_flops_saving=f)``): on the CPU every installed one
-recompiles the step and probes the dynamic mini-batch (~20 s, ~100 ResNet-32 steps).  Each
+costs 10–12 s between epochs (the pruning, the cost accounting and one compilation of the
+step to probe the dynamic mini-batch) plus the recompilation of the step in the next epoch
+(``_ratio078_paired.md``), together about 25 ResNet-32 steps.  Each
 run's training CPU seconds and the host's steal time are recorded beside the wall time: on a
 shared virtual machine steal time stretches wall time (by 2× in some epochs of earlier runs)
 without changing the work.
 
 ``--paired`` trains dense and PruneTrain in one process, alternating epochs, for the
-wall-time comparison: run back to back, the two rows saw different host loads (two identical
-dense runs, `_milestones` and `_milestones_skip5`, trained in 1310 s and 840 s), far more
-than the saving being measured.
-Alternating, both see the same drift; the paired run computes exactly what the two separate
-runs compute (tested).
+wall-time comparison. Run back to back, the two rows saw different host loads: two identical
+dense runs, ``_milestones`` and ``_milestones_skip5``, trained in 1310 s and 840 s, far more
+than the saving being measured. Alternating, both see the same drift; the paired run
+computes exactly what the two separate runs compute (tested).
 
 Writes ``experiments/results/prunetrain_table1_<model>[_budget].{md,json}`` (and JSON lines
 per run) with the paper's Table 1 numbers beside the measured ones.
