@@ -125,13 +125,14 @@ class LeafGroups:
   output_axis: Optional[int]
   input_axis: Optional[int]
 
-  def group_sum_squares(self, leaf: jax.Array) -> list[jax.Array]:
-    """Σw² per group: one vector per penalised axis."""
+  def group_sum_squares(self, leaf: jax.Array, *, keepdims: bool = False) -> list[jax.Array]:
+    """Σw² per group: one vector per penalised axis (output first), or with ``keepdims``
+    one array that broadcasts against ``leaf``."""
     sums = []
     for axis in (self.output_axis, self.input_axis):
       if axis is not None:
         other = tuple(a for a in range(leaf.ndim) if a != axis)
-        sums.append(jnp.sum(jnp.square(leaf), axis=other))
+        sums.append(jnp.sum(jnp.square(leaf), axis=other, keepdims=keepdims))
     return sums
 
 
@@ -339,13 +340,8 @@ def penalty_gradient(
     if groups is None:
       return jnp.zeros_like(leaf)
     w = leaf.astype(jnp.float32)
-    inverse_norms = 0.0
-    for axis in (groups.output_axis, groups.input_axis):
-      if axis is not None:
-        other = tuple(a for a in range(leaf.ndim) if a != axis)
-        inverse_norms = inverse_norms + jax.lax.rsqrt(
-          jnp.sum(jnp.square(w), axis=other, keepdims=True) + EPSILON
-        )
+    sums = groups.group_sum_squares(w, keepdims=True)
+    inverse_norms = sum(jax.lax.rsqrt(s + EPSILON) for s in sums)
     return (w * inverse_norms).astype(leaf.dtype)
 
   return jax.tree.map(
