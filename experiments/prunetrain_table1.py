@@ -401,42 +401,42 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   return runs
 
 
+def _named_runs(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list[tuple[str, Any]]:
+  """``[("PruneTrain", pt_run), ("dense", dense)]``, without dense when it was not run."""
+  return [(name, run) for name, run in (("PruneTrain", pt_run), ("dense", dense)) if run]
+
+
+def _runs_row(title: str, named: Sequence[tuple[str, Any]], key: str, suffix: str = "") -> str:
+  """``| title PruneTrain / dense | a / b |``: one value per run, in seconds."""
+  label = " / ".join(name for name, _ in named)
+  values = " / ".join(f"{run[key]:.0f}" for _, run in named)
+  return f"| {title} {label} | {values}{suffix} |"
+
+
 def _cpu_time_rows(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list[str]:
   """Table rows for the process CPU time and the host's steal time (runs that logged them)."""
-  runs = [run for run in (pt_run, dense) if run is not None]
-  if any(run.get("train_cpu_time_s") is None for run in runs):
+  named = _named_runs(pt_run, dense)
+  if any(run.get("train_cpu_time_s") is None for _, run in named):
     return []
-  label = " / ".join(name for name, run in (("PruneTrain", pt_run), ("dense", dense)) if run)
-  rows = [
-    f"| train CPU time (s, process) {label} | "
-    + " / ".join(f"{run['train_cpu_time_s']:.0f}" for run in runs)
-    + " |"
-  ]
-  if all(run.get("host_steal_s") is not None for run in runs):
-    rows.append(
-      f"| host steal time during the run (CPU-s) {label} | "
-      + " / ".join(f"{run['host_steal_s']:.0f}" for run in runs)
-      + " |"
-    )
+  rows = [_runs_row("train CPU time (s, process)", named, "train_cpu_time_s")]
+  if all(run.get("host_steal_s") is not None for _, run in named):
+    rows.append(_runs_row("host steal time during the run (CPU-s)", named, "host_steal_s"))
   return rows
 
 
 def _between_epoch_rows(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list[str]:
   """Rows for the time between epochs (reconfigurations) and the training total (runs that
   logged it): what a reconfiguration costs is part of PruneTrain's wall time."""
-  runs = [run for run in (pt_run, dense) if run is not None]
-  if any(run.get("between_epochs_s") is None for run in runs):
+  named = _named_runs(pt_run, dense)
+  if any(run.get("between_epochs_s") is None for _, run in named):
     return []
-  label = " / ".join(name for name, run in (("PruneTrain", pt_run), ("dense", dense)) if run)
-  total = [run["train_time_s"] + run["between_epochs_s"] for run in runs]
-  ratio = f" ({total[0] / total[1]:.3f}×)" if len(total) == 2 else ""
+  totals = [
+    (name, {"total_s": run["train_time_s"] + run["between_epochs_s"]}) for name, run in named
+  ]
+  ratio = f" ({totals[0][1]['total_s'] / totals[1][1]['total_s']:.3f}×)" if len(totals) == 2 else ""
   return [
-    f"| between epochs: reconfigurations, batch probes (s) {label} | "
-    + " / ".join(f"{run['between_epochs_s']:.0f}" for run in runs)
-    + " |",
-    f"| training wall time, epochs + between (s) {label} | "
-    + " / ".join(f"{t:.0f}" for t in total)
-    + f"{ratio} |",
+    _runs_row("between epochs: reconfigurations, batch probes (s)", named, "between_epochs_s"),
+    _runs_row("training wall time, epochs + between (s)", totals, "total_s", ratio),
   ]
 
 
@@ -552,10 +552,7 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
       f"| BatchNorm traffic vs dense | {100 * pt_run['bn_bytes_ratio']:.0f}% |",
       f"| ring all-reduce volume vs dense (4 devices) | {100 * pt_run['allreduce_ratio']:.0f}% |",
       f"| batch size per epoch | {pt_run['batch_sizes']} |",
-      f"| train time (s) PruneTrain / dense | {pt_run['train_time_s']:.0f} / "
-      f"{dense['train_time_s']:.0f} |"
-      if dense
-      else f"| train time (s) | {pt_run['train_time_s']:.0f} |",
+      _runs_row("train time (s)", _named_runs(pt_run, dense), "train_time_s"),
       *_between_epoch_rows(pt_run, dense),
       *_cpu_time_rows(pt_run, dense),
       f"| final spec | `{pt_run['final_spec']}` |",

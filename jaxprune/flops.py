@@ -7,7 +7,8 @@ The three papers report costs differently, and this module gives the pieces for 
   model, the memory traffic of the (bandwidth-bound) BatchNorm layers and the ring all-reduce
   volume of the weight gradients (§5, Fig. 11).
   → :func:`training_flops_per_step`, :func:`integrate_training_flops`, :func:`inference_flops`,
-  :func:`batchnorm_traffic`, :func:`allreduce_bytes`.
+  :func:`batchnorm_traffic`, :func:`allreduce_bytes`
+  (:func:`layer_flops_and_batchnorm_traffic` gives the FLOPs and the traffic from one trace).
 * **ClickTrain** (Zhang et al., ICS'21, Tab. 1) reports the compression ratio over conv layers and
   the training / inference FLOPs saved once the pattern + connectivity masks are hard-pruned.
   → :func:`compression_ratio`, :func:`conv_sparsity`, and every FLOPs function with ``masks=``.
@@ -74,6 +75,7 @@ __all__ = [
   "compression_ratio",
   "conv_sparsity",
   "batchnorm_traffic",
+  "layer_flops_and_batchnorm_traffic",
   "allreduce_bytes",
   "param_path",
 ]
@@ -926,6 +928,28 @@ def batchnorm_traffic(
   Returns:
     One :class:`BatchNormTraffic` per BatchNorm call, in execution order.
   """
+  return layer_flops_and_batchnorm_traffic(
+    model_or_fn, input_shape, params=params, input_dtype=input_dtype
+  )[1]
+
+
+def layer_flops_and_batchnorm_traffic(
+  model_or_fn: Any,
+  input_shape: Sequence[int],
+  *,
+  params: Any = None,
+  input_dtype: Any = jnp.float32,
+) -> tuple[list[LayerFlops], list[BatchNormTraffic]]:
+  """:func:`layer_flops` and :func:`batchnorm_traffic` from one trace of the forward pass.
+
+  For cost accounting that needs both (``jaxprune.prunetrain.model_costs``): tracing a
+  ResNet-32 takes about as long as everything else the accounting does, so tracing once
+  instead of twice halves it. The arguments are those of :func:`batchnorm_traffic`.
+
+  Returns:
+    ``(layers, traffic)``: what ``layer_flops`` and ``batchnorm_traffic`` return for the
+    same arguments.
+  """
   records: list[tuple[int, tuple[int, ...], Any]] = []
   paths: dict[int, str] = {}
   is_module = isinstance(model_or_fn, nnx.Module)
@@ -937,6 +961,7 @@ def batchnorm_traffic(
     batchnorm_records=records if is_module else None,
     batchnorm_paths=paths if is_module else None,
   )
+  layers = _layers_from_trace(closed, leaves, input_index, None)
   if is_module:
     entries = [
       (paths.get(module_id, f"batchnorm#{i}"), shape, dtype)
@@ -945,9 +970,7 @@ def batchnorm_traffic(
   else:
     out_dtype = np.dtype(input_dtype)
     entries = [
-      (layer.name, layer.output_shape, out_dtype)
-      for layer in _layers_from_trace(closed, leaves, input_index, None)
-      if layer.kind == "conv"
+      (layer.name, layer.output_shape, out_dtype) for layer in layers if layer.kind == "conv"
     ]
   traffic = []
   for name, shape, dtype in entries:
@@ -962,7 +985,7 @@ def batchnorm_traffic(
         inference_bytes=_BN_INFERENCE_PASSES * size,
       )
     )
-  return traffic
+  return layers, traffic
 
 
 def allreduce_bytes(params: Any, num_devices: int, masks: Any = None) -> float:

@@ -833,7 +833,7 @@ def model_costs(
 ) -> dict[str, float]:
   """Per-image and per-step costs of a model (PruneTrain §5 Tab. 1, Fig. 8, Fig. 11).
 
-  Uses :mod:`jaxprune.flops` (tracing; no compilation).
+  Uses :mod:`jaxprune.flops` (one trace of the forward pass; no compilation).
 
   Args:
     model: an NNX model.
@@ -846,12 +846,12 @@ def model_costs(
     all-reduce of all gradients) and ``params``.
   """
   shape = (1, *tuple(image_shape))
-  layers = flops.layer_flops(model, shape)
+  layers, traffic = flops.layer_flops_and_batchnorm_traffic(model, shape)
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   return {
     "inference_flops": float(flops.inference_flops(layers)),
     "train_flops": float(flops.training_flops_per_step(layers)),
-    "bn_bytes": float(sum(t.training_bytes for t in flops.batchnorm_traffic(model, shape))),
+    "bn_bytes": float(sum(t.training_bytes for t in traffic)),
     "allreduce_bytes": float(flops.allreduce_bytes(params, num_devices)),
     "params": float(_param_count(model)),
   }
@@ -919,13 +919,14 @@ class PruneTrainCallback(Reconfigure):
       raise ValueError(f"every_epochs must be a positive int, got {every_epochs!r}")
     if num_devices < 1:
       raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    # FLOPs are counted here, not by reconfigure: the old model's costs are already known
+    # and the new model's are traced once, for the report and the accounting together.
+    self._reconfigure_model = functools.partial(
+      reconfigure, threshold=threshold, count_flops=False, channel_multiple=channel_multiple
+    )
+    self._new_costs: Optional[dict[str, float]] = None
     super().__init__(
-      functools.partial(
-        reconfigure,
-        threshold=threshold,
-        input_shape=(1, *image_shape),
-        channel_multiple=channel_multiple,
-      ),
+      self._reconfigure,
       every_epochs,
       image_shape=tuple(image_shape),
       grow_batch=dynamic_batch,
@@ -950,6 +951,26 @@ class PruneTrainCallback(Reconfigure):
       "allreduce_bytes": 0.0,
       "dense_allreduce_bytes": 0.0,
     }
+
+  def _reconfigure(self, model: nnx.Module, opt_state: Any) -> tuple[nnx.Module, Any, Any]:
+    """:func:`reconfigure` with the report's FLOPs filled in from :func:`model_costs`."""
+    new_model, new_opt_state, report = self._reconfigure_model(model, opt_state)
+    old = self._state["costs"]
+    if old is None:  # called before any epoch was accounted
+      old = model_costs(model, self.image_shape, num_devices=self.num_devices)
+    new = old
+    if report.changed:
+      new = model_costs(new_model, self.image_shape, num_devices=self.num_devices)
+    self._new_costs = new
+    report = dataclasses.replace(
+      report,
+      flops_before=round(old["inference_flops"]),
+      flops_after=round(new["inference_flops"]),
+      train_flops_before=round(old["train_flops"]),
+      train_flops_after=round(new["train_flops"]),
+      input_shape=(1, *self.image_shape),
+    )
+    return new_model, new_opt_state, report
 
   def _worth(self, report: ReconfigureReport) -> bool:
     """Install ``report``'s model? Something died and the FLOP saving is big enough."""
@@ -977,9 +998,7 @@ class PruneTrainCallback(Reconfigure):
     record.update({f"pt_{key}": value for key, value in hooked.items()})
     if hooked["reconfigured"]:
       new_model = trainer.model
-      costs = self._state["costs"] = model_costs(
-        new_model, self.image_shape, num_devices=self.num_devices
-      )
+      costs = self._state["costs"] = self._new_costs
       record.update(
         {
           "pt_inference_flops_after": costs["inference_flops"],

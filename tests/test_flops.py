@@ -522,6 +522,19 @@ def test_batchnorm_traffic_found_by_tracing():
   assert [t.activation_shape for t in fn_traffic] == [(2, 4, 4, 5)]
 
 
+def test_layer_flops_and_batchnorm_traffic_equal_the_separate_calls():
+  model = _abstract(TinyResNet)
+  layers, traffic = flops.layer_flops_and_batchnorm_traffic(model, (2, 8, 8, 3))
+  assert layers == flops.layer_flops(model, (2, 8, 8, 3))
+  assert traffic == flops.batchnorm_traffic(model, (2, 8, 8, 3))
+  fn, params = _single_conv_fn((2, 2), "SAME", 1), {"w": jnp.ones((3, 3, 3, 5))}
+  fn_layers, fn_traffic = flops.layer_flops_and_batchnorm_traffic(fn, (2, 8, 8, 3), params=params)
+  assert fn_layers == flops.layer_flops(fn, (2, 8, 8, 3), params=params)
+  assert fn_traffic == flops.batchnorm_traffic(fn, (2, 8, 8, 3), params=params)
+  with pytest.raises(ValueError, match="input_shape"):
+    flops.layer_flops_and_batchnorm_traffic(model, (2, 8, 8))
+
+
 def test_allreduce_bytes_ring_model():
   params = {"conv": np.ones((3, 3, 4, 8), np.float32), "bias": np.ones(8, np.float32)}
   grad_bytes = (3 * 3 * 4 * 8 + 8) * 4

@@ -104,6 +104,16 @@ def test_callback_reconfigures_inside_the_trainer():
   assert first["pt_train_flops_ratio"] == pytest.approx(1.0)
   assert second["pt_train_flops_ratio"] < 1.0
   assert second["pt_inference_flops"] == first["pt_inference_flops_after"]
+  # The hook counts the report's FLOPs itself (from the cached costs and one trace of the new
+  # model); they are what reconfigure's own count gives.
+  installed, unchanged = callback.reports
+  _, _, reference = pt.reconfigure(model, None, input_shape=(1, 8, 8, 3))
+  assert installed.flops_before == reference.flops_before
+  assert installed.flops_after == reference.flops_after == first["pt_inference_flops_after"]
+  assert installed.train_flops_before == reference.train_flops_before
+  assert installed.train_flops_after == reference.train_flops_after
+  assert installed.input_shape == reference.input_shape
+  assert unchanged.flops_before == unchanged.flops_after == installed.flops_after
   # Dynamic mini-batch: never beyond the cap, LR scaled by the same ratio.
   new_batch = first["pt_next_batch_size"]
   assert 16 <= new_batch <= 64 and second["batch_size"] == new_batch
