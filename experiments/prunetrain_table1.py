@@ -406,21 +406,24 @@ def _named_runs(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list[tu
   return [(name, run) for name, run in (("PruneTrain", pt_run), ("dense", dense)) if run]
 
 
-def _runs_row(title: str, named: Sequence[tuple[str, Any]], key: str, suffix: str = "") -> str:
-  """``| title PruneTrain / dense | a / b |``: one value per run, in seconds."""
+def _runs_row(
+  title: str, named: Sequence[tuple[str, Any]], values: Sequence[float], suffix: str = ""
+) -> str:
+  """``| title PruneTrain / dense | a / b |``: one value (seconds) per run of ``named``."""
   label = " / ".join(name for name, _ in named)
-  values = " / ".join(f"{run[key]:.0f}" for _, run in named)
-  return f"| {title} {label} | {values}{suffix} |"
+  return f"| {title} {label} | {' / '.join(f'{v:.0f}' for v in values)}{suffix} |"
 
 
 def _cpu_time_rows(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list[str]:
   """Table rows for the process CPU time and the host's steal time (runs that logged them)."""
   named = _named_runs(pt_run, dense)
-  if any(run.get("train_cpu_time_s") is None for _, run in named):
+  cpu = [run.get("train_cpu_time_s") for _, run in named]
+  if None in cpu:
     return []
-  rows = [_runs_row("train CPU time (s, process)", named, "train_cpu_time_s")]
-  if all(run.get("host_steal_s") is not None for _, run in named):
-    rows.append(_runs_row("host steal time during the run (CPU-s)", named, "host_steal_s"))
+  rows = [_runs_row("train CPU time (s, process)", named, cpu)]
+  steal = [run.get("host_steal_s") for _, run in named]
+  if None not in steal:
+    rows.append(_runs_row("host steal time during the run (CPU-s)", named, steal))
   return rows
 
 
@@ -428,15 +431,14 @@ def _between_epoch_rows(pt_run: dict[str, Any], dense: dict[str, Any] | None) ->
   """Rows for the time between epochs (reconfigurations) and the training total (runs that
   logged it): what a reconfiguration costs is part of PruneTrain's wall time."""
   named = _named_runs(pt_run, dense)
-  if any(run.get("between_epochs_s") is None for _, run in named):
+  between = [run.get("between_epochs_s") for _, run in named]
+  if None in between:
     return []
-  totals = [
-    (name, {"total_s": run["train_time_s"] + run["between_epochs_s"]}) for name, run in named
-  ]
-  ratio = f" ({totals[0][1]['total_s'] / totals[1][1]['total_s']:.3f}×)" if len(totals) == 2 else ""
+  totals = [run["train_time_s"] + b for (_, run), b in zip(named, between)]
+  ratio = f" ({totals[0] / totals[1]:.3f}×)" if len(totals) == 2 else ""
   return [
-    _runs_row("between epochs: reconfigurations, batch probes (s)", named, "between_epochs_s"),
-    _runs_row("training wall time, epochs + between (s)", totals, "total_s", ratio),
+    _runs_row("between epochs: reconfigurations, batch probes (s)", named, between),
+    _runs_row("training wall time, epochs + between (s)", named, totals, ratio),
   ]
 
 
@@ -544,6 +546,7 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
     f"| {100 * paper['inference_flops']:.0f}% | — | — |"
   )
   if pt_run:
+    named = _named_runs(pt_run, dense)
     lines += [
       "",
       "| PruneTrain extra | value |",
@@ -552,7 +555,7 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
       f"| BatchNorm traffic vs dense | {100 * pt_run['bn_bytes_ratio']:.0f}% |",
       f"| ring all-reduce volume vs dense (4 devices) | {100 * pt_run['allreduce_ratio']:.0f}% |",
       f"| batch size per epoch | {pt_run['batch_sizes']} |",
-      _runs_row("train time (s)", _named_runs(pt_run, dense), "train_time_s"),
+      _runs_row("train time (s)", named, [run["train_time_s"] for _, run in named]),
       *_between_epoch_rows(pt_run, dense),
       *_cpu_time_rows(pt_run, dense),
       f"| final spec | `{pt_run['final_spec']}` |",

@@ -889,8 +889,8 @@ class PruneTrainCallback(Reconfigure):
       least this fraction (0 = whenever a channel died, as in the paper).  Each installed
       reconfiguration recompiles the step (and, with ``dynamic_batch``, compiles it again per
       memory probe), which on a 2-core CPU costs about 25 training steps of ResNet-32 at batch
-      64 (15–17 s): a few dead channels are not worth it.  Skipped dead channels stay in the model (zero or
-      near zero) and go at the next reconfiguration that is worth installing.
+      64 (15–17 s): a few dead channels are not worth it.  Skipped dead channels stay in the
+      model (zero or near zero) and go at the next reconfiguration that is worth installing.
 
   Example::
 
