@@ -1,7 +1,7 @@
 """Per-step cost of the ClickTrain wrapper against the inner optimizer alone.
 
 Times the full jitted train step (forward, backward, optimizer) of a model with
-``train.sgd`` alone and with ``jaxprune.clicktrain(train.sgd(...))`` forced into
+``train.sgd`` alone and with ``jaxprune.clicktrain.clicktrain(train.sgd(...))`` forced into
 each stage (warmup, DPPG pool generation, finalization, regularization, hard
 pruned), plus pool / finalization with the importance work every 4th step.
 Variants are timed in interleaved rounds (the machine is shared); the minimum
@@ -36,7 +36,7 @@ from flax import nnx
 
 import jaxprune
 from experiments._machine import machine_description
-from jaxprune import clicktrain_transform as ct
+from jaxprune.clicktrain import transform as ct
 from jaxprune import models, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return train.sgd(0.01, momentum=0.9, weight_decay=5e-4)
 
   def wrapped(every: int):
-    return jaxprune.clicktrain(
+    return jaxprune.clicktrain.clicktrain(
       inner(),
       steps_per_epoch=10_000,
       hard_prune_epoch=100,

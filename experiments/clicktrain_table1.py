@@ -6,7 +6,7 @@ CPU budget run; it uses ResNet-32's per-stage ratios). The full recipe is the pa
 SGD momentum 0.9, lr 0.1 (x0.1 at 50% / 75% of the run: the paper does not state
 its schedule), weight decay 5e-4, λ = 2.5e-4, stage-2 trigger = loss derivative
 0.27, pool of 12 patterns, hard prune at the paper's epoch for the row, per-layer
-kernel-prune ratios from the authors (DESIGN.md): ResNet-32 55 / 65 / 75% by
+kernel-prune ratios from the authors' released code: ResNet-32 55 / 65 / 75% by
 stage; VGG-11 35, 45, 65, 75, 80, 80, 85%. ResNet-50 and VGG-13 ratios are not
 published; we use ResNet-32's by stage and VGG-11's stretched to 9 layers
 (35, 40, 45, 55, 65, 75, 80, 80, 85%).
@@ -46,8 +46,9 @@ from flax import nnx
 
 import jaxprune
 from experiments._machine import machine_description
-from jaxprune import clicktrain_transform as ct
-from jaxprune import data, flops, models, patterns, train
+from jaxprune.clicktrain import transform as ct
+from jaxprune import data, flops, models, train
+from jaxprune.clicktrain import patterns
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -172,7 +173,7 @@ def _run(args, row: str, prune: bool, train_set, test_set) -> dict[str, Any]:
       kw.pop("one_shot_epoch")
     else:
       kw = dict(hard_prune_epoch=kw["hard_prune_epoch"], one_shot_epoch=kw["one_shot_epoch"])
-    tx = jaxprune.clicktrain(
+    tx = jaxprune.clicktrain.clicktrain(
       inner, steps_per_epoch=spe, mode=args.mode, kernel_prune_ratio=kernel_ratio_fn(row), **kw
     )
     metrics = {

@@ -3,7 +3,7 @@
 Counts ``nnx.Param`` entries (conv and linear weights, biases, BatchNorm γ and β; not the
 running statistics), on abstract models (``nnx.eval_shape``: nothing is allocated), with 10
 classes for the CIFAR families and 1000 for ImageNet. The reference column holds the figures
-this library must reproduce (DESIGN.md, torchvision, kuangliu/pytorch-cifar).
+this library must reproduce (the papers, torchvision, kuangliu/pytorch-cifar).
 
     python -m experiments.run model_params [--output experiments/results/model_params.md]
 """
@@ -27,11 +27,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # Published / design figures (parameters), with their source.
 _REFERENCE = {
-  "prunetrain-resnet32": ("≈0.467 M", "DESIGN.md (PruneTrain)"),
-  "prunetrain-resnet50": ("≈0.777 M", "DESIGN.md (PruneTrain)"),
+  "prunetrain-resnet32": ("≈0.467 M", "PruneTrain paper"),
+  "prunetrain-resnet50": ("≈0.777 M", "PruneTrain paper"),
   "clicktrain-resnet18": ("11,173,962", "kuangliu/pytorch-cifar"),
-  "clicktrain-resnet32": ("≈20.1 M", "DESIGN.md (ClickTrain)"),
-  "sdgp-resnet9": ("≈9.09 M", "DESIGN.md (SDGP)"),
+  "clicktrain-resnet32": ("≈20.1 M", "ClickTrain released code"),
+  "sdgp-resnet9": ("≈9.09 M", "SDGP (ffcv ResNet-9)"),
   "imagenet-resnet18": ("11,689,512", "torchvision"),
   "imagenet-resnet50": ("25,557,032", "torchvision"),
 }
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     f"JAX {jax.__version__}, Flax {flax.__version__}\n\n"
     "Parameters = `nnx.Param` entries (weights, biases, BatchNorm γ/β; running statistics "
     "excluded). `prunetrain-*` and `clicktrain-*` models of the same name are different "
-    "networks (see DESIGN.md).\n\n"
+    "networks (see docs/design.md).\n\n"
     f"{body}\n"
   )
   args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """PruneTrain Table 1 (CIFAR-10): dense vs PruneTrain, accuracy and training / inference cost.
 
-Paper recipe (PruneTrain §5, DESIGN.md): batch 128, SGD momentum 0.9, lr 0.1 ×0.1 at epochs
+Paper recipe (PruneTrain §5 and the authors' scripts): batch 128, SGD momentum 0.9, lr 0.1 ×0.1 at epochs
 91 and 136, weight decay 5e-4, 182 epochs, group-lasso penalty ratio 0.2, reconfiguration
 every 10 epochs, dynamic mini-batch (+32 while the step's memory fits the first step's,
 LR scaled linearly).  Both runs use the same data, schedule and number of epochs.

@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 
 from jaxprune import data, flops, models, prunetrain, sdgp, train
-from jaxprune.clicktrain_transform import clicktrain
+from jaxprune.clicktrain import clicktrain
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """SDGP Table I: sdgp-resnet9 on CIFAR-10, dense vs random / magnitude / rescaled / MVUE 2:4.
 
-Recipe (DESIGN.md, the ffcv ResNet-9 SDGP ran): batch 512, 150 epochs, SGD momentum 0.9,
+Recipe (the ffcv ResNet-9 recipe SDGP ran): batch 512, 150 epochs, SGD momentum 0.9,
 triangular lr peaking at 0.5 at epoch 2, weight decay 5e-4 on all params, label smoothing
 0.1, flip + translate(2) + cutout(4), flip test-time augmentation. Every conv with more than
 3 input channels gets SDGP (``jaxprune.sdgp.convert_model``); the stem and the head stay.

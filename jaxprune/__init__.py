@@ -2,19 +2,19 @@
 
 Implements ClickTrain (pattern pruning), PruneTrain (channel group lasso with
 reconfiguration) and SDGP (N:M pruning of data gradients) as Optax gradient
-transformations over Flax NNX models.
+transformations over Flax NNX models. One package per paper
+(:mod:`jaxprune.clicktrain`, :mod:`jaxprune.prunetrain`, :mod:`jaxprune.sdgp`), shared
+models, data, training loop and cost accounting beside them.
 """
 
 __version__ = "0.1.0"
 
+from jaxprune import paths
 from jaxprune import data
 from jaxprune import distributed
 from jaxprune import flops
-from jaxprune import group_lasso, prunetrain
 from jaxprune import models
 from jaxprune import train
-from jaxprune import importance
-from jaxprune import patterns
+from jaxprune import clicktrain
+from jaxprune import prunetrain
 from jaxprune import sdgp
-from jaxprune import clicktrain_transform
-from jaxprune.clicktrain_transform import clicktrain

@@ -63,6 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxprune.paths import ParamPath, flatten_with_paths, param_path
+
 __all__ = [
   "LayerFlops",
   "BatchNormTraffic",
@@ -80,7 +82,6 @@ __all__ = [
   "param_path",
 ]
 
-ParamPath = tuple[Any, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,29 +176,6 @@ class BatchNormTraffic:
 # --------------------------------------------------------------------------------------------
 
 
-def _key_entry(entry: Any) -> Any | None:
-  """One pytree key entry → path element; ``None`` drops it (a Variable's ``value``)."""
-  if isinstance(entry, jax.tree_util.DictKey):
-    return entry.key
-  if isinstance(entry, jax.tree_util.SequenceKey):
-    return entry.idx
-  if isinstance(entry, jax.tree_util.GetAttrKey):
-    # NNX Variables flatten through their ``value``; paths name the variable itself.
-    return None if entry.name in ("value", "raw_value", "_raw_value") else entry.name
-  if isinstance(entry, jax.tree_util.FlattenedIndexKey):
-    return entry.key
-  return str(entry)
-
-
-def param_path(key_path: Sequence[Any]) -> ParamPath:
-  """Converts a :func:`jax.tree_util.tree_flatten_with_path` key path to a plain tuple.
-
-  ``(DictKey('stages'), DictKey(0), DictKey('conv'), DictKey('kernel'), GetAttrKey('value'))``
-  → ``('stages', 0, 'conv', 'kernel')``. Works for NNX ``State``, pure dicts and Linen dicts.
-  """
-  return tuple(k for k in (_key_entry(e) for e in key_path) if k is not None)
-
-
 def _shape(leaf: Any) -> tuple[int, ...]:
   """Shape of an array or of an abstract leaf (``ShapeDtypeStruct`` from ``nnx.eval_shape``)."""
   return tuple(leaf.shape) if hasattr(leaf, "shape") else tuple(np.shape(leaf))
@@ -205,11 +183,6 @@ def _shape(leaf: Any) -> tuple[int, ...]:
 
 def _dtype(leaf: Any) -> np.dtype:
   return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-
-
-def _flatten_with_paths(tree: Any) -> list[tuple[ParamPath, Any]]:
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return [(param_path(path), leaf) for path, leaf in leaves]
 
 
 def _mask_table(masks: Any, params_by_path: Mapping[ParamPath, Any]) -> dict[ParamPath, np.ndarray]:
@@ -223,7 +196,7 @@ def _mask_table(masks: Any, params_by_path: Mapping[ParamPath, Any]) -> dict[Par
   if isinstance(masks, Mapping) and masks and all(isinstance(k, tuple) for k in masks):
     items = [(tuple(k), v) for k, v in masks.items() if v is not None]
   else:
-    items = _flatten_with_paths(masks)
+    items = flatten_with_paths(masks)
   table: dict[ParamPath, np.ndarray] = {}
   for path, mask in items:
     if path not in params_by_path:
@@ -503,14 +476,14 @@ def _trace(
       return model(images)
 
     args = (param_state, rest, x)
-    leaves = _flatten_with_paths(param_state)
+    leaves = flatten_with_paths(param_state)
     input_index = len(leaves) + len(jax.tree_util.tree_leaves(rest))
   elif callable(model_or_fn):
     if params is None:
       raise ValueError("params is required when model_or_fn is a plain fn(params, x)")
     forward = model_or_fn
     args = (params, x)
-    leaves = _flatten_with_paths(params)
+    leaves = flatten_with_paths(params)
     input_index = len(leaves)
   else:
     raise ValueError(
@@ -838,7 +811,7 @@ def model_flops_report(model: nnx.Module, input_shape: Sequence[int], *, masks: 
 
 
 def _conv_counts(params: Any, masks: Any) -> tuple[int, int]:
-  leaves = _flatten_with_paths(params)
+  leaves = flatten_with_paths(params)
   params_by_path = dict(leaves)
   mask_by_path = _mask_table(masks, params_by_path)
   total = nonzero = 0
@@ -1008,7 +981,7 @@ def allreduce_bytes(params: Any, num_devices: int, masks: Any = None) -> float:
     raise ValueError(f"num_devices must be an int, got {num_devices!r}")
   if num_devices < 1:
     raise ValueError(f"num_devices must be >= 1, got {num_devices}")
-  leaves = _flatten_with_paths(params)
+  leaves = flatten_with_paths(params)
   mask_by_path = _mask_table(masks, dict(leaves))
   gradient_bytes = 0
   for path, leaf in leaves:

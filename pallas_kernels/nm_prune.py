@@ -3,7 +3,7 @@
 One pass over the gradient: each program loads a block, splits it into the ``m`` columns of
 its groups with strided loads (``x_ref[:, pl.ds(j, G, stride=m)]``, entry ``j`` of each of
 the block's ``G`` groups), selects in registers with the ordering keys, draws and rescale
-factor shared with the pure-JAX reference (``jaxprune.sdgp._nm_core``), and stores the
+factor shared with the pure-JAX reference (``pallas_kernels.nm_math``), and stores the
 columns back strided — the same
 one-thread-per-group scheme as the authors' CUDA kernel (SDGP §III-A), vectorised.
 
@@ -21,8 +21,8 @@ Random methods draw their U[0, 1) values in registers with the counter-based
 the reference evaluates the same hash over the whole draw array, so both agree bit for bit
 and the kernel reads nothing but the gradient.
 
-The pure-JAX reference (``jaxprune.sdgp.prune.nm_prune_reference``) is the CPU path and
-the test oracle; on CPU this kernel runs with ``interpret=True``.
+The caller's pure-JAX reference (built on the same :mod:`pallas_kernels.nm_math`) is the CPU
+path and the test oracle; on CPU this kernel runs with ``interpret=True``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxprune.sdgp import _nm_core
+from pallas_kernels import nm_math
 
 Array = jax.Array
 
@@ -56,7 +56,7 @@ def _top_n_masks(keys: Sequence[Array], n: int) -> list[Array]:
   """``keys[j]`` is kept iff fewer than ``n`` entries rank above it.
 
   Entry k ranks above entry j if its key is larger, or equal and k < j (ties go to the
-  lower index, as the DESIGN.md contract asks).
+  lower index: the N:M contract of the magnitude methods).
   """
   m = len(keys)
   masks = []
@@ -141,9 +141,9 @@ def _select_columns(
     return out
   if method == "random":
     assert uniforms is not None and len(uniforms) == m
-    keys = [_nm_core.order_keys(u) for u in uniforms]
+    keys = [nm_math.order_keys(u) for u in uniforms]
   else:
-    keys = [_nm_core.order_keys(jnp.abs(c)) for c in cols]
+    keys = [nm_math.order_keys(jnp.abs(c)) for c in cols]
   masks = _top_n_masks(keys, n)
   return [jnp.where(keep, c, 0.0) for c, keep in zip(cols, masks)]
 
@@ -190,7 +190,7 @@ def _uniform_columns(seed_ref, shape, width: int, groups: int, row_width: int):
   """The ``width`` draw columns of this block: hash of each draw's flat index.
 
   Draw ``(r, g * width + s)`` of a ``(rows, row_width)`` draw array (see
-  ``_nm_core.uniform_shape``) belongs to entry/sub-block ``s`` of group ``g`` in row ``r``.
+  ``nm_math.uniform_shape``) belongs to entry/sub-block ``s`` of group ``g`` in row ``r``.
   """
   block_r = shape[0]
   seeds = (seed_ref[0], seed_ref[1])
@@ -198,7 +198,7 @@ def _uniform_columns(seed_ref, shape, width: int, groups: int, row_width: int):
   first = pl.program_id(1) * groups * width
   group = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
   return [
-    _nm_core.hash_uniform(rows * row_width + first + group * width + s, seeds) for s in range(width)
+    nm_math.hash_uniform(rows * row_width + first + group * width + s, seeds) for s in range(width)
   ]
 
 
@@ -219,7 +219,7 @@ def _rescaled_kernel(x_ref, o_ref, *, n: int, m: int, groups: int):
     # SDGP §III-B: keep each (sample, channel) L1 norm over H, W.
     abs_sum = jnp.sum(jnp.abs(c.astype(jnp.float32)), axis=0, keepdims=True)
     abs_sum_pruned = jnp.sum(jnp.abs(p), axis=0, keepdims=True)
-    out.append(p * _nm_core.rescale_factor(abs_sum, abs_sum_pruned))
+    out.append(p * nm_math.rescale_factor(abs_sum, abs_sum_pruned))
   _store_columns(o_ref, out, m, groups)
 
 
@@ -245,12 +245,12 @@ def nm_prune_pallas(
   """N:M pruning with the fused Pallas kernel; same semantics as the reference.
 
   Args:
-    x: floating array, groups of ``m`` on the last axis (arguments already validated by
-      ``jaxprune.sdgp.nm_prune``).
+    x: floating array, groups of ``m`` on the last axis (arguments already validated with
+      :func:`pallas_kernels.nm_math.validate`).
     n: entries kept per group.
     m: group size.
-    method: one of ``jaxprune.sdgp.METHODS``.
-    seeds: ``jaxprune.sdgp._nm_core.seeds_from_key(key)`` for the random methods.
+    method: one of :data:`pallas_kernels.nm_math.METHODS`.
+    seeds: ``nm_math.seeds_from_key(key)`` for the random methods.
     interpret: run the kernel in the Pallas interpreter; ``None`` = on non-GPU backends.
 
   Returns:

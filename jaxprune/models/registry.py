@@ -1,7 +1,7 @@
 """Model registry: ``create(name, *, num_classes, rngs)`` and ``available()``.
 
 Names are ``"<family>-<arch>"``; the family is the paper whose definition the model follows
-(DESIGN.md): PruneTrain and ClickTrain use different networks under the same name, e.g.
+(docs/design.md): PruneTrain and ClickTrain use different networks under the same name, e.g.
 ``prunetrain-resnet32`` (0.47 M parameters) vs ``clicktrain-resnet32`` (20.1 M).
 """
 

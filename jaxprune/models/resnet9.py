@@ -1,7 +1,7 @@
 """The ffcv CIFAR ResNet-9 used by SDGP (2x wide: ≈9.09 M parameters).
 
 Layout of ffcv's ``cifar/train_cifar.py`` model, with every width doubled as in SDGP's
-CIFAR configuration (DESIGN.md: convs 128, 256, [256, 256], 512, [512, 512], 256)::
+CIFAR configuration (SDGP's runs: convs 128, 256, [256, 256], 512, [512, 512], 256)::
 
     prep    ConvBN(3 → 128, 3x3)
     layer1  ConvBN(128 → 256, 5x5, stride 2, padding 2)
@@ -88,7 +88,7 @@ class ResNet9Spec:
 
 
 def sdgp_resnet9_spec() -> ResNet9Spec:
-  """SDGP's 2x-wide ffcv ResNet-9 (DESIGN.md, SDGP CIFAR recipe)."""
+  """SDGP's 2x-wide ffcv ResNet-9 (SDGP's CIFAR recipe)."""
   return ResNet9Spec()
 
 

@@ -9,7 +9,7 @@ Example:
   >>> model = sdgp.convert_model(model, n=2, m=4, method="rescaled_magnitude")
 """
 
-from jaxprune.sdgp._nm_core import MAX_GROUP, METHODS, RESCALE_EPS
+from pallas_kernels.nm_math import MAX_GROUP, METHODS, RESCALE_EPS
 from jaxprune.sdgp.conv import SDGPConv, SDGPKey, convert_model, sdgp_conv
 from jaxprune.sdgp.prune import BACKENDS, nm_prune, nm_prune_reference
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxprune.sdgp import _nm_core
+from pallas_kernels import nm_math
 from jaxprune.sdgp.prune import BACKENDS, nm_prune
 
 Array = jax.Array
@@ -162,7 +162,7 @@ def sdgp_conv(
   if kernel.ndim != 4:
     raise ValueError(f"kernel must be HWIO (4-D), got shape {kernel.shape}")
   _check_out_channels("kernel", kernel.shape[-1], m)
-  _nm_core.validate((1, kernel.shape[-1]), jnp.float32, n, m, method, key)
+  nm_math.validate((1, kernel.shape[-1]), jnp.float32, n, m, method, key)
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   config = _ConvConfig(
@@ -293,7 +293,7 @@ class SDGPConv(nnx.Conv):
       **conv_kwargs: forwarded to ``nnx.Conv``.
     """
     _check_out_channels("out_features", out_features, m)
-    _nm_core.validate((1, out_features), jnp.float32, n, m, method, key=0)
+    nm_math.validate((1, out_features), jnp.float32, n, m, method, key=0)
     if backend not in BACKENDS:
       raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if "conv_general_dilated" in conv_kwargs:
@@ -390,8 +390,8 @@ def convert_model(
   """Swaps every ``nnx.Conv`` with ``>= min_in_channels`` inputs for an ``SDGPConv``, in place.
 
   SDGP applies N:M pruning to every conv's data gradient except the stem's (3 input
-  channels, its input gradient is never used) and leaves Dense layers untouched
-  (DESIGN.md). Weights are shared: each ``SDGPConv`` holds the original ``kernel`` /
+  channels, its input gradient is never used) and leaves Dense layers untouched, as the
+  authors' code does. Weights are shared: each ``SDGPConv`` holds the original ``kernel`` /
   ``bias`` Variables, so ``nnx.state(model, nnx.Param)`` is unchanged and the gradients
   differ only through the pruned input gradients.
 
@@ -412,7 +412,7 @@ def convert_model(
     >>> model = convert_model(models.create("sdgp-resnet9", num_classes=10,
     ...                       rngs=nnx.Rngs(0)), n=2, m=4, method="rescaled_magnitude")
   """
-  _nm_core.validate((1, m), jnp.float32, n, m, method, key=0)
+  nm_math.validate((1, m), jnp.float32, n, m, method, key=0)
   base_key = jax.random.key(seed) if isinstance(seed, int) else seed
   targets = []
   for path, module in nnx.iter_modules(model):

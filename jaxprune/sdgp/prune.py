@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxprune.sdgp import _nm_core
+from pallas_kernels import nm_math
 
 Array = jax.Array
 
@@ -20,16 +20,16 @@ def draw_uniforms(key: Array | None, shape, n: int, m: int, method: str) -> Arra
 
   The Pallas kernel recomputes exactly these values in registers from the same seeds.
   """
-  seeds = None if key is None else _nm_core.seeds_from_key(key)
+  seeds = None if key is None else nm_math.seeds_from_key(key)
   return _uniforms_from_seeds(seeds, shape, n, m, method)
 
 
 def _uniforms_from_seeds(seeds, shape, n: int, m: int, method: str) -> Array | None:
-  ushape = _nm_core.uniform_shape(shape, n, m, method)
+  ushape = nm_math.uniform_shape(shape, n, m, method)
   if ushape is None:
     return None
   index = jax.lax.broadcasted_iota(jnp.uint32, (math.prod(ushape),), 0).reshape(ushape)
-  return _nm_core.hash_uniform(index, seeds)
+  return nm_math.hash_uniform(index, seeds)
 
 
 # Up to this group size the ranking is unrolled over the m columns (below); beyond it the
@@ -126,9 +126,9 @@ def nm_prune_reference(x: Array, n: int, m: int, method: str, uniforms: Array | 
     pruned = _mvue_reference(grouped, n, ugrouped)
   else:
     if method == "random":
-      keys = _nm_core.order_keys(uniforms.reshape(grouped.shape))
+      keys = nm_math.order_keys(uniforms.reshape(grouped.shape))
     else:
-      keys = _nm_core.order_keys(jnp.abs(grouped))
+      keys = nm_math.order_keys(jnp.abs(grouped))
     pruned = jnp.where(_top_n_mask(keys, n), grouped, 0.0)
   pruned = pruned.reshape(shape)
   if method == "rescaled_magnitude":
@@ -136,7 +136,7 @@ def nm_prune_reference(x: Array, n: int, m: int, method: str, uniforms: Array | 
     axes = tuple(range(1, x.ndim - 1))
     abs_sum = jnp.sum(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
     abs_sum_pruned = jnp.sum(jnp.abs(pruned), axis=axes, keepdims=True)
-    pruned = pruned * _nm_core.rescale_factor(abs_sum, abs_sum_pruned)
+    pruned = pruned * nm_math.rescale_factor(abs_sum, abs_sum_pruned)
   return pruned.astype(x.dtype)
 
 
@@ -197,7 +197,7 @@ def nm_prune(
     Array([ 0.,  7., -3.,  0.], dtype=float32)
   """
   x = jnp.asarray(x)
-  _nm_core.validate(x.shape, x.dtype, n, m, method, key)
+  nm_math.validate(x.shape, x.dtype, n, m, method, key)
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   return _nm_prune_jit(x, key, n=n, m=m, method=method, backend=backend)
@@ -205,7 +205,7 @@ def nm_prune(
 
 @functools.partial(jax.jit, static_argnames=("n", "m", "method", "backend"))
 def _nm_prune_jit(x, key, *, n, m, method, backend):
-  seeds = None if key is None else _nm_core.seeds_from_key(key)
+  seeds = None if key is None else nm_math.seeds_from_key(key)
 
   def reference(x_, seeds_):
     uniforms = _uniforms_from_seeds(seeds_, x_.shape, n, m, method)

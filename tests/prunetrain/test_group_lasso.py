@@ -9,9 +9,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxprune import group_lasso as gl
+from jaxprune.prunetrain import group_lasso as gl
 from jaxprune import models, train
 from jaxprune import prunetrain as pt
+from jaxprune.paths import param_path
 
 EPS = 1e-8
 
@@ -112,7 +113,7 @@ def test_model_layout(family):
     stem_path, classifier_path = ("features", 0, "conv", "kernel"), ("classifier", 2, "kernel")
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   flat = jax.tree_util.tree_flatten_with_path(gl.leaf_groups(params))[0]
-  layout = {gl.path_names(p): g for p, g in flat}
+  layout = {param_path(p): g for p, g in flat}
   for names, groups in layout.items():
     if names == stem_path:
       assert groups == gl.LeafGroups(3, None)
@@ -127,7 +128,7 @@ def test_model_layout(family):
 def test_group_lasso_adds_coefficient_times_gradient():
   params = _params(1)
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
-  tx = gl.group_lasso(0.3, is_input_conv=_is_stem)
+  tx = gl.add_group_lasso(0.3, is_input_conv=_is_stem)
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   reference = jax.jit(jax.grad(_loop_penalty))(params)
   jax.tree.map(
@@ -191,7 +192,7 @@ def test_coefficient_from_ratio_rejects_bad_input(kwargs, name):
 
 def test_bad_transform_arguments():
   with pytest.raises(ValueError, match="coefficient"):
-    gl.group_lasso(-1.0)
+    gl.add_group_lasso(-1.0)
   for ratio in (0.0, 1.0, 1.5):
     with pytest.raises(ValueError, match="penalty_ratio"):
       gl.group_lasso_from_ratio(ratio)
@@ -199,7 +200,7 @@ def test_bad_transform_arguments():
       pt.with_group_lasso(optax.sgd(0.1), penalty_ratio=ratio)
   params = _params()
   with pytest.raises(ValueError, match="params"):
-    gl.group_lasso(0.1).update(params, gl.GroupLassoState(), None)
+    gl.add_group_lasso(0.1).update(params, gl.GroupLassoState(), None)
   tx = gl.group_lasso_from_ratio(0.2)
   with pytest.raises(ValueError, match="value: .* the loss"):
     tx.update(params, tx.init(params), params)

@@ -14,7 +14,7 @@ Conv kernels are HWIO: ``w.shape == (kh, kw, Cin, Cout)`` and one kernel
 Example::
 
         import jax.numpy as jnp
-        from jaxprune import importance, patterns
+        from jaxprune.clicktrain import importance, patterns
 
         pool = patterns.library_patterns()              # (12, 3, 3)
         s = importance.pattern_scores(w, g, pool)       # (Cin, Cout, 12)

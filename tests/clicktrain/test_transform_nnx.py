@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxprune
-from jaxprune import clicktrain_transform as ct
+from jaxprune.clicktrain import transform as ct
 
 
 class _TinyNet(nnx.Module):
@@ -40,7 +40,7 @@ def _model(kind):
 @pytest.mark.parametrize("kind", ["tiny", pytest.param("vgg11", marks=pytest.mark.slow)])
 def test_nnx_optimizer_end_to_end(kind):
   model, ratios, shape = _model(kind)
-  tx = jaxprune.clicktrain(
+  tx = jaxprune.clicktrain.clicktrain(
     optax.sgd(0.05, momentum=0.9),
     steps_per_epoch=1,
     hard_prune_epoch=4,
@@ -72,17 +72,17 @@ def test_nnx_optimizer_end_to_end(kind):
   # stage after each step (transitions at epoch ends; one step per epoch here)
   assert stages == ["pool", "finalize", "regularize", "pruned", "pruned", "pruned"]
   params = nnx.state(model, nnx.Param)
-  masks = ct.clicktrain_masks(optimizer.opt_state, params)
+  masks = ct.masks(optimizer.opt_state, params)
   for w, m in zip(jax.tree.leaves(params), jax.tree.leaves(masks, is_leaf=lambda v: v is None)):
     if m is not None:
       assert np.all(np.asarray(w)[np.asarray(m) == 0] == 0)
   usage = ct.pattern_usage(optimizer.opt_state)
   assert len(usage[3][0]) <= 8  # every kept kernel uses one of the pool's patterns
-  kernels = ct.clicktrain_kernel_masks(optimizer.opt_state)
+  kernels = ct.kernel_masks(optimizer.opt_state)
   assert len(kernels) == len(ratios)
   for keep, r in zip(kernels.values(), ratios):
     assert (~keep).sum() == int(np.ceil(r * keep.size - 1e-9))
-  cr = ct.compression_ratio(optimizer.opt_state, params)
+  cr = ct.compression(optimizer.opt_state, params)
   assert cr == pytest.approx(jaxprune.flops.compression_ratio(params))  # weights really zero
   # hand count: pruned layers keep 4 (3x3) or 1 (1x1) weights per kept kernel
   total = nonzero = 0

@@ -49,13 +49,13 @@ Layers: ``layer_filter(path, shape)`` returns ``"pattern"``, ``"kernel"`` or
 every 4-D kernel with ``kh == kw > 1`` and more than 3 input channels with
 patterns + kernels, 1x1 convs with kernel (connectivity) pruning only, and
 leaves out the stem (3 input channels) and any 1x1 conv on a ``shortcut``
-path (DESIGN: "every conv except the stem and the 1x1 shortcut convs").
+path (the released code prunes every conv except the stem and the 1x1 shortcut convs).
 
 Reading choices (the paper is silent or garbled; tested):
 
 * Loss derivative (§4.1): ``|mean_loss(epoch e) - mean_loss(e - 1)| < 0.27``
   over epoch means of the training loss, checked from the second epoch.
-* Loss margin δ (§4.3): see :func:`jaxprune.patterns.loss_margin_ok`; the
+* Loss margin δ (§4.3): see :func:`jaxprune.clicktrain.patterns.loss_margin_ok`; the
   default reads δ as a relative margin (skip the batch's votes when the loss
   rose by more than δ), ``margin_rule="literal"`` is the literal text.
 * Kernel finalization is "similar" to pattern finalization in the paper; here
@@ -68,13 +68,13 @@ Reading choices (the paper is silent or garbled; tested):
 
 Example::
 
-    tx = jaxprune.clicktrain(
+    tx = jaxprune.clicktrain.clicktrain(
         optax.sgd(0.1, momentum=0.9), steps_per_epoch=len(loader),
         kernel_prune_ratio=0.5, pool_start_epoch=None, hard_prune_epoch=95)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     ...
     optimizer.update(model, grads, value=loss)
-    masks = clicktrain_masks(optimizer.opt_state, params)   # after the hard prune
+    weight_masks = masks(optimizer.opt_state, params)   # after the hard prune
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxprune import importance as _imp
-from jaxprune.flops import param_path
-from jaxprune import patterns as _pat
+from jaxprune.clicktrain import importance as _imp
+from jaxprune.clicktrain import patterns as _pat
+from jaxprune.paths import path_string
 
 __all__ = [
   "clicktrain",
@@ -103,12 +103,12 @@ __all__ = [
   "PRUNED",
   "STAGE_NAMES",
   "default_layer_filter",
-  "clicktrain_masks",
-  "clicktrain_pattern_ids",
-  "clicktrain_kernel_masks",
+  "masks",
+  "pattern_ids",
+  "kernel_masks",
   "pattern_usage",
   "group_lasso_penalty",
-  "compression_ratio",
+  "compression",
   "flops_saved",
   "stage_name",
 ]
@@ -142,12 +142,6 @@ class ClickTrainState(NamedTuple):
   inner_state: optax.OptState
 
 
-def _path_str(path: Sequence[Any]) -> str:
-  # NNX Variables flatten with a trailing `.value` attribute on some code paths
-  # (nnx.Optimizer.init vs update); param_path drops it so the names agree.
-  return "/".join(str(k) for k in param_path(path))
-
-
 def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
   """ClickTrain layer choice: see the module docstring."""
   if len(shape) != 4:
@@ -171,7 +165,7 @@ def _plan(params: PyTree, layer_filter, kernel_prune_ratio, mode: str) -> dict[s
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   chosen = []
   for i, (path, leaf) in enumerate(leaves):
-    name = _path_str(path)
+    name = path_string(path)
     kind = layer_filter(name, tuple(np.shape(leaf)))
     if kind is None:
       continue
@@ -274,7 +268,7 @@ def _pure(params: PyTree) -> PyTree:
 def _leaf_names(params: PyTree) -> dict[str, int]:
   params = _pure(params)
   return {
-    _path_str(p): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
+    path_string(p): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
   }
 
 
@@ -292,7 +286,7 @@ def clicktrain(
   pool_size: int = 12,
   loss_margin: float = 0.0018,
   margin_rule: str = "relative",
-  group_lasso: float = 2.5e-4,
+  group_lasso_coefficient: float = 2.5e-4,
   one_shot_epoch: int | None = None,
   layer_filter: Callable[[str, tuple[int, ...]], str | None] | None = None,
   importance_every: int = 1,
@@ -319,8 +313,8 @@ def clicktrain(
       pool_size: N, patterns in the final pool (8 or 12).
       loss_margin: δ of §4.3.
       margin_rule: ``"relative"`` or ``"literal"`` (see
-          :func:`jaxprune.patterns.loss_margin_ok`).
-      group_lasso: λ of the modified group lasso (2.5e-4 in the paper).
+          :func:`jaxprune.clicktrain.patterns.loss_margin_ok`).
+      group_lasso_coefficient: λ of the modified group lasso (2.5e-4 in the paper).
       one_shot_epoch: one_shot mode: the epoch whose first batch picks masks.
       layer_filter: ``fn(path, shape) -> "pattern" | "kernel" | None``;
           default :func:`default_layer_filter`.
@@ -363,7 +357,7 @@ def clicktrain(
   for name, v in (
     ("loss_derivative_threshold", loss_derivative_threshold),
     ("loss_margin", loss_margin),
-    ("group_lasso", group_lasso),
+    ("group_lasso_coefficient", group_lasso_coefficient),
     ("eps", eps),
   ):
     if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
@@ -537,7 +531,7 @@ def clicktrain(
       out = {}
       for name, l in plan_.items():
         ls, g, w = layers[name], gs[name], w_leaves[l.index]
-        reg = _group_lasso_grad(w, ls, eps) * (group_lasso * regularizing.astype(w.dtype))
+        reg = _group_lasso_grad(w, ls, eps) * (group_lasso_coefficient * regularizing.astype(w.dtype))
         m = jnp.where(pruned, _full_mask(ls), 1).astype(g.dtype)
         out[name] = (g + reg.astype(g.dtype)) * m
       return out
@@ -601,7 +595,7 @@ def _find_state(opt_state: Any) -> ClickTrainState:
   raise ValueError("no ClickTrainState found in opt_state")
 
 
-def clicktrain_pattern_ids(opt_state: Any) -> dict[str, np.ndarray]:
+def pattern_ids(opt_state: Any) -> dict[str, np.ndarray]:
   """Per pattern layer: ``(Cin, Cout)`` ids into ``all_patterns(4, k)`` (-1 = not final)."""
   st = _find_state(opt_state)
   return {
@@ -611,13 +605,13 @@ def clicktrain_pattern_ids(opt_state: Any) -> dict[str, np.ndarray]:
   }
 
 
-def clicktrain_kernel_masks(opt_state: Any) -> dict[str, np.ndarray]:
+def kernel_masks(opt_state: Any) -> dict[str, np.ndarray]:
   """Per pruned layer: bool ``(Cin, Cout)``, True = kernel kept."""
   st = _find_state(opt_state)
   return {n: np.asarray(ls.kernel_keep) for n, ls in st.layers.items()}
 
 
-def clicktrain_masks(opt_state: Any, params: PyTree) -> PyTree:
+def masks(opt_state: Any, params: PyTree) -> PyTree:
   """A pytree like ``params``: the weight mask ``P ⊙ K`` for pruned layers, None elsewhere.
 
   Accepted by ``jaxprune.flops`` (``masks=``) and ``compression_ratio``.
@@ -648,12 +642,12 @@ def pattern_usage(opt_state: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:
   return out
 
 
-def compression_ratio(opt_state: Any, params: PyTree) -> float:
+def compression(opt_state: Any, params: PyTree) -> float:
   """Conv compression ratio (total / nonzero conv weights) with the current masks."""
   from jaxprune import flops
 
   params = _pure(params)
-  return flops.compression_ratio(params, clicktrain_masks(opt_state, params))
+  return flops.compression_ratio(params, masks(opt_state, params))
 
 
 def flops_saved(model: Any, opt_state: Any, input_shape: Sequence[int]) -> dict[str, float]:
@@ -665,9 +659,9 @@ def flops_saved(model: Any, opt_state: Any, input_shape: Sequence[int]) -> dict[
   from flax import nnx
   from jaxprune import flops
 
-  masks = clicktrain_masks(opt_state, nnx.state(model, nnx.Param))
+  weight_masks = masks(opt_state, nnx.state(model, nnx.Param))
   dense_t = flops.training_flops_per_step(model, input_shape)
   dense_i = flops.inference_flops(model, input_shape)
-  sparse_t = flops.training_flops_per_step(model, input_shape, masks=masks)
-  sparse_i = flops.inference_flops(model, input_shape, masks=masks)
+  sparse_t = flops.training_flops_per_step(model, input_shape, masks=weight_masks)
+  sparse_i = flops.inference_flops(model, input_shape, masks=weight_masks)
   return {"training": 1.0 - sparse_t / dense_t, "inference": 1.0 - sparse_i / dense_i}

@@ -18,8 +18,8 @@ Array = jax.Array
 
 METHODS = ("random", "magnitude", "rescaled_magnitude", "mvue")
 
-# SDGP §III-B: ε added to the kept L1 norm before rescaling (DESIGN.md: "ε = 1e-4 added
-# after the sum").
+# SDGP §III-B: ε added to the kept L1 norm before rescaling; the authors' code adds 1e-4
+# after the sum.
 RESCALE_EPS = 1e-4
 
 # The paper's CUDA kernel handles groups of up to 32 entries (one thread per group).

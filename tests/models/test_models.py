@@ -63,7 +63,7 @@ def _linear(cin: int, cout: int, bias: bool = True) -> int:
     ("imagenet-resnet50", 1000, 25_557_032, 0.0),
     # kuangliu/pytorch-cifar ResNet-18 (the ClickTrain code base), exact.
     ("clicktrain-resnet18", 10, 11_173_962, 0.0),
-    # DESIGN.md figures (given to 3 significant digits).
+    # The papers' published figures (given to 3 significant digits).
     ("prunetrain-resnet32", 10, 0.467e6, 1e-3),
     ("prunetrain-resnet50", 10, 0.777e6, 1e-3),
     ("clicktrain-resnet32", 10, 20.1e6, 5e-3),

@@ -21,11 +21,11 @@ dense layer is the classifier.
 Example::
 
   >>> import jax.numpy as jnp, optax
-  >>> from jaxprune import group_lasso
+  >>> from jaxprune.prunetrain import add_group_lasso
   >>> params = {"stem": {"kernel": jnp.ones((3, 3, 3, 8))},
   ...           "conv": {"kernel": jnp.ones((3, 3, 8, 8))},
   ...           "head": {"kernel": jnp.ones((8, 10))}}
-  >>> tx = optax.chain(group_lasso.group_lasso(1e-4), optax.sgd(0.1))
+  >>> tx = optax.chain(add_group_lasso(1e-4), optax.sgd(0.1))
   >>> state = tx.init(params)
   >>> updates, state = tx.update(params, state, params)
 """
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxprune.flops import param_path
+from jaxprune.paths import param_path
 
 __all__ = [
   "EPSILON",
@@ -50,11 +50,10 @@ __all__ = [
   "coefficient_from_ratio",
   "default_is_classifier",
   "default_is_input_conv",
-  "group_lasso",
+  "add_group_lasso",
   "group_lasso_from_ratio",
   "group_shrink",
   "leaf_groups",
-  "path_names",
   "penalty",
   "penalty_gradient",
   "set_coefficient_once",
@@ -69,15 +68,6 @@ KeyPath = tuple[Any, ...]
 # leaf's path as plain names (str / int), ``kernels`` the (names, ndim) of every
 # 2-D/4-D leaf in flatten order (lets a rule say "the first" / "the last").
 PathPredicate = Callable[[tuple, Any, Sequence[tuple]], bool]
-
-
-def path_names(path: KeyPath) -> tuple:
-  """A JAX key path as plain names: ``DictKey('a')`` → ``'a'``, ``SequenceKey(0)`` → ``0``.
-
-  The NNX ``Variable`` ``value`` attribute is dropped so that params and optimizer state
-  agree; this is :func:`jaxprune.flops.param_path`.
-  """
-  return param_path(path)
 
 
 def _is_kernel(leaf: Any) -> bool:
@@ -159,10 +149,10 @@ def leaf_groups(
   is_input_conv = is_input_conv or default_is_input_conv
   is_classifier = is_classifier or default_is_classifier
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  kernels = [(path_names(p), leaf.ndim) for p, leaf in flat if _is_kernel(leaf)]
+  kernels = [(param_path(p), leaf.ndim) for p, leaf in flat if _is_kernel(leaf)]
   layout = []
   for path, leaf in flat:
-    names = path_names(path)
+    names = param_path(path)
     if not _is_kernel(leaf):
       layout.append(None)
     elif leaf.ndim == 4:
@@ -309,7 +299,7 @@ def group_shrink(
 
 
 class GroupLassoState(NamedTuple):
-  """Stateless: :func:`group_lasso` keeps no statistics."""
+  """Stateless: :func:`add_group_lasso` keeps no statistics."""
 
 
 def penalty_gradient(
@@ -356,7 +346,7 @@ def _add_penalty_gradient(
   return jax.tree.map(lambda u, g: u + (coefficient * g).astype(u.dtype), updates, grads)
 
 
-def group_lasso(
+def add_group_lasso(
   coefficient: float,
   *,
   is_input_conv: Optional[PathPredicate] = None,
@@ -380,7 +370,7 @@ def group_lasso(
 
   Example::
 
-    tx = optax.chain(group_lasso(1e-4), optax.sgd(0.1, momentum=0.9))
+    tx = optax.chain(add_group_lasso(1e-4), optax.sgd(0.1, momentum=0.9))
   """
   if not isinstance(coefficient, jax.core.Tracer) and not float(coefficient) >= 0.0:
     raise ValueError(f"coefficient must be >= 0, got {coefficient}")
@@ -392,7 +382,7 @@ def group_lasso(
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     if params is None:
-      raise ValueError("group_lasso needs params: call update(updates, state, params)")
+      raise ValueError("add_group_lasso needs params: call update(updates, state, params)")
     return _add_penalty_gradient(
       updates, params, jnp.asarray(coefficient, jnp.float32), is_input_conv, is_classifier
     ), state

@@ -9,8 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxprune import importance, patterns
-from jaxprune import clicktrain_transform as ct
+from jaxprune.clicktrain import importance, patterns
+from jaxprune.clicktrain import transform as ct
 
 
 def _params(seed=0):
@@ -127,7 +127,7 @@ def _paper_run():
     finalize_epochs=2,
     pool_size=5,
     kernel_prune_ratio=RATIOS,
-    group_lasso=LAMBDA,
+    group_lasso_coefficient=LAMBDA,
   )
   p = _params()
   st = tx.init(p)
@@ -256,7 +256,7 @@ def test_hard_prune_keeps_pruned_weights_exactly_zero():
   for i in range(30):
     p, st = step(p, st, *_batch(i))
     if i >= spe * 4:  # the first step of epoch 4 (the hard prune) is done
-      masks = ct.clicktrain_masks(st, p)
+      masks = ct.masks(st, p)
       if mask0 is None:
         mask0 = masks
       for name, path in ((CONV1, ("block", "conv1")), (CONV2, ("block", "conv2"))):
@@ -268,7 +268,7 @@ def test_hard_prune_keeps_pruned_weights_exactly_zero():
   w = np.asarray(p["block"]["conv1"]["kernel"])
   # 4 of 9 per kept kernel, half of the kernels kept
   assert np.count_nonzero(w) == 4 * 24
-  assert ct.compression_ratio(st, p) > 1.5
+  assert ct.compression(st, p) > 1.5
   assert masks["stem"]["kernel"] is None
 
 
@@ -319,7 +319,7 @@ def test_one_shot_matches_released_rule():
   ls = st.layers[CONV1]
   np.testing.assert_array_equal(ls.pattern_id, patterns.library_pattern_ids()[:4][pat])
   np.testing.assert_array_equal(ls.kernel_keep, keep)
-  np.testing.assert_array_equal(ct.clicktrain_masks(st, p)["block"]["conv1"]["kernel"], mask)
+  np.testing.assert_array_equal(ct.masks(st, p)["block"]["conv1"]["kernel"], mask)
   ks = np.asarray(
     importance.kernel_scores(p["block"]["conv2"]["kernel"], g["block"]["conv2"]["kernel"])
   )
@@ -375,7 +375,7 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="kernel_prune_ratio"):
     ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=-0.1)
   with pytest.raises(ValueError, match="group_lasso"):
-    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, group_lasso=-1.0)
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, group_lasso_coefficient=-1.0)
   with pytest.raises(ValueError, match="margin_rule"):
     ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, margin_rule="x")
   with pytest.raises(ValueError, match="pool_size"):

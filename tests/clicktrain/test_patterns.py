@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxprune import patterns
+from jaxprune.clicktrain import patterns
 
 
 # ---------------------------------------------------------------- tables

@@ -26,7 +26,7 @@ Everything after :func:`all_patterns` is jit-able and vectorised over kernels.
 
 Example::
 
-    from jaxprune import importance, patterns
+    from jaxprune.clicktrain import importance, patterns
 
     imp = importance.weight_importance(w, g)               # HWIO
     cand = patterns.dppg_candidates(jnp.moveaxis(imp, (0, 1), (-2, -1)))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxprune import importance, patterns
+from jaxprune.clicktrain import importance, patterns
 
 
 def _loop_pattern_scores(w, g, pats):

@@ -16,7 +16,7 @@ from PIL import Image
 from jaxprune import data
 from jaxprune.data import _decode, augment, cifar
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REAL_CIFAR10 = REPO.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
 CLASSES = cifar.CIFAR10_CLASSES
 

@@ -1,0 +1,102 @@
+"""ClickTrain: pattern and connectivity pruning during training (Zhang et al., ICS'21).
+
+Every 3x3 kernel keeps 4 of its 9 weights in one of a small pool of patterns, and a per-layer
+fraction of whole kernels is removed. The pieces:
+
+* :mod:`~jaxprune.clicktrain.importance` — (g⊙w)² importance, pattern scores (Eq. 1) and kernel
+  scores (Eq. 2).
+* :mod:`~jaxprune.clicktrain.patterns` — the pattern library, dynamic pattern pool generation
+  (DPPG, §4.2), votes and adaptive finalization (§4.3).
+* :mod:`~jaxprune.clicktrain.transform` — :func:`clicktrain`, the Optax wrapper that runs the
+  stage machine (warm-up, pool, finalize, regularize, pruned) around an inner optimizer, and
+  its read-outs (masks, stage, pattern usage, compression).
+
+Example:
+  >>> import optax
+  >>> from jaxprune import clicktrain
+  >>> tx = clicktrain.clicktrain(
+  ...     optax.sgd(0.1, momentum=0.9), steps_per_epoch=390, hard_prune_epoch=95,
+  ...     kernel_prune_ratio=0.65)
+
+References:
+  Zhang et al., "ClickTrain: Efficient and Accurate End-to-End Deep Learning Training via
+  Fine-Grained Architecture-Preserving Pruning", ICS 2021. https://arxiv.org/abs/2011.10170
+"""
+
+from jaxprune.clicktrain.importance import kernel_scores, pattern_scores, weight_importance
+from jaxprune.clicktrain.patterns import (
+  accumulate_competitive_scores,
+  all_patterns,
+  centre_block_patterns,
+  dppg_candidates,
+  finalize_patterns,
+  kernel_keep_mask,
+  library_pattern_ids,
+  library_patterns,
+  loss_margin_ok,
+  num_patterns,
+  pattern_index,
+  pattern_mask,
+  pattern_masks_from_ids,
+  select_pool,
+  vote,
+)
+from jaxprune.clicktrain.transform import (
+  FINALIZE,
+  POOL,
+  PRUNED,
+  REGULARIZE,
+  STAGE_NAMES,
+  WARMUP,
+  ClickTrainLayerState,
+  ClickTrainState,
+  clicktrain,
+  kernel_masks,
+  masks,
+  pattern_ids,
+  compression,
+  default_layer_filter,
+  flops_saved,
+  group_lasso_penalty,
+  pattern_usage,
+  stage_name,
+)
+
+__all__ = [
+  "kernel_scores",
+  "pattern_scores",
+  "weight_importance",
+  "accumulate_competitive_scores",
+  "all_patterns",
+  "centre_block_patterns",
+  "dppg_candidates",
+  "finalize_patterns",
+  "kernel_keep_mask",
+  "library_pattern_ids",
+  "library_patterns",
+  "loss_margin_ok",
+  "num_patterns",
+  "pattern_index",
+  "pattern_mask",
+  "pattern_masks_from_ids",
+  "select_pool",
+  "vote",
+  "FINALIZE",
+  "POOL",
+  "PRUNED",
+  "REGULARIZE",
+  "STAGE_NAMES",
+  "WARMUP",
+  "ClickTrainLayerState",
+  "ClickTrainState",
+  "clicktrain",
+  "kernel_masks",
+  "masks",
+  "pattern_ids",
+  "compression",
+  "default_layer_filter",
+  "flops_saved",
+  "group_lasso_penalty",
+  "pattern_usage",
+  "stage_name",
+]

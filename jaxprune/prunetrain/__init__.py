@@ -1,0 +1,82 @@
+"""PruneTrain: channel group lasso with periodic network reconfiguration (Lym et al., SC'19).
+
+The pieces:
+
+* :mod:`~jaxprune.prunetrain.group_lasso` — the channel group lasso (Eq. 2) as Optax transforms,
+  λ from the penalty ratio (Eq. 3), the proximal group shrink.
+* :mod:`~jaxprune.prunetrain.optimizer` — :func:`with_group_lasso`, the optimizer wrapper.
+* :mod:`~jaxprune.prunetrain.graph` — the channel graph (who writes and reads each channel).
+* :mod:`~jaxprune.prunetrain.surgery` — :func:`reconfigure`: remove dead channels and layers,
+  slice every per-parameter state with the same indices, rebuild the model smaller (§4.2).
+* :mod:`~jaxprune.prunetrain.callback` — :class:`PruneTrainCallback`: reconfiguration every k
+  epochs inside the trainer, dynamic mini-batch (§4.3), cost accounting.
+
+Example:
+  >>> import optax
+  >>> from jaxprune import prunetrain
+  >>> tx = prunetrain.with_group_lasso(optax.sgd(0.1, momentum=0.9), penalty_ratio=0.2)
+
+References:
+  Lym et al., "PruneTrain: Fast Neural Network Training by Dynamic Sparse Model
+  Reconfiguration", SC 2019. https://arxiv.org/abs/1901.09290
+"""
+
+from jaxprune.prunetrain.callback import PruneTrainCallback, model_costs
+from jaxprune.prunetrain.graph import (
+  DEFAULT_THRESHOLD,
+  ChannelTensor,
+  Layer,
+  channel_graph,
+  live_channels,
+)
+from jaxprune.prunetrain.group_lasso import (
+  EPSILON,
+  GroupLassoRatioState,
+  GroupLassoState,
+  LeafGroups,
+  PathPredicate,
+  add_group_lasso,
+  coefficient_from_ratio,
+  default_is_classifier,
+  default_is_input_conv,
+  group_lasso_from_ratio,
+  group_shrink,
+  leaf_groups,
+  penalty,
+  penalty_gradient,
+  set_coefficient_once,
+)
+from jaxprune.prunetrain.optimizer import PruneTrainState, with_group_lasso
+from jaxprune.prunetrain.surgery import ReconfigureReport, reconfigure, rounded_width
+from jaxprune.train import grow_batch_size
+
+__all__ = [
+  "PruneTrainCallback",
+  "model_costs",
+  "DEFAULT_THRESHOLD",
+  "ChannelTensor",
+  "Layer",
+  "channel_graph",
+  "live_channels",
+  "EPSILON",
+  "GroupLassoRatioState",
+  "GroupLassoState",
+  "LeafGroups",
+  "PathPredicate",
+  "add_group_lasso",
+  "coefficient_from_ratio",
+  "default_is_classifier",
+  "default_is_input_conv",
+  "group_lasso_from_ratio",
+  "group_shrink",
+  "leaf_groups",
+  "penalty",
+  "penalty_gradient",
+  "set_coefficient_once",
+  "PruneTrainState",
+  "with_group_lasso",
+  "ReconfigureReport",
+  "reconfigure",
+  "rounded_width",
+  "grow_batch_size",
+]
