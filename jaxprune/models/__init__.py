@@ -2,8 +2,20 @@
 
 Registry: ``create(name, *, num_classes, rngs)``, ``available()``. Families follow the paper
 whose definition they use: ``prunetrain-*``, ``clicktrain-*``, ``sdgp-resnet9``, ``imagenet-*``.
+
+Models own their rebuild: every spec has ``layer_widths()`` / ``with_widths(widths,
+removed_blocks=...)`` (widths keyed by the layer's attribute path), and ``rebuild(model, spec)``
+builds a model of the same class from a new spec, re-applying the conversions recorded on the
+old one (``record_conversion``).
 """
 
+from jaxprune.models.conversions import (
+  Conversion,
+  applied_conversions,
+  channel_multiple,
+  rebuild,
+  record_conversion,
+)
 from jaxprune.models.layers import BasicBlock, Bottleneck, ConvBN
 from jaxprune.models.registry import available, create, default_spec, param_count
 from jaxprune.models.resnet import (
@@ -19,6 +31,11 @@ from jaxprune.models.resnet9 import ResNet9, ResNet9Spec, sdgp_resnet9_spec
 from jaxprune.models.vgg import VGG, VGGSpec, clicktrain_vgg_spec, prunetrain_vgg_spec
 
 __all__ = [
+  "Conversion",
+  "applied_conversions",
+  "channel_multiple",
+  "rebuild",
+  "record_conversion",
   "BasicBlock",
   "BlockSpec",
   "Bottleneck",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 
 def require_positive(field: str, value: object) -> None:
   """Raise ``ValueError`` naming ``field`` unless ``value`` is an int >= 1."""
@@ -17,3 +19,19 @@ def scale_width(width: int, multiplier: float) -> int:
 def check_multiplier(multiplier: float) -> None:
   if not multiplier > 0:
     raise ValueError(f"multiplier must be > 0, got {multiplier}")
+
+
+def check_layer_paths(widths: Mapping[str, int], known: Mapping[str, int]) -> None:
+  """Raise ``ValueError`` naming ``widths``' keys that are not layer paths of the spec."""
+  unknown = sorted(set(widths) - set(known))
+  if unknown:
+    raise ValueError(f"widths: unknown layer paths {unknown}; known: {sorted(known)}")
+
+
+def check_no_removed_blocks(removed_blocks: Iterable[str], spec: object) -> None:
+  """Raise ``ValueError`` for a branch removal asked of a spec without residual branches."""
+  removed = sorted(removed_blocks)
+  if removed:
+    raise ValueError(
+      f"removed_blocks: {type(spec).__name__} has no removable branches, got {removed}"
+    )

@@ -18,13 +18,18 @@ The first block of a stage carries the stage stride (on ``conv1`` of a basic blo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import jax
 from flax import nnx
 
-from jaxprune.models._common import check_multiplier, require_positive, scale_width
+from jaxprune.models._common import (
+  check_layer_paths,
+  check_multiplier,
+  require_positive,
+  scale_width,
+)
 from jaxprune.models.layers import (
   BasicBlock,
   Bottleneck,
@@ -243,6 +248,83 @@ class ResNetSpec:
       for stage, like_stage in zip(self.stages, like.stages)
     )
     return dataclasses.replace(self, stem_width=fn(self.stem_width, like.stem_width), stages=stages)
+
+  def layer_widths(self) -> dict[str, int]:
+    """Output width of every conv and of the classifier's input, keyed by the layer's
+    attribute path in :class:`ResNet` (``"stem"``, ``"stages/0/1/conv1"``,
+    ``"stages/1/0/shortcut"``, ...); removed branches have no entries.
+
+    The inverse of :meth:`with_widths`: ``spec.with_widths(spec.layer_widths()) == spec``.
+    """
+    widths = {"stem": self.stem_width}
+    names = self.block_class.branch_names
+    for s, stage in enumerate(self.stages):
+      for b, block in enumerate(stage.blocks):
+        prefix = f"stages/{s}/{b}"
+        if block.projection:
+          widths[f"{prefix}/shortcut"] = stage.width
+        if block.widths is not None:
+          widths.update({f"{prefix}/{n}": w for n, w in zip(names, block.widths)})
+          widths[f"{prefix}/{names[-1]}"] = stage.width
+    return widths
+
+  def with_widths(
+    self, widths: Mapping[str, int], *, removed_blocks: Iterable[str] = ()
+  ) -> ResNetSpec:
+    """This spec with new layer output widths and some residual branches removed.
+
+    Args:
+      widths: new output width per layer path (the keys of :meth:`layer_widths`); layers
+        not named keep theirs. Every layer writing one residual stream (a stage's last
+        branch convs and projections, and the stem for a stage without projection) must
+        get the same width.
+      removed_blocks: ``"stages/s/b"`` of every block whose branch is removed (the block
+        then computes ``relu(shortcut(x))``).
+
+    Returns:
+      The new spec (validated).
+
+    Raises:
+      ValueError: an unknown layer or block path, or writers of one stream that disagree.
+
+    Example:
+      >>> spec = prunetrain_resnet_spec(20)
+      >>> spec.with_widths({"stages/0/0/conv1": 9}).stages[0].blocks[0].widths
+      (9,)
+    """
+    check_layer_paths(widths, self.layer_widths())
+    blocks_known = {
+      f"stages/{s}/{b}" for s, stage in enumerate(self.stages) for b in range(len(stage.blocks))
+    }
+    removed = set(removed_blocks)
+    if removed - blocks_known:
+      raise ValueError(f"removed_blocks: unknown block paths {sorted(removed - blocks_known)}")
+    names = self.block_class.branch_names
+    stem_width = widths.get("stem", self.stem_width)
+    stream = ("stem", stem_width)  # (a writer of the current stream, its width)
+    stages = []
+    for s, stage in enumerate(self.stages):
+      blocks = []
+      for b, block in enumerate(stage.blocks):
+        prefix = f"stages/{s}/{b}"
+        last = f"{prefix}/{names[-1]}"
+        has_branch = block.widths is not None and prefix not in removed
+        given = [p for p in (f"{prefix}/shortcut", last) if p in widths]
+        given = [p for p in given if has_branch or p != last]
+        if block.projection:  # a projection starts a new stream tensor
+          stream = (given[0], widths[given[0]]) if given else (f"{prefix}/shortcut", stage.width)
+        for path in given:
+          if widths[path] != stream[1]:
+            raise ValueError(
+              f"widths: {path} ({widths[path]}) and {stream[0]} ({stream[1]}) write the "
+              "same residual stream and must have the same width"
+            )
+        inner = None
+        if has_branch:
+          inner = tuple(widths.get(f"{prefix}/{n}", w) for n, w in zip(names, block.widths))
+        blocks.append(dataclasses.replace(block, widths=inner))
+      stages.append(dataclasses.replace(stage, width=stream[1], blocks=tuple(blocks)))
+    return dataclasses.replace(self, stem_width=stem_width, stages=tuple(stages))
 
 
 class ResNet(nnx.Module):

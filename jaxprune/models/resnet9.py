@@ -17,12 +17,19 @@ Conv and Linear weights use PyTorch's default init, as the ffcv recipe (lr 0.5) 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxprune.models._common import check_multiplier, require_positive, scale_width
+from jaxprune.models._common import (
+  check_layer_paths,
+  check_multiplier,
+  check_no_removed_blocks,
+  require_positive,
+  scale_width,
+)
 from jaxprune.models.layers import ConvBN, torch_default_init
 
 __all__ = ["ResNet9", "ResNet9Spec", "sdgp_resnet9_spec"]
@@ -84,6 +91,43 @@ class ResNet9Spec:
       layer2=s(self.layer2),
       res2=tuple(s(w) for w in self.res2),
       layer3=s(self.layer3),
+    )
+
+  def layer_widths(self) -> dict[str, int]:
+    """Output width of every conv, keyed by its attribute path in :class:`ResNet9`
+    (``"prep"``, ``"layer1"``, ``"res1/0"``, ...).
+
+    The inverse of :meth:`with_widths`: ``spec.with_widths(spec.layer_widths()) == spec``.
+    """
+    widths = {name: getattr(self, name) for name in ("prep", "layer1", "layer2", "layer3")}
+    for res in ("res1", "res2"):
+      widths.update({f"{res}/{i}": w for i, w in enumerate(getattr(self, res))})
+    return widths
+
+  def with_widths(
+    self, widths: Mapping[str, int], *, removed_blocks: Iterable[str] = ()
+  ) -> ResNet9Spec:
+    """This spec with new conv output widths (convs not named keep theirs).
+
+    Args:
+      widths: new output width per layer path (the keys of :meth:`layer_widths`).
+      removed_blocks: must be empty (the residual branches are fixed).
+
+    Returns:
+      The new spec (validated: ``res1/1`` must equal ``layer1``, ``res2/1`` ``layer2``).
+
+    Raises:
+      ValueError: an unknown layer path, a non-empty ``removed_blocks``, or widths that
+        break a residual sum.
+    """
+    check_layer_paths(widths, self.layer_widths())
+    check_no_removed_blocks(removed_blocks, self)
+    new = {**self.layer_widths(), **widths}
+    return dataclasses.replace(
+      self,
+      **{name: new[name] for name in ("prep", "layer1", "layer2", "layer3")},
+      res1=(new["res1/0"], new["res1/1"]),
+      res2=(new["res2/0"], new["res2/1"]),
     )
 
 

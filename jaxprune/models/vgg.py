@@ -10,13 +10,19 @@ of the 2x2 map after 4 pools, and it keeps the model usable on other input sizes
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 from flax import nnx
 
 from jaxprune.models.layers import ConvBN, global_avg_pool, normal_init, torch_default_init
-from jaxprune.models._common import check_multiplier, require_positive, scale_width
+from jaxprune.models._common import (
+  check_layer_paths,
+  check_multiplier,
+  check_no_removed_blocks,
+  require_positive,
+  scale_width,
+)
 
 __all__ = ["VGG", "VGGSpec", "clicktrain_vgg_spec", "prunetrain_vgg_spec"]
 
@@ -83,6 +89,41 @@ class VGGSpec:
       self,
       widths=tuple(scale_width(w, multiplier) for w in self.widths),
       hidden=tuple(scale_width(w, multiplier) for w in self.hidden),
+    )
+
+  def layer_widths(self) -> dict[str, int]:
+    """Output width of every conv (``"features/i"``) and hidden ``Linear``
+    (``"classifier/j"``), keyed by the layer's attribute path in :class:`VGG`; the
+    classifier's last layer (the logits) is not a spec width.
+
+    The inverse of :meth:`with_widths`: ``spec.with_widths(spec.layer_widths()) == spec``.
+    """
+    widths = {f"features/{i}": w for i, w in enumerate(self.widths)}
+    widths.update({f"classifier/{j}": w for j, w in enumerate(self.hidden)})
+    return widths
+
+  def with_widths(
+    self, widths: Mapping[str, int], *, removed_blocks: Iterable[str] = ()
+  ) -> VGGSpec:
+    """This spec with new layer output widths (layers not named keep theirs).
+
+    Args:
+      widths: new output width per layer path (the keys of :meth:`layer_widths`).
+      removed_blocks: must be empty (a VGG has no residual branches); accepted so every
+        spec takes the same call.
+
+    Returns:
+      The new spec (validated).
+
+    Raises:
+      ValueError: an unknown layer path or a non-empty ``removed_blocks``.
+    """
+    check_layer_paths(widths, self.layer_widths())
+    check_no_removed_blocks(removed_blocks, self)
+    return dataclasses.replace(
+      self,
+      widths=tuple(widths.get(f"features/{i}", w) for i, w in enumerate(self.widths)),
+      hidden=tuple(widths.get(f"classifier/{j}", w) for j, w in enumerate(self.hidden)),
     )
 
 

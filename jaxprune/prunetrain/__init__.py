@@ -7,7 +7,9 @@ The pieces:
 * :mod:`~jaxprune.prunetrain.optimizer` — :func:`with_group_lasso`, the optimizer wrapper.
 * :mod:`~jaxprune.prunetrain.graph` — the channel graph (who writes and reads each channel).
 * :mod:`~jaxprune.prunetrain.surgery` — :func:`reconfigure`: remove dead channels and layers,
-  slice every per-parameter state with the same indices, rebuild the model smaller (§4.2).
+  rebuild the model smaller (§4.2).
+* :mod:`~jaxprune.prunetrain.slicing` — slice the model and every per-parameter optimizer
+  state with the same kept indices; :func:`register_state_slicer` for states of other methods.
 * :mod:`~jaxprune.prunetrain.callback` — :class:`PruneTrainCallback`: reconfiguration every k
   epochs inside the trainer, dynamic mini-batch (§4.3), cost accounting.
 
@@ -25,7 +27,7 @@ from jaxprune.prunetrain.callback import PruneTrainCallback, model_costs
 from jaxprune.prunetrain.graph import (
   DEFAULT_THRESHOLD,
   ChannelTensor,
-  Layer,
+  SliceableLayer,
   channel_graph,
   live_channels,
 )
@@ -47,6 +49,12 @@ from jaxprune.prunetrain.group_lasso import (
   set_coefficient_once,
 )
 from jaxprune.prunetrain.optimizer import PruneTrainState, with_group_lasso
+from jaxprune.prunetrain.slicing import (
+  ChannelSlices,
+  StateSlicer,
+  register_state_slicer,
+  registered_state_slicers,
+)
 from jaxprune.prunetrain.surgery import ReconfigureReport, reconfigure, rounded_width
 from jaxprune.train import grow_batch_size
 
@@ -55,7 +63,7 @@ __all__ = [
   "model_costs",
   "DEFAULT_THRESHOLD",
   "ChannelTensor",
-  "Layer",
+  "SliceableLayer",
   "channel_graph",
   "live_channels",
   "EPSILON",
@@ -75,6 +83,10 @@ __all__ = [
   "set_coefficient_once",
   "PruneTrainState",
   "with_group_lasso",
+  "ChannelSlices",
+  "StateSlicer",
+  "register_state_slicer",
+  "registered_state_slicers",
   "ReconfigureReport",
   "reconfigure",
   "rounded_width",

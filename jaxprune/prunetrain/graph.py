@@ -13,14 +13,14 @@ from typing import Any, Optional
 import numpy as np
 from flax import nnx
 
-__all__ = ["DEFAULT_THRESHOLD", "ChannelTensor", "Layer", "channel_graph", "live_channels"]
+__all__ = ["DEFAULT_THRESHOLD", "ChannelTensor", "SliceableLayer", "channel_graph", "live_channels"]
 
 # PruneTrain §4.1: "we use a small threshold of 1e-4 to zero out these weights".
 DEFAULT_THRESHOLD = 1e-4
 
 
 @dataclasses.dataclass(eq=False)
-class Layer:
+class SliceableLayer:
   """A layer whose kernel channels can be sliced: a ``ConvBN`` or an ``nnx.Linear``.
 
   Attributes:
@@ -65,8 +65,8 @@ class ChannelTensor:
   """
 
   name: str
-  writers: list[Layer] = dataclasses.field(default_factory=list)
-  readers: list[Layer] = dataclasses.field(default_factory=list)
+  writers: list[SliceableLayer] = dataclasses.field(default_factory=list)
+  readers: list[SliceableLayer] = dataclasses.field(default_factory=list)
   branch: Optional[tuple[int, int]] = None
 
   @property
@@ -79,7 +79,7 @@ class ChannelTensor:
 class _Graph:
   tensors: list[ChannelTensor]
   # (stage, block) -> the branch's layers, for residual models.
-  branches: dict[tuple[int, int], list[Layer]]
+  branches: dict[tuple[int, int], list[SliceableLayer]]
 
 
 def _branch_layers(block: Any) -> list[Any]:
@@ -132,15 +132,15 @@ def _build_graph(model: nnx.Module) -> _Graph:
 
 
 def _residual_graph(model: nnx.Module) -> _Graph:
-  stream = ChannelTensor("stem", writers=[Layer(("stem",), model.stem, "conv")])
+  stream = ChannelTensor("stem", writers=[SliceableLayer(("stem",), model.stem, "conv")])
   tensors = [stream]
-  branches: dict[tuple[int, int], list[Layer]] = {}
+  branches: dict[tuple[int, int], list[SliceableLayer]] = {}
   for s, stage in enumerate(model.stages):
     for b, block in enumerate(stage):
       prefix = ("stages", s, b)
       if block.shortcut is not None:
         # A projection starts a new stream tensor: it reads the old one, writes the new one.
-        projection = Layer(prefix + ("shortcut",), block.shortcut, "conv")
+        projection = SliceableLayer(prefix + ("shortcut",), block.shortcut, "conv")
         stream.readers.append(projection)
         out = ChannelTensor("/".join(map(str, prefix)), writers=[projection])
         tensors.append(out)
@@ -148,7 +148,9 @@ def _residual_graph(model: nnx.Module) -> _Graph:
         out = stream  # identity shortcut: the block adds into the same tensor (§4.2 Fig. 5c)
       modules = _branch_layers(block)
       if modules:
-        layers = [Layer(prefix + (f"conv{i + 1}",), m, "conv") for i, m in enumerate(modules)]
+        layers = [
+          SliceableLayer(prefix + (f"conv{i + 1}",), m, "conv") for i, m in enumerate(modules)
+        ]
         branches[(s, b)] = layers
         stream.readers.append(layers[0])
         for first, second in zip(layers[:-1], layers[1:]):
@@ -157,15 +159,15 @@ def _residual_graph(model: nnx.Module) -> _Graph:
           )
         out.writers.append(layers[-1])
       stream = out
-  stream.readers.append(Layer(("head",), model.head, "linear"))
+  stream.readers.append(SliceableLayer(("head",), model.head, "linear"))
   return _Graph(tensors, branches)
 
 
 def _chain_graph(model: nnx.Module) -> _Graph:
   tensors = []
   previous: Optional[ChannelTensor] = None
-  layers = [Layer(("features", i), m, "conv") for i, m in enumerate(model.features)]
-  layers += [Layer(("classifier", i), m, "linear") for i, m in enumerate(model.classifier)]
+  layers = [SliceableLayer(("features", i), m, "conv") for i, m in enumerate(model.features)]
+  layers += [SliceableLayer(("classifier", i), m, "linear") for i, m in enumerate(model.classifier)]
   for layer in layers:
     if previous is not None:
       previous.readers.append(layer)

@@ -16,9 +16,12 @@ on the host, outside ``jit``:
 3. A residual branch with a zero-width inner tensor is removed (§4.1 "layer removal": the
    block then computes ``relu(shortcut(x))``).
 4. Kernels, BatchNorm scale / bias / running stats, the readers' input channels (the
-   classifier included) and every parameter-shaped optimizer-state leaf (momentum, Adam
-   moments, ...) are sliced with the same index arrays; the model is rebuilt from its smaller
-   width spec with ``type(model)(spec, num_classes=..., rngs=...)``.
+   classifier included), every parameter-shaped optimizer-state leaf (momentum, Adam
+   moments, ...) and every optimizer state with a registered slicer (ClickTrain's masks and
+   scores; :func:`jaxprune.prunetrain.register_state_slicer`) are sliced with the same index
+   arrays (:mod:`jaxprune.prunetrain.slicing`). The model's spec gives its smaller self
+   (``spec.with_widths``) and :func:`jaxprune.models.rebuild` builds it, re-applying the
+   conversions the model carries (an SDGP-converted model stays converted, keys included).
 
 Supported: :class:`jaxprune.models.ResNet` (basic and bottleneck blocks, projection or
 identity shortcuts: He et al. CIFAR, ClickTrain and ImageNet variants) and
@@ -55,21 +58,19 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprune import flops
-from jaxprune.paths import param_path
+from jaxprune import flops, models
 from jaxprune.prunetrain.graph import (
   DEFAULT_THRESHOLD,
   ChannelTensor,
-  Layer,
+  SliceableLayer,
   _Graph,
   _build_graph,
-  _is_chain_model,
   live_channels,
 )
+from jaxprune.prunetrain.slicing import ChannelSlices
 
 __all__ = ["ReconfigureReport", "reconfigure", "rounded_width"]
 
@@ -138,90 +139,6 @@ class ReconfigureReport:
     return text
 
 
-# ----------------------------------------------------------------------------- slicing
-
-
-def _slice_leaf(
-  leaf: Any, remainder: tuple, in_index: Optional[np.ndarray], out_index: Optional[np.ndarray]
-) -> Any:
-  """Slice one variable of a layer.  ``remainder`` is its path inside the layer.
-
-  Done in NumPy on the host: an eager ``jnp.take`` would compile one gather per shape.
-  """
-  ndim = np.ndim(leaf)
-  if remainder[-1:] == ("kernel",) and ndim in (2, 4):
-    in_axis, out_axis = (2, 3) if ndim == 4 else (0, 1)
-    leaf = np.asarray(leaf)
-    if in_index is not None:
-      leaf = np.take(leaf, in_index, axis=in_axis)
-    if out_index is not None:
-      leaf = np.take(leaf, out_index, axis=out_axis)
-    return leaf
-  if ndim == 1 and out_index is not None:  # conv BN scale/bias/mean/var, linear bias
-    return np.take(np.asarray(leaf), out_index, axis=0)
-  return leaf
-
-
-class _Slicer:
-  """Maps old variable paths to new values with the kept-index arrays of every layer."""
-
-  def __init__(self, index: dict[tuple, tuple[Optional[np.ndarray], Optional[np.ndarray]]]):
-    self.index = index
-
-  def __call__(self, names: tuple, leaf: Any) -> Any:
-    for length in range(len(names) - 1, 0, -1):
-      indices = self.index.get(names[:length])
-      if indices is not None:
-        return _slice_leaf(leaf, names[length:], *indices)
-    return leaf
-
-
-def _flat_by_names(tree: Any) -> dict[tuple, Any]:
-  return {param_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _rebuild_like(template: Any, old: Any, slicer: _Slicer) -> Any:
-  """A tree of ``template``'s structure whose leaves are ``old``'s, sliced."""
-  old_flat = _flat_by_names(old)
-
-  def fill(path, template_leaf):
-    names = param_path(path)
-    if names not in old_flat:
-      raise ValueError(f"no value for {'/'.join(map(str, names))} in the old state")
-    old_leaf = old_flat[names]
-    value = slicer(names, old_leaf)
-    if value is old_leaf and np.shape(value) == np.shape(template_leaf):
-      return old_leaf  # untouched (also RNG keys, which have no plain dtype)
-    if np.shape(value) != np.shape(template_leaf):
-      raise ValueError(
-        f"{'/'.join(map(str, names))}: sliced shape {np.shape(value)} != "
-        f"rebuilt model's {np.shape(template_leaf)}"
-      )
-    return jnp.asarray(value, dtype=template_leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(fill, template)
-
-
-def _map_param_subtrees(opt_state: Any, old_params: Any, new_params: Any, slicer: _Slicer) -> Any:
-  """Replace every sub-tree of ``opt_state`` shaped like ``old_params`` by its sliced copy.
-
-  Optax states hold per-parameter statistics as trees with the params' structure (what
-  ``optax.tree_map_params`` relies on); everything else (step counts, PruneTrain's λ) is kept.
-  """
-  old_def = jax.tree.structure(old_params)
-  old_shapes = [np.shape(x) for x in jax.tree.leaves(old_params)]
-
-  def is_param_tree(node):
-    if jax.tree.structure(node) != old_def:
-      return False
-    return [np.shape(x) for x in jax.tree.leaves(node)] == old_shapes
-
-  def convert(node):
-    return _rebuild_like(new_params, node, slicer) if is_param_tree(node) else node
-
-  return jax.tree.map(convert, opt_state, is_leaf=is_param_tree)
-
-
 # ----------------------------------------------------------------------------- reconfigure
 
 
@@ -246,7 +163,7 @@ def _flops(model: nnx.Module, input_shape: tuple[int, ...]) -> tuple[int, int]:
   return flops.inference_flops(layers), flops.training_flops_per_step(layers)
 
 
-def _bn_zero_input_offset(layer: Layer) -> float:
+def _bn_zero_input_offset(layer: SliceableLayer) -> float:
   """|BN(0)| per channel in eval mode: β − γ·μ/√(σ²+ε) (what a dead branch still adds)."""
   bn = layer.module.bn
   mean = np.asarray(bn.mean[...])
@@ -257,37 +174,14 @@ def _bn_zero_input_offset(layer: Layer) -> float:
   return float(np.max(np.abs(offset))) if np.size(offset) else 0.0
 
 
-def _new_spec(
-  model: nnx.Module, graph: _Graph, keep: dict[int, np.ndarray], removed: set[tuple[int, int]]
-) -> Any:
-  spec = model.spec
-  if _is_chain_model(model):
-    widths = [len(keep[id(t)]) for t in graph.tensors]
-    n_conv = len(model.features)
-    return dataclasses.replace(spec, widths=tuple(widths[:n_conv]), hidden=tuple(widths[n_conv:]))
-  # Residual: one width per stream tensor; look it up through the layers writing it.
-  width_of_writer = {}
-  for tensor in graph.tensors:
-    for layer in tensor.writers:
-      width_of_writer[layer.path] = len(keep[id(tensor)])
-  stem_width = width_of_writer[("stem",)]
-  stages = []
-  width = stem_width
-  for s, stage in enumerate(spec.stages):
-    blocks = []
-    for b, block in enumerate(stage.blocks):
-      prefix = ("stages", s, b)
-      module = model.stages[s][b]
-      if module.shortcut is not None:
-        width = width_of_writer[prefix + ("shortcut",)]
-      if (s, b) in removed or block.widths is None:
-        widths = None
-      else:
-        layers = graph.branches[(s, b)]
-        widths = tuple(width_of_writer[layer.path] for layer in layers[:-1])
-      blocks.append(dataclasses.replace(block, widths=widths))
-    stages.append(dataclasses.replace(stage, width=width, blocks=tuple(blocks)))
-  return dataclasses.replace(spec, stem_width=stem_width, stages=tuple(stages))
+def _new_widths(graph: _Graph, keep: dict[int, np.ndarray]) -> dict[str, int]:
+  """The kept width of every layer writing a surviving tensor, by layer path."""
+  return {
+    layer.name: len(keep[id(tensor)])
+    for tensor in graph.tensors
+    if id(tensor) in keep
+    for layer in tensor.writers
+  }
 
 
 def reconfigure(
@@ -306,7 +200,8 @@ def reconfigure(
     opt_state: the optimizer state over ``nnx.as_pure(nnx.state(model, nnx.Param))`` (what
       :mod:`jaxprune.train` and ``nnx.Optimizer.update`` pass to Optax), or an
       ``nnx.Optimizer`` (a new one is returned, same ``tx``), or None.  Every sub-tree shaped
-      like the params is sliced; other leaves (counts, PruneTrain's λ) are kept.
+      like the params and every state with a registered slicer is sliced; other leaves
+      (counts, PruneTrain's λ) are kept.
     threshold: a group is dead when ``max|w| < threshold`` (absolute; paper: 1e-4).
     input_shape: input shape for the FLOPs in the report; default one 32x32 image (224x224
       for ImageNet specs).
@@ -319,7 +214,8 @@ def reconfigure(
       the FLOPs; ``python -m experiments.run prunetrain_speed --run
       experiments/results/prunetrain_table1_resnet32_budget.json --channel-multiple 8``,
       2026-11-22).
-      Dead residual branches are still removed.
+      Dead residual branches are still removed. A converted model's own multiple
+      (``jaxprune.models.channel_multiple``, e.g. SDGP's ``m``) is always honoured.
 
   Returns:
     ``(new_model, new_opt_state, report)``; ``new_model`` is a fresh module built from the
@@ -333,6 +229,8 @@ def reconfigure(
   if not hasattr(model, "spec"):
     raise ValueError(f"model must carry a width spec (model.spec), got {type(model).__name__}")
   graph = _build_graph(model)
+  # A conversion may need every width to stay a multiple of something (SDGP: m).
+  multiple = math.lcm(channel_multiple, models.channel_multiple(model))
 
   # 1. Residual branches with a zero-width inner tensor go (§4.1 layer removal).  Decided
   #    first: a removed branch neither reads nor writes its stage's stream any more.
@@ -362,8 +260,8 @@ def reconfigure(
       strength = np.max([l.output_magnitude() for l in tensor.writers], axis=0)
       live = np.zeros_like(live)
       live[int(np.argmax(strength))] = True
-    if channel_multiple > 1:
-      live = _round_up_live(tensor, live, channel_multiple)
+    if multiple > 1:
+      live = _round_up_live(tensor, live, multiple)
     keep[id(tensor)] = np.flatnonzero(live)
 
   # 3. Kept input / output indices per layer.
@@ -375,24 +273,29 @@ def reconfigure(
       index.setdefault(layer.path, [None, None])[1] = keep[id(tensor)]
     for layer in tensor.readers:
       index.setdefault(layer.path, [None, None])[0] = keep[id(tensor)]
-  slicer = _Slicer({path: tuple(value) for path, value in index.items()})
 
-  # 4. Rebuild from the smaller spec and move every variable over.
-  new_spec = _new_spec(model, graph, keep, removed)
-  # Built abstractly (no initialisation is run, nothing compiles): every variable is then
-  # filled from the old model.
-  new_model = nnx.eval_shape(
-    lambda: type(model)(new_spec, num_classes=model.num_classes, rngs=nnx.Rngs(0))
+  # 4. Rebuild from the smaller spec (the model's own spec says how its widths change;
+  #    models.rebuild re-applies conversions such as SDGP's) and move every variable over.
+  new_spec = model.spec.with_widths(
+    _new_widths(graph, keep), removed_blocks=[f"stages/{s}/{b}" for s, b in removed]
   )
+  # Built abstractly (no initialisation is run, nothing compiles): every variable is then
+  # filled from the old model, conversion state (e.g. SDGP's keys) included.
+  new_model = nnx.eval_shape(lambda: models.rebuild(model, new_spec))
   new_model.train()
+  slices = ChannelSlices(
+    {path: tuple(value) for path, value in index.items()},
+    nnx.as_pure(nnx.state(model, nnx.Param)),
+    nnx.as_pure(nnx.state(new_model, nnx.Param)),
+  )
   nnx.update(
     new_model,
-    _rebuild_like(nnx.as_pure(nnx.state(new_model)), nnx.as_pure(nnx.state(model)), slicer),
+    slices.rebuild_like(nnx.as_pure(nnx.state(new_model)), nnx.as_pure(nnx.state(model))),
   )
   if _is_eval_mode(model):
     new_model.eval()
 
-  new_opt_state = _reconfigure_opt_state(opt_state, model, new_model, slicer)
+  new_opt_state = _reconfigure_opt_state(opt_state, new_model, slices)
 
   # 5. Report.
   before = {l.name: int(l.kernel().shape[-1]) for l in _all_layers(_build_graph(model))}
@@ -455,26 +358,22 @@ def _round_up_live(tensor: ChannelTensor, live: np.ndarray, multiple: int) -> np
   return live
 
 
-def _all_layers(graph: _Graph) -> list[Layer]:
-  seen: dict[tuple, Layer] = {}
+def _all_layers(graph: _Graph) -> list[SliceableLayer]:
+  seen: dict[tuple, SliceableLayer] = {}
   for tensor in graph.tensors:
     for layer in tensor.writers + tensor.readers:
       seen.setdefault(layer.path, layer)
   return list(seen.values())
 
 
-def _reconfigure_opt_state(
-  opt_state: Any, model: nnx.Module, new_model: nnx.Module, slicer: _Slicer
-) -> Any:
+def _reconfigure_opt_state(opt_state: Any, new_model: nnx.Module, slices: ChannelSlices) -> Any:
   if opt_state is None:
     return None
-  old_params = nnx.as_pure(nnx.state(model, nnx.Param))
-  new_params = nnx.as_pure(nnx.state(new_model, nnx.Param))
   if isinstance(opt_state, nnx.Optimizer):
     optimizer = opt_state
-    pure = _map_param_subtrees(nnx.as_pure(optimizer.opt_state), old_params, new_params, slicer)
+    pure = slices.slice_state(nnx.as_pure(optimizer.opt_state))
     new_optimizer = nnx.Optimizer(new_model, optimizer.tx, wrt=optimizer.wrt)
     nnx.update(new_optimizer.opt_state, nnx.state(pure))
     new_optimizer.step[...] = optimizer.step[...]
     return new_optimizer
-  return _map_param_subtrees(opt_state, old_params, new_params, slicer)
+  return slices.slice_state(opt_state)

@@ -10,7 +10,7 @@ Example:
 """
 
 from pallas_kernels.nm_math import MAX_GROUP, METHODS, RESCALE_EPS
-from jaxprune.sdgp.conv import SDGPConv, SDGPKey, convert_model, sdgp_conv
+from jaxprune.sdgp.conv import SDGPConv, SDGPConversion, SDGPKey, convert_model, sdgp_conv
 from jaxprune.sdgp.prune import BACKENDS, nm_prune, nm_prune_reference
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
   "METHODS",
   "RESCALE_EPS",
   "SDGPConv",
+  "SDGPConversion",
   "SDGPKey",
   "convert_model",
   "nm_prune",

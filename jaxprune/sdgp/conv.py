@@ -15,9 +15,11 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pallas_kernels import nm_math
+from jaxprune.models.conversions import record_conversion
 from jaxprune.sdgp.prune import BACKENDS, nm_prune
 
 Array = jax.Array
@@ -377,6 +379,77 @@ class SDGPConv(nnx.Conv):
       return super().__call__(inputs, out_sharding=out_sharding)
 
 
+@dataclasses.dataclass(frozen=True)
+class SDGPConversion:
+  """:func:`convert_model`'s settings, recorded on the converted model
+  (:func:`jaxprune.models.record_conversion`), so that :func:`jaxprune.models.rebuild` — and
+  through it PruneTrain's reconfiguration and the trainer's resume — converts the rebuilt
+  model the same way.
+
+  ``seed`` is an int, or ``(key_impl, key_data)`` for a seed given as a typed key, or
+  ``(None, key_data)`` for a raw ``uint32`` key (hashable forms: the record is static).
+  ``channel_multiple`` is ``m``: a converted conv's output channels must stay a multiple of it.
+  """
+
+  n: int
+  m: int
+  method: str
+  min_in_channels: int
+  seed: int | tuple
+  backend: str
+
+  @property
+  def channel_multiple(self) -> int:
+    return self.m
+
+  def key(self) -> Array:
+    if isinstance(self.seed, int):
+      return jax.random.key(self.seed)
+    impl, data = self.seed
+    data = jnp.asarray(np.asarray(data, np.uint32))
+    return data if impl is None else jax.random.wrap_key_data(data, impl=impl)
+
+  def __call__(self, model: nnx.Module) -> nnx.Module:
+    """Converts ``model`` in place (see :func:`convert_model`) and records ``self`` on it."""
+    n, m, method = self.n, self.m, self.method
+    nm_math.validate((1, m), jnp.float32, n, m, method, key=0)
+    targets = []
+    for path, module in nnx.iter_modules(model):
+      if (
+        isinstance(module, nnx.Conv)
+        and not isinstance(module, SDGPConv)
+        and module.in_features >= self.min_in_channels
+      ):
+        if not path:
+          raise ValueError("model: pass a model containing convs, not a conv itself")
+        if module.out_features % m != 0:
+          raise ValueError(
+            f"model: conv at {'/'.join(map(str, path))} has {module.out_features} "
+            f"output channels, not divisible by m={m}"
+          )
+        targets.append((path, module))
+    base_key = self.key()
+    for index, (path, conv) in enumerate(targets):
+      key = jax.random.fold_in(base_key, index) if method in _RANDOM_METHODS else None
+      new = SDGPConv.from_conv(conv, n=n, m=m, method=method, key=key, backend=self.backend)
+      parent = model
+      for part in path[:-1]:
+        parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+      if isinstance(path[-1], int):
+        parent[path[-1]] = new
+      else:
+        setattr(parent, path[-1], new)
+    return record_conversion(model, self)
+
+
+def _hashable_seed(seed: int | Array) -> int | tuple:
+  if isinstance(seed, (int, np.integer)):
+    return int(seed)
+  if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+    return (str(jax.random.key_impl(seed)), tuple(np.asarray(jax.random.key_data(seed)).tolist()))
+  return (None, tuple(np.asarray(seed).tolist()))
+
+
 def convert_model(
   model: nnx.Module,
   *,
@@ -393,7 +466,9 @@ def convert_model(
   channels, its input gradient is never used) and leaves Dense layers untouched, as the
   authors' code does. Weights are shared: each ``SDGPConv`` holds the original ``kernel`` /
   ``bias`` Variables, so ``nnx.state(model, nnx.Param)`` is unchanged and the gradients
-  differ only through the pruned input gradients.
+  differ only through the pruned input gradients. The settings are recorded on the model
+  (:class:`SDGPConversion`), so :func:`jaxprune.models.rebuild` re-applies them to a rebuilt
+  model (e.g. after PruneTrain's reconfiguration).
 
   Args:
     model: any NNX module (mutated in place and returned).
@@ -412,31 +487,5 @@ def convert_model(
     >>> model = convert_model(models.create("sdgp-resnet9", num_classes=10,
     ...                       rngs=nnx.Rngs(0)), n=2, m=4, method="rescaled_magnitude")
   """
-  nm_math.validate((1, m), jnp.float32, n, m, method, key=0)
-  base_key = jax.random.key(seed) if isinstance(seed, int) else seed
-  targets = []
-  for path, module in nnx.iter_modules(model):
-    if (
-      isinstance(module, nnx.Conv)
-      and not isinstance(module, SDGPConv)
-      and module.in_features >= min_in_channels
-    ):
-      if not path:
-        raise ValueError("model: pass a model containing convs, not a conv itself")
-      if module.out_features % m != 0:
-        raise ValueError(
-          f"model: conv at {'/'.join(map(str, path))} has {module.out_features} "
-          f"output channels, not divisible by m={m}"
-        )
-      targets.append((path, module))
-  for index, (path, conv) in enumerate(targets):
-    key = jax.random.fold_in(base_key, index) if method in _RANDOM_METHODS else None
-    new = SDGPConv.from_conv(conv, n=n, m=m, method=method, key=key, backend=backend)
-    parent = model
-    for part in path[:-1]:
-      parent = parent[part] if isinstance(part, int) else getattr(parent, part)
-    if isinstance(path[-1], int):
-      parent[path[-1]] = new
-    else:
-      setattr(parent, path[-1], new)
-  return model
+  conversion = SDGPConversion(n, m, method, min_in_channels, _hashable_seed(seed), backend)
+  return conversion(model)

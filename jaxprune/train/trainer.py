@@ -33,6 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxprune import models
 from jaxprune.train import optim
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.checkpoint import CheckpointStore
@@ -224,7 +225,7 @@ class Trainer:
     progress: show a tqdm bar; ``None`` = only when stderr is a terminal.
     model_builder: ``spec -> model`` used on resume when the checkpoint's
       ``model.spec`` differs from the current model's (a reconfigured model); default
-      ``type(model)(spec, num_classes=model.num_classes, rngs=nnx.Rngs(0))``.
+      :func:`jaxprune.models.rebuild` (same class and classes, conversions re-applied).
     donate: donate state buffers to the jitted step.
     run_config: JSON-serialisable description of the run (epochs, schedule, seed, ...)
       stored with every checkpoint. Resuming from a checkpoint written with a different
@@ -537,13 +538,13 @@ class Trainer:
   def _rebuild_model(self, spec: Any) -> nnx.Module:
     if self.model_builder is not None:
       return self.model_builder(spec)
-    num_classes = getattr(self._model, "num_classes", None)
-    if num_classes is None:
+    if getattr(self._model, "num_classes", None) is None:
       raise ValueError(
         "checkpoint: model spec differs from the current model's and no "
         "model_builder was given to rebuild it"
       )
-    return type(self._model)(spec, num_classes=num_classes, rngs=nnx.Rngs(0))
+    # The checkpoint restores every variable, conversion state (e.g. SDGP keys) included.
+    return models.rebuild(self._model, spec)
 
   def restore_checkpoint(self, loader: Any = None, step: int | None = None) -> bool:
     """Restore the latest (or given) checkpoint; returns False if there is none."""

@@ -1,0 +1,215 @@
+"""Slicing every piece of state a reconfiguration touches with the same kept-index arrays.
+
+PruneTrain (§4.2) keeps the momentums of the remaining channels "as is": after a
+reconfiguration, every per-parameter statistic must be sliced exactly like its parameter.
+:class:`ChannelSlices` holds the kept input / output channel indices of every sliced layer and
+applies them to
+
+* the model's variables (kernels, biases, BatchNorm scale / bias / running statistics),
+* every sub-tree of an optimizer state shaped like the params (momentum, Adam moments, ...),
+* any optimizer state whose per-parameter arrays are *not* param-shaped, through a slicer
+  registered for its type with :func:`register_state_slicer` (e.g. ClickTrain's per-layer
+  masks, scores and votes, keyed by parameter path). The methods that own such a state
+  register their slicer; this module imports none of them.
+
+References:
+  Lym et al., "PruneTrain: Fast Neural Network Training by Dynamic Sparse Model
+  Reconfiguration", SC 2019. https://arxiv.org/abs/1901.09290
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprune.paths import param_path
+
+__all__ = ["ChannelSlices", "StateSlicer", "register_state_slicer", "registered_state_slicers"]
+
+Index = Optional[np.ndarray]
+StateSlicer = Callable[[Any, "ChannelSlices"], Any]
+
+_STATE_SLICERS: dict[type, StateSlicer] = {}
+
+
+def register_state_slicer(state_type: type, slicer: StateSlicer) -> None:
+  """Teaches :func:`jaxprune.prunetrain.reconfigure` to slice an optimizer state type.
+
+  Use it for a state that holds per-parameter arrays in another layout than the params
+  (param-shaped sub-trees are found and sliced without registration).
+
+  Args:
+    state_type: the state's class (e.g. a ``NamedTuple``); matched with ``isinstance``
+      wherever it sits in an optimizer state (inside ``optax.chain``, wrappers, ...).
+    slicer: ``(state, slices) -> new_state`` with ``slices`` a :class:`ChannelSlices`;
+      it must also slice any inner optimizer state it wraps (``slices.slice_state``).
+
+  Raises:
+    ValueError: ``state_type`` is not a class or ``slicer`` is not callable.
+
+  Example:
+    >>> def slice_mine(state, slices):
+    ...   return state._replace(scores={
+    ...     path: slices.take(score, path, in_axis=0, out_axis=1)
+    ...     for path, score in state.scores.items() if not slices.removed(path)})
+    >>> register_state_slicer(MyState, slice_mine)  # doctest: +SKIP
+  """
+  if not isinstance(state_type, type):
+    raise ValueError(f"state_type must be a class, got {state_type!r}")
+  if not callable(slicer):
+    raise ValueError(f"slicer must be callable, got {type(slicer).__name__}")
+  _STATE_SLICERS[state_type] = slicer
+
+
+def registered_state_slicers() -> dict[type, StateSlicer]:
+  """A copy of the registry: state type -> slicer."""
+  return dict(_STATE_SLICERS)
+
+
+def _slicer_for(node: Any) -> Optional[StateSlicer]:
+  for state_type, slicer in _STATE_SLICERS.items():
+    if isinstance(node, state_type):
+      return slicer
+  return None
+
+
+def _take(array: Any, in_index: Index, out_index: Index, in_axis: int, out_axis: int) -> Any:
+  """``array`` with ``in_index`` kept along ``in_axis`` and ``out_index`` along ``out_axis``.
+
+  Done in NumPy on the host: an eager ``jnp.take`` would compile one gather per shape.
+  """
+  if array is None or (in_index is None and out_index is None):
+    return array
+  dtype = getattr(array, "dtype", None)
+  array = np.asarray(array)
+  if in_index is not None:
+    array = np.take(array, in_index, axis=in_axis)
+  if out_index is not None:
+    array = np.take(array, out_index, axis=out_axis)
+  return jnp.asarray(array, dtype=dtype)
+
+
+class ChannelSlices:
+  """The kept channels of one reconfiguration, and how to apply them to any state.
+
+  Built by :func:`jaxprune.prunetrain.reconfigure`; registered state slicers receive it.
+
+  Args:
+    layer_index: layer path (attribute path tuple, e.g. ``("stages", 0, 1, "conv1")``) ->
+      ``(kept input channels, kept output channels)``; ``None`` = all kept.
+    old_params, new_params: the params before and after (pure trees).
+  """
+
+  def __init__(
+    self,
+    layer_index: Mapping[tuple, tuple[Index, Index]],
+    old_params: Any,
+    new_params: Any,
+  ):
+    self.layer_index = dict(layer_index)
+    self.old_params = old_params
+    self.new_params = new_params
+    self._old_names = {
+      param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(old_params)[0]
+    }
+    self._new_names = {
+      param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(new_params)[0]
+    }
+
+  # ------------------------------------------------------------------ by parameter path
+  def _names(self, path: str | tuple) -> tuple:
+    if isinstance(path, tuple):
+      return path
+    return tuple(int(p) if p.isdigit() else p for p in path.split("/"))
+
+  def _layer_of(self, names: tuple) -> Optional[tuple[tuple[Index, Index], tuple]]:
+    for length in range(len(names) - 1, 0, -1):
+      indices = self.layer_index.get(names[:length])
+      if indices is not None:
+        return indices, names[length:]
+    return None
+
+  def kernel_index(self, path: str | tuple) -> tuple[Index, Index]:
+    """Kept ``(input, output)`` channels of the kernel parameter at ``path`` (a
+    ``jaxprune.paths.path_string`` such as ``"stages/0/1/conv1/conv/kernel"``, or its
+    tuple); ``None`` where all are kept."""
+    found = self._layer_of(self._names(path))
+    if found is None or found[1][-1:] != ("kernel",):
+      return None, None
+    return found[0]
+
+  def removed(self, path: str | tuple) -> bool:
+    """Whether the parameter at ``path`` is gone (its residual branch was removed)."""
+    names = self._names(path)
+    return names in self._old_names and names not in self._new_names
+
+  def take(self, array: Any, path: str | tuple, *, in_axis: int, out_axis: int) -> Any:
+    """``array`` sliced along ``in_axis`` / ``out_axis`` with the kept input / output
+    channels of the kernel at ``path`` (``None`` stays ``None``)."""
+    return _take(array, *self.kernel_index(path), in_axis, out_axis)
+
+  # ------------------------------------------------------------------ whole trees
+  def slice_leaf(self, names: tuple, leaf: Any) -> Any:
+    """One variable, found by its full path: kernels on both channel axes, 1-D vectors
+    (BatchNorm statistics, biases) on their output channels; anything else unchanged."""
+    found = self._layer_of(names)
+    if found is None:
+      return leaf
+    (in_index, out_index), remainder = found
+    ndim = np.ndim(leaf)
+    if remainder[-1:] == ("kernel",) and ndim in (2, 4):
+      in_axis, out_axis = (2, 3) if ndim == 4 else (0, 1)
+      return _take(leaf, in_index, out_index, in_axis, out_axis)
+    if ndim == 1 and out_index is not None:  # conv BN scale/bias/mean/var, linear bias
+      return _take(leaf, None, out_index, 0, 0)
+    return leaf
+
+  def rebuild_like(self, template: Any, old: Any) -> Any:
+    """A tree of ``template``'s structure whose leaves are ``old``'s (same paths), sliced."""
+    old_flat = {param_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(old)[0]}
+
+    def fill(path, template_leaf):
+      names = param_path(path)
+      if names not in old_flat:
+        raise ValueError(f"no value for {'/'.join(map(str, names))} in the old state")
+      old_leaf = old_flat[names]
+      value = self.slice_leaf(names, old_leaf)
+      if value is old_leaf and np.shape(value) == np.shape(template_leaf):
+        return old_leaf  # untouched (also RNG keys, which have no plain dtype)
+      if np.shape(value) != np.shape(template_leaf):
+        raise ValueError(
+          f"{'/'.join(map(str, names))}: sliced shape {np.shape(value)} != "
+          f"rebuilt model's {np.shape(template_leaf)}"
+        )
+      return jnp.asarray(value, dtype=template_leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, template)
+
+  def slice_state(self, opt_state: Any) -> Any:
+    """An optimizer state for the new params: every sub-tree shaped like the old params is
+    rebuilt sliced, every state with a registered slicer goes through it, the rest (step
+    counts, PruneTrain's λ) is kept."""
+    old_def = jax.tree.structure(self.old_params)
+    old_shapes = [np.shape(x) for x in jax.tree.leaves(self.old_params)]
+
+    def is_param_tree(node):
+      if jax.tree.structure(node) != old_def:
+        return False
+      return [np.shape(x) for x in jax.tree.leaves(node)] == old_shapes
+
+    def is_leaf(node):
+      return _slicer_for(node) is not None or is_param_tree(node)
+
+    def convert(node):
+      slicer = _slicer_for(node)
+      if slicer is not None:
+        return slicer(node, self)
+      if is_param_tree(node):
+        return self.rebuild_like(self.new_params, node)
+      return node
+
+    return jax.tree.map(convert, opt_state, is_leaf=is_leaf)
