@@ -41,6 +41,7 @@ from jaxprune.clicktrain.patterns import (
   select_pool,
   vote,
 )
+from jaxprune.clicktrain import reconfigure as _reconfigure  # registers the PruneTrain slicer
 from jaxprune.clicktrain.transform import (
   FINALIZE,
   POOL,

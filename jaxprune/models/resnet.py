@@ -275,9 +275,9 @@ class ResNetSpec:
 
     Args:
       widths: new output width per layer path (the keys of :meth:`layer_widths`); layers
-        not named keep theirs. Every layer writing one residual stream (a stage's last
-        branch convs and projections, and the stem for a stage without projection) must
-        get the same width.
+        not named keep theirs, except the writers of a residual stream (a stage's last
+        branch convs and projections, and the stem for a stage without projection): they
+        share one width, so the named ones must agree and the others follow them.
       removed_blocks: ``"stages/s/b"`` of every block whose branch is removed (the block
         then computes ``relu(shortcut(x))``).
 

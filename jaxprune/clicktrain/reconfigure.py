@@ -1,0 +1,60 @@
+"""ClickTrain's state through a PruneTrain reconfiguration (channel removal).
+
+ClickTrain keys its per-layer state by the kernel's parameter path, in ``(Cin, Cout)``-shaped
+(or HWIO-shaped) arrays that are not parameter-shaped trees, so PruneTrain's surgery cannot
+find them by shape. This slicer, registered with
+:func:`jaxprune.prunetrain.register_state_slicer`, slices them with the kept input / output
+channels of their kernel and drops the layers removed with their residual branch: the masks
+(pattern, kernel), the finalization votes and Eq. 2 score sums follow their kernels. The
+pattern pool and its competitive scores are per pattern, not per channel, and are kept. The
+wrapped optimizer's state is sliced like any other optimizer state.
+
+References:
+  Zhang et al., "ClickTrain: Efficient and Accurate End-to-End Deep Learning Training via
+  Fine-Grained Architecture-Preserving Pruning", ICS 2021. https://arxiv.org/abs/2011.10170
+
+  Lym et al., "PruneTrain: Fast Neural Network Training by Dynamic Sparse Model
+  Reconfiguration", SC 2019. https://arxiv.org/abs/1901.09290
+"""
+
+from __future__ import annotations
+
+from jaxprune.clicktrain.transform import ClickTrainLayerState, ClickTrainState
+from jaxprune.prunetrain.slicing import ChannelSlices, register_state_slicer
+
+__all__ = ["slice_state"]
+
+
+def _slice_layer(path: str, layer: ClickTrainLayerState, slices: ChannelSlices):
+  def cin_cout(array):  # (Cin, Cout, ...) arrays: votes, score sums, pattern ids, kernel masks
+    return slices.take(array, path, in_axis=0, out_axis=1)
+
+  return layer._replace(
+    votes=cin_cout(layer.votes),
+    kernel_score_sum=cin_cout(layer.kernel_score_sum),
+    pattern_id=cin_cout(layer.pattern_id),
+    kernel_keep=cin_cout(layer.kernel_keep),
+    pattern_mask=slices.take(layer.pattern_mask, path, in_axis=2, out_axis=3),  # HWIO
+  )
+
+
+def slice_state(state: ClickTrainState, slices: ChannelSlices) -> ClickTrainState:
+  """``state`` for the reconfigured params: every layer sliced with its kernel's kept
+  channels, removed layers dropped, the inner optimizer state sliced.
+
+  Args:
+    state: a :class:`~jaxprune.clicktrain.ClickTrainState`.
+    slices: the reconfiguration's :class:`~jaxprune.prunetrain.ChannelSlices`.
+
+  Returns:
+    The sliced state (stage, counters and pattern pools unchanged).
+  """
+  layers = {
+    path: _slice_layer(path, layer, slices)
+    for path, layer in state.layers.items()
+    if not slices.removed(path)
+  }
+  return state._replace(layers=layers, inner_state=slices.slice_state(state.inner_state))
+
+
+register_state_slicer(ClickTrainState, slice_state)
