@@ -23,6 +23,7 @@ References:
   Fine-Grained Architecture-Preserving Pruning", ICS 2021. https://arxiv.org/abs/2011.10170
 """
 
+from jaxprune.clicktrain import reconfigure as _reconfigure  # noqa: F401 (PruneTrain's slicer)
 from jaxprune.clicktrain.importance import kernel_scores, pattern_scores, weight_importance
 from jaxprune.clicktrain.patterns import (
   accumulate_competitive_scores,
@@ -41,7 +42,6 @@ from jaxprune.clicktrain.patterns import (
   select_pool,
   vote,
 )
-from jaxprune.clicktrain import reconfigure as _reconfigure  # registers the PruneTrain slicer
 from jaxprune.clicktrain.transform import (
   FINALIZE,
   POOL,
