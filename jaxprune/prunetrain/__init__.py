@@ -10,8 +10,10 @@ The pieces:
   rebuild the model smaller (§4.2).
 * :mod:`~jaxprune.prunetrain.slicing` — slice the model and every per-parameter optimizer
   state with the same kept indices; :func:`register_state_slicer` for states of other methods.
+* :mod:`~jaxprune.prunetrain.dynamic_batch` — the dynamic mini-batch (§4.3): grow the batch
+  into the memory a reconfiguration freed, LR scaled by the same ratio.
 * :mod:`~jaxprune.prunetrain.callback` — :class:`PruneTrainCallback`: reconfiguration every k
-  epochs inside the trainer, dynamic mini-batch (§4.3), cost accounting.
+  epochs inside the trainer, dynamic mini-batch, cost accounting.
 
 Example:
   >>> import optax
@@ -24,6 +26,7 @@ References:
 """
 
 from jaxprune.prunetrain.callback import PruneTrainCallback, model_costs
+from jaxprune.prunetrain.dynamic_batch import DynamicBatch, grow_batch_size, largest_batch_size
 from jaxprune.prunetrain.graph import (
   DEFAULT_THRESHOLD,
   ChannelTensor,
@@ -56,11 +59,13 @@ from jaxprune.prunetrain.slicing import (
   registered_state_slicers,
 )
 from jaxprune.prunetrain.surgery import ReconfigureReport, reconfigure, rounded_width
-from jaxprune.train import grow_batch_size
 
 __all__ = [
   "PruneTrainCallback",
   "model_costs",
+  "DynamicBatch",
+  "grow_batch_size",
+  "largest_batch_size",
   "DEFAULT_THRESHOLD",
   "ChannelTensor",
   "SliceableLayer",
@@ -90,5 +95,4 @@ __all__ = [
   "ReconfigureReport",
   "reconfigure",
   "rounded_width",
-  "grow_batch_size",
 ]

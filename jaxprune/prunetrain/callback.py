@@ -15,6 +15,7 @@ from typing import Any, Optional
 from flax import nnx
 
 from jaxprune import flops
+from jaxprune.prunetrain.dynamic_batch import DynamicBatch
 from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD
 from jaxprune.prunetrain.surgery import (
   ReconfigureReport,
@@ -22,7 +23,7 @@ from jaxprune.prunetrain.surgery import (
   _param_count,
   reconfigure,
 )
-from jaxprune.train import Reconfigure
+from jaxprune.train import Callback
 
 __all__ = ["PruneTrainCallback", "model_costs"]
 
@@ -56,18 +57,18 @@ def model_costs(
   }
 
 
-class PruneTrainCallback(Reconfigure):
+class PruneTrainCallback(Callback):
   """Trainer hook: reconfigure every k epochs, grow the mini-batch, account the costs.
 
-  For :class:`jaxprune.train.Trainer` (``callbacks=[PruneTrainCallback(...)]``).  A
-  :class:`jaxprune.train.Reconfigure` running :func:`reconfigure`: at the end of every
-  ``every_epochs``-th epoch it reconfigures the trainer's model and optimizer state and
-  installs the result when channels were removed (§4.2; the paper reconfigures every 10
-  epochs on CIFAR, 5 on ImageNet).  With ``dynamic_batch`` it then grows the batch in steps
-  of ``granularity`` while the compiled step's memory (XLA ``memory_analysis``) stays within
-  what the dense step needed, and scales the LR by the same ratio (§4.3; the trainer
-  applies both from the next epoch).  Its entries carry a ``pt_`` prefix
-  (``pt_reconfigured``, ``pt_next_batch_size``, ...).
+  For :class:`jaxprune.train.Trainer` (``callbacks=[PruneTrainCallback(...)]``).  At the end
+  of every ``every_epochs``-th epoch it runs :func:`reconfigure` on the trainer's model and
+  optimizer state and installs the result when channels were removed (§4.2; the paper
+  reconfigures every 10 epochs on CIFAR, 5 on ImageNet).  With ``dynamic_batch`` it then
+  grows the batch in steps of ``granularity`` while the compiled step's memory (XLA
+  ``memory_analysis``) stays within what the dense step needed, and scales the LR by the same
+  ratio (§4.3, :class:`~jaxprune.prunetrain.dynamic_batch.DynamicBatch`; the trainer applies
+  both from the next epoch).  Its entries carry a ``pt_`` prefix (``pt_reconfigured``,
+  ``pt_next_batch_size``, ...).
 
   Every epoch's record gets the costs of the model that trained it (``jaxprune.flops``):
   training FLOPs integrated over the run and the same for the dense model
@@ -90,6 +91,9 @@ class PruneTrainCallback(Reconfigure):
       memory probe), which on a 2-core CPU costs about 25 training steps of ResNet-32 at batch
       64 (15–17 s): a few dead channels are not worth it.  Skipped dead channels stay in the
       model (zero or near zero) and go at the next reconfiguration that is worth installing.
+
+  Attributes:
+    reports: the :class:`ReconfigureReport` of every reconfiguration so far (installed or not).
 
   Example::
 
@@ -124,20 +128,18 @@ class PruneTrainCallback(Reconfigure):
       reconfigure, threshold=threshold, count_flops=False, channel_multiple=channel_multiple
     )
     self._new_costs: Optional[dict[str, float]] = None
-    super().__init__(
-      self._reconfigure,
-      every_epochs,
-      image_shape=tuple(image_shape),
-      grow_batch=dynamic_batch,
-      granularity=granularity,
-      max_batch_size=max_batch_size,
-      report_metrics=_report_metrics,
-      changed=self._worth,
-    )
+    self.every_epochs = every_epochs
+    self.image_shape = tuple(image_shape)
     self.min_flops_saving = float(min_flops_saving)
     self.threshold = threshold
     self.dynamic_batch = dynamic_batch
     self.num_devices = num_devices
+    self.batch_policy = (
+      DynamicBatch(self.image_shape, granularity=granularity, max_batch_size=max_batch_size)
+      if dynamic_batch
+      else None
+    )
+    self.reports: list[ReconfigureReport] = []
     self._state: dict[str, Any] = {
       "batch_size": None,
       "last_step": 0,
@@ -181,32 +183,41 @@ class PruneTrainCallback(Reconfigure):
 
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
   def state_dict(self) -> dict[str, Any]:
-    return {**self._state, **super().state_dict()}
+    budget = self.batch_policy.state_dict() if self.batch_policy else {"budget_bytes": None}
+    return {**self._state, **budget}
 
   def load_state_dict(self, state: Any) -> None:
     state = dict(state)
-    super().load_state_dict(state)
-    state.pop("budget_bytes", None)
+    budget = state.pop("budget_bytes", None)
+    if self.batch_policy is not None:
+      self.batch_policy.load_state_dict({"budget_bytes": budget})
     self._state.update(state)
 
   def on_epoch_end(self, trainer: Any, epoch: int) -> dict[str, Any]:
     record = self._account(trainer)
-    hooked = super().on_epoch_end(trainer, epoch)
-    if hooked is None:
+    if epoch % self.every_epochs:
       return record
-    record.update({f"pt_{key}": value for key, value in hooked.items()})
-    if hooked["reconfigured"]:
-      new_model = trainer.model
-      costs = self._state["costs"] = self._new_costs
-      record.update(
-        {
-          "pt_inference_flops_after": costs["inference_flops"],
-          "pt_params_after": costs["params"],
-          "pt_spec": repr(new_model.spec),
-        }
-      )
-    if "next_batch_size" in hooked:
-      self._state["batch_size"] = hooked["next_batch_size"]
+    if self.batch_policy is not None:
+      self.batch_policy.measure_budget(trainer)  # the dense step's memory, measured once
+    new_model, new_opt_state, report = self._reconfigure(trainer.model, trainer.opt_state)
+    self.reports.append(report)
+    if not self._worth(report):
+      record["pt_reconfigured"] = False
+      return record
+    trainer.replace(new_model, new_opt_state)
+    costs = self._state["costs"] = self._new_costs
+    record.update(
+      {
+        "pt_reconfigured": True,
+        **{f"pt_{key}": value for key, value in _report_metrics(report).items()},
+        "pt_inference_flops_after": costs["inference_flops"],
+        "pt_params_after": costs["params"],
+        "pt_spec": repr(new_model.spec),
+      }
+    )
+    if self.batch_policy is not None and trainer.batch_size:
+      new_batch = self.batch_policy.grow(trainer)
+      record["pt_next_batch_size"] = self._state["batch_size"] = new_batch
     return record
 
   def _account(self, trainer: Any) -> dict[str, Any]:

@@ -49,8 +49,7 @@ from jaxprune.train.step import (
   step_functions,
   train_step_memory,
 )
-from jaxprune.train.trainer import Callback, Trainer, fit, grow_batch_size
-from jaxprune.train.callbacks import Reconfigure
+from jaxprune.train.trainer import Callback, Trainer, fit
 
 __all__ = [
   "CheckpointStore",
@@ -81,6 +80,4 @@ __all__ = [
   "Callback",
   "Trainer",
   "fit",
-  "grow_batch_size",
-  "Reconfigure",
 ]

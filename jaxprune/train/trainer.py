@@ -131,61 +131,6 @@ def _set_loader_batch_size(loader: Any, batch_size: int) -> None:
     loader.batch_size = batch_size
 
 
-def grow_batch_size(
-  memory_of: Callable[[int], int],
-  batch_size: int,
-  budget: int,
-  *,
-  granularity: int = 32,
-  max_batch_size: int | None = None,
-) -> int:
-  """The largest ``batch_size + k·granularity`` (``k >= 0``) whose step fits ``budget``.
-
-  PruneTrain §4.3 grows the mini-batch, in steps of 32, into the memory a reconfiguration
-  freed.  Memory only grows with the batch, so the answer is found by doubling ``k`` until
-  a probe no longer fits (or passes ``max_batch_size``) and then bisecting: O(log k) probes,
-  each of which compiles the step, instead of one per candidate.
-
-  Args:
-    memory_of: ``batch_size -> bytes`` of the compiled training step (non-decreasing).
-    batch_size: current batch size (kept if nothing larger fits).
-    budget: bytes the step may use.
-    granularity: batch-size step (paper: 32).
-    max_batch_size: upper bound (e.g. the training-set size); ``None`` = no bound.
-
-  Returns:
-    The new batch size (``>= batch_size``).
-
-  Raises:
-    ValueError: non-positive ``granularity`` or ``batch_size``.
-
-  Example:
-    >>> grow_batch_size(lambda b: 500 + 10 * b, 64, 3000, max_batch_size=512)
-    224
-  """
-  if granularity < 1:
-    raise ValueError(f"granularity must be >= 1, got {granularity}")
-  if batch_size < 1:
-    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-  limit = max_batch_size if max_batch_size is not None else 1 << 30
-  max_steps = (limit - batch_size) // granularity
-  fits = lambda k: memory_of(batch_size + k * granularity) <= budget
-  low, high = 0, max_steps + 1  # k = low fits, k = high does not (max_steps + 1: the cap)
-  probe = 1
-  while probe < high:
-    if not fits(probe):
-      high = probe
-      break
-    low, probe = probe, 2 * probe
-  while high - low > 1:
-    middle = (low + high) // 2
-    if fits(middle):
-      low = middle
-    else:
-      high = middle
-  return batch_size + low * granularity
-
-
 def _check_run_config(
   saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None, directory: Any
 ) -> None:
@@ -396,34 +341,6 @@ class Trainer:
         self._steps, self.params, self.rest, self.opt_state, image_shape, batch_size, **kwargs
       )
     return dict(self._memory_cache[key])
-
-  def largest_batch_size(
-    self,
-    budget_bytes: int,
-    image_shape: tuple[int, ...],
-    *,
-    granularity: int = 32,
-    limit: int = 8192,
-    **kwargs: Any,
-  ) -> int:
-    """Largest multiple of ``granularity`` (<= ``limit``) whose compiled train step needs at
-    most ``budget_bytes`` (PruneTrain §4.3: grow the batch into the memory a
-    reconfiguration freed, in steps of 32). Searched by :func:`grow_batch_size`; each
-    probe compiles the step.
-
-    Raises:
-      ValueError: bad arguments, or not even ``granularity`` examples fit the budget.
-    """
-    if granularity < 1 or limit < granularity:
-      raise ValueError(f"granularity must be in [1, limit], got {granularity} (limit {limit})")
-    memory_of = lambda batch: self.step_memory(batch, image_shape, **kwargs)["total"]
-    if memory_of(granularity) > budget_bytes:
-      raise ValueError(
-        f"budget_bytes {budget_bytes} is below the step's memory at batch {granularity}"
-      )
-    return grow_batch_size(
-      memory_of, granularity, budget_bytes, granularity=granularity, max_batch_size=limit
-    )
 
   # ----------------------------------------------------------------- train / eval
   def train_epoch(self, loader: Iterable) -> dict[str, float]:

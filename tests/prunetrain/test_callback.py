@@ -56,6 +56,52 @@ def test_grow_batch_size_bad_input():
       pt.PruneTrainCallback(min_flops_saving=bad)
 
 
+class _FakeTrainer:
+  """The trainer surface the dynamic mini-batch uses, with an affine step memory whose slope
+  is the model's width (a reconfiguration narrows it)."""
+
+  def __init__(self, batch_size, width):
+    self.batch_size, self.width = batch_size, width
+    self.requests = []
+
+  def step_memory(self, batch_size, image_shape):
+    assert image_shape == (8, 8, 3)
+    return {"total": 1000 + self.width * batch_size}
+
+  def set_batch_size(self, batch_size, *, scale_lr=True):
+    self.requests.append((batch_size, scale_lr))
+
+
+def test_dynamic_batch_grows_into_the_dense_budget():
+  """PruneTrain §4.3: the budget is the dense step at the first reconfiguration; after it the
+  batch grows (multiples of the granularity, capped) while the narrower step fits, LR scaled."""
+  policy = pt.DynamicBatch((8, 8, 3), granularity=16, max_batch_size=256)
+  trainer = _FakeTrainer(batch_size=32, width=10)
+  assert policy.measure_budget(trainer) == 1000 + 10 * 32
+  trainer.width = 4  # reconfigured
+  assert policy.measure_budget(trainer) == 1320  # measured once
+  expected = max(b for b in range(32, 257, 16) if 1000 + 4 * b <= 1320)
+  assert policy.grow(trainer) == expected == 80
+  assert trainer.requests == [(80, True)]
+  # the budget survives a checkpoint
+  restored = pt.DynamicBatch((8, 8, 3), granularity=16, max_batch_size=256)
+  restored.load_state_dict(policy.state_dict())
+  assert restored.budget_bytes == 1320
+  with pytest.raises(ValueError, match="budget_bytes"):
+    pt.DynamicBatch((8, 8, 3)).grow(trainer)
+  with pytest.raises(ValueError, match="granularity"):
+    pt.DynamicBatch((8, 8, 3), granularity=64, max_batch_size=32)
+
+
+def test_largest_batch_size_is_the_largest_fitting_multiple():
+  trainer = _FakeTrainer(batch_size=8, width=10)
+  budget = 1000 + 10 * 24
+  assert pt.largest_batch_size(trainer, budget, (8, 8, 3), granularity=8, limit=32) == 24
+  assert pt.largest_batch_size(trainer, 10**6, (8, 8, 3), granularity=8, limit=32) == 32
+  with pytest.raises(ValueError, match="budget_bytes"):
+    pt.largest_batch_size(trainer, 1000, (8, 8, 3), granularity=8, limit=32)
+
+
 def _loader(seed):
   rng = np.random.default_rng(seed)
   images = rng.integers(0, 256, size=(64, 8, 8, 3), dtype=np.uint8)

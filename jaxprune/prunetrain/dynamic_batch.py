@@ -1,0 +1,192 @@
+"""PruneTrain's dynamic mini-batch (§4.3): grow the batch into the memory a reconfiguration freed.
+
+After a reconfiguration the smaller model's training step needs less memory than the dense
+one did. PruneTrain grows the mini-batch, in steps of 32, while the step still fits the memory
+the dense model used, and scales the learning rate by the same ratio (linear scaling rule), so
+the smaller model keeps the device busy. The memory is XLA's analysis of the compiled step
+(:meth:`jaxprune.train.Trainer.step_memory`); the trainer only provides the generic setters
+(:meth:`~jaxprune.train.Trainer.set_batch_size`, which also rescales the LR and keeps the
+schedule's epoch milestones in place). The authors' released code lacks this part; the paper
+defines it.
+
+References:
+  Lym et al., "PruneTrain: Fast Neural Network Training by Dynamic Sparse Model
+  Reconfiguration", SC 2019. https://arxiv.org/abs/1901.09290
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["DynamicBatch", "grow_batch_size", "largest_batch_size"]
+
+
+def grow_batch_size(
+  memory_of: Callable[[int], int],
+  batch_size: int,
+  budget: int,
+  *,
+  granularity: int = 32,
+  max_batch_size: int | None = None,
+) -> int:
+  """The largest ``batch_size + k·granularity`` (``k >= 0``) whose step fits ``budget``.
+
+  PruneTrain §4.3 grows the mini-batch, in steps of 32, into the memory a reconfiguration
+  freed.  Memory only grows with the batch, so the answer is found by doubling ``k`` until
+  a probe no longer fits (or passes ``max_batch_size``) and then bisecting: O(log k) probes,
+  each of which compiles the step, instead of one per candidate.
+
+  Args:
+    memory_of: ``batch_size -> bytes`` of the compiled training step (non-decreasing).
+    batch_size: current batch size (kept if nothing larger fits).
+    budget: bytes the step may use.
+    granularity: batch-size step (paper: 32).
+    max_batch_size: upper bound (e.g. the training-set size); ``None`` = no bound.
+
+  Returns:
+    The new batch size (``>= batch_size``).
+
+  Raises:
+    ValueError: non-positive ``granularity`` or ``batch_size``.
+
+  Example:
+    >>> grow_batch_size(lambda b: 500 + 10 * b, 64, 3000, max_batch_size=512)
+    224
+  """
+  if granularity < 1:
+    raise ValueError(f"granularity must be >= 1, got {granularity}")
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+  limit = max_batch_size if max_batch_size is not None else 1 << 30
+  max_steps = (limit - batch_size) // granularity
+  fits = lambda k: memory_of(batch_size + k * granularity) <= budget
+  low, high = 0, max_steps + 1  # k = low fits, k = high does not (max_steps + 1: the cap)
+  probe = 1
+  while probe < high:
+    if not fits(probe):
+      high = probe
+      break
+    low, probe = probe, 2 * probe
+  while high - low > 1:
+    middle = (low + high) // 2
+    if fits(middle):
+      low = middle
+    else:
+      high = middle
+  return batch_size + low * granularity
+
+
+def largest_batch_size(
+  trainer: Any,
+  budget_bytes: int,
+  image_shape: Sequence[int],
+  *,
+  granularity: int = 32,
+  limit: int = 8192,
+) -> int:
+  """Largest multiple of ``granularity`` (<= ``limit``) whose compiled train step of
+  ``trainer``'s current model needs at most ``budget_bytes`` (searched by
+  :func:`grow_batch_size`; each probe compiles the step).
+
+  Args:
+    trainer: a :class:`jaxprune.train.Trainer` (anything with ``step_memory``).
+    budget_bytes: bytes the step may use.
+    image_shape: one example's shape, e.g. ``(32, 32, 3)``.
+    granularity: batch-size step (paper: 32).
+    limit: largest batch size considered.
+
+  Returns:
+    The batch size.
+
+  Raises:
+    ValueError: bad arguments, or not even ``granularity`` examples fit the budget.
+  """
+  if granularity < 1 or limit < granularity:
+    raise ValueError(f"granularity must be in [1, limit], got {granularity} (limit {limit})")
+  memory_of = lambda batch: trainer.step_memory(batch, tuple(image_shape))["total"]
+  if memory_of(granularity) > budget_bytes:
+    raise ValueError(
+      f"budget_bytes {budget_bytes} is below the step's memory at batch {granularity}"
+    )
+  return grow_batch_size(
+    memory_of, granularity, budget_bytes, granularity=granularity, max_batch_size=limit
+  )
+
+
+class DynamicBatch:
+  """The §4.3 policy around reconfigurations inside a :class:`jaxprune.train.Trainer`.
+
+  Call :meth:`measure_budget` before a reconfiguration (the first call records what the
+  dense model's step needs at the current batch size: the budget) and :meth:`grow` after the
+  new model is installed: the batch grows by multiples of ``granularity`` while the new step
+  fits the budget, and the trainer scales the LR by the same ratio from the next epoch on.
+  :class:`jaxprune.prunetrain.PruneTrainCallback` does both; the budget is part of its
+  checkpointed state (:meth:`state_dict`).
+
+  Args:
+    image_shape: one training example's shape, e.g. ``(32, 32, 3)``.
+    granularity: batch-size step (paper: 32).
+    max_batch_size: upper bound (e.g. the training-set size); ``None`` = none.
+
+  Raises:
+    ValueError: ``granularity`` < 1 or above ``max_batch_size``.
+
+  Example:
+    >>> policy = DynamicBatch((32, 32, 3))
+    >>> policy.measure_budget(trainer)  # doctest: +SKIP
+    >>> trainer.replace(smaller_model, sliced_opt_state)  # doctest: +SKIP
+    >>> policy.grow(trainer)  # doctest: +SKIP
+    192
+  """
+
+  def __init__(
+    self,
+    image_shape: Sequence[int],
+    *,
+    granularity: int = 32,
+    max_batch_size: int | None = None,
+  ):
+    if granularity < 1 or (max_batch_size is not None and max_batch_size < granularity):
+      raise ValueError(f"granularity must be in [1, max_batch_size], got {granularity}")
+    self.image_shape = tuple(image_shape)
+    self.granularity = granularity
+    self.max_batch_size = max_batch_size
+    self.budget_bytes: int | None = None
+
+  def _memory(self, trainer: Any, batch_size: int) -> int:
+    return trainer.step_memory(batch_size, self.image_shape)["total"]
+
+  def measure_budget(self, trainer: Any) -> int | None:
+    """Records the budget (the step's memory at the trainer's batch size) the first time;
+    returns it (``None`` while the trainer has no batch size yet)."""
+    if self.budget_bytes is None and trainer.batch_size:
+      self.budget_bytes = self._memory(trainer, trainer.batch_size)
+    return self.budget_bytes
+
+  def grow(self, trainer: Any) -> int:
+    """Asks ``trainer`` for the largest batch whose step fits the budget, with the LR scaled
+    by the same ratio (both from the next epoch); returns that batch size.
+
+    Raises:
+      ValueError: no budget was measured.
+    """
+    if self.budget_bytes is None:
+      raise ValueError("budget_bytes: call measure_budget before the first reconfiguration")
+    batch = trainer.batch_size
+    new_batch = grow_batch_size(
+      lambda size: self._memory(trainer, size),
+      batch,
+      self.budget_bytes,
+      granularity=self.granularity,
+      max_batch_size=self.max_batch_size,
+    )
+    if new_batch > batch:
+      trainer.set_batch_size(new_batch, scale_lr=True)  # linear LR scaling (§4.3)
+    return new_batch
+
+  def state_dict(self) -> dict[str, Any]:
+    return {"budget_bytes": self.budget_bytes}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    self.budget_bytes = state.get("budget_bytes")
