@@ -10,6 +10,7 @@ models, data, training loop and cost accounting beside them.
 __version__ = "0.1.0"
 
 from jaxprune import paths
+from jaxprune import masking
 from jaxprune import data
 from jaxprune import distributed
 from jaxprune import flops
