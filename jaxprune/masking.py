@@ -11,7 +11,7 @@ registry of the optimizer states that carry masks.
   :func:`jaxprune.paths.path_string`, exact round trip.
 * :func:`register_mask_source` / :func:`find_masks` — the masks a training state promises,
   whatever transform holds them (a pruning method registers its state type), so that a
-  training loop can check them without knowing the method: :func:`warn_if_refilled`.
+  training loop can check them without knowing the method: :class:`RefillCheck`.
 
 A mask pytree has the structure of the params; a ``None`` leaf is "not masked"; other leaves
 are bool or 0/1 arrays of the param's shape (1 / True = kept).
@@ -46,13 +46,14 @@ from jaxprune.paths import path_string
 
 __all__ = [
   "MaskState",
+  "RefillCheck",
   "apply_masks",
+  "count_refilled",
   "find_masks",
   "load_masks",
   "mask",
   "register_mask_source",
   "save_masks",
-  "warn_if_refilled",
 ]
 
 PyTree = Any
@@ -277,33 +278,52 @@ def find_masks(opt_state: Any, params: PyTree) -> PyTree | None:
 register_mask_source(MaskState, lambda state, params: state.masks)
 
 
-def warn_if_refilled(opt_state: Any, params: PyTree, *, stacklevel: int = 2) -> int:
-  """Warn when weights that the optimizer state's masks prune are not zero.
-
-  That happens when a transform chained after the masking (e.g. ``optax.adamw`` outside a
-  pruning wrapper) re-fills them; the fix is :func:`mask` last in the chain.
-
-  Returns:
-    The number of non-zero pruned entries (0 when no masks are found).
-  """
-  masks = find_masks(opt_state, params)
-  if masks is None:
-    return 0
+def count_refilled(masks: PyTree, params: PyTree) -> tuple[int, str | None]:
+  """Non-zero ``params`` entries where ``masks`` prunes, and the first such param's path."""
   named = _named_leaves(masks)
   total, first = 0, None
   for name, p in _named_leaves(params).items():
     m = named.get(name)
     if m is None:
       continue
-    n = int(np.count_nonzero(np.asarray(p)[~m]))
+    n = int(np.count_nonzero(np.asarray(p)[~(np.asarray(m) != 0)]))
     if n and first is None:
       first = name
     total += n
-  if total:
-    warnings.warn(
-      f"{total} pruned weights are non-zero (first in {first!r}): a transform chained after "
-      "the masking re-filled them; put jaxprune.masking.mask(...) last in the chain",
-      RuntimeWarning,
-      stacklevel=stacklevel,
-    )
-  return total
+  return total, first
+
+
+class RefillCheck:
+  """Warns when weights that the optimizer state's masks prune are not zero.
+
+  That happens when a transform chained after the masking (e.g. ``optax.adamw`` outside a
+  pruning wrapper) re-fills them; the fix is :func:`mask` last in the chain. Call it at epoch
+  ends (host side; it costs a walk over the state's nodes unless a mask source is found).
+  A source is checked only once it was also found at the previous call: a method may announce
+  its masks at an epoch end and apply them from the next step on (ClickTrain's hard prune).
+
+  Example:
+    >>> check = RefillCheck()
+    >>> for epoch in range(epochs):  # doctest: +SKIP
+    ...   params, opt_state = train_one_epoch(params, opt_state)
+    ...   check(opt_state, params)
+  """
+
+  def __init__(self):
+    self._armed = False
+
+  def __call__(self, opt_state: Any, params: PyTree, *, stacklevel: int = 2) -> int:
+    """Returns the number of non-zero pruned entries (0 when nothing is checked)."""
+    masks = find_masks(opt_state, params)
+    armed, self._armed = self._armed, masks is not None
+    if masks is None or not armed:
+      return 0
+    total, first = count_refilled(masks, params)
+    if total:
+      warnings.warn(
+        f"{total} pruned weights are non-zero (first in {first!r}): a transform chained after "
+        "the masking re-filled them; put jaxprune.masking.mask(...) last in the chain",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+      )
+    return total

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxprune import masking
 from jaxprune.train import optim
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.checkpoint import CheckpointStore
@@ -294,6 +295,7 @@ class Trainer:
     self._pending_batch_size: tuple[int, bool] | None = None
     self._elapsed_before = 0.0
     self._memory_cache: dict[Any, dict[str, int]] = {}
+    self._refill_check = masking.RefillCheck()  # pruned weights re-filled at an epoch end
     self._set_model(model, self.tx.init(nnx.as_pure(nnx.state(model, nnx.Param))))
 
   # ----------------------------------------------------------------- state access
@@ -627,6 +629,8 @@ class Trainer:
       record: dict[str, Any] = {"epoch": self.epoch + 1}
       lr_before = self.lr
       record.update(self.train_epoch(train_loader))
+      # Pruned weights found non-zero: something chained after the masking re-filled them.
+      self._refill_check(self.opt_state, self.params)
       self.epoch += 1
       record["lr"] = self.lr if self.lr is not None else lr_before
       record["lr_scale"] = self.lr_scale
