@@ -291,10 +291,10 @@ def _group_lasso_grad(w: jax.Array, ls: ClickTrainLayerState, eps: float) -> jax
 def _pool_step(layers: _Layers, plan: _Plan, w_leaves, g_leaves) -> _Layers:
   """DPPG steps 1-5 for one batch: +1 competitive score per kernel's candidate (§4.2)."""
   out = dict(layers)
-  for name, l in plan.items():
-    if l.kind != "pattern":
+  for name, layer in plan.items():
+    if layer.kind != "pattern":
       continue
-    imp = _imp.weight_importance(w_leaves[l.index], g_leaves[l.index])
+    imp = _imp.weight_importance(w_leaves[layer.index], g_leaves[layer.index])
     cand = _pat.dppg_candidates(_as_kernels(imp))
     ls = layers[name]
     out[name] = ls._replace(
@@ -307,13 +307,13 @@ def _finalize_step(layers: _Layers, plan: _Plan, w_leaves, g_leaves, counted) ->
   """One batch of adaptive finalization (§4.3): pattern votes (Eq. 1) and summed Eq. 2
   kernel scores, both only when the batch passes the loss-margin test (``counted``)."""
   out = dict(layers)
-  for name, l in plan.items():
+  for name, layer in plan.items():
     ls = layers[name]
-    w, g = w_leaves[l.index], g_leaves[l.index]
+    w, g = w_leaves[layer.index], g_leaves[layer.index]
     ks = ls.kernel_score_sum + jnp.where(counted, _imp.kernel_scores(w, g), 0.0)
     votes = ls.votes
-    if l.kind == "pattern":
-      pool_masks = _pat.pattern_masks_from_ids(ls.pool, l.size)
+    if layer.kind == "pattern":
+      pool_masks = _pat.pattern_masks_from_ids(ls.pool, layer.size)
       votes = _pat.vote(votes, _imp.pattern_scores(w, g, pool_masks), counted)
     out[name] = ls._replace(kernel_score_sum=ks, votes=votes)
   return out
@@ -322,8 +322,8 @@ def _finalize_step(layers: _Layers, plan: _Plan, w_leaves, g_leaves, counted) ->
 def _select_pools(layers: _Layers, plan: _Plan, pool_size: int) -> _Layers:
   """End of DPPG: one global pool per kernel size (DPPG step 6)."""
   out = dict(layers)
-  for size in sorted({l.size for l in plan.values() if l.kind == "pattern"}):
-    names = [n for n, l in plan.items() if l.kind == "pattern" and l.size == size]
+  for size in sorted({layer.size for layer in plan.values() if layer.kind == "pattern"}):
+    names = [n for n, layer in plan.items() if layer.kind == "pattern" and layer.size == size]
     total = sum(layers[n].competitive_scores for n in names)
     pool = _pat.select_pool(total, min(pool_size, total.shape[0]))
     for n in names:
@@ -334,14 +334,14 @@ def _select_pools(layers: _Layers, plan: _Plan, pool_size: int) -> _Layers:
 def _finalize_masks(layers: _Layers, plan: _Plan) -> _Layers:
   """End of §4.3: pattern = most voted pool pattern, kernels = lowest summed Eq. 2."""
   out = dict(layers)
-  for name, l in plan.items():
+  for name, layer in plan.items():
     ls = layers[name]
-    keep = _pat.kernel_keep_mask(ls.kernel_score_sum, l.ratio)
-    if l.kind == "pattern":
+    keep = _pat.kernel_keep_mask(ls.kernel_score_sum, layer.ratio)
+    if layer.kind == "pattern":
       best = _pat.finalize_patterns(ls.votes)  # pool position per kernel
       pid = ls.pool[best]
       pmask = _pat.pattern_mask(
-        best, _pat.pattern_masks_from_ids(ls.pool, l.size), dtype=ls.pattern_mask.dtype
+        best, _pat.pattern_masks_from_ids(ls.pool, layer.size), dtype=ls.pattern_mask.dtype
       )
       out[name] = ls._replace(pattern_id=pid, kernel_keep=keep, pattern_mask=pmask)
     else:
@@ -354,11 +354,11 @@ def _one_shot_masks(layers: _Layers, plan: _Plan, w_leaves, g_leaves) -> _Layers
   out = dict(layers)
   blocks = _pat.centre_block_patterns()
   block_ids = jnp.asarray(_pat.library_pattern_ids()[:4])
-  for name, l in plan.items():
+  for name, layer in plan.items():
     ls = layers[name]
-    w, g = w_leaves[l.index], g_leaves[l.index]
-    keep = _pat.kernel_keep_mask(_imp.kernel_scores(w, g), l.ratio)
-    if l.kind == "pattern":
+    w, g = w_leaves[layer.index], g_leaves[layer.index]
+    keep = _pat.kernel_keep_mask(_imp.kernel_scores(w, g), layer.ratio)
+    if layer.kind == "pattern":
       best = jnp.argmax(_imp.pattern_scores(w, g, blocks), axis=-1)  # ties -> first
       pmask = _pat.pattern_mask(best, blocks, dtype=ls.pattern_mask.dtype)
       out[name] = ls._replace(pattern_id=block_ids[best], kernel_keep=keep, pattern_mask=pmask)
@@ -371,10 +371,10 @@ def _map_pruned(fn, pred, plan: _Plan, leaves) -> list:
   """``leaves`` with the pruned layers' entries replaced by ``fn({name: leaf})`` under one
   ``lax.cond`` on ``pred`` (the other stages neither compute nor copy them)."""
   leaves = list(leaves)
-  chosen = {name: leaves[l.index] for name, l in plan.items()}
+  chosen = {name: leaves[layer.index] for name, layer in plan.items()}
   chosen = jax.lax.cond(pred, fn, lambda x: x, chosen)
-  for name, l in plan.items():
-    leaves[l.index] = chosen[name]
+  for name, layer in plan.items():
+    leaves[layer.index] = chosen[name]
   return leaves
 
 
@@ -388,8 +388,8 @@ def _modify_grads(
 
   def reg_and_mask(gs):
     out = {}
-    for name, l in plan.items():
-      ls, g, w = layers[name], gs[name], w_leaves[l.index]
+    for name, layer in plan.items():
+      ls, g, w = layers[name], gs[name], w_leaves[layer.index]
       reg = _group_lasso_grad(w, ls, eps) * (coefficient * regularizing.astype(w.dtype))
       m = jnp.where(pruned, full_mask(ls), 1).astype(g.dtype)
       out[name] = (g + reg.astype(g.dtype)) * m
@@ -403,8 +403,8 @@ def _hard_mask(u_leaves, layers: _Layers, plan: _Plan, w_leaves, pruned) -> list
 
   def hard(us):
     out = {}
-    for name, l in plan.items():
-      p = w_leaves[l.index]
+    for name, layer in plan.items():
+      p = w_leaves[layer.index]
       m = full_mask(layers[name]).astype(p.dtype)
       out[name] = (m * (p + us[name]) - p).astype(us[name].dtype)
     return out
@@ -421,6 +421,7 @@ class _Clock(NamedTuple):
   loss_sum: jax.Array  # the epoch's loss sum including this step
   mean: jax.Array  # the epoch's mean loss (meaningful at its end)
   in_stage: jax.Array  # epochs spent in the current stage
+  loss: jax.Array  # this step's loss (0 when none is given)
 
 
 def _clock(cfg: _Config, state: ClickTrainState, loss) -> _Clock:
@@ -435,10 +436,30 @@ def _clock(cfg: _Config, state: ClickTrainState, loss) -> _Clock:
     loss_sum=loss_sum,
     mean=loss_sum / spe,
     in_stage=epochs_done - state.stage_start_epoch,
+    loss=loss,
   )
 
 
-def _paper_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock, loss, w, g):
+def _next_state(
+  cfg: _Config, state: ClickTrainState, clock: _Clock, stage, moved, layers, inner_state
+) -> ClickTrainState:
+  """The state after this step: stage + 1 where a transition (or the hard prune, from
+  ``hard_prune_epoch`` at the end of REGULARIZE) ends this step; the epoch's loss bookkeeping."""
+  to_pruned = clock.epoch_end & (stage == REGULARIZE) & (clock.epochs_done >= cfg.hard_prune_epoch)
+  moved = moved | to_pruned
+  return ClickTrainState(
+    count=clock.done,
+    stage=stage + moved.astype(jnp.int32),
+    stage_start_epoch=jnp.where(moved, clock.epochs_done, state.stage_start_epoch),
+    epoch_loss_sum=jnp.where(clock.epoch_end, 0.0, clock.loss_sum),
+    prev_epoch_loss=jnp.where(clock.epoch_end, clock.mean, state.prev_epoch_loss),
+    last_loss=clock.loss,
+    layers=layers,
+    inner_state=inner_state,
+  )
+
+
+def _paper_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock, w, g):
   """Paper mode, stages 2 and 3: the per-batch importance work, then (at the stage's last
   step) pool selection / finalization, in ONE ``lax.switch`` on the stage.
 
@@ -454,7 +475,7 @@ def _paper_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock
   to_pool = clock.epoch_end & (stage == WARMUP) & start_pool
   to_final = clock.epoch_end & (stage == POOL) & (clock.in_stage >= cfg.pool_epochs)
   to_reg = clock.epoch_end & (stage == FINALIZE) & (clock.in_stage >= cfg.finalize_epochs)
-  counted = _pat.loss_margin_ok(state.last_loss, loss, cfg.loss_margin, cfg.margin_rule)
+  counted = _pat.loss_margin_ok(state.last_loss, clock.loss, cfg.loss_margin, cfg.margin_rule)
   counted = counted | jnp.isnan(state.last_loss)
   do_importance = (state.count % cfg.importance_every) == 0
 
@@ -611,7 +632,9 @@ def clicktrain(
       epoch_loss_sum=jnp.zeros([], jnp.float32),
       prev_epoch_loss=jnp.full([], jnp.nan, jnp.float32),
       last_loss=jnp.full([], jnp.nan, jnp.float32),
-      layers={n: _init_layer(leaves[l.index], l, pool_size, mode) for n, l in plan.items()},
+      layers={
+        n: _init_layer(leaves[layer.index], layer, pool_size, mode) for n, layer in plan.items()
+      },
       inner_state=inner.init(params),
     )
 
@@ -626,7 +649,7 @@ def clicktrain(
     g_leaves, g_def = jax.tree.flatten(updates)
     clock = _clock(cfg, state, loss)
     if mode == "paper":
-      layers, moved = _paper_step(cfg, plan, state, clock, loss, w_leaves, g_leaves)
+      layers, moved = _paper_step(cfg, plan, state, clock, w_leaves, g_leaves)
       stage = state.stage
     else:
       layers, stage = _one_shot_step(cfg, plan, state, w_leaves, g_leaves)
@@ -640,18 +663,7 @@ def clicktrain(
     u_leaves, u_def = jax.tree.flatten(new_updates)
     u_leaves = _hard_mask(u_leaves, layers, plan, w_leaves, stage == PRUNED)
 
-    to_pruned = clock.epoch_end & (stage == REGULARIZE) & (clock.epochs_done >= hard_prune_epoch)
-    moved = moved | to_pruned
-    new_state = ClickTrainState(
-      count=clock.done,
-      stage=stage + moved.astype(jnp.int32),
-      stage_start_epoch=jnp.where(moved, clock.epochs_done, state.stage_start_epoch),
-      epoch_loss_sum=jnp.where(clock.epoch_end, 0.0, clock.loss_sum),
-      prev_epoch_loss=jnp.where(clock.epoch_end, clock.mean, state.prev_epoch_loss),
-      last_loss=loss,
-      layers=layers,
-      inner_state=inner_state,
-    )
+    new_state = _next_state(cfg, state, clock, stage, moved, layers, inner_state)
     return jax.tree.unflatten(u_def, u_leaves), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
