@@ -4,7 +4,8 @@ Implements ClickTrain (pattern pruning), PruneTrain (channel group lasso with
 reconfiguration) and SDGP (N:M pruning of data gradients) as Optax gradient
 transformations over Flax NNX models. One package per paper
 (:mod:`jaxprune.clicktrain`, :mod:`jaxprune.prunetrain`, :mod:`jaxprune.sdgp`), shared
-models, data, training loop and cost accounting beside them.
+models, data, training loop, weight masks (:mod:`jaxprune.masking`) and cost accounting
+beside them.
 """
 
 __version__ = "0.1.0"

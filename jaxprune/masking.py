@@ -262,7 +262,8 @@ def find_masks(opt_state: Any, params: PyTree) -> PyTree | None:
   found = find_states(opt_state, tuple(_SOURCES))
   combined: dict[str, np.ndarray] = {}
   for state in found:
-    got = _SOURCES[type(state)](state, params)
+    fn = next(f for t, f in _SOURCES.items() if isinstance(state, t))
+    got = fn(state, params)
     if got is None:
       continue
     for name, m in _named_leaves(got).items():

@@ -303,3 +303,26 @@ def test_find_masks_combines_sources_and_skips_unpruned_clicktrain():
   assert n == int((~np.asarray(m["block"]["conv1"]["kernel"])).sum()) + int(
     (np.asarray(m["head"]["kernel"]) == 0).sum()
   )
+
+
+def test_mask_last_in_an_nnx_optimizer():
+  from flax import nnx
+
+  model = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  m = jax.tree.map(lambda x: jnp.abs(x) > 0.3, params)
+  m["bias"] = None
+  nnx.update(model, masking.apply_masks(params, m))
+  optimizer = nnx.Optimizer(model, optax.chain(optax.adamw(0.1), masking.mask(m)), wrt=nnx.Param)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 6)), jnp.float32)
+
+  @nnx.jit
+  def step(model, optimizer):
+    optimizer.update(model, nnx.grad(lambda mdl: (mdl(x) ** 2).mean())(model))
+
+  for _ in range(5):
+    step(model, optimizer)
+  keep = np.asarray(m["kernel"])
+  w = np.asarray(model.kernel[...])
+  assert np.all(w[~keep] == 0.0) and np.all(w[keep] != 0.0)
+  assert masking.find_masks(optimizer, nnx.state(model, nnx.Param))["bias"] is None
