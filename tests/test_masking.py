@@ -13,7 +13,10 @@ from jaxprune.clicktrain import transform as ct
 
 def _params(seed=0):
   rng = np.random.default_rng(seed)
-  n = lambda *shape, scale=0.3: jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+
+  def n(*shape, scale=0.3):
+    return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+
   return {
     "stem": {"kernel": n(3, 3, 3, 6)},
     "block": {"conv1": {"kernel": n(3, 3, 6, 8, scale=0.2)}},
@@ -67,7 +70,10 @@ def _adamw_numpy(p, grads_seq, keep, lr, wd_outer, wd, b1=0.9, b2=0.999, eps=1e-
 def test_mask_before_adamw_keeps_zeros_and_moments_zero():
   p0 = _params()
   m = _masks(p0)
-  flat_p = lambda t: {"conv1": t["block"]["conv1"]["kernel"], "head": t["head"]["kernel"]}
+
+  def flat_p(t):
+    return {"conv1": t["block"]["conv1"]["kernel"], "head": t["head"]["kernel"]}
+
   steps, lr, wd_outer, wd = 40, 0.05, 1e-3, 1e-2
 
   def run(tx):
@@ -120,7 +126,10 @@ def test_mask_before_adamw_keeps_zeros_and_moments_zero():
 def test_mask_passes_kept_updates_bit_for_bit_and_callable_masks():
   p = _params()
   u = _grads(p, 0)
-  fn = lambda params: jax.tree.map(lambda x: jnp.abs(x) > 0.2, params)
+
+  def fn(params):
+    return jax.tree.map(lambda x: jnp.abs(x) > 0.2, params)
+
   tx = masking.mask(fn)
   out, st = jax.jit(tx.update)(u, tx.init(p), p)
   for w, du, o in zip(jax.tree.leaves(p), jax.tree.leaves(u), jax.tree.leaves(out)):
@@ -136,7 +145,7 @@ def test_mask_passes_kept_updates_bit_for_bit_and_callable_masks():
   )
 
 
-# ------------------------------------------------------------------ adamw chained outside ClickTrain
+# ------------------------------------------------------------ adamw chained outside ClickTrain
 def _conv(x, w):
   return jax.lax.conv_general_dilated(
     x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
