@@ -61,8 +61,10 @@ from jaxprune.clicktrain.transform import (
   pattern_usage,
   stage_name,
 )
+from jaxprune.clicktrain.preset import method
 
 __all__ = [
+  "method",
   "kernel_scores",
   "pattern_scores",
   "weight_importance",
