@@ -13,6 +13,13 @@ Backends, chosen per call (per layer by :mod:`jaxprune.clicktrain.sparse_model`)
 
 * ``"reference"`` — pure JAX: the gathered SpMM, one kept column per step. The CPU path and
   the oracle of the GPU kernels.
+* ``"pallas"`` — the Pallas GPU kernels of :mod:`pallas_kernels.pattern_spmm` on the
+  transposed, coalesced form (``Yt = W · Xt`` with ``Xt (Cin·kh·kw, N·OH·OW)`` the unfolded
+  input): forward SpMM, the data gradient as the same SpMM on the layout's transpose
+  (``dXt = Wᵀ · dYt``, folded back by the patch extraction's VJP), and the kept-position
+  weight gradient. Interpreted (slow, exact) off GPU.
+* ``"auto"`` — ``"pallas"`` on a GPU backend when the kernels support the shapes, else
+  ``"reference"``.
 * ``"dense"`` — the dense masked convolution (cuDNN / XLA), the fallback for layers whose
   sparsity is too low to pay (§5.2: 65% on the paper's GPU).
 
@@ -30,12 +37,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxprune.clicktrain.layout import PatternLayout, to_dense, to_values
+from jaxprune.clicktrain.layout import PatternLayout, to_dense, to_values, transposed_values
+from pallas_kernels import pattern_spmm
 
 __all__ = ["BACKENDS", "pattern_conv", "pattern_conv_values"]
 
-BACKENDS = ("reference", "dense")
+BACKENDS = ("reference", "pallas", "auto", "dense")
 _NHWC = ("NHWC", "HWIO", "NHWC")
+# Patches with the feature axis first: (Cin·kh·kw, N, OH, OW) is Xt without a transpose.
+_PATCHES_T = ("NHWC", "HWIO", "CNHW")
 
 
 def _pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
@@ -56,10 +66,13 @@ def _padding(padding) -> str | tuple[tuple[int, int], ...]:
   return pads
 
 
-def _patches(x: jax.Array, hw: tuple[int, int], strides, padding) -> jax.Array:
-  """``(N, OH, OW, Cin·kh·kw)``, features ordered ``c·kh·kw + i·kw + j``."""
+def _patches(x: jax.Array, hw: tuple[int, int], strides, padding, numbers=_NHWC) -> jax.Array:
+  """``(N, OH, OW, Cin·kh·kw)``, features ordered ``c·kh·kw + i·kw + j``.
+
+  With ``numbers=_PATCHES_T``: ``(Cin·kh·kw, N, OH, OW)``.
+  """
   return lax.conv_general_dilated_patches(
-    x, hw, strides, padding, dimension_numbers=_NHWC, precision=lax.Precision.HIGHEST
+    x, hw, strides, padding, dimension_numbers=numbers, precision=lax.Precision.HIGHEST
   )
 
 
@@ -113,6 +126,63 @@ def _reference_bwd(hw, strides, padding, residuals, dy):
 _reference_conv.defvjp(_reference_fwd, _reference_bwd)
 
 
+# ---- Pallas backend: Yt = W · Xt on the transposed, coalesced form (ClickTrain §5.2) ----
+
+
+def _pallas_forward(x, values, columns, hw, strides, padding):
+  xt = _patches(x, hw, strides, padding, _PATCHES_T)  # (K, N, OH, OW)
+  n_oh_ow = xt.shape[1:]
+  yt = pattern_spmm.spmm(values, columns, xt.reshape(xt.shape[0], -1), out_dtype=x.dtype)
+  y = jnp.transpose(yt.reshape((yt.shape[0],) + n_oh_ow), (1, 2, 3, 0))
+  return y, xt
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _pallas_conv(x, values, columns, valid, t_entries, t_valid, t_filters, hw, strides, padding):
+  return _pallas_forward(x, jnp.where(valid, values, 0), columns, hw, strides, padding)[0]
+
+
+def _pallas_fwd(x, values, columns, valid, t_entries, t_valid, t_filters, hw, strides, padding):
+  values = jnp.where(valid, values, 0)
+  y, _ = _pallas_forward(x, values, columns, hw, strides, padding)
+  return y, (x, values, columns, valid, t_entries, t_valid, t_filters)
+
+
+def _pallas_bwd(hw, strides, padding, residuals, dy):
+  x, values, columns, valid, t_entries, t_valid, t_filters = residuals
+  xt, patches_vjp = jax.vjp(lambda v: _patches(v, hw, strides, padding, _PATCHES_T), x)
+  k = xt.shape[0]
+  xt2 = xt.reshape(k, -1)
+  dyt = jnp.transpose(dy, (3, 0, 1, 2)).reshape(dy.shape[-1], -1)  # (Cout, P)
+  # Data gradient: the same SpMM on Wᵀ (values gathered at the fixed transposed positions).
+  t_vals = jnp.where(t_valid, jnp.take(values.reshape(-1), t_entries, axis=0), 0)
+  dxt = pattern_spmm.spmm(t_vals, t_filters, dyt, out_dtype=xt.dtype)
+  (dx,) = patches_vjp(dxt.reshape(xt.shape))
+  # Weight gradient at the kept positions only.
+  d_values = pattern_spmm.kept_weight_grad(dyt, xt2, columns, out_dtype=values.dtype)
+  d_values = jnp.where(valid, d_values, 0)
+  return dx.astype(x.dtype), d_values, None, None, None, None, None
+
+
+_pallas_conv.defvjp(_pallas_fwd, _pallas_bwd)
+
+
+def _resolve_backend(backend: str, layout: PatternLayout, x: jax.Array, hw, strides, pad) -> str:
+  if backend not in ("pallas", "auto"):
+    return backend
+  kh, kw, cin, cout = layout.kernel_shape
+  out = jax.eval_shape(lambda v: _patches(v, hw, strides, pad, _PATCHES_T), x)
+  ok = pattern_spmm.supports(cout, cin * kh * kw, out.size // out.shape[0])
+  if backend == "auto":
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    return "pallas" if on_gpu and ok and layout.transposed_entries is not None else "reference"
+  if not ok:
+    raise ValueError(f"x: shape {tuple(x.shape)} is too large for the Pallas kernels")
+  if layout.transposed_entries is None:
+    raise ValueError("layout has no transposed index arrays; build it with build_layout")
+  return backend
+
+
 def pattern_conv_values(
   x: jax.Array,
   values: jax.Array,
@@ -147,6 +217,21 @@ def pattern_conv_values(
     raise ValueError(f"values shape {tuple(values.shape)} is not {(cout, layout.width)}")
   strides = _pair(strides, "strides")
   pad = _padding(padding)
+  backend = _resolve_backend(backend, layout, x, (kh, kw), strides, pad)
+  if backend == "pallas":
+    t_filters = layout.transposed_entries // layout.width
+    return _pallas_conv(
+      x,
+      values,
+      layout.columns,
+      layout.valid,
+      layout.transposed_entries,
+      layout.transposed_valid,
+      t_filters,
+      (kh, kw),
+      strides,
+      pad,
+    )
   if backend == "dense":
     kernel = to_dense(values, layout)
     return lax.conv_general_dilated(
