@@ -185,12 +185,8 @@ def _grad_kernel(cols_ref, dy_ref, x_ref, o_ref, *, block_r, block_p, rows, poin
     x = plt.load(x_ref.at[idx[:, None], p[None, :]], mask=tile_ok, other=0)
     return acc + dy.astype(jnp.float32) * x.astype(jnp.float32)
 
-  acc = lax.fori_loop(
-    0, pl.cdiv(points, block_p), body, jnp.zeros((block_r, block_p), jnp.float32)
-  )
-  plt.store(
-    o_ref.at[pl.ds(r0, block_r), j], jnp.sum(acc, axis=1).astype(o_ref.dtype), mask=row_ok
-  )
+  acc = lax.fori_loop(0, pl.cdiv(points, block_p), body, jnp.zeros((block_r, block_p), jnp.float32))
+  plt.store(o_ref.at[pl.ds(r0, block_r), j], jnp.sum(acc, axis=1).astype(o_ref.dtype), mask=row_ok)
 
 
 def kept_weight_grad(
