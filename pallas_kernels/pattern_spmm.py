@@ -110,7 +110,23 @@ def _check(values_shape, columns, xt, name: str) -> None:
     raise ValueError(f"xt: {xt.shape} is too large for int32 offsets (see supports())")
 
 
-def _spmm_kernel(cols_ref, vals_ref, x_ref, o_ref, *, block_r, block_p, rows, points, width):
+def _launch(body, operands, *, points, tile, interpret, out_shape, over_points, name):
+  """Runs ``body`` on a (row tiles, P tiles or width entries) grid; operands[0] = columns."""
+  rows, width = operands[0].shape
+  block_r, block_p = _tile(rows, tile[0]), _tile(points, tile[1])
+  if interpret is None:
+    interpret = _default_interpret()
+  return pl.pallas_call(
+    functools.partial(body, block_r=block_r, block_p=block_p, rows=rows, points=points),
+    out_shape=out_shape,
+    grid=(pl.cdiv(rows, block_r), pl.cdiv(points, block_p) if over_points else width),
+    interpret=interpret,
+    compiler_params=plt.CompilerParams(num_warps=_NUM_WARPS, num_stages=2),
+    name=name,
+  )(*operands)
+
+
+def _spmm_kernel(cols_ref, vals_ref, x_ref, o_ref, *, block_r, block_p, rows, points):
   r0 = pl.program_id(0) * block_r
   p0 = pl.program_id(1) * block_p
   row_ok = r0 + jnp.arange(block_r) < rows
@@ -124,6 +140,7 @@ def _spmm_kernel(cols_ref, vals_ref, x_ref, o_ref, *, block_r, block_p, rows, po
     x = plt.load(x_ref.at[idx[:, None], p[None, :]], mask=tile_ok, other=0)
     return acc + v.astype(jnp.float32)[:, None] * x.astype(jnp.float32)
 
+  width = cols_ref.shape[1]
   acc = lax.fori_loop(0, width, body, jnp.zeros((block_r, block_p), jnp.float32))
   plt.store(o_ref.at[pl.ds(r0, block_r), pl.ds(p0, block_p)], acc.astype(o_ref.dtype), mask=tile_ok)
 
@@ -154,22 +171,16 @@ def spmm(
     ValueError: mismatched shapes, non-integer columns, or operands too large.
   """
   _check(values.shape, columns, xt, "values")
-  rows, width = columns.shape
-  points = xt.shape[1]
-  block_r, block_p = _tile(rows, tile[0]), _tile(points, tile[1])
-  if interpret is None:
-    interpret = _default_interpret()
-  kernel = functools.partial(
-    _spmm_kernel, block_r=block_r, block_p=block_p, rows=rows, points=points, width=width
-  )
-  return pl.pallas_call(
-    kernel,
-    out_shape=jax.ShapeDtypeStruct((rows, points), out_dtype or xt.dtype),
-    grid=(pl.cdiv(rows, block_r), pl.cdiv(points, block_p)),
+  return _launch(
+    _spmm_kernel,
+    (columns.astype(jnp.int32), values, xt),
+    points=xt.shape[1],
+    tile=tile,
     interpret=interpret,
-    compiler_params=plt.CompilerParams(num_warps=_NUM_WARPS, num_stages=2),
+    out_shape=jax.ShapeDtypeStruct((columns.shape[0], xt.shape[1]), out_dtype or xt.dtype),
+    over_points=True,
     name="clicktrain_pattern_spmm",
-  )(columns.astype(jnp.int32), values, xt)
+  )
 
 
 def _grad_kernel(cols_ref, dy_ref, x_ref, o_ref, *, block_r, block_p, rows, points):
@@ -215,22 +226,16 @@ def kept_weight_grad(
   Raises:
     ValueError: mismatched shapes, non-integer columns, or operands too large.
   """
-  _check((dyt.shape[0], columns.shape[1]) if dyt.ndim == 2 else dyt.shape, columns, xt, "dyt")
-  if dyt.shape[1] != xt.shape[1]:
-    raise ValueError(f"dyt has {dyt.shape[1]} points, xt has {xt.shape[1]}")
-  rows, width = columns.shape
-  points = xt.shape[1]
-  block_r, block_p = _tile(rows, tile[0]), _tile(points, tile[1])
-  if interpret is None:
-    interpret = _default_interpret()
-  kernel = functools.partial(
-    _grad_kernel, block_r=block_r, block_p=block_p, rows=rows, points=points
-  )
-  return pl.pallas_call(
-    kernel,
-    out_shape=jax.ShapeDtypeStruct((rows, width), out_dtype),
-    grid=(pl.cdiv(rows, block_r), width),
+  _check(columns.shape, columns, xt, "columns")
+  if tuple(dyt.shape) != (columns.shape[0], xt.shape[1]):
+    raise ValueError(f"dyt shape {dyt.shape} is not (R, P) = {(columns.shape[0], xt.shape[1])}")
+  return _launch(
+    _grad_kernel,
+    (columns.astype(jnp.int32), dyt, xt),
+    points=xt.shape[1],
+    tile=tile,
     interpret=interpret,
-    compiler_params=plt.CompilerParams(num_warps=_NUM_WARPS, num_stages=2),
+    out_shape=jax.ShapeDtypeStruct(columns.shape, out_dtype),
+    over_points=False,
     name="clicktrain_pattern_kept_weight_grad",
-  )(columns.astype(jnp.int32), dyt, xt)
+  )

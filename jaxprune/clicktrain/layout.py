@@ -69,7 +69,7 @@ class PatternLayout:
 
   columns: jax.Array
   valid: jax.Array
-  kernel_shape: tuple[int, int, int, int] = dataclasses.field(metadata=dict(static=True))
+  kernel_shape: tuple[int, int, int, int] = dataclasses.field(metadata={"static": True})
   transposed_entries: jax.Array | None = None
   transposed_valid: jax.Array | None = None
 
