@@ -157,3 +157,30 @@ def test_pattern_conv_gradient_cross_lowers_for_cuda(backend, export_cuda):
     jax.ShapeDtypeStruct((3, 3, 16, 32), jnp.bfloat16),
   )
   assert calls == 3  # forward SpMM, data-gradient SpMM, kept-position weight gradient
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("capability", [80, 90])
+def test_triton_ir_compiles_to_cubin(capability, triton_modules, tmp_path, monkeypatch):
+  # Opt-in: Triton's own passes (TTIR → TTGIR → LLVM → PTX → cubin with the ptxas it ships)
+  # on CPU, for the kernels of jax.grad through pattern_conv in bf16 and fp32.
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+  triton = pytest.importorskip("triton")
+  from triton.backends.compiler import GPUTarget
+
+  layout = build_layout(_pattern_mask(np.random.default_rng(5), 16, 32))
+  loss = lambda x, w: jnp.sum(pattern_conv(x, w, layout, backend="pallas").astype(jnp.float32) ** 2)
+  compiled = set()
+  for dtype in (jnp.bfloat16, jnp.float32):
+    shapes = (
+      jax.ShapeDtypeStruct((4, 8, 8, 16), dtype),
+      jax.ShapeDtypeStruct((3, 3, 16, 32), dtype),
+    )
+    for i, (name, options, ttir) in enumerate(triton_modules(jax.grad(loss, (0, 1)), *shapes)):
+      path = tmp_path / f"{name}_{i}.ttir"
+      path.write_text(ttir)
+      kernel = triton.compile(str(path), target=GPUTarget("cuda", capability, 32), options=options)
+      assert f".entry {name}" in kernel.asm["ptx"] and len(kernel.asm["cubin"]) > 0
+      compiled.add(name)
+  assert compiled == {"clicktrain_pattern_spmm", "clicktrain_pattern_kept_weight_grad"}
