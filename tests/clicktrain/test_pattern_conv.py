@@ -156,13 +156,22 @@ def test_pattern_conv_equals_dense_masked_conv(balanced, strides, padding, backe
   _check_against_dense_masked_conv(rng, mask, (2, 9, 11, 5), strides, padding, backend)
 
 
-@pytest.mark.parametrize("strides, padding", [(1, "SAME"), (1, "VALID"), (2, "SAME"), (2, "VALID")])
-def test_pallas_pattern_conv_equals_dense_masked_conv(strides, padding):
-  # The Pallas kernels, interpreted on CPU (slow: tiny 7x6 input, 3 -> 5 channels),
-  # unbalanced rows and one filter fully pruned.
+@pytest.mark.parametrize(
+  "strides, padding, balanced",
+  [
+    (1, "SAME", False),
+    (1, "VALID", False),
+    (2, "SAME", False),
+    (2, "VALID", False),
+    (2, "SAME", True),
+  ],
+)
+def test_pallas_pattern_conv_equals_dense_masked_conv(strides, padding, balanced):
+  # The Pallas kernels, interpreted on CPU (slow: tiny 7x6 input, 3 -> 5 channels); the
+  # unbalanced masks also have one filter fully pruned.
   rng = np.random.default_rng(3)
-  mask = _pattern_mask(rng, 3, 5)
-  mask[..., 0] = False
+  mask = _pattern_mask(rng, 3, 5, balanced=balanced)
+  mask[..., 0] &= balanced
   _check_against_dense_masked_conv(rng, mask, (1, 7, 6, 3), strides, padding, "pallas")
 
 
