@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["PatternLayout", "build_layout", "to_dense", "to_values"]
+__all__ = ["PatternLayout", "build_layout", "to_dense", "to_values", "transposed_values"]
 
 
 @jax.tree_util.register_dataclass
@@ -61,11 +61,17 @@ class PatternLayout:
       padding repeats the row's last column.
     valid: ``(Cout, width)`` bool, False on padding.
     kernel_shape: ``(kh, kw, Cin, Cout)`` of the dense kernel.
+    transposed_entries: ``(Cin·kh·kw, width_t)`` int32, for each filter-matrix column the
+      flat indices ``f·width + k`` of the entries ``(f, k)`` that read it, increasing; padding
+      repeats the row's last index (or 0). ``None`` on layouts built without it.
+    transposed_valid: ``(Cin·kh·kw, width_t)`` bool, False on padding.
   """
 
   columns: jax.Array
   valid: jax.Array
-  kernel_shape: tuple[int, int, int, int] = dataclasses.field(metadata=dict(static=True))
+  kernel_shape: tuple[int, int, int, int] = dataclasses.field(metadata={"static": True})
+  transposed_entries: jax.Array | None = None
+  transposed_valid: jax.Array | None = None
 
   @property
   def width(self) -> int:
@@ -153,14 +159,32 @@ def build_layout(mask: Any, *, nnz_per_kernel: int | None = 4, kernel: Any = Non
   rows = np.transpose(m, (3, 2, 0, 1)).reshape(cout, cin * kh * kw)
   row_nnz = rows.sum(axis=1)
   width = max(int(row_nnz.max()) if cout else 0, 1)
-  columns = np.zeros((cout, width), np.int32)
-  valid = np.zeros((cout, width), bool)
-  for f in range(cout):
-    cols = np.flatnonzero(rows[f])
-    columns[f, : cols.size] = cols
-    columns[f, cols.size :] = cols[-1] if cols.size else 0
-    valid[f, : cols.size] = True
-  return PatternLayout(jnp.asarray(columns), jnp.asarray(valid), (kh, kw, cin, cout))
+  columns, valid = _ell_rows([np.flatnonzero(r) for r in rows], width)
+  # Transpose (§5.2 data gradient): entry (f, k) is flat index f*width + k; scanning the
+  # valid entries in flat order keeps each column's list increasing.
+  flat = np.flatnonzero(valid.ravel())
+  order = np.argsort(columns.ravel()[flat], kind="stable")
+  col_nnz = rows.sum(axis=0)
+  t_width = max(int(col_nnz.max()) if col_nnz.size else 0, 1)
+  t_entries, t_valid = _ell_rows(np.split(flat[order], np.cumsum(col_nnz)[:-1]), t_width)
+  return PatternLayout(
+    jnp.asarray(columns),
+    jnp.asarray(valid),
+    (kh, kw, cin, cout),
+    jnp.asarray(t_entries),
+    jnp.asarray(t_valid),
+  )
+
+
+def _ell_rows(members: list[np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
+  """Rows of increasing indices → row-padded ``(index, valid)``; padding repeats the last."""
+  index = np.zeros((len(members), width), np.int32)
+  valid = np.zeros((len(members), width), bool)
+  for row, m in enumerate(members):
+    index[row, : m.size] = m
+    index[row, m.size :] = m[-1] if m.size else 0
+    valid[row, : m.size] = True
+  return index, valid
 
 
 def _filter_matrix(kernel: jax.Array) -> jax.Array:
@@ -195,3 +219,24 @@ def to_dense(values: jax.Array, layout: PatternLayout) -> jax.Array:
   rows = jnp.arange(cout)[:, None]
   fm = jnp.zeros((cout, cin * kh * kw), values.dtype).at[rows, layout.columns].add(values)
   return jnp.transpose(fm.reshape(cout, cin, kh, kw), (2, 3, 1, 0))
+
+
+def transposed_values(values: jax.Array, layout: PatternLayout) -> jax.Array:
+  """``(Cout, width)`` values → the ``(Cin·kh·kw, width_t)`` values of ``Wᵀ`` (one gather).
+
+  Row ``r`` holds the weights of filter-matrix column ``r`` in the order of
+  ``layout.transposed_entries``; the filter of each is ``transposed_entries // width``.
+  Padding entries are 0.
+
+  Raises:
+    ValueError: a layout without the transposed index arrays, or a values shape mismatch.
+  """
+  if layout.transposed_entries is None or layout.transposed_valid is None:
+    raise ValueError("layout has no transposed index arrays; build it with build_layout")
+  cout = layout.kernel_shape[3]
+  if tuple(values.shape) != (cout, layout.width):
+    raise ValueError(
+      f"values shape {tuple(values.shape)} is not (Cout, width) = {(cout, layout.width)}"
+    )
+  gathered = jnp.take(values.reshape(-1), layout.transposed_entries, axis=0)
+  return jnp.where(layout.transposed_valid, gathered, jnp.zeros((), values.dtype))

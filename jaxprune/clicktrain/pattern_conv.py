@@ -13,6 +13,13 @@ Backends, chosen per call (per layer by :mod:`jaxprune.clicktrain.sparse_model`)
 
 * ``"reference"`` — pure JAX: the gathered SpMM, one kept column per step. The CPU path and
   the oracle of the GPU kernels.
+* ``"pallas"`` — the Pallas GPU kernels of :mod:`pallas_kernels.pattern_spmm` on the
+  transposed, coalesced form (``Yt = W · Xt`` with ``Xt (Cin·kh·kw, N·OH·OW)`` the unfolded
+  input): forward SpMM, the data gradient as the same SpMM on the layout's transpose
+  (``dXt = Wᵀ · dYt``, folded back by the patch extraction's VJP), and the kept-position
+  weight gradient. Compiled when lowered for CUDA, interpreted (slow, exact) elsewhere.
+* ``"auto"`` — the Pallas kernels when lowered for CUDA and the shapes are supported, the
+  reference otherwise (chosen per lowering platform, so one jitted function serves both).
 * ``"dense"`` — the dense masked convolution (cuDNN / XLA), the fallback for layers whose
   sparsity is too low to pay (§5.2: 65% on the paper's GPU).
 
@@ -30,12 +37,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxprune.clicktrain.layout import PatternLayout, to_dense, to_values
+from jaxprune.clicktrain.layout import PatternLayout, to_dense, to_values, transposed_values
 
 __all__ = ["BACKENDS", "pattern_conv", "pattern_conv_values"]
 
-BACKENDS = ("reference", "dense")
+BACKENDS = ("reference", "pallas", "auto", "dense")
 _NHWC = ("NHWC", "HWIO", "NHWC")
+# Patches with the feature axis first: (Cin·kh·kw, N, OH, OW) is Xt without a transpose.
+_PATCHES_T = ("NHWC", "HWIO", "CNHW")
 
 
 def _pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
@@ -56,10 +65,13 @@ def _padding(padding) -> str | tuple[tuple[int, int], ...]:
   return pads
 
 
-def _patches(x: jax.Array, hw: tuple[int, int], strides, padding) -> jax.Array:
-  """``(N, OH, OW, Cin·kh·kw)``, features ordered ``c·kh·kw + i·kw + j``."""
+def _patches(x: jax.Array, hw: tuple[int, int], strides, padding, numbers=_NHWC) -> jax.Array:
+  """``(N, OH, OW, Cin·kh·kw)``, features ordered ``c·kh·kw + i·kw + j``.
+
+  With ``numbers=_PATCHES_T``: ``(Cin·kh·kw, N, OH, OW)``.
+  """
   return lax.conv_general_dilated_patches(
-    x, hw, strides, padding, dimension_numbers=_NHWC, precision=lax.Precision.HIGHEST
+    x, hw, strides, padding, dimension_numbers=numbers, precision=lax.Precision.HIGHEST
   )
 
 
@@ -113,6 +125,68 @@ def _reference_bwd(hw, strides, padding, residuals, dy):
 _reference_conv.defvjp(_reference_fwd, _reference_bwd)
 
 
+# ---- Pallas backend: Yt = W · Xt on the transposed, coalesced form (ClickTrain §5.2) ----
+
+
+def _kernels():
+  # Imported on use: a JAX without Pallas Triton still runs the other backends.
+  from pallas_kernels import pattern_spmm
+
+  return pattern_spmm
+
+
+def _pallas_forward(x, values, columns, hw, strides, padding, interpret):
+  xt = _patches(x, hw, strides, padding, _PATCHES_T)  # (K, N, OH, OW)
+  n_oh_ow = xt.shape[1:]
+  yt = _kernels().spmm(
+    values, columns, xt.reshape(xt.shape[0], -1), out_dtype=x.dtype, interpret=interpret
+  )
+  return jnp.transpose(yt.reshape((yt.shape[0],) + n_oh_ow), (1, 2, 3, 0))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _pallas_conv(x, values, columns, valid, t_entries, t_valid, *static):
+  return _pallas_fwd(x, values, columns, valid, t_entries, t_valid, *static)[0]
+
+
+def _pallas_fwd(x, values, columns, valid, t_entries, t_valid, *static):
+  kernel_shape, strides, padding, interpret = static
+  values = jnp.where(valid, values, 0)
+  y = _pallas_forward(x, values, columns, kernel_shape[:2], strides, padding, interpret)
+  return y, (x, PatternLayout(columns, valid, kernel_shape, t_entries, t_valid), values)
+
+
+def _pallas_bwd(kernel_shape, strides, padding, interpret, residuals, dy):
+  x, layout, values = residuals
+  kernels = _kernels()
+  patches_fn = lambda v: _patches(v, kernel_shape[:2], strides, padding, _PATCHES_T)
+  xt, patches_vjp = jax.vjp(patches_fn, x)
+  dyt = jnp.transpose(dy, (3, 0, 1, 2)).reshape(dy.shape[-1], -1)  # (Cout, P)
+  # Data gradient (§5.2): the same SpMM on Wᵀ, whose values are one gather of W's at the
+  # fixed transposed positions; the (K, P) result folds back through the patches' VJP.
+  t_filters = layout.transposed_entries // layout.width
+  dxt = kernels.spmm(
+    transposed_values(values, layout), t_filters, dyt, out_dtype=xt.dtype, interpret=interpret
+  )
+  (dx,) = patches_vjp(dxt.reshape(xt.shape))
+  # Weight gradient at the kept positions only.
+  d_values = kernels.kept_weight_grad(
+    dyt, xt.reshape(xt.shape[0], -1), layout.columns, out_dtype=values.dtype, interpret=interpret
+  )
+  d_values = jnp.where(layout.valid, d_values, 0)
+  return dx.astype(x.dtype), d_values, None, None, None, None
+
+
+_pallas_conv.defvjp(_pallas_fwd, _pallas_bwd)
+
+
+def _pallas_supported(layout: PatternLayout, x: jax.Array, hw, strides, pad) -> bool:
+  kh, kw, cin, cout = layout.kernel_shape
+  out = jax.eval_shape(lambda v: _patches(v, hw, strides, pad, _PATCHES_T), x)
+  points = out.size // max(out.shape[0], 1)
+  return layout.transposed_entries is not None and _kernels().supports(cout, cin * kh * kw, points)
+
+
 def pattern_conv_values(
   x: jax.Array,
   values: jax.Array,
@@ -152,7 +226,40 @@ def pattern_conv_values(
     return lax.conv_general_dilated(
       x, kernel.astype(x.dtype), strides, pad, dimension_numbers=_NHWC
     )
-  return _reference_conv(x, values, layout.columns, layout.valid, (kh, kw), strides, pad)
+  reference = lambda x_, v_: _reference_conv(
+    x_, v_, layout.columns, layout.valid, (kh, kw), strides, pad
+  )
+  if backend == "reference":
+    return reference(x, values)
+  return _pallas_or_reference(x, values, layout, backend, reference, strides, pad)
+
+
+def _pallas_or_reference(x, values, layout, backend, reference, strides, pad):
+  """``"pallas"``: the kernels (interpreted off CUDA); ``"auto"``: them when lowered for CUDA."""
+  if layout.transposed_entries is None:
+    if backend == "pallas":
+      raise ValueError("layout has no transposed index arrays; build it with build_layout")
+    return reference(x, values)
+  try:
+    supported = _pallas_supported(layout, x, layout.kernel_shape[:2], strides, pad)
+  except ImportError:  # a JAX without Pallas Triton: "auto" falls back to the reference
+    if backend == "pallas":
+      raise
+    return reference(x, values)
+  if backend == "auto" and not supported:
+    return reference(x, values)
+  if not supported:
+    raise ValueError(f"x: shape {tuple(x.shape)} is too large for the Pallas kernels")
+  index = (layout.columns, layout.valid, layout.transposed_entries, layout.transposed_valid)
+  pallas = lambda x_, v_, interpret: _pallas_conv(
+    x_, v_, *index, layout.kernel_shape, strides, pad, interpret
+  )
+  # Per lowering platform, so one jitted function serves both: compiled Triton on CUDA;
+  # elsewhere the interpreter ("pallas") or the reference ("auto").
+  default = (lambda x_, v_: pallas(x_, v_, True)) if backend == "pallas" else reference
+  return lax.platform_dependent(
+    x, values, cuda=lambda x_, v_: pallas(x_, v_, False), default=default
+  )
 
 
 def pattern_conv(

@@ -1,13 +1,13 @@
 """Fixed-position layout and pattern-sparse convolution against the dense masked conv."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.layout import build_layout, to_dense, to_values
+from jaxprune.clicktrain.layout import build_layout, to_dense, to_values, transposed_values
 from jaxprune.clicktrain.pattern_conv import pattern_conv, pattern_conv_values
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
@@ -64,6 +64,31 @@ def test_layout_matches_loops_and_round_trips(balanced):
   np.testing.assert_array_equal(np.asarray(to_dense(jnp.asarray(values), layout)), w * mask)
 
 
+@pytest.mark.parametrize("balanced", [False, True])
+def test_transposed_layout_lists_the_entries_of_each_column(balanced):
+  rng = np.random.default_rng(3)
+  mask = _pattern_mask(rng, 4, 5, balanced=balanced)
+  layout = build_layout(mask)
+  columns, valid = np.asarray(layout.columns), np.asarray(layout.valid)
+  entries, t_valid = np.asarray(layout.transposed_entries), np.asarray(layout.transposed_valid)
+  assert entries.shape[0] == 4 * 9
+  for r in range(entries.shape[0]):  # plain loop over the ELL entries, in flat order
+    readers = [
+      f * layout.width + k
+      for f in range(columns.shape[0])
+      for k in range(layout.width)
+      if valid[f, k] and columns[f, k] == r
+    ]
+    assert entries[r][t_valid[r]].tolist() == readers
+  w = jnp.asarray(rng.normal(size=mask.shape), jnp.float32)
+  t_values = np.asarray(transposed_values(to_values(w, layout), layout))
+  filter_matrix = np.transpose(np.asarray(w) * mask, (3, 2, 0, 1)).reshape(5, -1)
+  for r in range(entries.shape[0]):  # row r of Wᵀ: the weights of column r, zeros on padding
+    f = entries[r][t_valid[r]] // layout.width
+    np.testing.assert_array_equal(t_values[r][t_valid[r]], filter_matrix[f, r])
+    assert np.all(t_values[r][~t_valid[r]] == 0)
+
+
 def test_layout_rejects_bad_masks():
   mask = np.zeros((3, 3, 2, 2), bool)
   mask[:2, :2] = True
@@ -90,20 +115,15 @@ def test_layout_rejects_bad_masks():
     to_values(jnp.zeros((3, 3, 2, 3)), layout)
   with pytest.raises(ValueError, match="values shape"):
     to_dense(jnp.zeros((2, 3)), layout)
+  with pytest.raises(ValueError, match="values shape"):
+    transposed_values(jnp.zeros((2, 3)), layout)
 
 
-@pytest.mark.parametrize("balanced", [False, True])
-@pytest.mark.parametrize("strides", [1, 2])
-@pytest.mark.parametrize("padding", ["SAME", "VALID", ((1, 2), (0, 1))])
-@pytest.mark.parametrize("backend", ["reference", "dense"])
-def test_pattern_conv_equals_dense_masked_conv(balanced, strides, padding, backend):
-  # Odd sizes: 9x11 input, 5 -> 7 channels, a filter may lose every kernel.
-  rng = np.random.default_rng(1)
-  mask = _pattern_mask(rng, 5, 7, balanced=balanced)
-  mask[..., 0] = False  # one filter fully pruned
+def _check_against_dense_masked_conv(rng, mask, x_shape, strides, padding, backend):
+  """Forward, dX and dW of ``pattern_conv`` equal the dense masked conv's ``jax.vjp``."""
   layout = build_layout(mask)
   w = jnp.asarray(rng.normal(size=mask.shape), jnp.float32)
-  x = jnp.asarray(rng.normal(size=(2, 9, 11, 5)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
   s = (strides, strides)
 
   def dense(x, w):
@@ -122,6 +142,37 @@ def test_pattern_conv_equals_dense_masked_conv(balanced, strides, padding, backe
   np.testing.assert_allclose(dx1, dx0, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dw1, dw0, rtol=1e-5, atol=2e-5)
   assert np.all(np.asarray(dw1)[~mask] == 0)  # weight gradient only at kept positions
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("strides", [1, 2])
+@pytest.mark.parametrize("padding", ["SAME", "VALID", ((1, 2), (0, 1))])
+@pytest.mark.parametrize("backend", ["reference", "dense"])
+def test_pattern_conv_equals_dense_masked_conv(balanced, strides, padding, backend):
+  # Odd sizes: 9x11 input, 5 -> 7 channels, a filter may lose every kernel.
+  rng = np.random.default_rng(1)
+  mask = _pattern_mask(rng, 5, 7, balanced=balanced)
+  mask[..., 0] = False  # one filter fully pruned
+  _check_against_dense_masked_conv(rng, mask, (2, 9, 11, 5), strides, padding, backend)
+
+
+@pytest.mark.parametrize(
+  "strides, padding, balanced",
+  [
+    (1, "SAME", False),
+    (1, "VALID", False),
+    (2, "SAME", False),
+    (2, "VALID", False),
+    (2, "SAME", True),
+  ],
+)
+def test_pallas_pattern_conv_equals_dense_masked_conv(strides, padding, balanced):
+  # The Pallas kernels, interpreted on CPU (slow: tiny 7x6 input, 3 -> 5 channels); the
+  # unbalanced masks also have one filter fully pruned.
+  rng = np.random.default_rng(3)
+  mask = _pattern_mask(rng, 3, 5, balanced=balanced)
+  mask[..., 0] &= balanced
+  _check_against_dense_masked_conv(rng, mask, (1, 7, 6, 3), strides, padding, "pallas")
 
 
 def test_pattern_conv_values_gradient_is_the_kept_position_weight_gradient():
@@ -158,7 +209,7 @@ def test_pattern_conv_rejects_bad_arguments():
     pattern_conv_values(x, jnp.zeros((2, 3)), layout)
 
 
-@pytest.mark.parametrize("backend", ["reference", "dense"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "dense"])
 def test_pattern_conv_non_finite_values(backend):
   # Pruned entries of the kernel are never read (the layout drops them), so a NaN there does
   # not propagate; a NaN input read by a kept weight propagates as in the dense conv.
