@@ -20,3 +20,4 @@ from jaxprune import train
 from jaxprune import clicktrain
 from jaxprune import prunetrain
 from jaxprune import sdgp
+from jaxprune import methods

@@ -68,6 +68,7 @@ from jaxprune.clicktrain.transform import (
   clicktrain,
   default_layer_filter,
 )
+from jaxprune.clicktrain.preset import method
 
 __all__ = [
   "FINALIZE",
@@ -97,6 +98,7 @@ __all__ = [
   "library_patterns",
   "loss_margin_ok",
   "masks",
+  "method",
   "num_patterns",
   "pattern_ids",
   "pattern_index",

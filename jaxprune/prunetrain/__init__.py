@@ -49,8 +49,10 @@ from jaxprune.prunetrain.group_lasso import (
 from jaxprune.prunetrain.optimizer import PruneTrainState, with_group_lasso
 from jaxprune.prunetrain.surgery import ReconfigureReport, reconfigure, rounded_width
 from jaxprune.train import grow_batch_size
+from jaxprune.prunetrain.preset import method
 
 __all__ = [
+  "method",
   "PruneTrainCallback",
   "model_costs",
   "DEFAULT_THRESHOLD",

@@ -57,6 +57,12 @@ class Callback:
 
   every_steps: int | None = None
 
+  def on_fit_start(self, trainer: "Trainer") -> None:
+    """Runs when :meth:`Trainer.fit` starts, after a checkpoint was restored (a hook that
+    changes the model's structure once, e.g. ClickTrain's sparse execution, re-applies it
+    to a resumed run here)."""
+    del trainer
+
   def on_epoch_end(self, trainer: "Trainer", epoch: int) -> Mapping[str, Any] | None:
     """Runs after epoch ``epoch`` (1-based) was trained and evaluated, before the
     checkpoint. Return a dict to add entries to the epoch's JSON record."""
@@ -617,6 +623,8 @@ class Trainer:
       raise ValueError(f"epochs must be a positive int, got {epochs!r}")
     if resume:
       self.restore_checkpoint(train_loader)
+    for c in self.callbacks:
+      c.on_fit_start(self)
     if self.reference_batch_size is None:
       self.reference_batch_size = _loader_batch_size(train_loader)
     self._rewrite_log()
