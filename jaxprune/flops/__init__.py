@@ -56,7 +56,7 @@ One module per job, all re-exported here:
 * :mod:`~jaxprune.flops.sparsity`: compression ratio and conv sparsity;
 * :mod:`~jaxprune.flops.memory`: BatchNorm memory traffic;
 * :mod:`~jaxprune.flops.communication`: gradient all-reduce volume;
-* ``_trace`` (private): the tracing and the jaxpr walker the first and fourth share.
+* ``_trace`` (private): the tracing and the jaxpr walker that ``layers`` and ``memory`` share.
 """
 
 from jaxprune.flops.communication import allreduce_bytes
