@@ -46,9 +46,8 @@ from flax import nnx
 
 import jaxprune
 from experiments._machine import machine_description
-from jaxprune.clicktrain import transform as ct
 from jaxprune import data, flops, models, train
-from jaxprune.clicktrain import patterns
+from jaxprune.clicktrain import patterns, readouts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -177,7 +176,7 @@ def _run(args, row: str, prune: bool, train_set, test_set) -> dict[str, Any]:
       inner, steps_per_epoch=spe, mode=args.mode, kernel_prune_ratio=kernel_ratio_fn(row), **kw
     )
     metrics = {
-      "stage": lambda t: ct.stage_name(t.opt_state),
+      "stage": lambda t: readouts.stage_name(t.opt_state),
       "compression": lambda t: flops.compression_ratio(t.params),
     }
   else:
@@ -207,13 +206,13 @@ def _run(args, row: str, prune: bool, train_set, test_set) -> dict[str, Any]:
   }
   if prune:
     st = trainer.opt_state
-    saved = ct.flops_saved(trainer.model, st, (1, 32, 32, 3))
+    saved = readouts.flops_saved(trainer.model, st, (1, 32, 32, 3))
     result.update(
-      stage=ct.stage_name(st),
+      stage=readouts.stage_name(st),
       flops_saved=saved,
       layer_sparsity=_layer_sparsity(trainer.params),
       pattern_usage={
-        int(k): [v[0].tolist(), v[1].tolist()] for k, v in ct.pattern_usage(st).items()
+        int(k): [v[0].tolist(), v[1].tolist()] for k, v in readouts.pattern_usage(st).items()
       },
       pool=[
         int(i) for i in next((ls.pool for ls in st.layers.values() if ls.pool is not None), [])

@@ -64,7 +64,7 @@ from typing import Any
 from flax import nnx
 
 from experiments._machine import host_steal_seconds, machine_description, steal_since
-from jaxprune import data, models, train
+from jaxprune import data, methods, models, train
 from jaxprune import prunetrain as pt
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -263,23 +263,27 @@ def _build(args: argparse.Namespace, method: str, train_set, test_set, log_dir: 
   tx = train.sgd(schedule, momentum=0.9, weight_decay=args.weight_decay)
   model = models.create(args.model, num_classes=train_set.num_classes, rngs=nnx.Rngs(args.seed))
   image_shape = tuple(train_set.images.shape[1:])
-  callback = None
+  config = {}
   if method == "prunetrain":
-    tx = pt.with_group_lasso(tx, penalty_ratio=args.penalty_ratio, proximal=args.proximal)
-    callback = pt.PruneTrainCallback(
-      every_epochs=args.interval,
-      threshold=args.threshold,
-      channel_multiple=args.channel_multiple,
-      image_shape=image_shape,
-      dynamic_batch=not args.no_dynamic_batch,
-      max_batch_size=len(train_set),
-      min_flops_saving=args.min_flops_saving,
-    )
+    config = {
+      "penalty_ratio": args.penalty_ratio,
+      "proximal": args.proximal,
+      "every_epochs": args.interval,
+      "threshold": args.threshold,
+      "channel_multiple": args.channel_multiple,
+      "dynamic_batch": not args.no_dynamic_batch,
+      "max_batch_size": len(train_set),
+      "min_flops_saving": args.min_flops_saving,
+    }
+  run = methods.Run.from_loader(train_loader, epochs=args.epochs)
+  chosen = methods.get(method, **config)
+  callbacks = chosen.callbacks(run)
+  callback = callbacks[0] if callbacks else None
   dense_costs = pt.model_costs(model, image_shape)
   trainer = train.Trainer(
     model,
-    tx,
-    callbacks=[callback] if callback is not None else [],
+    chosen.make_tx(tx, run),
+    callbacks=callbacks,
     progress=False,
     log_path=log_dir / f"{method}.jsonl",
   )
@@ -381,19 +385,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   runs = {}
   if reused is not None:
     runs["dense"] = reused
-  methods = ["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]
+  names = ["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]
   print(
-    f"[{name}] {', '.join(methods)}{' (paired)' if args.paired else ''}: {len(train_set)} "
+    f"[{name}] {', '.join(names)}{' (paired)' if args.paired else ''}: {len(train_set)} "
     f"train / {len(test_set)} test images, {args.epochs} epochs",
     flush=True,
   )
   if args.paired:
-    paired = [_build(args, method, train_set, test_set, log_dir) for method in methods]
+    paired = [_build(args, method, train_set, test_set, log_dir) for method in names]
     _train_paired(paired, args.epochs)
     for run in paired:
       runs[run.method] = _result(args, run)
     _write(name, args, runs, command)
-  for method in [] if args.paired else methods:
+  for method in [] if args.paired else names:
     run = _build(args, method, train_set, test_set, log_dir)
     run.advance(args.epochs)
     runs[method] = _result(args, run)

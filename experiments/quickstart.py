@@ -1,28 +1,30 @@
 """Quickstart: train on scikit-learn's 8x8 digits and print a results table.
 
 Runs in about two minutes on 2 CPU cores (five methods x 15 epochs), with no data to
-download (the digits ship inside scikit-learn). Every row is a *method*: an optimizer factory plus an optional model
-converter, trained with the same data, model and budget, so pruning methods can be
-compared with the dense baseline:
+download (the digits ship inside scikit-learn). Every row is a registered
+:mod:`jaxprune.methods` method with a configuration sized for this run, trained with the same
+data, model, optimizer and budget, so pruning methods can be compared with the dense
+baseline:
 
     python -m experiments.run quickstart [--epochs 15] [--methods dense] [--json out.json]
 
-Adding a method (e.g. SDGP, PruneTrain, ClickTrain) is one entry in ``METHODS``::
+The default rows are the first five of ``METHODS``; the others (``clicktrain-one-shot`` and
+the compositions) run when named in ``--methods``. Adding a row is one entry in ``METHODS``:
+a registered method name and its config as a function of the epoch count::
 
-    METHODS["sdgp mag 2:4"] = Method(
-        make_tx=lambda cfg: dense_tx(cfg),
-        convert=lambda model: jaxprune.sdgp.convert(model, n=2, m=4, method="magnitude"))
+    METHODS["sdgp magnitude 1:4"] = ("sdgp", lambda epochs: {"n": 1, "m": 4, "method": "magnitude"})
 
-``make_tx(cfg)`` gets a :class:`RunConfig` (epochs, steps per epoch, lr, ...) and returns
-any Optax transform (wrappers such as ClickTrain's receive the loss as ``value``);
-``convert(model)`` returns the model to train (default: unchanged); ``callbacks(cfg)``
-returns trainer callbacks (e.g. PruneTrain reconfiguration every few epochs).
+Each row then trains as any script would use a method::
+
+    method = jaxprune.methods.get(name, **config)
+    run = jaxprune.methods.Run.from_loader(train_loader, epochs=epochs)
+    model = method.convert(model)
+    trainer = train.Trainer(model, method.make_tx(inner, run), callbacks=method.callbacks(run))
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -32,92 +34,76 @@ import jax
 import optax
 from flax import nnx
 
-from jaxprune import data, flops, models, prunetrain, sdgp, train
-from jaxprune.clicktrain import clicktrain
+from jaxprune import data, flops, methods, models, train
 
 
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-  """What a method's factories may depend on."""
-
-  epochs: int
-  steps_per_epoch: int
-  batch_size: int
-  lr: float
-  weight_decay: float
-  num_classes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-  """One row of the table.
-
-  Attributes:
-    make_tx: ``RunConfig -> optax transform``.
-    convert: ``model -> model`` applied before training (e.g. SDGP conv swap).
-    callbacks: ``RunConfig -> list of jaxprune.train callbacks``.
-  """
-
-  make_tx: Callable[[RunConfig], optax.GradientTransformation]
-  convert: Callable[[nnx.Module], nnx.Module] | None = None
-  callbacks: Callable[[RunConfig], Sequence[Any]] | None = None
-
-
-def dense_tx(cfg: RunConfig) -> optax.GradientTransformationExtraArgs:
+def dense_tx(
+  lr: float, weight_decay: float, steps_per_epoch: int, epochs: int
+) -> optax.GradientTransformationExtraArgs:
   """SGD momentum 0.9, coupled weight decay, triangular LR (peak at 20% of training)."""
   schedule = train.triangular_schedule(
-    cfg.lr, cfg.steps_per_epoch, peak_epoch=max(1, cfg.epochs // 5), total_epochs=cfg.epochs
+    lr, steps_per_epoch, peak_epoch=max(1, epochs // 5), total_epochs=epochs
   )
-  return train.sgd(schedule, momentum=0.9, weight_decay=cfg.weight_decay)
+  return train.sgd(schedule, momentum=0.9, weight_decay=weight_decay)
 
 
-def _sdgp(method: str, n: int = 2, m: int = 4) -> Method:
-  """SDGP: N:M pruning of each conv's output data gradient (the stem stays dense)."""
-  return Method(
-    make_tx=dense_tx, convert=lambda model: sdgp.convert_model(model, n=n, m=m, method=method)
-  )
-
-
-def _prunetrain_tx(cfg: RunConfig) -> optax.GradientTransformationExtraArgs:
-  # A short run needs a larger penalty share than the paper's 0.2 for channels to die
-  # within the budget (PruneTrain §4.1 sets λ from this ratio at the first step).
-  return prunetrain.with_group_lasso(dense_tx(cfg), penalty_ratio=0.9)
-
-
-def _prunetrain_callbacks(cfg: RunConfig) -> list[Any]:
-  # Reconfigure twice in the run; the threshold is raised from 1e-4 for the same reason.
-  return [
-    prunetrain.PruneTrainCallback(
-      every_epochs=max(1, cfg.epochs // 3),
-      threshold=1e-2,
-      image_shape=(8, 8, 1),
-      dynamic_batch=False,
-    )
-  ]
-
-
-def _clicktrain_tx(cfg: RunConfig) -> optax.GradientTransformationExtraArgs:
+def _clicktrain_config(epochs: int) -> dict[str, Any]:
   # The paper's stages compressed into the budget: pool generation from 20% of the run,
   # finalization after it, hard prune at 2/3 (ClickTrain §4.1-4.4).
-  epoch = max(1, cfg.epochs // 5)
-  return clicktrain(
-    dense_tx(cfg),
-    steps_per_epoch=cfg.steps_per_epoch,
-    hard_prune_epoch=max(3 * epoch + 1, (2 * cfg.epochs) // 3),
-    pool_start_epoch=epoch,
-    pool_epochs=epoch,
-    finalize_epochs=epoch,
-    kernel_prune_ratio=0.5,
-  )
+  epoch = max(1, epochs // 5)
+  return {
+    "hard_prune_epoch": max(3 * epoch + 1, (2 * epochs) // 3),
+    "pool_start_epoch": epoch,
+    "pool_epochs": epoch,
+    "finalize_epochs": epoch,
+    "kernel_prune_ratio": 0.5,
+  }
 
 
-METHODS: dict[str, Method] = {
-  "dense": Method(make_tx=dense_tx),
-  "sdgp rescaled 2:4": _sdgp("rescaled_magnitude"),
-  "sdgp mvue 2:4": _sdgp("mvue"),
-  "prunetrain": Method(make_tx=_prunetrain_tx, callbacks=_prunetrain_callbacks),
-  "clicktrain": Method(make_tx=_clicktrain_tx),
+def _clicktrain_one_shot_config(epochs: int) -> dict[str, Any]:
+  # The released code's rule: masks from one batch at 20% of the run, hard prune at 2/3.
+  one_shot = max(1, epochs // 5)
+  return {
+    "one_shot_epoch": one_shot,
+    "hard_prune_epoch": max(one_shot + 1, (2 * epochs) // 3),
+    "kernel_prune_ratio": 0.5,
+  }
+
+
+def _prunetrain_config(epochs: int) -> dict[str, Any]:
+  # A short run needs a larger penalty share than the paper's 0.2 for channels to die within
+  # the budget (PruneTrain §4.1 sets λ from this ratio at the first step), and a threshold
+  # above 1e-4; it reconfigures twice in the run.
+  return {
+    "penalty_ratio": 0.9,
+    "every_epochs": max(1, epochs // 3),
+    "threshold": 1e-2,
+    "dynamic_batch": False,
+  }
+
+
+def _sdgp_config(method: str) -> Callable[[int], dict[str, Any]]:
+  return lambda epochs: {"n": 2, "m": 4, "method": method}
+
+
+# Row label -> (registered method, config as a function of the number of epochs).
+METHODS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
+  "dense": ("dense", lambda epochs: {}),
+  "sdgp rescaled 2:4": ("sdgp", _sdgp_config("rescaled_magnitude")),
+  "sdgp mvue 2:4": ("sdgp", _sdgp_config("mvue")),
+  "prunetrain": ("prunetrain", _prunetrain_config),
+  "clicktrain": ("clicktrain", _clicktrain_config),
+  "clicktrain-one-shot": ("clicktrain-one-shot", _clicktrain_one_shot_config),
+  "prunetrain+sdgp": (
+    "prunetrain+sdgp",
+    lambda epochs: {**_prunetrain_config(epochs), **_sdgp_config("rescaled_magnitude")(epochs)},
+  ),
+  "clicktrain+sdgp": (
+    "clicktrain+sdgp",
+    lambda epochs: {**_clicktrain_config(epochs), **_sdgp_config("rescaled_magnitude")(epochs)},
+  ),
 }
+DEFAULT_METHODS = ("dense", "sdgp rescaled 2:4", "sdgp mvue 2:4", "prunetrain", "clicktrain")
 
 
 def build_model(num_classes: int, seed: int) -> nnx.Module:
@@ -138,30 +124,26 @@ def _conv_weights(model: nnx.Module) -> tuple[int, float]:
   return total, flops.compression_ratio(params)
 
 
-def run_method(name: str, method: Method, args: argparse.Namespace) -> dict[str, Any]:
+def run_method(name: str, args: argparse.Namespace) -> dict[str, Any]:
+  """Trains the row ``name`` of ``METHODS`` and returns its result record."""
+  registered, config = METHODS[name]
+  method = methods.get(registered, **config(args.epochs))
   train_set = data.load("digits", split="train")
   test_set = data.load("digits", split="test")
   train_loader = data.Loader(
     train_set, args.batch_size, shuffle=True, seed=args.seed, augment=None, drop_last=True
   )
   test_loader = data.Loader(test_set, 256, shuffle=False, drop_last=False)
-  cfg = RunConfig(
-    epochs=args.epochs,
-    steps_per_epoch=len(train_loader),
-    batch_size=args.batch_size,
-    lr=args.lr,
-    weight_decay=args.weight_decay,
-    num_classes=train_set.num_classes,
-  )
+  run = methods.Run.from_loader(train_loader, epochs=args.epochs)
   model = build_model(train_set.num_classes, args.seed)
   dense_total, _ = _conv_weights(model)
-  if method.convert is not None:
-    model = method.convert(model)
+  model = method.convert(model)
+  inner = dense_tx(args.lr, args.weight_decay, run.steps_per_epoch, run.epochs)
   trainer = train.Trainer(
     model,
-    method.make_tx(cfg),
+    method.make_tx(inner, run),
     label_smoothing=args.label_smoothing,
-    callbacks=list(method.callbacks(cfg)) if method.callbacks else [],
+    callbacks=method.callbacks(run),
     progress=args.progress,
   )
   start = time.perf_counter()
@@ -202,7 +184,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--label-smoothing", type=float, default=0.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument(
-    "--methods", default=",".join(METHODS), help=f"comma-separated subset of: {', '.join(METHODS)}"
+    "--methods",
+    default=",".join(DEFAULT_METHODS),
+    help=f"comma-separated subset of: {', '.join(METHODS)}",
   )
   parser.add_argument("--json", default=None, help="also write the rows as JSON here")
   parser.add_argument("--progress", action="store_true", help="show per-epoch progress bars")
@@ -219,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   args = _parse(argv)
   rows = []
   for name in args.methods.split(","):
-    rows.append(run_method(name, METHODS[name], args))
+    rows.append(run_method(name, args))
     print(
       f"{name}: test acc {100 * rows[-1]['test_acc']:.2f}% ({rows[-1]['train_time_s']:.1f} s)",
       flush=True,

@@ -3,7 +3,8 @@
 Recipe (the ffcv ResNet-9 recipe SDGP ran): batch 512, 150 epochs, SGD momentum 0.9,
 triangular lr peaking at 0.5 at epoch 2, weight decay 5e-4 on all params, label smoothing
 0.1, flip + translate(2) + cutout(4), flip test-time augmentation. Every conv with more than
-3 input channels gets SDGP (``jaxprune.sdgp.convert_model``); the stem and the head stay.
+3 input channels gets SDGP (the registered ``sdgp`` method: ``jaxprune.sdgp.convert_model``);
+the stem and the head stay.
 
 ``--budget cpu`` is a reduced run for a shared 2-core CPU: ResNet-9 at 1/8 width (convs 16, 32,
 [32, 32], 64, [64, 64], 32), an 8k-image class-balanced training subset, 4 epochs, batch 128 with the peak lr scaled linearly (0.5 · 128/512) and the
@@ -30,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from experiments._machine import machine_description
-from jaxprune import data, models, sdgp, train
+from jaxprune import data, methods, models, sdgp, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -118,8 +119,12 @@ def train_row(
     rngs=nnx.Rngs(args.seed),
     width_multiplier=budget["width"],
   )
-  if method != "dense":
-    sdgp.convert_model(model, n=n, m=m, method=method, seed=args.seed, backend=args.backend)
+  chosen = (
+    methods.get("dense")
+    if method == "dense"
+    else methods.get("sdgp", n=n, m=m, method=method, seed=args.seed, backend=args.backend)
+  )
+  model = chosen.convert(model)
   train_loader = data.Loader(
     train_set, budget["batch_size"], shuffle=True, seed=args.seed, augment="sdgp", drop_last=True
   )
@@ -127,7 +132,8 @@ def train_row(
   schedule = train.triangular_schedule(
     budget["peak_lr"], len(train_loader), budget["peak_epoch"], budget["epochs"]
   )
-  tx = train.sgd(schedule, momentum=0.9, weight_decay=5e-4)
+  run = methods.Run.from_loader(train_loader, epochs=budget["epochs"])
+  tx = chosen.make_tx(train.sgd(schedule, momentum=0.9, weight_decay=5e-4), run)
   label = method if method == "dense" else f"{method} {n}:{m}"
   trainer = train.Trainer(
     model,

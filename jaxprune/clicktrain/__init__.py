@@ -8,8 +8,11 @@ fraction of whole kernels is removed. The pieces:
 * :mod:`~jaxprune.clicktrain.patterns` — the pattern library, dynamic pattern pool generation
   (DPPG, §4.2), votes and adaptive finalization (§4.3).
 * :mod:`~jaxprune.clicktrain.transform` — :func:`clicktrain`, the Optax wrapper that runs the
-  stage machine (warm-up, pool, finalize, regularize, pruned) around an inner optimizer, and
-  its read-outs (masks, stage, pattern usage, compression).
+  stage machine (:class:`Stage`: warm-up, pool, finalize, regularize, pruned) around an inner
+  optimizer.
+* :mod:`~jaxprune.clicktrain.readouts` — masks, stage, pattern usage, compression, FLOPs saved,
+  found inside any optimizer state (chains, wrappers, ``nnx.Optimizer``). The masks also feed
+  :func:`jaxprune.masking.mask`, which keeps them whatever is chained after the wrapper.
 
 Example:
   >>> import optax
@@ -42,6 +45,17 @@ from jaxprune.clicktrain.patterns import (
   select_pool,
   vote,
 )
+from jaxprune.clicktrain.readouts import (
+  compression,
+  find_state,
+  flops_saved,
+  group_lasso_penalty,
+  kernel_masks,
+  masks,
+  pattern_ids,
+  pattern_usage,
+  stage_name,
+)
 from jaxprune.clicktrain.transform import (
   FINALIZE,
   POOL,
@@ -51,37 +65,13 @@ from jaxprune.clicktrain.transform import (
   WARMUP,
   ClickTrainLayerState,
   ClickTrainState,
+  Stage,
   clicktrain,
-  kernel_masks,
-  masks,
-  pattern_ids,
-  compression,
   default_layer_filter,
-  flops_saved,
-  group_lasso_penalty,
-  pattern_usage,
-  stage_name,
 )
+from jaxprune.clicktrain.preset import method
 
 __all__ = [
-  "kernel_scores",
-  "pattern_scores",
-  "weight_importance",
-  "accumulate_competitive_scores",
-  "all_patterns",
-  "centre_block_patterns",
-  "dppg_candidates",
-  "finalize_patterns",
-  "kernel_keep_mask",
-  "library_pattern_ids",
-  "library_patterns",
-  "loss_margin_ok",
-  "num_patterns",
-  "pattern_index",
-  "pattern_mask",
-  "pattern_masks_from_ids",
-  "select_pool",
-  "vote",
   "FINALIZE",
   "POOL",
   "PRUNED",
@@ -90,14 +80,35 @@ __all__ = [
   "WARMUP",
   "ClickTrainLayerState",
   "ClickTrainState",
+  "Stage",
+  "accumulate_competitive_scores",
+  "all_patterns",
+  "centre_block_patterns",
   "clicktrain",
-  "kernel_masks",
-  "masks",
-  "pattern_ids",
   "compression",
   "default_layer_filter",
+  "dppg_candidates",
+  "finalize_patterns",
+  "find_state",
   "flops_saved",
   "group_lasso_penalty",
+  "kernel_keep_mask",
+  "kernel_masks",
+  "kernel_scores",
+  "library_pattern_ids",
+  "library_patterns",
+  "loss_margin_ok",
+  "masks",
+  "method",
+  "num_patterns",
+  "pattern_ids",
+  "pattern_index",
+  "pattern_mask",
+  "pattern_masks_from_ids",
+  "pattern_scores",
   "pattern_usage",
+  "select_pool",
   "stage_name",
+  "vote",
+  "weight_importance",
 ]

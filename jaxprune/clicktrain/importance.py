@@ -20,6 +20,12 @@ Example::
         s = importance.pattern_scores(w, g, pool)       # (Cin, Cout, 12)
         best = jnp.argmax(s, axis=-1)                   # best pattern per kernel
         k = importance.kernel_scores(w, g)              # (Cin, Cout)
+
+References:
+  Zhang et al., "ClickTrain: Efficient and Accurate End-to-End Deep Learning Training via
+  Fine-Grained Architecture-Preserving Pruning", ICS 2021. https://arxiv.org/abs/2011.10170
+  Molchanov et al., "Importance Estimation for Neural Network Pruning", CVPR 2019.
+  https://arxiv.org/abs/1906.10771
 """
 
 from __future__ import annotations

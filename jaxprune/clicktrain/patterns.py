@@ -33,6 +33,10 @@ Example::
     scores = patterns.accumulate_competitive_scores(
         jnp.zeros(patterns.num_patterns(4, 3), jnp.int32), cand)
     pool = patterns.select_pool(scores, 12)                # ids into all_patterns
+
+References:
+  Zhang et al., "ClickTrain: Efficient and Accurate End-to-End Deep Learning Training via
+  Fine-Grained Architecture-Preserving Pruning", ICS 2021. https://arxiv.org/abs/2011.10170
 """
 
 from __future__ import annotations

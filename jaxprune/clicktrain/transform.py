@@ -1,9 +1,8 @@
 """ClickTrain as one Optax transform wrapping the inner optimizer (ClickTrain §4).
 
-ClickTrain (Zhang et al., ICS'21) prunes during training: every 3x3 (k x k)
-kernel keeps 4 weights in one of a small pool of patterns, and a per-layer
-fraction of whole kernels is removed (connectivity sparsity). The algorithm
-runs as a stage machine over epochs (ClickTrain Fig. 4 / slides):
+ClickTrain prunes during training: every 3x3 (k x k) kernel keeps 4 weights in one of a small
+pool of patterns, and a per-layer fraction of whole kernels is removed (connectivity sparsity).
+The algorithm runs as a stage machine over epochs (ClickTrain Fig. 4), :class:`Stage`:
 
 ====  ===========  ==========================================================
  0    WARMUP       dense training (stage 1) until the loss derivative over
@@ -36,13 +35,17 @@ PRUNED. The released code also switches to mixup (α = 0.3) after the hard
 prune; that is data-side: use ``jaxprune.data.Loader``'s soft labels.
 
 Transitions happen at epoch ends (``steps_per_epoch`` converts), inside
-``jit``: the stage, step and loss statistics live in the state; DPPG /
-votes and pool selection / finalization run in one ``lax.switch`` on the
-stage, the group lasso and masks under one ``lax.cond`` each, so a stage
-neither computes nor copies what it does not use — no host round trip per
-step. The loss comes in
-through Optax's extra args: ``update(grads, state, params, value=loss)``
-(``nnx.Optimizer.update(model, grads, value=loss)`` passes it).
+``jit``: the stage, step and loss statistics live in the state. Each step is a
+handful of module-level pure stage functions over the per-layer plan
+(:class:`_PrunedLayer`), the param / gradient leaves and the per-layer states:
+:func:`_pool_step` / :func:`_finalize_step` (per batch), :func:`_select_pools` /
+:func:`_finalize_masks` / :func:`_one_shot_masks` (once), :func:`_modify_grads`
+(group lasso + gradient mask) and :func:`_hard_mask` (the emitted update). DPPG /
+votes and pool selection / finalization run in one ``lax.switch`` on the stage,
+the group lasso and masks under one ``lax.cond`` each, so a stage neither
+computes nor copies what it does not use — no host round trip per step. The
+loss comes in through Optax's extra args: ``update(grads, state, params,
+value=loss)`` (``nnx.Optimizer.update(model, grads, value=loss)`` passes it).
 
 Layers: ``layer_filter(path, shape)`` returns ``"pattern"``, ``"kernel"`` or
 ``None`` per param leaf (``path`` = keys joined by ``/``). The default prunes
@@ -66,6 +69,9 @@ Reading choices (the paper is silent or garbled; tested):
 * Importance work may run every ``importance_every`` steps (default 1) to cut
   overhead; skipped steps neither vote nor add competitive scores.
 
+The read-outs (masks, stage, pattern usage, compression) are in
+:mod:`jaxprune.clicktrain.readouts`.
+
 Example::
 
     tx = jaxprune.clicktrain.clicktrain(
@@ -74,11 +80,16 @@ Example::
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     ...
     optimizer.update(model, grads, value=loss)
-    weight_masks = masks(optimizer.opt_state, params)   # after the hard prune
+    weight_masks = jaxprune.clicktrain.masks(optimizer, params)   # after the hard prune
+
+References:
+  Zhang et al., "ClickTrain: Efficient and Accurate End-to-End Deep Learning Training via
+  Fine-Grained Architecture-Preserving Pruning", ICS 2021. https://arxiv.org/abs/2011.10170
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -93,30 +104,36 @@ from jaxprune.clicktrain import patterns as _pat
 from jaxprune.paths import path_string
 
 __all__ = [
-  "clicktrain",
-  "ClickTrainState",
-  "ClickTrainLayerState",
-  "WARMUP",
-  "POOL",
   "FINALIZE",
-  "REGULARIZE",
+  "POOL",
   "PRUNED",
+  "REGULARIZE",
   "STAGE_NAMES",
+  "WARMUP",
+  "ClickTrainLayerState",
+  "ClickTrainState",
+  "Stage",
+  "clicktrain",
   "default_layer_filter",
-  "masks",
-  "pattern_ids",
-  "kernel_masks",
-  "pattern_usage",
-  "group_lasso_penalty",
-  "compression",
-  "flops_saved",
-  "stage_name",
+  "full_mask",
 ]
 
 PyTree = Any
-WARMUP, POOL, FINALIZE, REGULARIZE, PRUNED = 0, 1, 2, 3, 4
-STAGE_NAMES = ("warmup", "pool", "finalize", "regularize", "pruned")
 _PATTERN_SIZE = 4  # weights kept per kernel (ClickTrain keeps 4 of 9)
+
+
+class Stage(enum.IntEnum):
+  """ClickTrain's stages, in order (the state's ``stage`` holds the int)."""
+
+  WARMUP = 0  # dense training (§4.1)
+  POOL = 1  # DPPG (§4.2)
+  FINALIZE = 2  # pattern / kernel votes (§4.3)
+  REGULARIZE = 3  # modified group lasso (§4.4)
+  PRUNED = 4  # hard prune, masks kept
+
+
+WARMUP, POOL, FINALIZE, REGULARIZE, PRUNED = Stage
+STAGE_NAMES = tuple(s.name.lower() for s in Stage)
 
 
 class ClickTrainLayerState(NamedTuple):
@@ -133,12 +150,12 @@ class ClickTrainLayerState(NamedTuple):
 
 class ClickTrainState(NamedTuple):
   count: jax.Array  # steps done
-  stage: jax.Array  # WARMUP .. PRUNED
+  stage: jax.Array  # Stage.WARMUP .. Stage.PRUNED
   stage_start_epoch: jax.Array  # epoch at which the current stage began
   epoch_loss_sum: jax.Array  # loss summed over the current epoch
   prev_epoch_loss: jax.Array  # mean loss of the last finished epoch (nan: none)
   last_loss: jax.Array  # previous batch loss (nan: none)
-  layers: dict[str, ClickTrainLayerState]
+  layers: dict[str, ClickTrainLayerState]  # keyed by jaxprune.paths.path_string
   inner_state: optax.OptState
 
 
@@ -154,14 +171,39 @@ def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
   return "pattern" if kh == kw else "kernel"
 
 
-class _Layer(NamedTuple):
+class _PrunedLayer(NamedTuple):
+  """The static plan of one pruned param leaf (host side, fixed by the param shapes)."""
+
   index: int  # position among the flattened param leaves
   kind: str  # "pattern" or "kernel"
   ratio: float  # kernel-prune ratio
   size: int  # kernel side (0 for kernel-only)
 
 
-def _plan(params: PyTree, layer_filter, kernel_prune_ratio, mode: str) -> dict[str, _Layer]:
+_Plan = dict[str, _PrunedLayer]
+_Layers = dict[str, ClickTrainLayerState]
+
+
+class _Config(NamedTuple):
+  """The schedule and coefficients of one :func:`clicktrain` (validated there)."""
+
+  mode: str
+  steps_per_epoch: int
+  hard_prune_epoch: int
+  pool_start_epoch: int | None
+  loss_derivative_threshold: float
+  pool_epochs: int
+  finalize_epochs: int
+  pool_size: int
+  loss_margin: float
+  margin_rule: str
+  group_lasso_coefficient: float
+  one_shot_epoch: int | None
+  importance_every: int
+  eps: float
+
+
+def _plan(params: PyTree, layer_filter, kernel_prune_ratio, mode: str) -> _Plan:
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   chosen = []
   for i, (path, leaf) in enumerate(leaves):
@@ -198,13 +240,15 @@ def _plan(params: PyTree, layer_filter, kernel_prune_ratio, mode: str) -> dict[s
     if not 0.0 <= r <= 1.0:
       raise ValueError(f"kernel_prune_ratio for {name!r} must be in [0, 1], got {r}")
   return {
-    name: _Layer(i, kind, r, kh if kind == "pattern" else 0)
+    name: _PrunedLayer(i, kind, r, kh if kind == "pattern" else 0)
     for (name, i, kind, kh), r in zip(chosen, ratios)
   }
 
 
-def _init_layer(leaf: jax.Array, layer: _Layer, pool_size: int, mode: str) -> ClickTrainLayerState:
-  kh, kw, cin, cout = leaf.shape
+def _init_layer(
+  leaf: jax.Array, layer: _PrunedLayer, pool_size: int, mode: str
+) -> ClickTrainLayerState:
+  _, _, cin, cout = leaf.shape
   n_pool = pool_size if (layer.kind == "pattern" and mode == "paper") else 0
   n_pat = _pat.num_patterns(_PATTERN_SIZE, layer.size) if n_pool else 0
   # Fields a layer does not use are None (empty pytree nodes; orbax cannot store
@@ -225,7 +269,8 @@ def _as_kernels(x: jax.Array) -> jax.Array:
   return jnp.moveaxis(x, (0, 1), (-2, -1))
 
 
-def _full_mask(ls: ClickTrainLayerState) -> jax.Array:
+def full_mask(ls: ClickTrainLayerState) -> jax.Array:
+  """The weight mask ``P ⊙ K`` of one layer (HWIO; ones where nothing is pruned yet)."""
   return ls.pattern_mask * ls.kernel_keep.astype(ls.pattern_mask.dtype)
 
 
@@ -238,38 +283,227 @@ def _group_lasso_grad(w: jax.Array, ls: ClickTrainLayerState, eps: float) -> jax
   return gz + gu
 
 
-def group_lasso_penalty(params: PyTree, state: ClickTrainState, eps: float = 1e-8) -> jax.Array:
-  """The modified group lasso term (without λ) for the current masks (§4.4)."""
-  params = _pure(params)
-  leaves = jax.tree.leaves(params)
-  by_name = _leaf_names(params)
-  total = jnp.float32(0)
-  for name, ls in state.layers.items():
-    w = leaves[by_name[name]]
-    z = w * (1 - ls.pattern_mask)
-    u = w * (~ls.kernel_keep).astype(w.dtype)
-    total += jnp.sum(jnp.sqrt(jnp.sum(z * z, axis=(0, 1)) + eps))
-    total += jnp.sum(jnp.sqrt(jnp.sum(u * u, axis=(0, 1)) + eps))
-  return total
+# ------------------------------------------------------------------ stage functions
+# Each takes the plan, the leaves and the per-layer states explicitly and returns new
+# per-layer states (or leaves); none reads anything from an enclosing scope.
 
 
-def _pure(params: PyTree) -> PyTree:
-  """NNX ``State`` of Variables -> the pure tree the optimizer sees (paths match)."""
-  try:
-    from flax import nnx
+def _pool_step(layers: _Layers, plan: _Plan, w_leaves, g_leaves) -> _Layers:
+  """DPPG steps 1-5 for one batch: +1 competitive score per kernel's candidate (§4.2)."""
+  out = dict(layers)
+  for name, layer in plan.items():
+    if layer.kind != "pattern":
+      continue
+    imp = _imp.weight_importance(w_leaves[layer.index], g_leaves[layer.index])
+    cand = _pat.dppg_candidates(_as_kernels(imp))
+    ls = layers[name]
+    out[name] = ls._replace(
+      competitive_scores=_pat.accumulate_competitive_scores(ls.competitive_scores, cand)
+    )
+  return out
 
-    if isinstance(params, nnx.State):
-      return nnx.as_pure(params)
-  except ImportError:  # pragma: no cover
-    pass
-  return params
+
+def _finalize_step(layers: _Layers, plan: _Plan, w_leaves, g_leaves, counted) -> _Layers:
+  """One batch of adaptive finalization (§4.3): pattern votes (Eq. 1) and summed Eq. 2
+  kernel scores, both only when the batch passes the loss-margin test (``counted``)."""
+  out = dict(layers)
+  for name, layer in plan.items():
+    ls = layers[name]
+    w, g = w_leaves[layer.index], g_leaves[layer.index]
+    ks = ls.kernel_score_sum + jnp.where(counted, _imp.kernel_scores(w, g), 0.0)
+    votes = ls.votes
+    if layer.kind == "pattern":
+      pool_masks = _pat.pattern_masks_from_ids(ls.pool, layer.size)
+      votes = _pat.vote(votes, _imp.pattern_scores(w, g, pool_masks), counted)
+    out[name] = ls._replace(kernel_score_sum=ks, votes=votes)
+  return out
 
 
-def _leaf_names(params: PyTree) -> dict[str, int]:
-  params = _pure(params)
-  return {
-    path_string(p): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
-  }
+def _select_pools(layers: _Layers, plan: _Plan, pool_size: int) -> _Layers:
+  """End of DPPG: one global pool per kernel size (DPPG step 6)."""
+  out = dict(layers)
+  for size in sorted({layer.size for layer in plan.values() if layer.kind == "pattern"}):
+    names = [n for n, layer in plan.items() if layer.kind == "pattern" and layer.size == size]
+    total = sum(layers[n].competitive_scores for n in names)
+    pool = _pat.select_pool(total, min(pool_size, total.shape[0]))
+    for n in names:
+      out[n] = layers[n]._replace(pool=pool)
+  return out
+
+
+def _finalize_masks(layers: _Layers, plan: _Plan) -> _Layers:
+  """End of §4.3: pattern = most voted pool pattern, kernels = lowest summed Eq. 2."""
+  out = dict(layers)
+  for name, layer in plan.items():
+    ls = layers[name]
+    keep = _pat.kernel_keep_mask(ls.kernel_score_sum, layer.ratio)
+    if layer.kind == "pattern":
+      best = _pat.finalize_patterns(ls.votes)  # pool position per kernel
+      pid = ls.pool[best]
+      pmask = _pat.pattern_mask(
+        best, _pat.pattern_masks_from_ids(ls.pool, layer.size), dtype=ls.pattern_mask.dtype
+      )
+      out[name] = ls._replace(pattern_id=pid, kernel_keep=keep, pattern_mask=pmask)
+    else:
+      out[name] = ls._replace(kernel_keep=keep)
+  return out
+
+
+def _one_shot_masks(layers: _Layers, plan: _Plan, w_leaves, g_leaves) -> _Layers:
+  """The released code's rule on one batch: centre blocks + lowest Eq. 2."""
+  out = dict(layers)
+  blocks = _pat.centre_block_patterns()
+  block_ids = jnp.asarray(_pat.library_pattern_ids()[:4])
+  for name, layer in plan.items():
+    ls = layers[name]
+    w, g = w_leaves[layer.index], g_leaves[layer.index]
+    keep = _pat.kernel_keep_mask(_imp.kernel_scores(w, g), layer.ratio)
+    if layer.kind == "pattern":
+      best = jnp.argmax(_imp.pattern_scores(w, g, blocks), axis=-1)  # ties -> first
+      pmask = _pat.pattern_mask(best, blocks, dtype=ls.pattern_mask.dtype)
+      out[name] = ls._replace(pattern_id=block_ids[best], kernel_keep=keep, pattern_mask=pmask)
+    else:
+      out[name] = ls._replace(kernel_keep=keep)
+  return out
+
+
+def _map_pruned(fn, pred, plan: _Plan, leaves) -> list:
+  """``leaves`` with the pruned layers' entries replaced by ``fn({name: leaf})`` under one
+  ``lax.cond`` on ``pred`` (the other stages neither compute nor copy them)."""
+  leaves = list(leaves)
+  chosen = {name: leaves[layer.index] for name, layer in plan.items()}
+  chosen = jax.lax.cond(pred, fn, lambda x: x, chosen)
+  for name, layer in plan.items():
+    leaves[layer.index] = chosen[name]
+  return leaves
+
+
+def _modify_grads(
+  g_leaves, layers: _Layers, plan: _Plan, w_leaves, stage, coefficient: float, eps: float
+) -> list:
+  """The gradient the inner optimizer sees: ``+ λ ∂(modified group lasso)`` while
+  regularizing (§4.4), masked once pruned (so the inner moments stay zero there)."""
+  regularizing = stage == REGULARIZE
+  pruned = stage == PRUNED
+
+  def reg_and_mask(gs):
+    out = {}
+    for name, layer in plan.items():
+      ls, g, w = layers[name], gs[name], w_leaves[layer.index]
+      reg = _group_lasso_grad(w, ls, eps) * (coefficient * regularizing.astype(w.dtype))
+      m = jnp.where(pruned, full_mask(ls), 1).astype(g.dtype)
+      out[name] = (g + reg.astype(g.dtype)) * m
+    return out
+
+  return _map_pruned(reg_and_mask, regularizing | pruned, plan, g_leaves)
+
+
+def _hard_mask(u_leaves, layers: _Layers, plan: _Plan, w_leaves, pruned) -> list:
+  """Hard prune: emit ``mask * (p + u) - p`` so that ``p + update`` is exactly 0 where pruned."""
+
+  def hard(us):
+    out = {}
+    for name, layer in plan.items():
+      p = w_leaves[layer.index]
+      m = full_mask(layers[name]).astype(p.dtype)
+      out[name] = (m * (p + us[name]) - p).astype(us[name].dtype)
+    return out
+
+  return _map_pruned(hard, pruned, plan, u_leaves)
+
+
+class _Clock(NamedTuple):
+  """Where a step sits in the epoch schedule (all traced scalars)."""
+
+  done: jax.Array  # steps done after this one
+  epoch_end: jax.Array  # this step ends an epoch
+  epochs_done: jax.Array
+  loss_sum: jax.Array  # the epoch's loss sum including this step
+  mean: jax.Array  # the epoch's mean loss (meaningful at its end)
+  in_stage: jax.Array  # epochs spent in the current stage
+  loss: jax.Array  # this step's loss (0 when none is given)
+
+
+def _clock(cfg: _Config, state: ClickTrainState, loss) -> _Clock:
+  done = state.count + 1
+  spe = cfg.steps_per_epoch
+  epochs_done = done // spe
+  loss_sum = state.epoch_loss_sum + loss
+  return _Clock(
+    done=done,
+    epoch_end=(done % spe) == 0,
+    epochs_done=epochs_done,
+    loss_sum=loss_sum,
+    mean=loss_sum / spe,
+    in_stage=epochs_done - state.stage_start_epoch,
+    loss=loss,
+  )
+
+
+def _next_state(
+  cfg: _Config, state: ClickTrainState, clock: _Clock, stage, moved, layers, inner_state
+) -> ClickTrainState:
+  """The state after this step: stage + 1 where a transition (or the hard prune, from
+  ``hard_prune_epoch`` at the end of REGULARIZE) ends this step; the epoch's loss bookkeeping."""
+  to_pruned = clock.epoch_end & (stage == REGULARIZE) & (clock.epochs_done >= cfg.hard_prune_epoch)
+  moved = moved | to_pruned
+  return ClickTrainState(
+    count=clock.done,
+    stage=stage + moved.astype(jnp.int32),
+    stage_start_epoch=jnp.where(moved, clock.epochs_done, state.stage_start_epoch),
+    epoch_loss_sum=jnp.where(clock.epoch_end, 0.0, clock.loss_sum),
+    prev_epoch_loss=jnp.where(clock.epoch_end, clock.mean, state.prev_epoch_loss),
+    last_loss=clock.loss,
+    layers=layers,
+    inner_state=inner_state,
+  )
+
+
+def _paper_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock, w, g):
+  """Paper mode, stages 2 and 3: the per-batch importance work, then (at the stage's last
+  step) pool selection / finalization, in ONE ``lax.switch`` on the stage.
+
+  Returns the new per-layer states and whether this step ends WARMUP, POOL or FINALIZE.
+  """
+  stage = state.stage
+  if cfg.pool_start_epoch is None:  # §4.1's loss-derivative trigger
+    start_pool = (~jnp.isnan(state.prev_epoch_loss)) & (
+      jnp.abs(clock.mean - state.prev_epoch_loss) < cfg.loss_derivative_threshold
+    )
+  else:
+    start_pool = clock.epochs_done >= cfg.pool_start_epoch
+  to_pool = clock.epoch_end & (stage == WARMUP) & start_pool
+  to_final = clock.epoch_end & (stage == POOL) & (clock.in_stage >= cfg.pool_epochs)
+  to_reg = clock.epoch_end & (stage == FINALIZE) & (clock.in_stage >= cfg.finalize_epochs)
+  counted = _pat.loss_margin_ok(state.last_loss, clock.loss, cfg.loss_margin, cfg.margin_rule)
+  counted = counted | jnp.isnan(state.last_loss)
+  do_importance = (state.count % cfg.importance_every) == 0
+
+  def pool_branch(ls):
+    ls = jax.lax.cond(do_importance, lambda x: _pool_step(x, plan, w, g), lambda x: x, ls)
+    return jax.lax.cond(to_final, lambda x: _select_pools(x, plan, cfg.pool_size), lambda x: x, ls)
+
+  def finalize_branch(ls):
+    ls = jax.lax.cond(
+      do_importance, lambda x: _finalize_step(x, plan, w, g, counted), lambda x: x, ls
+    )
+    return jax.lax.cond(to_reg, lambda x: _finalize_masks(x, plan), lambda x: x, ls)
+
+  branch = jnp.where(stage == POOL, 1, jnp.where(stage == FINALIZE, 2, 0))
+  layers = jax.lax.switch(branch, [lambda x: x, pool_branch, finalize_branch], state.layers)
+  return layers, to_pool | to_final | to_reg
+
+
+def _one_shot_step(cfg: _Config, plan: _Plan, state: ClickTrainState, w, g):
+  """One-shot mode: masks from the first batch of ``one_shot_epoch``, straight to REGULARIZE.
+
+  Returns the new per-layer states and the stage.
+  """
+  pick = (state.stage == WARMUP) & (state.count == cfg.one_shot_epoch * cfg.steps_per_epoch)
+  layers = jax.lax.cond(
+    pick, lambda ls: _one_shot_masks(ls, plan, w, g), lambda ls: ls, state.layers
+  )
+  return layers, jnp.where(pick, REGULARIZE, state.stage)
 
 
 def clicktrain(
@@ -370,13 +604,25 @@ def clicktrain(
     raise ValueError(f"pool_size must be <= 126, got {pool_size}")
   layer_filter = layer_filter or default_layer_filter
   inner = optax.with_extra_args_support(inner)
-  spe = int(steps_per_epoch)
-
-  def plan(params):
-    return _plan(params, layer_filter, kernel_prune_ratio, mode)
+  cfg = _Config(
+    mode=mode,
+    steps_per_epoch=int(steps_per_epoch),
+    hard_prune_epoch=hard_prune_epoch,
+    pool_start_epoch=pool_start_epoch,
+    loss_derivative_threshold=loss_derivative_threshold,
+    pool_epochs=pool_epochs,
+    finalize_epochs=finalize_epochs,
+    pool_size=pool_size,
+    loss_margin=loss_margin,
+    margin_rule=margin_rule,
+    group_lasso_coefficient=group_lasso_coefficient,
+    one_shot_epoch=one_shot_epoch,
+    importance_every=importance_every,
+    eps=eps,
+  )
 
   def init_fn(params):
-    layers = plan(params)
+    plan = _plan(params, layer_filter, kernel_prune_ratio, mode)
     leaves = jax.tree.leaves(params)
     start = POOL if (mode == "paper" and pool_start_epoch == 0) else WARMUP
     return ClickTrainState(
@@ -386,282 +632,38 @@ def clicktrain(
       epoch_loss_sum=jnp.zeros([], jnp.float32),
       prev_epoch_loss=jnp.full([], jnp.nan, jnp.float32),
       last_loss=jnp.full([], jnp.nan, jnp.float32),
-      layers={name: _init_layer(leaves[l.index], l, pool_size, mode) for name, l in layers.items()},
+      layers={
+        n: _init_layer(leaves[layer.index], layer, pool_size, mode) for n, layer in plan.items()
+      },
       inner_state=inner.init(params),
     )
 
-  # ---------------------------------------------------------------- per-step work
-  def pool_step(layers, plan_, w_leaves, g_leaves):
-    out = dict(layers)
-    for name, l in plan_.items():
-      if l.kind != "pattern":
-        continue
-      imp = _imp.weight_importance(w_leaves[l.index], g_leaves[l.index])
-      cand = _pat.dppg_candidates(_as_kernels(imp))
-      ls = layers[name]
-      out[name] = ls._replace(
-        competitive_scores=_pat.accumulate_competitive_scores(ls.competitive_scores, cand)
-      )
-    return out
-
-  def finalize_step(layers, plan_, w_leaves, g_leaves, counted):
-    out = dict(layers)
-    for name, l in plan_.items():
-      ls = layers[name]
-      w, g = w_leaves[l.index], g_leaves[l.index]
-      ks = ls.kernel_score_sum + jnp.where(counted, _imp.kernel_scores(w, g), 0.0)
-      votes = ls.votes
-      if l.kind == "pattern":
-        pool_masks = _pat.pattern_masks_from_ids(ls.pool, l.size)
-        votes = _pat.vote(votes, _imp.pattern_scores(w, g, pool_masks), counted)
-      out[name] = ls._replace(kernel_score_sum=ks, votes=votes)
-    return out
-
-  def select_pools(layers, plan_):
-    """End of DPPG: one global pool per kernel size (DPPG step 6)."""
-    out = dict(layers)
-    for size in sorted({l.size for l in plan_.values() if l.kind == "pattern"}):
-      names = [n for n, l in plan_.items() if l.kind == "pattern" and l.size == size]
-      total = sum(layers[n].competitive_scores for n in names)
-      pool = _pat.select_pool(total, min(pool_size, total.shape[0]))
-      for n in names:
-        out[n] = layers[n]._replace(pool=pool)
-    return out
-
-  def finalize_masks(layers, plan_):
-    out = dict(layers)
-    for name, l in plan_.items():
-      ls = layers[name]
-      keep = _pat.kernel_keep_mask(ls.kernel_score_sum, l.ratio)
-      if l.kind == "pattern":
-        best = _pat.finalize_patterns(ls.votes)  # pool position per kernel
-        pid = ls.pool[best]
-        pmask = _pat.pattern_mask(
-          best, _pat.pattern_masks_from_ids(ls.pool, l.size), dtype=ls.pattern_mask.dtype
-        )
-        out[name] = ls._replace(pattern_id=pid, kernel_keep=keep, pattern_mask=pmask)
-      else:
-        out[name] = ls._replace(kernel_keep=keep)
-    return out
-
-  def one_shot_masks(layers, plan_, w_leaves, g_leaves):
-    """The released code's rule on one batch: centre blocks + lowest Eq. 2."""
-    out = dict(layers)
-    blocks = _pat.centre_block_patterns()
-    block_ids = jnp.asarray(_pat.library_pattern_ids()[:4])
-    for name, l in plan_.items():
-      ls = layers[name]
-      w, g = w_leaves[l.index], g_leaves[l.index]
-      keep = _pat.kernel_keep_mask(_imp.kernel_scores(w, g), l.ratio)
-      if l.kind == "pattern":
-        best = jnp.argmax(_imp.pattern_scores(w, g, blocks), axis=-1)  # ties -> first
-        pmask = _pat.pattern_mask(best, blocks, dtype=ls.pattern_mask.dtype)
-        out[name] = ls._replace(pattern_id=block_ids[best], kernel_keep=keep, pattern_mask=pmask)
-      else:
-        out[name] = ls._replace(kernel_keep=keep)
-    return out
-
-  # ---------------------------------------------------------------- update
   def update_fn(updates, state, params=None, *, value=None, **extra_args):
     if params is None:
       raise ValueError("clicktrain needs params: update(grads, state, params, value=loss)")
-    plan_ = plan(params)
     if value is None and mode == "paper":
       raise ValueError("clicktrain(mode='paper') needs the loss: update(..., value=loss)")
+    plan = _plan(params, layer_filter, kernel_prune_ratio, mode)
     loss = jnp.asarray(0.0 if value is None else value, jnp.float32)
     w_leaves = jax.tree.leaves(params)
     g_leaves, g_def = jax.tree.flatten(updates)
-    count, stage, layers = state.count, state.stage, state.layers
-    do_importance = (count % importance_every) == 0
-
-    # Epoch-end bookkeeping: which transition (if any) ends this step.
-    done = count + 1
-    epoch_end = (done % spe) == 0
-    epochs_done = done // spe
-    loss_sum = state.epoch_loss_sum + loss
-    mean = loss_sum / spe
-    in_stage = epochs_done - state.stage_start_epoch
+    clock = _clock(cfg, state, loss)
     if mode == "paper":
-      if pool_start_epoch is None:
-        start_pool = (~jnp.isnan(state.prev_epoch_loss)) & (
-          jnp.abs(mean - state.prev_epoch_loss) < loss_derivative_threshold
-        )
-      else:
-        start_pool = epochs_done >= pool_start_epoch
-      to_pool = epoch_end & (stage == WARMUP) & start_pool
-      to_final = epoch_end & (stage == POOL) & (in_stage >= pool_epochs)
-      to_reg = epoch_end & (stage == FINALIZE) & (in_stage >= finalize_epochs)
-      counted = _pat.loss_margin_ok(state.last_loss, loss, loss_margin, margin_rule)
-      counted = counted | jnp.isnan(state.last_loss)
-
-      # Stages 2 and 3: the per-batch importance work, then (at the stage's last
-      # step) pool selection / finalization, in ONE lax.switch on the stage so that
-      # the other stages neither compute nor copy the per-layer state.
-      def pool_branch(ls):
-        ls = jax.lax.cond(
-          do_importance, lambda x: pool_step(x, plan_, w_leaves, g_leaves), lambda x: x, ls
-        )
-        return jax.lax.cond(to_final, lambda x: select_pools(x, plan_), lambda x: x, ls)
-
-      def finalize_branch(ls):
-        ls = jax.lax.cond(
-          do_importance,
-          lambda x: finalize_step(x, plan_, w_leaves, g_leaves, counted),
-          lambda x: x,
-          ls,
-        )
-        return jax.lax.cond(to_reg, lambda x: finalize_masks(x, plan_), lambda x: x, ls)
-
-      branch = jnp.where(stage == POOL, 1, jnp.where(stage == FINALIZE, 2, 0))
-      layers = jax.lax.switch(branch, [lambda x: x, pool_branch, finalize_branch], layers)
+      layers, moved = _paper_step(cfg, plan, state, clock, w_leaves, g_leaves)
+      stage = state.stage
     else:
-      to_pool = to_final = to_reg = jnp.bool_(False)
-      pick = (stage == WARMUP) & (count == one_shot_epoch * spe)
-      layers = jax.lax.cond(
-        pick, lambda ls: one_shot_masks(ls, plan_, w_leaves, g_leaves), lambda ls: ls, layers
-      )
-      stage = jnp.where(pick, REGULARIZE, stage)
+      layers, stage = _one_shot_step(cfg, plan, state, w_leaves, g_leaves)
+      moved = jnp.bool_(False)
 
-    # Gradient: + λ ∂(modified group lasso) while regularizing; masked once pruned.
-    # One cond over the pruned layers' gradients: stages 0-2 skip it entirely.
-    regularizing = stage == REGULARIZE
-    pruned = stage == PRUNED
-
-    def reg_and_mask(gs):
-      out = {}
-      for name, l in plan_.items():
-        ls, g, w = layers[name], gs[name], w_leaves[l.index]
-        reg = _group_lasso_grad(w, ls, eps) * (group_lasso_coefficient * regularizing.astype(w.dtype))
-        m = jnp.where(pruned, _full_mask(ls), 1).astype(g.dtype)
-        out[name] = (g + reg.astype(g.dtype)) * m
-      return out
-
-    g_leaves = list(g_leaves)
-    pruned_grads = {name: g_leaves[l.index] for name, l in plan_.items()}
-    pruned_grads = jax.lax.cond(regularizing | pruned, reg_and_mask, lambda gs: gs, pruned_grads)
-    for name, l in plan_.items():
-      g_leaves[l.index] = pruned_grads[name]
+    g_leaves = _modify_grads(g_leaves, layers, plan, w_leaves, stage, group_lasso_coefficient, eps)
     grads = jax.tree.unflatten(g_def, g_leaves)
     new_updates, inner_state = inner.update(
       grads, state.inner_state, params, value=value, **extra_args
     )
-
-    # Hard prune: emit mask * (p + u) - p so that p + update is exactly 0 where pruned.
-    def hard(us):
-      out = {}
-      for name, l in plan_.items():
-        p = w_leaves[l.index]
-        m = _full_mask(layers[name]).astype(p.dtype)
-        out[name] = (m * (p + us[name]) - p).astype(us[name].dtype)
-      return out
-
     u_leaves, u_def = jax.tree.flatten(new_updates)
-    pruned_updates = {name: u_leaves[l.index] for name, l in plan_.items()}
-    pruned_updates = jax.lax.cond(pruned, hard, lambda us: us, pruned_updates)
-    for name, l in plan_.items():
-      u_leaves[l.index] = pruned_updates[name]
-    new_updates = jax.tree.unflatten(u_def, u_leaves)
+    u_leaves = _hard_mask(u_leaves, layers, plan, w_leaves, stage == PRUNED)
 
-    to_pruned = epoch_end & (stage == REGULARIZE) & (epochs_done >= hard_prune_epoch)
-    moved = to_pool | to_final | to_reg | to_pruned
-    new_stage = stage + moved.astype(jnp.int32)
-    new_state = ClickTrainState(
-      count=done,
-      stage=new_stage,
-      stage_start_epoch=jnp.where(moved, epochs_done, state.stage_start_epoch),
-      epoch_loss_sum=jnp.where(epoch_end, 0.0, loss_sum),
-      prev_epoch_loss=jnp.where(epoch_end, mean, state.prev_epoch_loss),
-      last_loss=loss,
-      layers=layers,
-      inner_state=inner_state,
-    )
-    return new_updates, new_state
+    new_state = _next_state(cfg, state, clock, stage, moved, layers, inner_state)
+    return jax.tree.unflatten(u_def, u_leaves), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-# -------------------------------------------------------------------- helpers
-def stage_name(state: ClickTrainState) -> str:
-  """Name of the current stage (host side)."""
-  return STAGE_NAMES[int(state.stage)]
-
-
-def _find_state(opt_state: Any) -> ClickTrainState:
-  if isinstance(opt_state, ClickTrainState):
-    return opt_state
-  for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ClickTrainState)):
-    if isinstance(leaf, ClickTrainState):
-      return leaf
-  raise ValueError("no ClickTrainState found in opt_state")
-
-
-def pattern_ids(opt_state: Any) -> dict[str, np.ndarray]:
-  """Per pattern layer: ``(Cin, Cout)`` ids into ``all_patterns(4, k)`` (-1 = not final)."""
-  st = _find_state(opt_state)
-  return {
-    n: np.asarray(ls.pattern_id)
-    for n, ls in st.layers.items()
-    if ls.pattern_id.size and ls.pattern_mask.shape[0] > 1
-  }
-
-
-def kernel_masks(opt_state: Any) -> dict[str, np.ndarray]:
-  """Per pruned layer: bool ``(Cin, Cout)``, True = kernel kept."""
-  st = _find_state(opt_state)
-  return {n: np.asarray(ls.kernel_keep) for n, ls in st.layers.items()}
-
-
-def masks(opt_state: Any, params: PyTree) -> PyTree:
-  """A pytree like ``params``: the weight mask ``P ⊙ K`` for pruned layers, None elsewhere.
-
-  Accepted by ``jaxprune.flops`` (``masks=``) and ``compression_ratio``.
-  """
-  st = _find_state(opt_state)
-  params = _pure(params)
-  names = _leaf_names(params)
-  by_index = {names[n]: _full_mask(ls) for n, ls in st.layers.items()}
-  leaves, treedef = jax.tree.flatten(params)
-  return jax.tree.unflatten(treedef, [by_index.get(i) for i in range(len(leaves))])
-
-
-def pattern_usage(opt_state: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-  """Per kernel size: (pattern ids, number of kept kernels using each), most used first."""
-  st = _find_state(opt_state)
-  per_size: dict[int, list[np.ndarray]] = {}
-  for ls in st.layers.values():
-    k = ls.pattern_mask.shape[0]
-    if k < 2:
-      continue
-    pid = np.asarray(ls.pattern_id)[np.asarray(ls.kernel_keep)]
-    per_size.setdefault(k, []).append(pid[pid >= 0])
-  out = {}
-  for k, arrs in per_size.items():
-    ids, counts = np.unique(np.concatenate(arrs), return_counts=True)
-    order = np.argsort(-counts, kind="stable")
-    out[k] = (ids[order], counts[order])
-  return out
-
-
-def compression(opt_state: Any, params: PyTree) -> float:
-  """Conv compression ratio (total / nonzero conv weights) with the current masks."""
-  from jaxprune import flops
-
-  params = _pure(params)
-  return flops.compression_ratio(params, masks(opt_state, params))
-
-
-def flops_saved(model: Any, opt_state: Any, input_shape: Sequence[int]) -> dict[str, float]:
-  """Training and inference FLOPs saved by the masks (ClickTrain Table 1 columns).
-
-  Returns fractions per step once hard-pruned: ``{"training": .., "inference": ..}``
-  (1 - masked / dense FLOPs, conv and dense layers, multiply-add = 2).
-  """
-  from flax import nnx
-  from jaxprune import flops
-
-  weight_masks = masks(opt_state, nnx.state(model, nnx.Param))
-  dense_t = flops.training_flops_per_step(model, input_shape)
-  dense_i = flops.inference_flops(model, input_shape)
-  sparse_t = flops.training_flops_per_step(model, input_shape, masks=weight_masks)
-  sparse_i = flops.inference_flops(model, input_shape, masks=weight_masks)
-  return {"training": 1.0 - sparse_t / dense_t, "inference": 1.0 - sparse_i / dense_i}

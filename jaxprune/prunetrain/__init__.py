@@ -59,8 +59,10 @@ from jaxprune.prunetrain.slicing import (
   registered_state_slicers,
 )
 from jaxprune.prunetrain.surgery import ReconfigureReport, reconfigure, rounded_width
+from jaxprune.prunetrain.preset import method
 
 __all__ = [
+  "method",
   "PruneTrainCallback",
   "model_costs",
   "DynamicBatch",

@@ -7,13 +7,22 @@ computed from the N:M-pruned output gradient, ``SDGPConv`` is its Flax NNX modul
 Example:
   >>> from jaxprune import sdgp
   >>> model = sdgp.convert_model(model, n=2, m=4, method="rescaled_magnitude")
+
+References:
+  McDanel, Dinh and Magallanes, "Accelerating DNN Training with Structured Data Gradient
+  Pruning", arXiv 2022. https://arxiv.org/abs/2202.00774
+
+  Chmiel, Hubara, Banner and Soudry, "Minimum Variance Unbiased N:M Sparsity for the Neural
+  Gradients", ICLR 2023 (``method="mvue"``). https://arxiv.org/abs/2203.10991
 """
 
 from pallas_kernels.nm_math import MAX_GROUP, METHODS, RESCALE_EPS
 from jaxprune.sdgp.conv import SDGPConv, SDGPConversion, SDGPKey, convert_model, sdgp_conv
 from jaxprune.sdgp.prune import BACKENDS, nm_prune, nm_prune_reference
+from jaxprune.sdgp.preset import method
 
 __all__ = [
+  "method",
   "BACKENDS",
   "MAX_GROUP",
   "METHODS",

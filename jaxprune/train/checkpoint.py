@@ -20,10 +20,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 _ARRAYS = "arrays"
 _META = "meta"
+
+
+def _orbax() -> Any:
+  """``orbax.checkpoint``, imported on first use.
+
+  Importing orbax is slow and most uses of the library (transforms, FLOPs, models) never
+  checkpoint, so ``import jaxprune`` leaves it out until a :class:`CheckpointStore` is built.
+  """
+  import orbax.checkpoint as ocp
+
+  return ocp
 
 
 def _path_entry_name(entry: Any) -> str:
@@ -83,6 +93,7 @@ class CheckpointStore:
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
     self.directory = os.path.abspath(os.fspath(directory))
+    ocp = _orbax()
     options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
     )
@@ -100,6 +111,7 @@ class CheckpointStore:
 
   def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Write checkpoint ``step`` (blocks until it is complete and renamed into place)."""
+    ocp = _orbax()
     stored = jax.tree.map(_storable, _to_nested(arrays))
     self._manager.save(
       step,
@@ -112,6 +124,7 @@ class CheckpointStore:
 
   def restore_meta(self, step: int) -> dict[str, Any]:
     """The JSON record of checkpoint ``step``."""
+    ocp = _orbax()
     restored = self._manager.restore(
       step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
     )
@@ -132,6 +145,7 @@ class CheckpointStore:
       ValueError: if a saved array's shape differs from the template's (the model was
         reconfigured: rebuild it from ``meta["model_spec"]`` first).
     """
+    ocp = _orbax()
     abstract = jax.tree.map(_abstract_storable, _to_nested(template))
     restored = self._manager.restore(
       step,

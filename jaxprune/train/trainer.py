@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxprune import models
+from jaxprune import masking, models
 from jaxprune.train import optim
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.checkpoint import CheckpointStore
@@ -56,6 +56,12 @@ class Callback:
   """
 
   every_steps: int | None = None
+
+  def on_fit_start(self, trainer: "Trainer") -> None:
+    """Runs when :meth:`Trainer.fit` starts, after a checkpoint was restored (a hook that
+    changes the model's structure once, e.g. ClickTrain's sparse execution, re-applies it
+    to a resumed run here)."""
+    del trainer
 
   def on_epoch_end(self, trainer: "Trainer", epoch: int) -> Mapping[str, Any] | None:
     """Runs after epoch ``epoch`` (1-based) was trained and evaluated, before the
@@ -240,6 +246,7 @@ class Trainer:
     self._pending_batch_size: tuple[int, bool] | None = None
     self._elapsed_before = 0.0
     self._memory_cache: dict[Any, dict[str, int]] = {}
+    self._refill_check = masking.RefillCheck()  # pruned weights re-filled at an epoch end
     self._set_model(model, self.tx.init(nnx.as_pure(nnx.state(model, nnx.Param))))
 
   # ----------------------------------------------------------------- state access
@@ -533,6 +540,8 @@ class Trainer:
       raise ValueError(f"epochs must be a positive int, got {epochs!r}")
     if resume:
       self.restore_checkpoint(train_loader)
+    for c in self.callbacks:
+      c.on_fit_start(self)
     if self.reference_batch_size is None:
       self.reference_batch_size = _loader_batch_size(train_loader)
     self._rewrite_log()
@@ -545,6 +554,8 @@ class Trainer:
       record: dict[str, Any] = {"epoch": self.epoch + 1}
       lr_before = self.lr
       record.update(self.train_epoch(train_loader))
+      # Pruned weights found non-zero: something chained after the masking re-filled them.
+      self._refill_check(self.opt_state, self.params)
       self.epoch += 1
       record["lr"] = self.lr if self.lr is not None else lr_before
       record["lr_scale"] = self.lr_scale

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxprune.clicktrain import importance, patterns
+from jaxprune.clicktrain import importance, patterns, readouts
 from jaxprune.clicktrain import transform as ct
 
 
@@ -222,7 +222,7 @@ def test_group_lasso_gradient_matches_autodiff():
   assert int(st.stage) == ct.REGULARIZE
   g = _fake_grads(p, 99)
   u, _ = update(g, st, p, value=jnp.float32(0.9))
-  penalty_grad = jax.grad(lambda q: LAMBDA * ct.group_lasso_penalty(q, st))(p)
+  penalty_grad = jax.grad(lambda q: LAMBDA * readouts.group_lasso_penalty(q, st))(p)
   expect = jax.tree.map(jnp.add, g, penalty_grad)
   for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(expect)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -256,7 +256,7 @@ def test_hard_prune_keeps_pruned_weights_exactly_zero():
   for i in range(30):
     p, st = step(p, st, *_batch(i))
     if i >= spe * 4:  # the first step of epoch 4 (the hard prune) is done
-      masks = ct.masks(st, p)
+      masks = readouts.masks(st, p)
       if mask0 is None:
         mask0 = masks
       for name, path in ((CONV1, ("block", "conv1")), (CONV2, ("block", "conv2"))):
@@ -268,7 +268,7 @@ def test_hard_prune_keeps_pruned_weights_exactly_zero():
   w = np.asarray(p["block"]["conv1"]["kernel"])
   # 4 of 9 per kept kernel, half of the kernels kept
   assert np.count_nonzero(w) == 4 * 24
-  assert ct.compression(st, p) > 1.5
+  assert readouts.compression(st, p) > 1.5
   assert masks["stem"]["kernel"] is None
 
 
@@ -319,7 +319,7 @@ def test_one_shot_matches_released_rule():
   ls = st.layers[CONV1]
   np.testing.assert_array_equal(ls.pattern_id, patterns.library_pattern_ids()[:4][pat])
   np.testing.assert_array_equal(ls.kernel_keep, keep)
-  np.testing.assert_array_equal(ct.masks(st, p)["block"]["conv1"]["kernel"], mask)
+  np.testing.assert_array_equal(readouts.masks(st, p)["block"]["conv1"]["kernel"], mask)
   ks = np.asarray(
     importance.kernel_scores(p["block"]["conv2"]["kernel"], g["block"]["conv2"]["kernel"])
   )

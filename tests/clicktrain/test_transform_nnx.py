@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxprune
-from jaxprune.clicktrain import transform as ct
+from jaxprune.clicktrain import readouts
 
 
 class _TinyNet(nnx.Module):
@@ -68,21 +68,21 @@ def test_nnx_optimizer_end_to_end(kind):
   stages = []
   for _ in range(6):
     step(model, optimizer, x, y)
-    stages.append(ct.stage_name(optimizer.opt_state))
+    stages.append(readouts.stage_name(optimizer.opt_state))
   # stage after each step (transitions at epoch ends; one step per epoch here)
   assert stages == ["pool", "finalize", "regularize", "pruned", "pruned", "pruned"]
   params = nnx.state(model, nnx.Param)
-  masks = ct.masks(optimizer.opt_state, params)
+  masks = readouts.masks(optimizer.opt_state, params)
   for w, m in zip(jax.tree.leaves(params), jax.tree.leaves(masks, is_leaf=lambda v: v is None)):
     if m is not None:
       assert np.all(np.asarray(w)[np.asarray(m) == 0] == 0)
-  usage = ct.pattern_usage(optimizer.opt_state)
+  usage = readouts.pattern_usage(optimizer.opt_state)
   assert len(usage[3][0]) <= 8  # every kept kernel uses one of the pool's patterns
-  kernels = ct.kernel_masks(optimizer.opt_state)
+  kernels = readouts.kernel_masks(optimizer.opt_state)
   assert len(kernels) == len(ratios)
   for keep, r in zip(kernels.values(), ratios):
     assert (~keep).sum() == int(np.ceil(r * keep.size - 1e-9))
-  cr = ct.compression(optimizer.opt_state, params)
+  cr = readouts.compression(optimizer.opt_state, params)
   assert cr == pytest.approx(jaxprune.flops.compression_ratio(params))  # weights really zero
   # hand count: pruned layers keep 4 (3x3) or 1 (1x1) weights per kept kernel
   total = nonzero = 0
@@ -95,5 +95,5 @@ def test_nnx_optimizer_end_to_end(kind):
       int(kernels[name].sum()) * min(4, w.shape[0] * w.shape[1]) if name in kernels else w.size
     )
   assert cr == pytest.approx(total / nonzero)
-  saved = ct.flops_saved(model, optimizer.opt_state, (1,) + shape[1:])
+  saved = readouts.flops_saved(model, optimizer.opt_state, (1,) + shape[1:])
   assert 0.3 < saved["inference"] < 1.0 and 0.2 < saved["training"] < saved["inference"] + 0.1

@@ -12,6 +12,7 @@ from flax import nnx
 from jaxprune import clicktrain as ct
 from jaxprune import data, models, sdgp, train
 from jaxprune import prunetrain as pt
+from jaxprune._states import find_states
 
 
 def _loader(seed=0):
@@ -177,11 +178,7 @@ def test_sdgp_widths_stay_multiples_of_m():
 
 
 def _find(state, state_type):
-  (found,) = [
-    s
-    for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, state_type))
-    if isinstance(s, state_type)
-  ]
+  (found,) = find_states(state, state_type)
   return found
 
 

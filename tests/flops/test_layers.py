@@ -1,8 +1,6 @@
-"""Tests for jaxprune.flops: hand-counted FLOPs, tracing-based layer discovery, masks, ratios."""
+"""Tests for jaxprune.flops.layers: hand-counted per-layer FLOPs, masks, totals, library models."""
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -12,88 +10,13 @@ from flax import nnx
 
 from jaxprune import flops
 
-
-# ---------------------------------------------------------------------------------------------
-# Small models defined here, independent of jaxprune.models
-# ---------------------------------------------------------------------------------------------
-
-
-class ConvBNLinear(nnx.Module):
-  """3x3 conv 3→8 (SAME) → BN → ReLU → global average pool → Linear 8→10."""
-
-  def __init__(self, rngs: nnx.Rngs):
-    self.conv = nnx.Conv(3, 8, (3, 3), padding="SAME", use_bias=False, rngs=rngs)
-    self.bn = nnx.BatchNorm(8, rngs=rngs)
-    self.linear = nnx.Linear(8, 10, rngs=rngs)
-
-  def __call__(self, x):
-    x = nnx.relu(self.bn(self.conv(x)))
-    return self.linear(x.mean(axis=(1, 2)))
-
-
-class ConvBNAct(nnx.Module):
-  def __init__(self, cin, cout, k, stride, rngs):
-    self.conv = nnx.Conv(cin, cout, (k, k), strides=stride, use_bias=False, rngs=rngs)
-    self.bn = nnx.BatchNorm(cout, rngs=rngs)
-
-  def __call__(self, x):
-    return self.bn(self.conv(x))
-
-
-class ResidualBlock(nnx.Module):
-  """relu(conv2(relu(conv1(x))) + shortcut(x)) with a strided 1x1 projection shortcut."""
-
-  def __init__(self, cin, cout, stride, rngs):
-    self.conv1 = ConvBNAct(cin, cout, 3, stride, rngs)
-    self.conv2 = ConvBNAct(cout, cout, 3, 1, rngs)
-    self.shortcut = ConvBNAct(cin, cout, 1, stride, rngs)
-
-  def __call__(self, x):
-    y = self.conv2(nnx.relu(self.conv1(x)))
-    return nnx.relu(y + self.shortcut(x))
-
-
-class TinyResNet(nnx.Module):
-  def __init__(self, rngs):
-    self.stem = ConvBNAct(3, 4, 3, 1, rngs)
-    self.stages = nnx.List([nnx.List([ResidualBlock(4, 8, 2, rngs)])])
-    self.head = nnx.Linear(8, 5, rngs=rngs)
-
-  def __call__(self, x):
-    x = nnx.relu(self.stem(x))
-    for stage in self.stages:
-      for block in stage:
-        x = block(x)
-    return self.head(x.mean(axis=(1, 2)))
-
-
-def _abstract(model_class, *args):
-  """The model with shape-only weights: FLOPs need no values, and eager init is slow on CPU."""
-  return nnx.eval_shape(lambda: model_class(*args, nnx.Rngs(0)))
-
-
-def _conv(x, w, strides=(1, 1), padding="SAME", groups=1):
-  return jax.lax.conv_general_dilated(
-    x,
-    w,
-    strides,
-    padding,
-    dimension_numbers=("NHWC", "HWIO", "NHWC"),
-    feature_group_count=groups,
-  )
-
-
-def _single_conv_fn(strides, padding, groups):
-  return lambda p, x: _conv(x, p["w"], strides, padding, groups)
-
-
 # ---------------------------------------------------------------------------------------------
 # Hand-counted FLOPs
 # ---------------------------------------------------------------------------------------------
 
 
-def test_conv_bn_linear_hand_count():
-  model = _abstract(ConvBNLinear)
+def test_conv_bn_linear_hand_count(conv_bn_linear):
+  model = conv_bn_linear
   batch = 2
   layers = flops.layer_flops(model, (batch, 8, 8, 3))
   assert [layer.kind for layer in layers] == ["conv", "dense"]
@@ -127,9 +50,9 @@ def test_conv_bn_linear_hand_count():
     ((1, 1), "SAME", 4, 4, 8, (8, 8)),  # depthwise with multiplier 2
   ],
 )
-def test_conv_stride_padding_groups(strides, padding, groups, cin, cout, out_hw):
+def test_conv_stride_padding_groups(strides, padding, groups, cin, cout, out_hw, single_conv_fn):
   kernel = jnp.ones((3, 3, cin // groups, cout))
-  fn = _single_conv_fn(strides, padding, groups)
+  fn = single_conv_fn(strides, padding, groups)
   (layer,) = flops.layer_flops(fn, (3, 8, 8, cin), params={"w": kernel})
   oh, ow = out_hw
   expected = 2 * 3 * oh * ow * 3 * 3 * (cin // groups) * cout
@@ -140,11 +63,11 @@ def test_conv_stride_padding_groups(strides, padding, groups, cin, cout, out_hw)
   assert layer.kernel_shape == (3, 3, cin // groups, cout)
 
 
-def test_valid_conv_and_dense_match_xla_cost_analysis():
+def test_valid_conv_and_dense_match_xla_cost_analysis(single_conv_fn):
   """XLA's own count (no padding involved, so the conventions agree) as an independent oracle."""
   x = jnp.ones((2, 9, 9, 4))
   w = jnp.ones((3, 3, 4, 5))
-  fn = _single_conv_fn((2, 2), "VALID", 1)
+  fn = single_conv_fn((2, 2), "VALID", 1)
   cost = jax.jit(fn).lower({"w": w}, x).compile().cost_analysis()
   if not cost or "flops" not in cost:
     pytest.skip("XLA cost analysis unavailable on this backend")
@@ -168,8 +91,8 @@ def test_linear_on_sequence_counts_every_row():
   assert layer.backward_data == 0 and layer.backward_weight == layer.forward
 
 
-def test_residual_block_counts_and_paths():
-  model = _abstract(TinyResNet)
+def test_residual_block_counts_and_paths(tiny_resnet):
+  model = tiny_resnet
   layers = flops.layer_flops(model, (1, 8, 8, 3))
   by_path = {layer.param_path: layer for layer in layers}
   block = ("stages", 0, 0)
@@ -200,125 +123,30 @@ def test_residual_block_counts_and_paths():
   ]
 
 
-def test_input_normalization_still_has_no_input_gradient():
+def test_input_normalization_still_has_no_input_gradient(conv):
   """Preprocessing without parameters does not create a need for the input gradient."""
   params = {"w": jnp.ones((3, 3, 3, 4)), "scale": jnp.ones((3,))}
-  normalized = lambda p, x: _conv((x - 0.5) / 0.25, p["w"])
+  normalized = lambda p, x: conv((x - 0.5) / 0.25, p["w"])
   (layer,) = flops.layer_flops(normalized, (1, 8, 8, 3), params=params)
   assert layer.backward_data == 0
   # A learnable input scale does: the conv's input now depends on a parameter.
-  scaled = lambda p, x: _conv(x * p["scale"], p["w"])
+  scaled = lambda p, x: conv(x * p["scale"], p["w"])
   (layer,) = flops.layer_flops(scaled, (1, 8, 8, 3), params=params)
   assert layer.backward_data == layer.forward == 2 * 8 * 8 * 9 * 3 * 4
 
 
-def test_stop_gradient_removes_the_gradients_it_blocks():
+def test_stop_gradient_removes_the_gradients_it_blocks(conv):
   params = {"w1": jnp.ones((3, 3, 3, 4)), "w2": jnp.ones((3, 3, 4, 4))}
 
   def fn(p, x):
-    y = _conv(x, p["w1"])
+    y = conv(x, p["w1"])
     # Frozen second kernel, and a frozen feature extractor in front of it.
-    return _conv(jax.lax.stop_gradient(y), jax.lax.stop_gradient(p["w2"]))
+    return conv(jax.lax.stop_gradient(y), jax.lax.stop_gradient(p["w2"]))
 
   first, second = flops.layer_flops(fn, (1, 6, 6, 3), params=params)
   assert second.param_path == ("w2",)
   assert second.backward_data == 0 and second.backward_weight == 0
   assert first.backward_weight == first.forward
-
-
-# ---------------------------------------------------------------------------------------------
-# Tracing through wrappers
-# ---------------------------------------------------------------------------------------------
-
-
-def test_paths_found_through_jit_custom_vjp_mask_and_dtype_cast():
-  @jax.custom_vjp
-  def custom_conv(x, w):
-    return _conv(x, w)
-
-  custom_conv.defvjp(
-    lambda x, w: (_conv(x, w), (x, w)),
-    lambda res, g: jax.vjp(_conv, *res)[1](g),
-  )
-
-  def fn(params, x):
-    kernel = (params["block"]["w"] * params["mask"]).astype(jnp.bfloat16).astype(jnp.float32)
-    y = jax.jit(custom_conv)(x, kernel)
-    y = jax.checkpoint(lambda y, w: _conv(jax.nn.relu(y), w))(y, params["second"])
-    return y.mean(axis=(1, 2)) @ params["head"].T
-
-  params = {
-    "block": {"w": jnp.ones((3, 3, 3, 4))},
-    "mask": jnp.ones((3, 3, 3, 4)),
-    "second": jnp.ones((3, 3, 4, 4)),
-    "head": jnp.ones((2, 4)),
-  }
-  layers = flops.layer_flops(fn, (1, 6, 6, 3), params=params)
-  # The masked kernel multiplies two parameter leaves of the same shape: the first is kept.
-  assert [layer.param_path for layer in layers] == [("block", "w"), ("second",), ("head",)]
-  assert layers[2].kernel_shape == (4, 2)  # transposed view of the (2, 4) leaf
-  assert layers[2].forward == 2 * 4 * 2
-
-
-def test_scan_over_stacked_layers_multiplies_by_length():
-  depth, width, batch = 3, 6, 4
-
-  def fn(params, x):
-    def body(h, w):
-      return jnp.tanh(h @ w), None
-
-    h, _ = jax.lax.scan(body, x, params["stack"])
-    return h
-
-  params = {"stack": jnp.ones((depth, width, width))}
-  (layer,) = flops.layer_flops(fn, (batch, width), params=params)
-  assert layer.count == depth
-  assert layer.param_path == ("stack",)
-  assert layer.forward == depth * 2 * batch * width * width
-  # A mask keeping one third of the stacked weights keeps one third of the FLOPs in total.
-  mask = np.zeros((depth, width, width))
-  mask[:, :, :2] = 1
-  (masked,) = flops.layer_flops(fn, (batch, width), params=params, masks={"stack": mask})
-  assert masked.forward * 3 == layer.forward
-
-
-def test_pallas_call_body_counts_once_per_grid_step():
-  pallas = pytest.importorskip("jax.experimental.pallas")
-
-  def kernel(x_ref, w_ref, o_ref):
-    o_ref[...] = x_ref[...] @ w_ref[...]
-
-  def fn(params, x):
-    return pallas.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((16, 8), jnp.float32),
-      grid=(2,),
-      in_specs=[
-        pallas.BlockSpec((8, 4), lambda i: (i, 0)),
-        pallas.BlockSpec((4, 8), lambda i: (0, 0)),
-      ],
-      out_specs=pallas.BlockSpec((8, 8), lambda i: (i, 0)),
-      interpret=True,
-    )(x, params["w"])
-
-  (layer,) = flops.layer_flops(fn, (16, 4), params={"w": jnp.ones((4, 8))})
-  assert layer.count == 2
-  assert layer.forward == 2 * 16 * 4 * 8  # two 8-row blocks of the 16×4 @ 4×8 product
-  assert layer.param_path == ("w",)  # the block is the whole weight
-
-
-def test_activation_matmul_is_reported_without_weight():
-  def fn(params, x):
-    q = x @ params["wq"]
-    return jnp.einsum("btd,bsd->bts", q, q)
-
-  params = {"wq": jnp.ones((4, 4))}
-  dense, matmul = flops.layer_flops(fn, (2, 5, 4), params=params)
-  assert dense.kind == "dense" and dense.param_path == ("wq",)
-  assert matmul.kind == "matmul" and matmul.param_path is None
-  assert matmul.forward == 2 * 2 * 5 * 5 * 4
-  assert matmul.backward_weight == 0
-  assert matmul.backward_data == 2 * matmul.forward  # gradient to both operands
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,8 +163,8 @@ def _half_masks(model):
   return masks
 
 
-def test_masks_halve_flops():
-  model = _abstract(ConvBNLinear)
+def test_masks_halve_flops(conv_bn_linear):
+  model = conv_bn_linear
   dense = flops.layer_flops(model, (2, 8, 8, 3))
   masked = flops.layer_flops(model, (2, 8, 8, 3), masks=_half_masks(model))
   for d, m in zip(dense, masked):
@@ -348,11 +176,11 @@ def test_masks_halve_flops():
   assert masked[0].forward == 2 * 8 * 8 * 2 * (3 * 3 * 3 * 4)
 
 
-def test_channel_masks_equal_the_reconfigured_narrow_model():
+def test_channel_masks_equal_the_reconfigured_narrow_model(conv):
   """PruneTrain invariant: masking dead channels costs what the smaller rebuilt model costs."""
 
   def two_convs(p, x):
-    return _conv(jax.nn.relu(_conv(x, p["c1"], (2, 2))), p["c2"])
+    return conv(jax.nn.relu(conv(x, p["c1"], (2, 2))), p["c2"])
 
   wide = {"c1": jnp.ones((3, 3, 3, 8)), "c2": jnp.ones((3, 3, 8, 6))}
   keep = np.array([1, 0, 1, 1, 0, 0, 1, 0], bool)  # 4 of 8 middle channels live
@@ -377,8 +205,8 @@ def test_channel_masks_equal_the_reconfigured_narrow_model():
   assert per_image(narrow) * 2 == per_image(wide)  # both convs halve
 
 
-def test_mask_forms_agree():
-  model = _abstract(ConvBNLinear)
+def test_mask_forms_agree(conv_bn_linear):
+  model = conv_bn_linear
   pattern = np.zeros((3, 3, 3, 8), bool)
   pattern[0, 0] = pattern[1, 1] = pattern[2, 2] = pattern[1, 2] = True  # 4 of 9 per kernel
   per_layer = flops.layer_flops(model, (1, 8, 8, 3), masks={("conv", "kernel"): pattern})
@@ -392,8 +220,8 @@ def test_mask_forms_agree():
   assert per_layer[1].forward == 2 * 8 * 10  # linear unmasked
 
 
-def test_backward_data_density_scales_conv_data_gradients_only():
-  model = _abstract(TinyResNet)
+def test_backward_data_density_scales_conv_data_gradients_only(tiny_resnet):
+  model = tiny_resnet
   layers = flops.layer_flops(model, (1, 8, 8, 3))
   conv_data = sum(l.backward_data for l in layers if l.kind == "conv")
   full = flops.training_flops_per_step(layers)
@@ -402,7 +230,7 @@ def test_backward_data_density_scales_conv_data_gradients_only():
 
 
 # ---------------------------------------------------------------------------------------------
-# Integration, reports
+# Integration over a run
 # ---------------------------------------------------------------------------------------------
 
 
@@ -415,141 +243,6 @@ def test_integrate_training_flops_sums_segments():
     flops.integrate_training_flops([(1.0, -1)])
   with pytest.raises(ValueError, match="segments"):
     flops.integrate_training_flops([(1.0, 2.0, 3.0)])
-
-
-def test_format_table_rows_and_totals():
-  model = _abstract(TinyResNet)
-  layers = flops.layer_flops(model, (1, 8, 8, 3))
-  table = flops.format_table(layers, scale=1.0, unit="FLOPs")
-  lines = table.splitlines()
-  assert len(lines) == 2 + len(layers) + 1
-  assert lines[2].startswith("| stem/conv/kernel | conv | 3×3×3×4 |")
-  total_cells = [c.strip() for c in lines[-1].split("|")[1:-1]]
-  assert float(total_cells[8]) == pytest.approx(sum(l.forward for l in layers), rel=1e-3)
-  assert float(total_cells[11]) == pytest.approx(flops.training_flops_per_step(layers), rel=1e-3)
-
-
-def test_model_flops_report_mentions_totals():
-  model = _abstract(TinyResNet)
-  report = flops.model_flops_report(model, (1, 8, 8, 3))
-  inference = flops.inference_flops(model, (1, 8, 8, 3))
-  assert f"inference FLOPs: {inference:,}" in report
-  assert "stages/0/0/shortcut/conv/kernel" in report
-
-
-# ---------------------------------------------------------------------------------------------
-# Compression ratio, sparsity
-# ---------------------------------------------------------------------------------------------
-
-
-def _pattern_params(rng, cin=4, cout=6, kernel_prune=0.0):
-  """Conv kernel with 4 of 9 weights kept per kernel, and a fraction of whole kernels zeroed."""
-  w = rng.normal(size=(3, 3, cin, cout)) + 3.0  # no accidental zeros
-  mask = np.zeros_like(w, dtype=bool)
-  for c in range(cin):
-    for f in range(cout):
-      keep = rng.choice(9, size=4, replace=False)
-      mask[:, :, c, f].flat[keep] = True
-  n_pruned = int(round(kernel_prune * cin * cout))
-  for flat in rng.choice(cin * cout, size=n_pruned, replace=False):
-    mask[:, :, flat // cout, flat % cout] = False
-  return {"conv": {"kernel": w}, "dense": {"kernel": np.ones((5, 3)), "bias": np.ones(3)}}, mask
-
-
-def test_compression_ratio_pattern_and_kernel_pruning():
-  rng = np.random.default_rng(0)
-  params, mask = _pattern_params(rng)
-  masks = {"conv": {"kernel": mask}}
-  assert flops.compression_ratio(params, masks) == pytest.approx(9 / 4)
-  assert flops.conv_sparsity(params, masks) == pytest.approx(5 / 9)
-  # Zeroed in the params themselves (hard prune) instead of via masks: same ratio.
-  hard = {"conv": {"kernel": params["conv"]["kernel"] * mask}, "dense": params["dense"]}
-  assert flops.compression_ratio(hard) == pytest.approx(9 / 4)
-  assert flops.compression_ratio(params) == 1.0  # dense
-  # ClickTrain: 3x3 layer with kernel-prune ratio p → 9/4 · 1/(1 − p).
-  params, mask = _pattern_params(rng, cin=4, cout=5, kernel_prune=0.5)
-  assert flops.compression_ratio(params, {"conv": {"kernel": mask}}) == pytest.approx(
-    9 / 4 / (1 - 0.5)
-  )
-
-
-def test_compression_ratio_edge_cases():
-  params = {"conv": {"kernel": np.ones((3, 3, 2, 2))}}
-  assert flops.compression_ratio(params, {"conv": {"kernel": np.zeros((3, 3, 2, 2))}}) == math.inf
-  assert flops.conv_sparsity({"conv": {"kernel": np.zeros((3, 3, 2, 2))}}) == 1.0
-  with pytest.raises(ValueError, match="conv kernels"):
-    flops.compression_ratio({"dense": np.ones((4, 4))})
-  with pytest.raises(ValueError, match="masks"):
-    flops.compression_ratio(params, {"conv": {"kernel": np.ones((3, 3, 2, 3))}})
-  # NNX State works too (Variables flatten through `.value`).
-  abstract_state = nnx.state(_abstract(ConvBNLinear), nnx.Param)
-  state = jax.tree.map(lambda a: np.full(a.shape, 0.5, np.float32), abstract_state)
-  assert flops.compression_ratio(state) == 1.0
-  with pytest.raises(ValueError, match="abstract"):
-    flops.compression_ratio(nnx.state(_abstract(ConvBNLinear), nnx.Param))
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory traffic and communication
-# ---------------------------------------------------------------------------------------------
-
-
-def test_batchnorm_traffic_found_by_tracing():
-  model = _abstract(TinyResNet)
-  traffic = flops.batchnorm_traffic(model, (2, 8, 8, 3))
-  names = [t.name for t in traffic]
-  assert names == [
-    "stem/bn",
-    "stages/0/0/conv1/bn",
-    "stages/0/0/conv2/bn",
-    "stages/0/0/shortcut/bn",
-  ]
-  shapes = [t.activation_shape for t in traffic]
-  assert shapes == [(2, 8, 8, 4), (2, 4, 4, 8), (2, 4, 4, 8), (2, 4, 4, 8)]
-  stem = traffic[0]
-  assert stem.activation_bytes == 2 * 8 * 8 * 4 * 4  # float32
-  # forward: 2 reads + 1 write; backward: 4 reads + 1 write; inference: 1 read + 1 write.
-  assert (stem.forward_bytes, stem.backward_bytes, stem.inference_bytes) == (
-    3 * stem.activation_bytes,
-    5 * stem.activation_bytes,
-    2 * stem.activation_bytes,
-  )
-  assert stem.training_bytes == 8 * stem.activation_bytes
-  # A plain function: one BN assumed after each conv, on its output.
-  fn_traffic = flops.batchnorm_traffic(
-    _single_conv_fn((2, 2), "SAME", 1), (2, 8, 8, 3), params={"w": jnp.ones((3, 3, 3, 5))}
-  )
-  assert [t.activation_shape for t in fn_traffic] == [(2, 4, 4, 5)]
-
-
-def test_layer_flops_and_batchnorm_traffic_equal_the_separate_calls():
-  model = _abstract(TinyResNet)
-  layers, traffic = flops.layer_flops_and_batchnorm_traffic(model, (2, 8, 8, 3))
-  assert layers == flops.layer_flops(model, (2, 8, 8, 3))
-  assert traffic == flops.batchnorm_traffic(model, (2, 8, 8, 3))
-  fn, params = _single_conv_fn((2, 2), "SAME", 1), {"w": jnp.ones((3, 3, 3, 5))}
-  fn_layers, fn_traffic = flops.layer_flops_and_batchnorm_traffic(fn, (2, 8, 8, 3), params=params)
-  assert fn_layers == flops.layer_flops(fn, (2, 8, 8, 3), params=params)
-  assert fn_traffic == flops.batchnorm_traffic(fn, (2, 8, 8, 3), params=params)
-  with pytest.raises(ValueError, match="input_shape"):
-    flops.layer_flops_and_batchnorm_traffic(model, (2, 8, 8))
-
-
-def test_allreduce_bytes_ring_model():
-  params = {"conv": np.ones((3, 3, 4, 8), np.float32), "bias": np.ones(8, np.float32)}
-  grad_bytes = (3 * 3 * 4 * 8 + 8) * 4
-  assert flops.allreduce_bytes(params, 4) == pytest.approx(2 * 3 / 4 * grad_bytes)
-  assert flops.allreduce_bytes(params, 1) == 0.0
-  mask = np.zeros((3, 3, 4, 8), bool)
-  mask[1, 1] = True  # keep 4·8 entries
-  masked = flops.allreduce_bytes(params, 8, masks={"conv": mask})
-  assert masked == pytest.approx(2 * 7 / 8 * (4 * 8 + 8) * 4)
-  half = {"conv": np.ones((3, 3, 4, 8), jnp.bfloat16)}
-  assert flops.allreduce_bytes(half, 2) == pytest.approx(3 * 3 * 4 * 8 * 2)
-  with pytest.raises(ValueError, match="num_devices"):
-    flops.allreduce_bytes(params, 0)
-  with pytest.raises(ValueError, match="num_devices"):
-    flops.allreduce_bytes(params, 2.5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -654,12 +347,12 @@ def test_sdgp_converted_model_keeps_its_layers():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_bad_input_raises_value_error():
-  model = _abstract(ConvBNLinear)
+def test_bad_input_raises_value_error(conv_bn_linear, single_conv_fn):
+  model = conv_bn_linear
   with pytest.raises(ValueError, match="input_shape"):
     flops.layer_flops(model, (8, 3))  # rank 2: a 2-D conv needs (batch..., H, W, C)
   with pytest.raises(ValueError, match="input_shape"):
-    conv_fn = _single_conv_fn((1, 1), "SAME", 1)
+    conv_fn = single_conv_fn((1, 1), "SAME", 1)
     flops.layer_flops(conv_fn, (8, 8, 3), params={"w": jnp.ones((3, 3, 3, 4))})
   with pytest.raises(ValueError, match="input_shape"):
     flops.layer_flops(model, (1, 8, 8, 5))  # wrong channel count

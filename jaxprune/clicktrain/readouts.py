@@ -1,0 +1,176 @@
+"""Read-outs of a ClickTrain run: masks, stage, pattern usage, compression, FLOPs saved.
+
+Every function takes the optimizer state as the training loop holds it and finds the one
+:class:`~jaxprune.clicktrain.transform.ClickTrainState` inside: the state itself, an
+``optax.chain`` tuple, another wrapper's state (e.g. ``jaxprune.prunetrain.with_group_lasso``'s
+``PruneTrainState.inner``), an ``nnx.Optimizer`` or its ``opt_state`` (NNX Variables). None or
+two ClickTrain states is a ``ValueError``. All run on the host.
+
+Example:
+  >>> from jaxprune import clicktrain
+  >>> weight_masks = clicktrain.masks(optimizer, params)  # doctest: +SKIP
+  >>> clicktrain.stage_name(optimizer.opt_state)  # doctest: +SKIP
+  'pruned'
+
+References:
+  Zhang et al., "ClickTrain: Efficient and Accurate End-to-End Deep Learning Training via
+  Fine-Grained Architecture-Preserving Pruning", ICS 2021. https://arxiv.org/abs/2011.10170
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprune import masking
+from jaxprune._states import as_pure, find_states
+from jaxprune.clicktrain.transform import PRUNED, STAGE_NAMES, ClickTrainState, full_mask
+from jaxprune.paths import path_string
+
+__all__ = [
+  "compression",
+  "find_state",
+  "flops_saved",
+  "group_lasso_penalty",
+  "kernel_masks",
+  "masks",
+  "pattern_ids",
+  "pattern_usage",
+  "stage_name",
+]
+
+PyTree = Any
+
+
+def find_state(opt_state: Any) -> ClickTrainState:
+  """The one :class:`ClickTrainState` inside ``opt_state`` (see the module docstring).
+
+  Raises:
+    ValueError: ``opt_state`` holds no ClickTrain state, or more than one.
+  """
+  found = find_states(opt_state, ClickTrainState)
+  if not found:
+    raise ValueError(
+      f"opt_state: no ClickTrainState found in {type(opt_state).__name__} "
+      "(was the optimizer built with jaxprune.clicktrain.clicktrain?)"
+    )
+  if len(found) > 1:
+    raise ValueError(
+      f"opt_state: {len(found)} ClickTrainStates found; the read-outs need exactly one "
+      "(pass the sub-state of the ClickTrain transform you mean)"
+    )
+  return found[0]
+
+
+def stage_name(opt_state: Any) -> str:
+  """Name of the current stage: ``"warmup"``, ``"pool"``, ``"finalize"``, ``"regularize"``
+  or ``"pruned"``."""
+  return STAGE_NAMES[int(find_state(opt_state).stage)]
+
+
+def pattern_ids(opt_state: Any) -> dict[str, np.ndarray]:
+  """Per pattern layer: ``(Cin, Cout)`` ids into ``all_patterns(4, k)`` (-1 = not final)."""
+  st = find_state(opt_state)
+  return {
+    n: np.asarray(ls.pattern_id)
+    for n, ls in st.layers.items()
+    if ls.pattern_id.size and ls.pattern_mask.shape[0] > 1
+  }
+
+
+def kernel_masks(opt_state: Any) -> dict[str, np.ndarray]:
+  """Per pruned layer: bool ``(Cin, Cout)``, True = kernel kept."""
+  st = find_state(opt_state)
+  return {n: np.asarray(ls.kernel_keep) for n, ls in st.layers.items()}
+
+
+def _state_masks(st: ClickTrainState, params: PyTree) -> PyTree:
+  params = as_pure(params)
+  leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+  return jax.tree.unflatten(
+    treedef,
+    [
+      full_mask(st.layers[name]) if (name := path_string(p)) in st.layers else None
+      for p, _ in leaves_with_paths
+    ],
+  )
+
+
+def masks(opt_state: Any, params: PyTree) -> PyTree:
+  """A pytree like ``params``: the weight mask ``P ⊙ K`` for pruned layers, None elsewhere.
+
+  Accepted by ``jaxprune.flops`` (``masks=``), ``compression_ratio`` and
+  :func:`jaxprune.masking.mask`.
+  """
+  return _state_masks(find_state(opt_state), params)
+
+
+def _pruned_masks(st: ClickTrainState, params: PyTree) -> PyTree | None:
+  """The masks the weights obey: only once hard-pruned (before, pruned weights are live)."""
+  return _state_masks(st, params) if int(st.stage) == PRUNED else None
+
+
+masking.register_mask_source(ClickTrainState, _pruned_masks)
+
+
+def pattern_usage(opt_state: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+  """Per kernel size: (pattern ids, number of kept kernels using each), most used first."""
+  st = find_state(opt_state)
+  per_size: dict[int, list[np.ndarray]] = {}
+  for ls in st.layers.values():
+    k = ls.pattern_mask.shape[0]
+    if k < 2:
+      continue
+    pid = np.asarray(ls.pattern_id)[np.asarray(ls.kernel_keep)]
+    per_size.setdefault(k, []).append(pid[pid >= 0])
+  out = {}
+  for k, arrs in per_size.items():
+    ids, counts = np.unique(np.concatenate(arrs), return_counts=True)
+    order = np.argsort(-counts, kind="stable")
+    out[k] = (ids[order], counts[order])
+  return out
+
+
+def compression(opt_state: Any, params: PyTree) -> float:
+  """Conv compression ratio (total / nonzero conv weights) with the current masks."""
+  from jaxprune import flops
+
+  params = as_pure(params)
+  return flops.compression_ratio(params, masks(opt_state, params))
+
+
+def flops_saved(model: Any, opt_state: Any, input_shape: Sequence[int]) -> dict[str, float]:
+  """Training and inference FLOPs saved by the masks (ClickTrain Table 1 columns).
+
+  Returns fractions per step once hard-pruned: ``{"training": .., "inference": ..}``
+  (1 - masked / dense FLOPs, conv and dense layers, multiply-add = 2).
+  """
+  from flax import nnx
+
+  from jaxprune import flops
+
+  weight_masks = masks(opt_state, nnx.state(model, nnx.Param))
+  dense_t = flops.training_flops_per_step(model, input_shape)
+  dense_i = flops.inference_flops(model, input_shape)
+  sparse_t = flops.training_flops_per_step(model, input_shape, masks=weight_masks)
+  sparse_i = flops.inference_flops(model, input_shape, masks=weight_masks)
+  return {"training": 1.0 - sparse_t / dense_t, "inference": 1.0 - sparse_i / dense_i}
+
+
+def group_lasso_penalty(params: PyTree, opt_state: Any, eps: float = 1e-8) -> jax.Array:
+  """The modified group lasso term (without λ) for the current masks (ClickTrain §4.4):
+  ``Σ_kernels [sqrt(‖W⊙¬P‖² + ε) + sqrt(‖W⊙¬K‖² + ε)]``. Differentiable in ``params``."""
+  st = find_state(opt_state)
+  named = {path_string(p): w for p, w in jax.tree_util.tree_flatten_with_path(as_pure(params))[0]}
+  total = jnp.float32(0)
+  for name, ls in st.layers.items():
+    w = named[name]
+    z = w * (1 - ls.pattern_mask)
+    u = w * (~ls.kernel_keep).astype(w.dtype)
+    total += jnp.sum(jnp.sqrt(jnp.sum(z * z, axis=(0, 1)) + eps))
+    total += jnp.sum(jnp.sqrt(jnp.sum(u * u, axis=(0, 1)) + eps))
+  return total

@@ -1,0 +1,401 @@
+"""Per-layer sparse execution of a pattern-pruned model (ClickTrain §5.2, §5.4).
+
+After the hard prune ClickTrain's masks never change, so the sparse path is decided **once**:
+each pruned convolution whose sparsity is above a threshold becomes a :class:`PatternConv`
+that holds its fixed-position layout (built once from the mask, §5.1) and runs
+:func:`jaxprune.clicktrain.pattern_conv.pattern_conv`; the others stay ordinary ``nnx.Conv``
+layers (their pruned weights are kept at zero by ClickTrain's masks). There is no per-step
+branching: the choice is part of the model's structure, and a new structure is compiled once.
+
+The paper's threshold is 65% sparsity on its GPU (below it the dense cuDNN convolution is
+faster, §5.2 "Forward Phase Acceleration"). On other platforms the right threshold is what a
+measurement on that platform says (``python -m experiments.run pattern_conv_bench``); the
+defaults in :data:`DEFAULT_THRESHOLDS` follow those measurements.
+
+The layout is a static attribute of the layer, not part of its state: a checkpoint holds the
+same arrays before and after the switch, and a resumed run rebuilds the layouts from the
+masks that ClickTrain keeps in the optimizer state (:class:`SparseExecution` does this when a
+fit starts).
+
+Example::
+
+  weight_masks = clicktrain.masks(opt_state, nnx.state(model, nnx.Param))
+  model, report = convert_model(model, weight_masks)        # in place; report per layer
+  print(format_report(report))
+
+References:
+  Zhang et al., "ClickTrain: Efficient and Accurate End-to-End Deep Learning Training via
+  Fine-Grained Architecture-Preserving Pruning", ICS 2021. https://arxiv.org/abs/2011.10170
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxprune.clicktrain.layout import PatternLayout, build_layout
+from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv
+from jaxprune.paths import param_path
+from jaxprune.train import Callback
+
+__all__ = [
+  "DEFAULT_THRESHOLDS",
+  "LayerChoice",
+  "PatternConv",
+  "SparseExecution",
+  "convert_model",
+  "default_backend",
+  "default_threshold",
+  "format_report",
+  "masks_of",
+  "pattern_convs",
+]
+
+# Sparsity above which a layer runs the sparse path, per platform. GPU: the paper's 65%
+# (§5.2). CPU: the reference SpMM (one gather per kept column) is slower than XLA's dense
+# convolution at every ClickTrain sparsity we measured, so the CPU default keeps every layer
+# dense (a threshold above 1 is never reached).
+DEFAULT_THRESHOLDS = {"gpu": 0.65, "cpu": 1.01}
+
+
+def default_threshold(platform: str | None = None) -> float:
+  """The sparsity threshold of ``platform`` (default: the default backend's platform)."""
+  platform = platform or jax.default_backend()
+  return DEFAULT_THRESHOLDS.get(platform, DEFAULT_THRESHOLDS["cpu"])
+
+
+def default_backend(platform: str | None = None) -> str:
+  """The sparse kernel used on ``platform``: the Pallas kernels on GPU when available."""
+  platform = platform or jax.default_backend()
+  if platform == "gpu" and "pallas" in BACKENDS:
+    return "pallas"
+  return "reference"
+
+
+class _StaticLayout:
+  """Holds a layout as a static (graph-definition) attribute: never a state leaf."""
+
+  def __init__(self, layout: PatternLayout):
+    self.layout = layout
+
+  def __repr__(self) -> str:
+    return f"PatternLayout(kernel_shape={self.layout.kernel_shape}, width={self.layout.width})"
+
+
+def _conv_padding(conv: nnx.Conv, name: str):
+  padding = conv.padding
+  if isinstance(padding, str):
+    if padding.upper() in ("SAME", "VALID"):
+      return padding.upper()
+    raise ValueError(f"{name}: padding {padding!r} is not supported by PatternConv")
+  if isinstance(padding, int):
+    return ((padding, padding), (padding, padding))
+  pads = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
+  if len(pads) != 2:
+    raise ValueError(f"{name}: padding {padding!r} is not 2-D")
+  return pads
+
+
+def _check_convertible(conv: nnx.Conv, name: str) -> None:
+  if len(conv.kernel_size) != 2:
+    raise ValueError(f"{name}: PatternConv handles 2-D convolutions, got {conv.kernel_size}")
+  if conv.feature_group_count != 1:
+    raise ValueError(f"{name}: grouped convolutions are not supported by PatternConv")
+  for attr in ("input_dilation", "kernel_dilation"):
+    value = getattr(conv, attr)
+    if value not in (None, 1) and tuple(np.broadcast_to(value, (2,))) != (1, 1):
+      raise ValueError(f"{name}: {attr} {value!r} is not supported by PatternConv")
+  if conv.mask is not None:
+    raise ValueError(f"{name}: a conv with its own weight mask is not supported by PatternConv")
+  _conv_padding(conv, name)
+
+
+class PatternConv(nnx.Conv):
+  """``nnx.Conv`` whose kernel is pattern-sparse on a fixed layout (ClickTrain §5.2).
+
+  Same parameters (``kernel``, ``bias``: the very Variables of the conv it replaces) and the
+  same function as that conv with its pruned weights at zero; the convolution runs
+  :func:`~jaxprune.clicktrain.pattern_conv.pattern_conv` with ``backend``.
+
+  Build it with :meth:`from_conv`; :func:`convert_model` does it for a whole model.
+  """
+
+  @classmethod
+  def from_conv(
+    cls, conv: nnx.Conv, layout: PatternLayout, *, backend: str = "reference", name: str = "conv"
+  ) -> PatternConv:
+    """A ``PatternConv`` sharing ``conv``'s Variables, running on ``layout``.
+
+    Raises:
+      ValueError: an unknown backend, a layout of another kernel shape, or a conv that the
+        sparse path cannot run (grouped, dilated, circular padding, its own mask).
+    """
+    if backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(conv, PatternConv):
+      raise ValueError(f"{name}: conv is already a PatternConv")
+    _check_convertible(conv, name)
+    if tuple(layout.kernel_shape) != tuple(conv.kernel.shape):
+      raise ValueError(
+        f"{name}: layout kernel shape {layout.kernel_shape} != conv kernel {conv.kernel.shape}"
+      )
+    zeros = nnx.initializers.zeros
+    new = cls(
+      conv.in_features,
+      conv.out_features,
+      conv.kernel_size,
+      conv.strides,
+      rngs=nnx.Rngs(0),
+      padding=conv.padding,
+      use_bias=conv.use_bias,
+      dtype=conv.dtype,
+      param_dtype=conv.param_dtype,
+      precision=conv.precision,
+      promote_dtype=conv.promote_dtype,
+      preferred_element_type=conv.preferred_element_type,
+      # Zero init: the fresh params are replaced by the shared Variables just below.
+      kernel_init=zeros,
+      bias_init=zeros,
+    )
+    new.kernel = conv.kernel
+    new.bias = conv.bias
+    new.sparse_layout = _StaticLayout(layout)
+    new.backend = backend
+    return new
+
+  @property
+  def layout(self) -> PatternLayout:
+    return self.sparse_layout.layout
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    del out_sharding
+    kernel = self.kernel[...]
+    bias = self.bias[...] if self.bias is not None else None
+    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+    strides = self.strides if isinstance(self.strides, int) else tuple(self.strides)
+    y = pattern_conv(
+      inputs,
+      kernel,
+      self.layout,
+      strides=strides,
+      padding=_conv_padding(self, "PatternConv"),
+      backend=self.backend,
+    )
+    if self.preferred_element_type is not None:
+      y = y.astype(self.preferred_element_type)
+    if bias is not None:
+      y = y + bias.astype(y.dtype)
+    return y
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerChoice:
+  """What :func:`convert_model` decided for one pruned conv.
+
+  Attributes:
+    path: the conv's path in the model (``"/"``-joined).
+    kernel_shape: its HWIO kernel shape.
+    sparsity: fraction of zero weights under its mask.
+    balanced: every filter keeps the same number of weights.
+    backend: ``"dense"`` (left an ``nnx.Conv``) or the sparse backend it runs.
+  """
+
+  path: str
+  kernel_shape: tuple[int, ...]
+  sparsity: float
+  balanced: bool
+  backend: str
+
+
+def _masks_by_kernel_path(weight_masks: Any) -> dict[tuple, np.ndarray]:
+  flat = jax.tree_util.tree_flatten_with_path(weight_masks, is_leaf=lambda x: x is None)[0]
+  return {param_path(p): np.asarray(m) for p, m in flat if m is not None}
+
+
+def _set_child(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
+  parent = model
+  for part in path[:-1]:
+    parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+  if isinstance(path[-1], int):
+    parent[path[-1]] = new
+  else:
+    setattr(parent, path[-1], new)
+
+
+def convert_model(
+  model: nnx.Module,
+  weight_masks: Any,
+  *,
+  threshold: float | None = None,
+  backend: str | None = None,
+  nnz_per_kernel: int | None = 4,
+) -> tuple[nnx.Module, list[LayerChoice]]:
+  """Switches the pruned convs of ``model`` to the sparse path where it pays, in place.
+
+  Args:
+    model: an NNX model (mutated in place and returned).
+    weight_masks: a pytree like ``nnx.state(model, nnx.Param)`` with a 0/1 mask for every
+      pruned conv kernel and ``None`` elsewhere (``jaxprune.clicktrain.masks(opt_state,
+      params)``).
+    threshold: sparsity above which a layer runs the sparse path; default
+      :func:`default_threshold` of the current platform.
+    backend: the sparse backend; default :func:`default_backend`.
+    nnz_per_kernel: weights per kept kernel the layouts enforce (4 for ClickTrain's
+      patterns; a 1x1 kernel keeps its single weight); ``None`` accepts any pattern.
+
+  Returns:
+    ``(model, choices)``: one :class:`LayerChoice` per masked conv, in model order.
+
+  Raises:
+    ValueError: a mask whose shape or content does not fit its kernel (named), a masked
+      conv that is already a ``PatternConv``, or a bad threshold / backend.
+  """
+  threshold = default_threshold() if threshold is None else float(threshold)
+  if not np.isfinite(threshold) or threshold < 0:
+    raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+  backend = default_backend() if backend is None else backend
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  masks = _masks_by_kernel_path(weight_masks)
+  choices: list[LayerChoice] = []
+  swaps = []
+  for path, module in nnx.iter_modules(model):
+    if not isinstance(module, nnx.Conv):
+      continue
+    mask = masks.get(tuple(path) + ("kernel",))
+    if mask is None:
+      continue
+    name = "/".join(map(str, path))
+    if isinstance(module, PatternConv):
+      raise ValueError(f"weight_masks: {name} is already a PatternConv")
+    if mask.shape != tuple(module.kernel.shape):
+      raise ValueError(
+        f"weight_masks: mask of {name} has shape {mask.shape}, kernel {module.kernel.shape}"
+      )
+    try:
+      kernel_size = mask.shape[0] * mask.shape[1]
+      per_kernel = None if nnz_per_kernel is None else min(nnz_per_kernel, kernel_size)
+      layout = build_layout(mask, nnz_per_kernel=per_kernel)
+    except ValueError as err:
+      raise ValueError(f"weight_masks: {name}: {err}") from None
+    use = backend if layout.sparsity > threshold else "dense"
+    if use != "dense":
+      _check_convertible(module, name)
+      swaps.append((tuple(path), PatternConv.from_conv(module, layout, backend=use, name=name)))
+    choices.append(
+      LayerChoice(name, tuple(module.kernel.shape), layout.sparsity, layout.balanced, use)
+    )
+  for path, new in swaps:
+    if not path:
+      raise ValueError("model: pass a model containing convs, not a conv itself")
+    _set_child(model, path, new)
+  return model, choices
+
+
+def pattern_convs(model: nnx.Module) -> dict[str, PatternConv]:
+  """The ``PatternConv`` layers of ``model`` by path."""
+  return {
+    "/".join(map(str, p)): m for p, m in nnx.iter_modules(model) if isinstance(m, PatternConv)
+  }
+
+
+def format_report(choices: list[LayerChoice]) -> str:
+  """A markdown table of :func:`convert_model`'s per-layer choices."""
+  lines = ["| layer | kernel | sparsity | balanced | path |", "|---|---|---:|---|---|"]
+  for c in choices:
+    lines.append(
+      f"| `{c.path}` | {'×'.join(map(str, c.kernel_shape))} | {c.sparsity:.1%} "
+      f"| {'yes' if c.balanced else 'no'} | {c.backend} |"
+    )
+  return "\n".join(lines)
+
+
+def _clicktrain_state_pruned(opt_state: Any) -> bool:
+  from jaxprune.clicktrain import stage_name
+
+  return stage_name(opt_state) == "pruned"
+
+
+class SparseExecution(Callback):
+  """Trainer hook: switch the pruned convs to the sparse path once the masks are final.
+
+  At the first epoch end where ClickTrain's stage is ``"pruned"`` and the pruned weights are
+  exactly zero (one epoch after the stage changes: ClickTrain zeroes them at the first pruned
+  step, so before it the dense and the sparse model would compute different functions), and
+  on a resumed run when the fit starts, it runs :func:`convert_model` on the trainer's model with the masks
+  from the optimizer state and installs it (one recompilation). Later epochs do nothing.
+
+  Args:
+    threshold, backend, nnz_per_kernel: as :func:`convert_model`.
+
+  Attributes:
+    choices: the per-layer decisions, once converted.
+
+  Example::
+
+    trainer = train.Trainer(model, clicktrain.clicktrain(inner, ...),
+                            callbacks=[SparseExecution()])
+  """
+
+  def __init__(
+    self,
+    *,
+    threshold: float | None = None,
+    backend: str | None = None,
+    nnz_per_kernel: int | None = 4,
+  ):
+    if backend is not None and backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    self.threshold = threshold
+    self.backend = backend
+    self.nnz_per_kernel = nnz_per_kernel
+    self.choices: list[LayerChoice] | None = None
+
+  def _convert(self, trainer: Any) -> dict[str, Any] | None:
+    if self.choices is not None or not _clicktrain_state_pruned(trainer.opt_state):
+      return None
+    model = trainer.model
+    weight_masks = masks_of(trainer.opt_state, model)
+    if not _pruned_weights_are_zero(model, weight_masks):
+      return None  # the stage changed at this epoch end; the first pruned step zeroes them
+    model, self.choices = convert_model(
+      model,
+      weight_masks,
+      threshold=self.threshold,
+      backend=self.backend,
+      nnz_per_kernel=self.nnz_per_kernel,
+    )
+    trainer.replace(model, trainer.opt_state)
+    return {"sparse_layers": sum(c.backend != "dense" for c in self.choices)}
+
+  def on_fit_start(self, trainer: Any) -> None:
+    self._convert(trainer)
+
+  def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any] | None:
+    del epoch
+    return self._convert(trainer)
+
+
+def _pruned_weights_are_zero(model: nnx.Module, weight_masks: Any) -> bool:
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  pairs = jax.tree.leaves(
+    jax.tree.map(
+      lambda m, w: None if m is None else bool(np.all(np.asarray(w)[np.asarray(m) == 0] == 0)),
+      weight_masks,
+      params,
+      is_leaf=lambda x: x is None,
+    )
+  )
+  return all(pairs)
+
+
+def masks_of(opt_state: Any, model: nnx.Module) -> Any:
+  """ClickTrain's weight masks for ``model``'s params (``None`` for unpruned leaves)."""
+  from jaxprune.clicktrain import masks
+
+  return masks(opt_state, nnx.state(model, nnx.Param))

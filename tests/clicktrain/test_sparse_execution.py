@@ -1,0 +1,209 @@
+"""Per-layer sparse execution: conversion, dispatch, training equality and resume."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxprune import clicktrain, train
+from jaxprune.clicktrain import patterns
+from jaxprune.clicktrain.sparse_execution import (
+  PatternConv,
+  SparseExecution,
+  convert_model,
+  format_report,
+  pattern_convs,
+)
+
+
+class _Net(nnx.Module):
+  def __init__(self, rngs):
+    self.stem = nnx.Conv(1, 8, (3, 3), use_bias=False, rngs=rngs)
+    self.conv1 = nnx.Conv(8, 8, (3, 3), use_bias=False, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, rngs=rngs)
+    self.conv2 = nnx.Conv(8, 12, (3, 3), strides=2, padding="VALID", use_bias=True, rngs=rngs)
+    self.conv3 = nnx.Conv(12, 8, (1, 1), use_bias=False, rngs=rngs)
+    self.head = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.stem(x))
+    x = nnx.relu(self.bn(self.conv1(x)))
+    x = nnx.relu(self.conv2(x))
+    x = nnx.relu(self.conv3(x))
+    return self.head(x.mean((1, 2)))
+
+
+def _pattern_mask(rng, shape, keep):
+  kh, kw, cin, cout = shape
+  if kh == kw == 1:
+    return (rng.random((1, 1, cin, cout)) < keep).astype(np.float32)
+  pats = patterns.all_patterns(4, 3)
+  mask = np.transpose(pats[rng.integers(0, len(pats), (cin, cout))], (2, 3, 0, 1))
+  return (mask * (rng.random((cin, cout)) < keep)[None, None]).astype(np.float32)
+
+
+def _masks(model, seed=0, keep=0.5):
+  rng = np.random.default_rng(seed)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  masks = jax.tree.map(lambda _: None, params)
+  for name in ("conv1", "conv2", "conv3"):
+    masks[name]["kernel"] = _pattern_mask(rng, params[name]["kernel"].shape, keep)
+  return masks
+
+
+def _apply(model, masks):
+  for name in ("conv1", "conv2", "conv3"):
+    conv = getattr(model, name)
+    conv.kernel[...] = conv.kernel[...] * masks[name]["kernel"]
+
+
+def test_converted_model_computes_the_masked_model_and_its_gradients():
+  model = _Net(nnx.Rngs(0))
+  masks = _masks(model)
+  _apply(model, masks)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 9, 9, 1)), jnp.float32)
+  y = jnp.arange(2) % 3
+
+  def loss_grads(m):
+    def loss(m):
+      return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+
+    return nnx.value_and_grad(loss)(m)
+
+  loss0, grads0 = loss_grads(model)
+  params_before = jax.tree.structure(nnx.as_pure(nnx.state(model, nnx.Param)))
+  converted, choices = convert_model(model, masks, threshold=0.0, backend="reference")
+  assert converted is model
+  assert sorted(pattern_convs(model)) == ["conv1", "conv2", "conv3"]
+  assert {c.path: c.backend for c in choices} == dict.fromkeys(
+    ["conv1", "conv2", "conv3"], "reference"
+  )
+  assert model.conv1.kernel is not None and isinstance(model.conv2, PatternConv)
+  loss1, grads1 = loss_grads(model)
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+  # The sparse path's kernel gradient is the dense one at kept positions, zero elsewhere.
+  grads0, grads1 = nnx.as_pure(grads0), nnx.as_pure(grads1)
+  for name in ("conv1", "conv2", "conv3"):
+    grads0[name]["kernel"] = grads0[name]["kernel"] * masks[name]["kernel"]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads1, grads0)
+  # Same parameter tree: the optimizer state of the dense model fits the converted one.
+  assert jax.tree.structure(nnx.as_pure(nnx.state(model, nnx.Param))) == params_before
+  assert "conv2" in format_report(choices)
+
+
+def test_threshold_decides_per_layer_once():
+  model = _Net(nnx.Rngs(0))
+  masks = _masks(model, keep=0.5)
+  masks["conv1"]["kernel"] = _pattern_mask(np.random.default_rng(3), (3, 3, 8, 8), keep=1.0)
+  # conv1 keeps 4/9 of every kernel (55.6% sparse); conv2 about 78%; conv3 (1x1) about 50%.
+  _, choices = convert_model(model, masks, threshold=0.65, backend="reference")
+  by_path = {c.path: c for c in choices}
+  assert by_path["conv1"].backend == "dense" and abs(by_path["conv1"].sparsity - 5 / 9) < 1e-9
+  assert by_path["conv2"].backend == "reference" and by_path["conv2"].sparsity > 0.65
+  assert not isinstance(model.conv1, PatternConv) and isinstance(model.conv2, PatternConv)
+  expected = 1 - masks["conv3"]["kernel"].mean()
+  assert by_path["conv3"].backend == ("reference" if expected > 0.65 else "dense")
+
+
+def test_convert_rejects_bad_masks_and_arguments():
+  model = _Net(nnx.Rngs(0))
+  masks = _masks(model)
+  bad = jax.tree.map(lambda m: m, masks, is_leaf=lambda m: m is None)
+  k = np.array(bad["conv1"]["kernel"])
+  c, f = np.argwhere(k.sum((0, 1)) == 4)[0]
+  k[:, :, c, f] = 0
+  k[:2, :2, c, f] = 1
+  k[2, 2, c, f] = 1  # 5 non-zeros
+  bad["conv1"]["kernel"] = k
+  with pytest.raises(ValueError, match=r"conv1: .*keeps 5 weights"):
+    convert_model(_Net(nnx.Rngs(0)), bad, threshold=0.0)
+  wrong_shape = dict(masks, conv1={"kernel": np.ones((3, 3, 8, 9))})
+  with pytest.raises(ValueError, match="conv1 has shape"):
+    convert_model(_Net(nnx.Rngs(0)), wrong_shape, threshold=0.0)
+  with pytest.raises(ValueError, match="threshold"):
+    convert_model(_Net(nnx.Rngs(0)), masks, threshold=float("nan"))
+  with pytest.raises(ValueError, match="backend"):
+    convert_model(_Net(nnx.Rngs(0)), masks, backend="cusparse")
+  convert_model(model, masks, threshold=0.0)
+  with pytest.raises(ValueError, match="already a PatternConv"):
+    convert_model(model, masks, threshold=0.0)
+
+
+class _Loader:
+  def __init__(self, images, labels, batch_size):
+    self.images, self.labels, self.batch_size, self.epoch = images, labels, batch_size, 0
+
+  def set_epoch(self, epoch):
+    self.epoch = epoch
+
+  def __len__(self):
+    return len(self.images) // self.batch_size
+
+  def __iter__(self):
+    order = np.random.default_rng(self.epoch).permutation(len(self.images))
+    for i in range(len(self)):
+      idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+      yield self.images[idx], self.labels[idx]
+
+
+def _run(tmp_path=None, *, sparse=True, epochs=5):
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 3, 32).astype(np.int32)
+  images = rng.normal(size=(32, 9, 9, 1)).astype(np.float32)
+  images[:, :3, :3, 0] += labels[:, None, None]
+  loader = _Loader(images, labels, 8)
+  tx = clicktrain.clicktrain(
+    optax.sgd(0.05, momentum=0.9),
+    steps_per_epoch=len(loader),
+    mode="one_shot",
+    one_shot_epoch=1,
+    hard_prune_epoch=2,
+    kernel_prune_ratio=0.5,
+  )
+  hooks = [SparseExecution(threshold=0.0, backend="reference")] if sparse else []
+  trainer = train.Trainer(
+    _Net(nnx.Rngs(0)),
+    tx,
+    callbacks=hooks,
+    checkpoint_dir=None if tmp_path is None else tmp_path / "ckpt",
+  )
+  history = trainer.fit(loader, epochs=epochs)
+  return trainer, history
+
+
+@pytest.fixture(scope="module")
+def sparse_run():
+  return _run(sparse=True)
+
+
+def test_training_after_the_switch_matches_the_masked_dense_model(sparse_run):
+  sparse, h_sparse = sparse_run
+  dense, h_dense = _run(sparse=False)
+  assert [r.get("sparse_layers") for r in h_sparse] == [None, None, 3, None, None]
+  assert sorted(pattern_convs(sparse.model)) == ["conv1", "conv2", "conv3"]
+  assert not pattern_convs(dense.model)
+  for a, b in zip(h_sparse, h_dense):
+    np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=1e-4)
+  params_s = nnx.state(sparse.model, nnx.Param)
+  params_d = nnx.state(dense.model, nnx.Param)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5), params_s, params_d
+  )
+  weight_masks = clicktrain.masks(sparse.opt_state, nnx.as_pure(params_s))
+  kernel = np.asarray(sparse.model.conv2.kernel[...])
+  assert np.all(kernel[np.asarray(weight_masks["conv2"]["kernel"]) == 0] == 0)
+
+
+def test_resume_across_the_switch_is_exact(tmp_path, sparse_run):
+  straight, h_straight = sparse_run
+  _run(tmp_path, epochs=4)  # converted at the end of epoch 3, checkpoint after epoch 4
+  resumed, h_resumed = _run(tmp_path, epochs=5)  # converts again when the fit starts
+  assert sorted(pattern_convs(resumed.model)) == ["conv1", "conv2", "conv3"]
+  assert [r["train_loss"] for r in h_resumed] == [r["train_loss"] for r in h_straight]
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    nnx.state(resumed.model, nnx.Param),
+    nnx.state(straight.model, nnx.Param),
+  )

@@ -1,0 +1,96 @@
+"""Small models and data shared by the tests (fixtures, so ``--import-mode=importlib`` works).
+
+Each fixture returns a builder, so a test picks the seed, channels and classes it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxprune import data, models
+
+
+class TinyCNN(nnx.Module):
+  """Stem conv, a 3x3 conv with BatchNorm, a 1x1 conv, a linear head (8 channels).
+
+  The stem has ``in_channels`` inputs (SDGP and ClickTrain leave a 1- or 3-channel stem dense);
+  the 3x3 conv gets ClickTrain's patterns and kernel pruning, the 1x1 conv kernel pruning only;
+  both get SDGP (8 input channels, 8 outputs: a multiple of m = 4).
+  """
+
+  def __init__(self, *, in_channels: int, num_classes: int, rngs: nnx.Rngs):
+    self.stem = nnx.Conv(in_channels, 8, (3, 3), use_bias=False, rngs=rngs)
+    self.conv1 = nnx.Conv(8, 8, (3, 3), use_bias=False, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, rngs=rngs)
+    self.conv2 = nnx.Conv(8, 8, (1, 1), use_bias=False, rngs=rngs)
+    self.head = nnx.Linear(8, num_classes, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.stem(x))
+    x = nnx.relu(self.bn(self.conv1(x)))
+    x = nnx.relu(self.conv2(x))
+    return self.head(x.mean((1, 2)))
+
+
+@pytest.fixture
+def tiny_cnn():
+  """``build(seed=0, in_channels=1, num_classes=4) -> TinyCNN``."""
+
+  def build(seed: int = 0, in_channels: int = 1, num_classes: int = 4) -> TinyCNN:
+    return TinyCNN(in_channels=in_channels, num_classes=num_classes, rngs=nnx.Rngs(seed))
+
+  return build
+
+
+@pytest.fixture
+def tiny_resnet():
+  """``build(seed=0, in_channels=1, num_classes=4) -> models.ResNet``: PruneTrain's ResNet-8
+  (one basic block per stage, 1x1 projections) at half width, stages 8/16/32.
+
+  Built from a ``jaxprune.models`` spec, so PruneTrain can reconfigure and rebuild it.
+  """
+
+  def build(seed: int = 0, in_channels: int = 1, num_classes: int = 4) -> models.ResNet:
+    spec = dataclasses.replace(
+      models.prunetrain_resnet_spec(8).scaled(0.5), in_channels=in_channels
+    )
+    return models.ResNet(spec, num_classes=num_classes, rngs=nnx.Rngs(seed))
+
+  return build
+
+
+def digits_like(n: int, *, num_classes: int = 4, size: int = 8, seed: int = 0) -> data.Dataset:
+  """``n`` grey ``size`` x ``size`` images of ``num_classes`` (at most 4) textures plus noise.
+
+  Like scikit-learn's 8x8 digits, small and learnable in a few epochs, but made in memory:
+  horizontal stripes, vertical stripes, a checkerboard, a flat grey. A 3x3 conv tells them
+  apart and they survive global average pooling. ``seed`` draws the labels and the noise.
+  """
+  if not 1 <= num_classes <= 4:
+    raise ValueError(f"num_classes must be in [1, 4], got {num_classes}")
+  rows, cols = np.indices((size, size))
+  templates = np.stack([rows % 2, cols % 2, (rows + cols) % 2, np.full((size, size), 0.5)])
+  rng = np.random.default_rng(seed)
+  labels = rng.integers(0, num_classes, n)
+  images = 64 + 128 * templates[labels, :, :, None] + rng.normal(0, 32, (n, size, size, 1))
+  return data.Dataset.from_arrays(
+    np.clip(images, 0, 255).astype(np.uint8), labels.astype(np.int32), num_classes=num_classes
+  )
+
+
+@pytest.fixture
+def digits_loader():
+  """``build(n=96, batch_size=16, seed=0, shuffle=True, num_classes=4) -> data.Loader`` over
+  :func:`digits_like` data (test sets: another ``seed``, ``shuffle=False``)."""
+
+  def build(
+    n: int = 96, batch_size: int = 16, seed: int = 0, shuffle: bool = True, num_classes: int = 4
+  ) -> data.Loader:
+    dataset = digits_like(n, num_classes=num_classes, seed=seed)
+    return data.Loader(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=shuffle)
+
+  return build
