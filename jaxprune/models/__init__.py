@@ -15,6 +15,7 @@ from jaxprune.models.conversions import (
   channel_multiple,
   rebuild,
   record_conversion,
+  replace_submodule,
 )
 from jaxprune.models.layers import BasicBlock, Bottleneck, ConvBN
 from jaxprune.models.registry import available, create, default_spec, param_count
@@ -36,6 +37,7 @@ __all__ = [
   "channel_multiple",
   "rebuild",
   "record_conversion",
+  "replace_submodule",
   "BasicBlock",
   "BlockSpec",
   "Bottleneck",

@@ -23,7 +23,14 @@ from typing import Any, Optional
 
 from flax import nnx
 
-__all__ = ["Conversion", "applied_conversions", "channel_multiple", "rebuild", "record_conversion"]
+__all__ = [
+  "Conversion",
+  "applied_conversions",
+  "channel_multiple",
+  "rebuild",
+  "record_conversion",
+  "replace_submodule",
+]
 
 Conversion = Callable[[nnx.Module], nnx.Module]
 
@@ -56,6 +63,18 @@ def record_conversion(model: nnx.Module, conversion: Conversion) -> nnx.Module:
     ) from None
   setattr(model, _ATTRIBUTE, applied_conversions(model) + (conversion,))
   return model
+
+
+def replace_submodule(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
+  """Puts ``new`` at ``path`` (as given by ``nnx.iter_modules``: attribute names and list
+  indices) inside ``model``: what a converter does to each module it swaps."""
+  parent = model
+  for part in path[:-1]:
+    parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+  if isinstance(path[-1], int):
+    parent[path[-1]] = new
+  else:
+    setattr(parent, path[-1], new)
 
 
 def applied_conversions(model: nnx.Module) -> tuple[Conversion, ...]:

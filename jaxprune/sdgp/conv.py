@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import nm_math
-from jaxprune.models.conversions import record_conversion
+from jaxprune.models.conversions import record_conversion, replace_submodule
 from jaxprune.sdgp.prune import BACKENDS, nm_prune
 
 Array = jax.Array
@@ -432,13 +432,7 @@ class SDGPConversion:
     for index, (path, conv) in enumerate(targets):
       key = jax.random.fold_in(base_key, index) if method in _RANDOM_METHODS else None
       new = SDGPConv.from_conv(conv, n=n, m=m, method=method, key=key, backend=self.backend)
-      parent = model
-      for part in path[:-1]:
-        parent = parent[part] if isinstance(part, int) else getattr(parent, part)
-      if isinstance(path[-1], int):
-        parent[path[-1]] = new
-      else:
-        setattr(parent, path[-1], new)
+      replace_submodule(model, path, new)
     return record_conversion(model, self)
 
 
