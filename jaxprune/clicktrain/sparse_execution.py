@@ -40,6 +40,7 @@ from flax import nnx
 
 from jaxprune.clicktrain.layout import PatternLayout, build_layout
 from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv
+from jaxprune.models import replace_submodule
 from jaxprune.paths import param_path
 from jaxprune.train import Callback
 
@@ -217,16 +218,6 @@ def _masks_by_kernel_path(weight_masks: Any) -> dict[tuple, np.ndarray]:
   return {param_path(p): np.asarray(m) for p, m in flat if m is not None}
 
 
-def _set_child(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
-  parent = model
-  for part in path[:-1]:
-    parent = parent[part] if isinstance(part, int) else getattr(parent, part)
-  if isinstance(path[-1], int):
-    parent[path[-1]] = new
-  else:
-    setattr(parent, path[-1], new)
-
-
 def convert_model(
   model: nnx.Module,
   weight_masks: Any,
@@ -293,7 +284,7 @@ def convert_model(
   for path, new in swaps:
     if not path:
       raise ValueError("model: pass a model containing convs, not a conv itself")
-    _set_child(model, path, new)
+    replace_submodule(model, path, new)
   return model, choices
 
 

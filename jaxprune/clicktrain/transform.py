@@ -203,7 +203,9 @@ class _Config(NamedTuple):
   eps: float
 
 
-def _plan(params: PyTree, layer_filter, kernel_prune_ratio, mode: str) -> _Plan:
+def _plan(
+  params: PyTree, layer_filter, kernel_prune_ratio, mode: str, known: dict[str, float] | None = None
+) -> _Plan:
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   chosen = []
   for i, (path, leaf) in enumerate(leaves):
@@ -231,6 +233,13 @@ def _plan(params: PyTree, layer_filter, kernel_prune_ratio, mode: str) -> _Plan:
     ]
   else:
     ratios = [float(r) for r in kernel_prune_ratio]
+    names = [c[0] for c in chosen]
+    if len(ratios) == len(chosen) and known is not None:
+      known.update(zip(names, ratios))
+    elif known and all(n in known for n in names):
+      # A reconfiguration (PruneTrain) removed layers since the sequence was matched to
+      # the params: each remaining layer keeps the ratio it was given by name.
+      ratios = [known[n] for n in names]
     if len(ratios) != len(chosen):
       raise ValueError(
         f"kernel_prune_ratio has {len(ratios)} entries for {len(chosen)} "
@@ -621,8 +630,12 @@ def clicktrain(
     eps=eps,
   )
 
+  # A ratio sequence is matched to the pruned layers (flatten order) at the first init and
+  # remembered by name, so a model that later loses layers still finds its ratios.
+  ratio_by_name: dict[str, float] = {}
+
   def init_fn(params):
-    plan = _plan(params, layer_filter, kernel_prune_ratio, mode)
+    plan = _plan(params, layer_filter, kernel_prune_ratio, mode, ratio_by_name)
     leaves = jax.tree.leaves(params)
     start = POOL if (mode == "paper" and pool_start_epoch == 0) else WARMUP
     return ClickTrainState(
@@ -643,7 +656,7 @@ def clicktrain(
       raise ValueError("clicktrain needs params: update(grads, state, params, value=loss)")
     if value is None and mode == "paper":
       raise ValueError("clicktrain(mode='paper') needs the loss: update(..., value=loss)")
-    plan = _plan(params, layer_filter, kernel_prune_ratio, mode)
+    plan = _plan(params, layer_filter, kernel_prune_ratio, mode, ratio_by_name)
     loss = jnp.asarray(0.0 if value is None else value, jnp.float32)
     w_leaves = jax.tree.leaves(params)
     g_leaves, g_def = jax.tree.flatten(updates)

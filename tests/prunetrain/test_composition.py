@@ -13,6 +13,7 @@ from jaxprune import clicktrain as ct
 from jaxprune import data, models, sdgp, train
 from jaxprune import prunetrain as pt
 from jaxprune._states import find_states
+from jaxprune.paths import path_string
 
 
 def _loader(seed=0):
@@ -182,8 +183,14 @@ def _find(state, state_type):
   return found
 
 
-def test_clicktrain_state_is_sliced_and_trains_on():
+@pytest.mark.parametrize("ratios", ["float", "sequence"])
+def test_clicktrain_state_is_sliced_and_trains_on(ratios):
   model = _small_resnet()
+  ratio = 0.5
+  if ratios == "sequence":  # one ratio per pruned layer, matched by flatten order at init
+    flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(nnx.state(model, nnx.Param)))[0]
+    chosen = [p for p, w in flat if ct.default_layer_filter(path_string(p), w.shape)]
+    ratio = [0.4 + 0.1 * (i % 2) for i in range(len(chosen))]
   tx = pt.with_group_lasso(
     ct.clicktrain(
       train.sgd(0.05, momentum=0.9),
@@ -191,7 +198,7 @@ def test_clicktrain_state_is_sliced_and_trains_on():
       mode="one_shot",
       one_shot_epoch=0,
       hard_prune_epoch=1,
-      kernel_prune_ratio=0.5,
+      kernel_prune_ratio=ratio,
     )
   )
   trainer = train.Trainer(model, tx, progress=False)
