@@ -41,6 +41,7 @@ from flax import nnx
 from jaxprune.clicktrain.layout import PatternLayout, build_layout
 from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv
 from jaxprune.models import replace_submodule
+from jaxprune.models.layers import conv_sharing_variables
 from jaxprune.paths import param_path
 from jaxprune.train import Callback
 
@@ -145,26 +146,7 @@ class PatternConv(nnx.Conv):
       raise ValueError(
         f"{name}: layout kernel shape {layout.kernel_shape} != conv kernel {conv.kernel.shape}"
       )
-    zeros = nnx.initializers.zeros
-    new = cls(
-      conv.in_features,
-      conv.out_features,
-      conv.kernel_size,
-      conv.strides,
-      rngs=nnx.Rngs(0),
-      padding=conv.padding,
-      use_bias=conv.use_bias,
-      dtype=conv.dtype,
-      param_dtype=conv.param_dtype,
-      precision=conv.precision,
-      promote_dtype=conv.promote_dtype,
-      preferred_element_type=conv.preferred_element_type,
-      # Zero init: the fresh params are replaced by the shared Variables just below.
-      kernel_init=zeros,
-      bias_init=zeros,
-    )
-    new.kernel = conv.kernel
-    new.bias = conv.bias
+    new = conv_sharing_variables(cls, conv)
     new.sparse_layout = _StaticLayout(layout)
     new.backend = backend
     return new

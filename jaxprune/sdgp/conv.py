@@ -20,6 +20,7 @@ from flax import nnx
 
 from pallas_kernels import nm_math
 from jaxprune.models.conversions import record_conversion, replace_submodule
+from jaxprune.models.layers import conv_sharing_variables
 from jaxprune.sdgp.prune import BACKENDS, nm_prune
 
 Array = jax.Array
@@ -338,36 +339,7 @@ class SDGPConv(nnx.Conv):
       raise ValueError("conv is already an SDGPConv")
     if method in _RANDOM_METHODS and key is None:
       raise ValueError(f"key is required for method {method!r}")
-    zeros = nnx.initializers.zeros
-    new = cls(
-      conv.in_features,
-      conv.out_features,
-      conv.kernel_size,
-      conv.strides,
-      n=n,
-      m=m,
-      method=method,
-      key=key,
-      backend=backend,
-      rngs=nnx.Rngs(0),
-      padding=conv.padding,
-      input_dilation=conv.input_dilation,
-      kernel_dilation=conv.kernel_dilation,
-      feature_group_count=conv.feature_group_count,
-      use_bias=conv.use_bias,
-      mask=conv.mask,
-      dtype=conv.dtype,
-      param_dtype=conv.param_dtype,
-      precision=conv.precision,
-      promote_dtype=conv.promote_dtype,
-      preferred_element_type=conv.preferred_element_type,
-      # Zero init: the fresh params are replaced by the shared Variables just below.
-      kernel_init=zeros,
-      bias_init=zeros,
-    )
-    new.kernel = conv.kernel
-    new.bias = conv.bias
-    return new
+    return conv_sharing_variables(cls, conv, n=n, m=m, method=method, key=key, backend=backend)
 
   def __call__(self, inputs: Array, out_sharding=None) -> Array:
     key = None
