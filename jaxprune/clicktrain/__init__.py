@@ -70,6 +70,15 @@ from jaxprune.clicktrain.transform import (
   default_layer_filter,
 )
 from jaxprune.clicktrain.preset import method
+from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
+from jaxprune.clicktrain.pattern_conv import pattern_conv, pattern_conv_values
+from jaxprune.clicktrain.sparse_execution import (
+  LayerChoice,
+  PatternConv,
+  SparseExecution,
+  convert_model,
+  pattern_convs,
+)
 
 __all__ = [
   "FINALIZE",
@@ -80,12 +89,18 @@ __all__ = [
   "WARMUP",
   "ClickTrainLayerState",
   "ClickTrainState",
+  "LayerChoice",
+  "PatternConv",
+  "PatternLayout",
+  "SparseExecution",
   "Stage",
   "accumulate_competitive_scores",
   "all_patterns",
+  "build_layout",
   "centre_block_patterns",
   "clicktrain",
   "compression",
+  "convert_model",
   "default_layer_filter",
   "dppg_candidates",
   "finalize_patterns",
@@ -101,6 +116,9 @@ __all__ = [
   "masks",
   "method",
   "num_patterns",
+  "pattern_conv",
+  "pattern_conv_values",
+  "pattern_convs",
   "pattern_ids",
   "pattern_index",
   "pattern_mask",
@@ -109,6 +127,8 @@ __all__ = [
   "pattern_usage",
   "select_pool",
   "stage_name",
+  "to_dense",
+  "to_values",
   "vote",
   "weight_importance",
 ]

@@ -3,16 +3,16 @@
 ``pattern_conv(x, kernel, layout)`` computes the same thing as
 ``lax.conv_general_dilated(x, kernel * mask)`` (NHWC × HWIO) but touches only the kept
 weights: the forward pass is an SpMM of the ``(Cout, width)`` filter values with the unfolded
-input, the data gradient scatters the same sparse weights back (the transposed product), and
+input, the data gradient is the same product with the layout's transpose (folded back), and
 the weight gradient is computed at the kept positions only (§5.2, "Backward Phase
 Acceleration"). The kernel argument stays the dense HWIO parameter, so the optimizer, the
 masks and checkpoints see the model exactly as before; its gradient is zero at pruned
 positions.
 
-Backends, chosen per call (per layer by :mod:`jaxprune.clicktrain.sparse_model`):
+Backends, chosen per call (per layer by :mod:`jaxprune.clicktrain.sparse_execution`):
 
-* ``"reference"`` — pure JAX: the gathered SpMM, one kept column per step. The CPU path and
-  the oracle of the GPU kernels.
+* ``"reference"`` — pure JAX: the gathered SpMM, one kept column per step (the data gradient
+  on the layout's transpose, gathers only). The CPU path and the oracle of the GPU kernels.
 * ``"pallas"`` — the Pallas GPU kernels of :mod:`pallas_kernels.pattern_spmm` on the
   transposed, coalesced form (``Yt = W · Xt`` with ``Xt (Cin·kh·kw, N·OH·OW)`` the unfolded
   input): forward SpMM, the data gradient as the same SpMM on the layout's transpose
@@ -86,28 +86,35 @@ def _spmm(patches: jax.Array, values: jax.Array, columns: jax.Array) -> jax.Arra
   return lax.fori_loop(0, values.shape[1], body, out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _reference_conv(x, values, columns, valid, hw, strides, padding):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _reference_conv(x, values, columns, valid, t_entries, t_valid, hw, strides, padding):
   return _spmm(_patches(x, hw, strides, padding), values, columns).astype(x.dtype)
 
 
-def _reference_fwd(x, values, columns, valid, hw, strides, padding):
+def _reference_fwd(x, values, columns, valid, t_entries, t_valid, hw, strides, padding):
   patches = _patches(x, hw, strides, padding)
-  return _spmm(patches, values, columns).astype(x.dtype), (x, values, columns, valid)
+  out = _spmm(patches, values, columns).astype(x.dtype)
+  return out, (x, values, columns, valid, t_entries, t_valid)
 
 
 def _reference_bwd(hw, strides, padding, residuals, dy):
-  x, values, columns, valid = residuals
+  x, values, columns, valid, t_entries, t_valid = residuals
   patches_fn = lambda v: _patches(v, hw, strides, padding)
   patches, patches_vjp = jax.vjp(patches_fn, x)
   values = jnp.where(valid, values, 0)
 
-  # Data gradient (the transposed SpMM): every kept weight scatters its share of dY into
-  # the unfolded-input gradient, which folds back into dX.
-  def data_body(j, d_patches):
-    return d_patches.at[..., columns[:, j]].add(dy * values[:, j].astype(dy.dtype))
+  # Data gradient: the transposed SpMM dX_col = Wᵀ · dY, folded back into dX.
+  if t_entries is not None:
+    # Gathers only: filter-matrix column r collects the kept weights that read it (the
+    # layout's transpose), one entry per step, as the forward pass does per filter.
+    t_values = jnp.where(t_valid, values.reshape(-1)[t_entries], 0).astype(dy.dtype)
+    d_patches = _spmm(dy, t_values, t_entries // values.shape[1])
+  else:
+    # Without the transpose: every kept weight scatters its share of dY.
+    def data_body(j, d_patches):
+      return d_patches.at[..., columns[:, j]].add(dy * values[:, j].astype(dy.dtype))
 
-  d_patches = lax.fori_loop(0, values.shape[1], data_body, jnp.zeros_like(patches, dy.dtype))
+    d_patches = lax.fori_loop(0, values.shape[1], data_body, jnp.zeros_like(patches, dy.dtype))
   (dx,) = patches_vjp(d_patches.astype(patches.dtype))
 
   # Weight gradient at the kept positions only: ⟨dY[..., f], patches[..., columns[f, j]]⟩.
@@ -119,7 +126,7 @@ def _reference_bwd(hw, strides, padding, residuals, dy):
 
   d_values = lax.fori_loop(0, values.shape[1], weight_body, jnp.zeros_like(values))
   d_values = jnp.where(valid, d_values, 0)
-  return dx.astype(x.dtype), d_values, None, None
+  return dx.astype(x.dtype), d_values, None, None, None, None
 
 
 _reference_conv.defvjp(_reference_fwd, _reference_bwd)
@@ -227,7 +234,15 @@ def pattern_conv_values(
       x, kernel.astype(x.dtype), strides, pad, dimension_numbers=_NHWC
     )
   reference = lambda x_, v_: _reference_conv(
-    x_, v_, layout.columns, layout.valid, (kh, kw), strides, pad
+    x_,
+    v_,
+    layout.columns,
+    layout.valid,
+    layout.transposed_entries,
+    layout.transposed_valid,
+    (kh, kw),
+    strides,
+    pad,
   )
   if backend == "reference":
     return reference(x, values)

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxprune import sdgp
 from jaxprune.clicktrain.layout import PatternLayout, build_layout
 from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv
 from jaxprune.models import replace_submodule
@@ -117,12 +118,45 @@ def _check_convertible(conv: nnx.Conv, name: str) -> None:
   _conv_padding(conv, name)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SDGPSettings:
+  n: int
+  m: int
+  method: str
+  backend: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _PatternConvFn:
+  """``(x, kernel) -> pattern_conv(...)`` as a hashable function (SDGP wraps it)."""
+
+  holder: _StaticLayout
+  strides: int | tuple[int, ...]
+  padding: Any
+  backend: str
+
+  def __call__(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    return pattern_conv(
+      x,
+      kernel,
+      self.holder.layout,
+      strides=self.strides,
+      padding=self.padding,
+      backend=self.backend,
+    )
+
+
 class PatternConv(nnx.Conv):
   """``nnx.Conv`` whose kernel is pattern-sparse on a fixed layout (ClickTrain §5.2).
 
   Same parameters (``kernel``, ``bias``: the very Variables of the conv it replaces) and the
   same function as that conv with its pruned weights at zero; the convolution runs
   :func:`~jaxprune.clicktrain.pattern_conv.pattern_conv` with ``backend``.
+
+  Converted from a :class:`jaxprune.sdgp.SDGPConv`, it keeps SDGP's backward pass (and the
+  layer's key Variable): the weight gradient comes from the dense output gradient, the data
+  gradient from the N:M-pruned one, both through the sparse path
+  (:func:`jaxprune.sdgp.with_pruned_data_gradient`).
 
   Build it with :meth:`from_conv`; :func:`convert_model` does it for a whole model.
   """
@@ -149,6 +183,10 @@ class PatternConv(nnx.Conv):
     new = conv_sharing_variables(cls, conv)
     new.sparse_layout = _StaticLayout(layout)
     new.backend = backend
+    new.sdgp = None
+    if isinstance(conv, sdgp.SDGPConv):
+      new.sdgp = _SDGPSettings(conv.n, conv.m, conv.method, conv.conv_general_dilated.backend)
+      new.sdgp_key = conv.sdgp_key  # the same Variable: state paths and key stream unchanged
     return new
 
   @property
@@ -161,14 +199,22 @@ class PatternConv(nnx.Conv):
     bias = self.bias[...] if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
     strides = self.strides if isinstance(self.strides, int) else tuple(self.strides)
-    y = pattern_conv(
-      inputs,
-      kernel,
-      self.layout,
-      strides=strides,
-      padding=_conv_padding(self, "PatternConv"),
-      backend=self.backend,
+    conv_fn = _PatternConvFn(
+      self.sparse_layout, strides, _conv_padding(self, "PatternConv"), self.backend
     )
+    if self.sdgp is None:
+      y = conv_fn(inputs, kernel)
+    else:
+      y = sdgp.with_pruned_data_gradient(
+        conv_fn,
+        inputs,
+        kernel,
+        n=self.sdgp.n,
+        m=self.sdgp.m,
+        method=self.sdgp.method,
+        key=sdgp.next_layer_key(self.sdgp_key),
+        backend=self.sdgp.backend,
+      )
     if self.preferred_element_type is not None:
       y = y.astype(self.preferred_element_type)
     if bias is not None:
@@ -301,7 +347,9 @@ class SparseExecution(Callback):
   exactly zero (one epoch after the stage changes: ClickTrain zeroes them at the first pruned
   step, so before it the dense and the sparse model would compute different functions), and
   on a resumed run when the fit starts, it runs :func:`convert_model` on the trainer's model with the masks
-  from the optimizer state and installs it (one recompilation). Later epochs do nothing.
+  from the optimizer state and installs it (one recompilation). Later epochs do nothing,
+  unless the trainer's model was replaced (a PruneTrain reconfiguration rebuilds it dense):
+  the new model is converted with its sliced masks.
 
   Args:
     threshold, backend, nnz_per_kernel: as :func:`convert_model`.
@@ -328,11 +376,14 @@ class SparseExecution(Callback):
     self.backend = backend
     self.nnz_per_kernel = nnz_per_kernel
     self.choices: list[LayerChoice] | None = None
+    # The model last converted: a model rebuilt since (PruneTrain's reconfiguration) is
+    # converted again, with the sliced masks.
+    self._converted: nnx.Module | None = None
 
   def _convert(self, trainer: Any) -> dict[str, Any] | None:
-    if self.choices is not None or not _clicktrain_state_pruned(trainer.opt_state):
-      return None
     model = trainer.model
+    if model is self._converted or not _clicktrain_state_pruned(trainer.opt_state):
+      return None
     weight_masks = masks_of(trainer.opt_state, model)
     if not _pruned_weights_are_zero(model, weight_masks):
       return None  # the stage changed at this epoch end; the first pruned step zeroes them
@@ -344,6 +395,7 @@ class SparseExecution(Callback):
       nnz_per_kernel=self.nnz_per_kernel,
     )
     trainer.replace(model, trainer.opt_state)
+    self._converted = model
     return {"sparse_layers": sum(c.backend != "dense" for c in self.choices)}
 
   def on_fit_start(self, trainer: Any) -> None:

@@ -17,7 +17,15 @@ References:
 """
 
 from pallas_kernels.nm_math import MAX_GROUP, METHODS, RESCALE_EPS
-from jaxprune.sdgp.conv import SDGPConv, SDGPConversion, SDGPKey, convert_model, sdgp_conv
+from jaxprune.sdgp.conv import (
+  SDGPConv,
+  SDGPConversion,
+  SDGPKey,
+  convert_model,
+  next_layer_key,
+  sdgp_conv,
+  with_pruned_data_gradient,
+)
 from jaxprune.sdgp.prune import BACKENDS, nm_prune, nm_prune_reference
 from jaxprune.sdgp.preset import method
 
@@ -33,5 +41,7 @@ __all__ = [
   "convert_model",
   "nm_prune",
   "nm_prune_reference",
+  "next_layer_key",
   "sdgp_conv",
+  "with_pruned_data_gradient",
 ]

@@ -65,20 +65,16 @@ def _check_out_channels(name: str, channels: int, m) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _ConvConfig:
-  """Static (hashable) description of one SDGP conv."""
+  """Static (hashable) settings of one dense convolution: the conv function SDGP wraps."""
 
-  n: int
-  m: int
-  method: str
   strides: tuple[int, ...]
   padding: str | tuple[tuple[int, int], ...]
   lhs_dilation: tuple[int, ...]
   rhs_dilation: tuple[int, ...]
   feature_group_count: int
   precision: object
-  backend: str
 
-  def conv(self, x: Array, kernel: Array) -> Array:
+  def __call__(self, x: Array, kernel: Array) -> Array:
     return jax.lax.conv_general_dilated(
       x,
       kernel,
@@ -92,31 +88,77 @@ class _ConvConfig:
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sdgp_conv(config: _ConvConfig, x: Array, kernel: Array, key: Array | None) -> Array:
-  return config.conv(x, kernel)
+@dataclasses.dataclass(frozen=True)
+class _Pruning:
+  """Static (hashable) N:M settings of the data-gradient pruning."""
+
+  n: int
+  m: int
+  method: str
+  backend: str
 
 
-def _sdgp_conv_fwd(config, x, kernel, key):
-  return config.conv(x, kernel), (x, kernel, key)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sdgp_apply(pruning: _Pruning, conv_fn, x: Array, kernel: Array, key: Array | None) -> Array:
+  return conv_fn(x, kernel)
 
 
-def _sdgp_conv_bwd(config, residuals, cotangent):
+def _sdgp_apply_fwd(pruning, conv_fn, x, kernel, key):
+  return conv_fn(x, kernel), (x, kernel, key)
+
+
+def _sdgp_apply_bwd(pruning, conv_fn, residuals, cotangent):
   x, kernel, key = residuals
   # dW from the dense output gradient (SDGP §III-A: dL/dO is copied before pruning).
-  _, weight_vjp = jax.vjp(lambda w: config.conv(x, w), kernel)
+  _, weight_vjp = jax.vjp(lambda w: conv_fn(x, w), kernel)
   (d_kernel,) = weight_vjp(cotangent)
   # dX from the N:M-pruned output gradient (SDGP Alg. 1, groups on the channel axis).
   # The barrier keeps XLA from fusing (and so recomputing) the cotangent's producers into
   # the pruning pass: the cotangent is materialised once for the dW conv anyway.
   cotangent = jax.lax.optimization_barrier(cotangent)
-  pruned = nm_prune(cotangent, config.n, config.m, config.method, key=key, backend=config.backend)
-  _, input_vjp = jax.vjp(lambda x_: config.conv(x_, kernel), x)
+  pruned = nm_prune(
+    cotangent, pruning.n, pruning.m, pruning.method, key=key, backend=pruning.backend
+  )
+  _, input_vjp = jax.vjp(lambda x_: conv_fn(x_, kernel), x)
   (d_x,) = input_vjp(pruned)
   return d_x, d_kernel, None
 
 
-_sdgp_conv.defvjp(_sdgp_conv_fwd, _sdgp_conv_bwd)
+_sdgp_apply.defvjp(_sdgp_apply_fwd, _sdgp_apply_bwd)
+
+
+def with_pruned_data_gradient(
+  conv_fn,
+  x: Array,
+  kernel: Array,
+  *,
+  n: int,
+  m: int,
+  method: str,
+  key: Array | None = None,
+  backend: str = "auto",
+) -> Array:
+  """``conv_fn(x, kernel)`` with SDGP's backward pass, for any convolution function.
+
+  The VJP returns ``dW`` from ``conv_fn``'s own VJP of the dense output gradient and ``dX``
+  from its VJP of ``nm_prune(dO, n, m, method, key=key)``. ``conv_fn`` keeps its own
+  backward: a sparse convolution (``jaxprune.clicktrain.pattern_conv``) then computes its
+  sparse data gradient from the N:M-pruned output gradient, so the two methods compose.
+
+  Args:
+    conv_fn: a hashable callable ``(x, kernel) -> y`` (e.g. a frozen dataclass); its last
+      output axis (channels) must be divisible by ``m``.
+    x, kernel: its arguments.
+    n, m, method, key, backend: as in :func:`jaxprune.sdgp.nm_prune`.
+
+  Returns:
+    ``conv_fn(x, kernel)``.
+  """
+  _check_out_channels("kernel", kernel.shape[-1], m)
+  nm_math.validate((1, kernel.shape[-1]), jnp.float32, n, m, method, key)
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  return _sdgp_apply(_Pruning(n, m, method, backend), conv_fn, x, kernel, key)
 
 
 def sdgp_conv(
@@ -164,23 +206,17 @@ def sdgp_conv(
     raise ValueError(f"x must be NHWC (4-D), got shape {x.shape}")
   if kernel.ndim != 4:
     raise ValueError(f"kernel must be HWIO (4-D), got shape {kernel.shape}")
-  _check_out_channels("kernel", kernel.shape[-1], m)
-  nm_math.validate((1, kernel.shape[-1]), jnp.float32, n, m, method, key)
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  config = _ConvConfig(
-    n=n,
-    m=m,
-    method=method,
+  conv_fn = _ConvConfig(
     strides=_pair(strides, "strides"),
     padding=_canonical_padding(padding),
     lhs_dilation=_pair(lhs_dilation, "lhs_dilation"),
     rhs_dilation=_pair(rhs_dilation, "rhs_dilation"),
     feature_group_count=int(feature_group_count),
     precision=precision,
-    backend=backend,
   )
-  return _sdgp_conv(config, x, kernel, key)
+  return with_pruned_data_gradient(
+    conv_fn, x, kernel, n=n, m=m, method=method, key=key, backend=backend
+  )
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,6 +281,19 @@ class _SDGPConvFunction:
     if preferred_element_type is not None:
       y = y.astype(preferred_element_type)
     return y
+
+
+def next_layer_key(key_variable: SDGPKey | None) -> Array | None:
+  """This call's key of an SDGP layer (``None`` for the deterministic methods).
+
+  Splits the layer's :class:`SDGPKey` and advances it: a fresh key per call (= per layer and
+  step), so SDGP draws new masks every iteration.
+  """
+  if key_variable is None:
+    return None
+  state_key, key = jax.random.split(key_variable[...])
+  key_variable[...] = state_key
+  return key
 
 
 class SDGPKey(nnx.Variable):
@@ -342,12 +391,7 @@ class SDGPConv(nnx.Conv):
     return conv_sharing_variables(cls, conv, n=n, m=m, method=method, key=key, backend=backend)
 
   def __call__(self, inputs: Array, out_sharding=None) -> Array:
-    key = None
-    if self.sdgp_key is not None:
-      # Fresh key per call (= per layer and step): SDGP draws new masks every iteration.
-      state_key, key = jax.random.split(self.sdgp_key[...])
-      self.sdgp_key[...] = state_key
-    with _active_key(key):
+    with _active_key(next_layer_key(self.sdgp_key)):
       return super().__call__(inputs, out_sharding=out_sharding)
 
 

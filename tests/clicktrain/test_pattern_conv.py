@@ -232,3 +232,22 @@ def test_pattern_conv_non_finite_values(backend):
   )
   np.testing.assert_array_equal(np.isnan(y_nan), np.isnan(dense))
   assert np.isnan(y_nan).any()
+
+
+def test_reference_data_gradient_without_the_transposed_layout():
+  # A layout built without the transpose (e.g. by hand) takes the scatter form of the data
+  # gradient; both forms equal the dense masked conv's.
+  import dataclasses
+
+  rng = np.random.default_rng(4)
+  mask = _pattern_mask(rng, 5, 6)
+  full = build_layout(mask)
+  bare = dataclasses.replace(full, transposed_entries=None, transposed_valid=None)
+  w = jnp.asarray(rng.normal(size=mask.shape), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(2, 7, 7, 5)), jnp.float32)
+  dense = lambda x: lax.conv_general_dilated(x, w * mask, (1, 1), "SAME", dimension_numbers=_NHWC)
+  cot = jnp.asarray(rng.normal(size=(2, 7, 7, 6)), jnp.float32)
+  (dx0,) = jax.vjp(dense, x)[1](cot)
+  for layout in (full, bare):
+    (dx,) = jax.vjp(lambda x: pattern_conv(x, w, layout, backend="reference"), x)[1](cot)
+    np.testing.assert_allclose(dx, dx0, rtol=1e-5, atol=1e-5)

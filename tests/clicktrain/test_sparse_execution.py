@@ -207,3 +207,47 @@ def test_resume_across_the_switch_is_exact(tmp_path, sparse_run):
     nnx.state(resumed.model, nnx.Param),
     nnx.state(straight.model, nnx.Param),
   )
+
+
+@pytest.mark.parametrize("method", ["magnitude", "mvue"])
+def test_sparse_path_composes_with_sdgp(method):
+  # An SDGP model switched to the sparse path keeps SDGP's backward pass: the same loss and
+  # gradients (the kernel gradients at kept positions) as the SDGP model with masked weights,
+  # the N:M-pruned output gradient flowing into the sparse data-gradient path; for the random
+  # method the layers keep their key Variables, so both draw the same masks.
+  from jaxprune import sdgp
+
+  model = _Net(nnx.Rngs(0))
+  masks = _masks(model)
+  _apply(model, masks)
+  sdgp.convert_model(model, n=2, m=4, method=method, seed=3)
+  assert isinstance(model.conv1, sdgp.SDGPConv)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 9, 9, 1)), jnp.float32)
+  y = jnp.arange(2) % 3
+
+  def loss_grads(m):
+    def loss(m, x):
+      return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+
+    keys = nnx.as_pure(nnx.state(m, sdgp.SDGPKey))  # a snapshot: the call advances them
+    out = nnx.value_and_grad(loss, argnums=(0, 1))(m, x)
+    nnx.update(m, keys)  # the same key stream for both runs
+    return out
+
+  loss0, (grads0, dx0) = loss_grads(model)
+  keys_before = jax.tree.leaves(nnx.state(model, sdgp.SDGPKey))
+  convert_model(model, masks, threshold=0.0, backend="reference")
+  assert isinstance(model.conv1, PatternConv) and model.conv1.sdgp.method == method
+  assert len(jax.tree.leaves(nnx.state(model, sdgp.SDGPKey))) == len(keys_before)
+  loss1, (grads1, dx1) = loss_grads(model)
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+  np.testing.assert_allclose(dx1, dx0, rtol=1e-4, atol=1e-6)
+  grads0, grads1 = nnx.as_pure(grads0), nnx.as_pure(grads1)
+  for name in ("conv1", "conv2", "conv3"):
+    grads0[name]["kernel"] = grads0[name]["kernel"] * masks[name]["kernel"]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads1, grads0)
+  # The data gradient really is pruned: it differs from the dense model's.
+  dense = _Net(nnx.Rngs(0))
+  _apply(dense, masks)
+  _, (_, dx_dense) = loss_grads(dense)
+  assert not np.allclose(dx1, dx_dense, atol=1e-6)
