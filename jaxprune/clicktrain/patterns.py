@@ -379,7 +379,7 @@ def _num_pruned(n: int, ratio: float) -> int:
   return min(n, max(0, math.ceil(ratio * n - 1e-9)))
 
 
-def kernel_keep_mask(scores: jnp.ndarray, ratio: float) -> jnp.ndarray:
+def kernel_keep_mask(scores: jnp.ndarray, ratio: float, *, per_filter: bool = False) -> jnp.ndarray:
   """Adaptive kernel finalization: prune the lowest-scoring kernels (Eq. 2).
 
   Args:
@@ -387,15 +387,29 @@ def kernel_keep_mask(scores: jnp.ndarray, ratio: float) -> jnp.ndarray:
       ratio: fraction of the layer's kernels to prune; exactly
           ``ceil(ratio * Cin * Cout)`` are pruned, the lowest scores first,
           ties to the lower flat (row-major ``(Cin, Cout)``) index.
+      per_filter: prune ``ceil(ratio * Cin)`` kernels in *every* filter (output channel)
+          instead, the lowest scores of that filter first (ties to the lower input
+          channel). Every filter then keeps the same number of weights: the load-balance
+          constraint of the paper's sparse kernels (ClickTrain §5.2: "all the filters in the
+          same layer have the same number of un-pruned weights"). The released code ranks
+          the whole layer (the default).
 
   Returns:
       bool ``(Cin, Cout)``: True = kernel kept.
 
   Raises:
-      ValueError: ``ratio`` outside ``[0, 1]``.
+      ValueError: ``ratio`` outside ``[0, 1]``, or ``scores`` not 2-D with ``per_filter``.
   """
   if not 0.0 <= float(ratio) <= 1.0:
     raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+  if per_filter:
+    if jnp.ndim(scores) != 2:
+      raise ValueError(f"scores must be (Cin, Cout) with per_filter, got shape {jnp.shape(scores)}")
+    cin = scores.shape[0]
+    n_pruned = _num_pruned(cin, float(ratio))
+    order = jnp.argsort(scores, axis=0, stable=True)  # per filter, lowest first
+    rank = jnp.argsort(order, axis=0, stable=True)  # each kernel's rank in its filter
+    return rank >= n_pruned
   n = int(np.prod(scores.shape))
   n_pruned = _num_pruned(n, float(ratio))
   order = jnp.argsort(jnp.ravel(scores), stable=True)

@@ -178,6 +178,7 @@ class _PrunedLayer(NamedTuple):
   kind: str  # "pattern" or "kernel"
   ratio: float  # kernel-prune ratio
   size: int  # kernel side (0 for kernel-only)
+  per_filter: bool = False  # prune the same number of kernels in every filter (§5.2)
 
 
 _Plan = dict[str, _PrunedLayer]
@@ -204,7 +205,12 @@ class _Config(NamedTuple):
 
 
 def _plan(
-  params: PyTree, layer_filter, kernel_prune_ratio, mode: str, known: dict[str, float] | None = None
+  params: PyTree,
+  layer_filter,
+  kernel_prune_ratio,
+  mode: str,
+  known: dict[str, float] | None = None,
+  per_filter: bool = False,
 ) -> _Plan:
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   chosen = []
@@ -249,7 +255,7 @@ def _plan(
     if not 0.0 <= r <= 1.0:
       raise ValueError(f"kernel_prune_ratio for {name!r} must be in [0, 1], got {r}")
   return {
-    name: _PrunedLayer(i, kind, r, kh if kind == "pattern" else 0)
+    name: _PrunedLayer(i, kind, r, kh if kind == "pattern" else 0, per_filter)
     for (name, i, kind, kh), r in zip(chosen, ratios)
   }
 
@@ -345,7 +351,7 @@ def _finalize_masks(layers: _Layers, plan: _Plan) -> _Layers:
   out = dict(layers)
   for name, layer in plan.items():
     ls = layers[name]
-    keep = _pat.kernel_keep_mask(ls.kernel_score_sum, layer.ratio)
+    keep = _pat.kernel_keep_mask(ls.kernel_score_sum, layer.ratio, per_filter=layer.per_filter)
     if layer.kind == "pattern":
       best = _pat.finalize_patterns(ls.votes)  # pool position per kernel
       pid = ls.pool[best]
@@ -366,7 +372,8 @@ def _one_shot_masks(layers: _Layers, plan: _Plan, w_leaves, g_leaves) -> _Layers
   for name, layer in plan.items():
     ls = layers[name]
     w, g = w_leaves[layer.index], g_leaves[layer.index]
-    keep = _pat.kernel_keep_mask(_imp.kernel_scores(w, g), layer.ratio)
+    scores = _imp.kernel_scores(w, g)
+    keep = _pat.kernel_keep_mask(scores, layer.ratio, per_filter=layer.per_filter)
     if layer.kind == "pattern":
       best = jnp.argmax(_imp.pattern_scores(w, g, blocks), axis=-1)  # ties -> first
       pmask = _pat.pattern_mask(best, blocks, dtype=ls.pattern_mask.dtype)
@@ -533,6 +540,7 @@ def clicktrain(
   one_shot_epoch: int | None = None,
   layer_filter: Callable[[str, tuple[int, ...]], str | None] | None = None,
   importance_every: int = 1,
+  balanced_kernels: bool = False,
   eps: float = 1e-8,
 ) -> optax.GradientTransformationExtraArgs:
   """ClickTrain pattern + connectivity pruning around an inner optimizer.
@@ -563,6 +571,10 @@ def clicktrain(
           default :func:`default_layer_filter`.
       importance_every: run the per-batch importance work every this many
           steps (1 = every batch, as in the paper).
+      balanced_kernels: prune ``ceil(ratio * Cin)`` kernels in every filter instead of
+          ranking the whole layer, so every filter keeps the same number of weights: the
+          load-balance constraint of the paper's sparse kernels (§5.2); off by default, as
+          in the released code.
       eps: ε inside the group-lasso square roots.
 
   Returns:
@@ -574,6 +586,8 @@ def clicktrain(
   """
   if mode not in ("paper", "one_shot"):
     raise ValueError(f"mode must be 'paper' or 'one_shot', got {mode!r}")
+  if not isinstance(balanced_kernels, bool):
+    raise ValueError(f"balanced_kernels must be a bool, got {balanced_kernels!r}")
   for name, v, lo in (
     ("steps_per_epoch", steps_per_epoch, 1),
     ("hard_prune_epoch", hard_prune_epoch, 0),
@@ -635,7 +649,7 @@ def clicktrain(
   ratio_by_name: dict[str, float] = {}
 
   def init_fn(params):
-    plan = _plan(params, layer_filter, kernel_prune_ratio, mode, ratio_by_name)
+    plan = _plan(params, layer_filter, kernel_prune_ratio, mode, ratio_by_name, balanced_kernels)
     leaves = jax.tree.leaves(params)
     start = POOL if (mode == "paper" and pool_start_epoch == 0) else WARMUP
     return ClickTrainState(
@@ -656,7 +670,7 @@ def clicktrain(
       raise ValueError("clicktrain needs params: update(grads, state, params, value=loss)")
     if value is None and mode == "paper":
       raise ValueError("clicktrain(mode='paper') needs the loss: update(..., value=loss)")
-    plan = _plan(params, layer_filter, kernel_prune_ratio, mode, ratio_by_name)
+    plan = _plan(params, layer_filter, kernel_prune_ratio, mode, ratio_by_name, balanced_kernels)
     loss = jnp.asarray(0.0 if value is None else value, jnp.float32)
     w_leaves = jax.tree.leaves(params)
     g_leaves, g_def = jax.tree.flatten(updates)

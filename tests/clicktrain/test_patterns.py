@@ -219,3 +219,20 @@ def test_pattern_masks_from_ids_inverts_index(size):
   np.testing.assert_array_equal(
     jax.jit(patterns.pattern_masks_from_ids, static_argnums=1)(ids, size), table[ids]
   )
+
+
+def test_kernel_keep_mask_per_filter_prunes_the_same_number_in_every_filter():
+  rng = np.random.default_rng(0)
+  scores = rng.random((10, 6)).astype(np.float32)
+  scores[:, 2] = 1.0  # a filter of ties: the lower input channels go first
+  keep = np.asarray(patterns.kernel_keep_mask(jnp.asarray(scores), 0.35, per_filter=True))
+  pruned_per_filter = (~keep).sum(axis=0)
+  assert (pruned_per_filter == 4).all()  # ceil(0.35 * 10)
+  for f in range(6):  # by a plain loop: the 4 lowest of each filter, ties to the lower index
+    order = sorted(range(10), key=lambda c: (scores[c, f], c))
+    assert set(np.flatnonzero(~keep[:, f])) == set(order[:4])
+  # The layer-wide default prunes ceil(0.35 * 60) = 21, unevenly spread.
+  layer = np.asarray(patterns.kernel_keep_mask(jnp.asarray(scores), 0.35))
+  assert (~layer).sum() == 21
+  with pytest.raises(ValueError, match="scores must be"):
+    patterns.kernel_keep_mask(jnp.ones((2, 3, 4)), 0.5, per_filter=True)

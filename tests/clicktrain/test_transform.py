@@ -439,3 +439,33 @@ def test_state_round_trip_through_train_checkpoint_store(tmp_path):
   assert isinstance(back, ct.ClickTrainState) and meta["epoch"] == 1
   for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_balanced_kernels_prune_the_same_number_in_every_filter():
+  # ClickTrain §5.2's load-balance constraint: with balanced_kernels every filter keeps the
+  # same number of kernels (so every row of the sparse filter matrix has the same length).
+  rng = np.random.default_rng(0)
+  p = {"conv": {"kernel": jnp.asarray(rng.normal(size=(3, 3, 8, 6)), jnp.float32)}}
+  g = {"conv": {"kernel": jnp.asarray(rng.normal(size=(3, 3, 8, 6)), jnp.float32)}}
+  for balanced in (True, False):
+    tx = ct.clicktrain(
+      optax.sgd(0.01),
+      steps_per_epoch=1,
+      mode="one_shot",
+      one_shot_epoch=0,
+      hard_prune_epoch=1,
+      kernel_prune_ratio=0.3,
+      balanced_kernels=balanced,
+    )
+    state = tx.init(p)
+    _, state = tx.update(g, state, p)
+    keep = readouts.kernel_masks(state)["conv/kernel"]
+    scores = np.asarray(importance.kernel_scores(p["conv"]["kernel"], g["conv"]["kernel"]))
+    if balanced:
+      assert ((~keep).sum(axis=0) == 3).all()  # ceil(0.3 * 8) in every filter
+      for f in range(6):
+        assert set(np.flatnonzero(~keep[:, f])) == set(np.argsort(scores[:, f], kind="stable")[:3])
+    else:
+      assert (~keep).sum() == math.ceil(0.3 * 48)
+  with pytest.raises(ValueError, match="balanced_kernels"):
+    ct.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, balanced_kernels=1)
