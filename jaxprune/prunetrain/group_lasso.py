@@ -28,6 +28,10 @@ Example::
   >>> tx = optax.chain(add_group_lasso(1e-4), optax.sgd(0.1))
   >>> state = tx.init(params)
   >>> updates, state = tx.update(params, state, params)
+
+References:
+  Lym et al., "PruneTrain: Fast Neural Network Training by Dynamic Sparse Model
+  Reconfiguration", SC 2019. https://arxiv.org/abs/1901.09290
 """
 
 from __future__ import annotations

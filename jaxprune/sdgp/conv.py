@@ -3,6 +3,10 @@
 SDGP (McDanel et al., 2022, §III-A, Fig. 2/3): the output data gradient dL/dO of a conv is
 pruned to N:M along its channel axis before the input data gradient dL/dD is computed; the
 weight gradient dL/dW still uses the dense dL/dO (the paper copies dL/dO for that reason).
+
+References:
+  McDanel, Dinh and Magallanes, "Accelerating DNN Training with Structured Data Gradient
+  Pruning", arXiv 2022. https://arxiv.org/abs/2202.00774
 """
 
 from __future__ import annotations

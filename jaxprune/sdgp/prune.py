@@ -1,4 +1,12 @@
-"""N:M pruning of a data gradient (SDGP Algorithm 1, §III-B) with backend dispatch."""
+"""N:M pruning of a data gradient (SDGP Algorithm 1, §III-B) with backend dispatch.
+
+References:
+  McDanel, Dinh and Magallanes, "Accelerating DNN Training with Structured Data Gradient
+  Pruning", arXiv 2022. https://arxiv.org/abs/2202.00774
+
+  Chmiel, Hubara, Banner and Soudry, "Minimum Variance Unbiased N:M Sparsity for the Neural
+  Gradients", ICLR 2023 (``method="mvue"``). https://arxiv.org/abs/2203.10991
+"""
 
 from __future__ import annotations
 
