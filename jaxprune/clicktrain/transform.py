@@ -407,22 +407,28 @@ def _modify_grads(
     for name, layer in plan.items():
       ls, g, w = layers[name], gs[name], w_leaves[layer.index]
       reg = _group_lasso_grad(w, ls, eps) * (coefficient * regularizing.astype(w.dtype))
-      m = jnp.where(pruned, full_mask(ls), 1).astype(g.dtype)
-      out[name] = (g + reg.astype(g.dtype)) * m
+      keep = (full_mask(ls) != 0) | ~pruned
+      # A select, not a product: a NaN gradient at a pruned position must not reach the
+      # inner optimizer's moments (0 · NaN = NaN).
+      out[name] = jnp.where(keep, g + reg.astype(g.dtype), jnp.zeros((), g.dtype))
     return out
 
   return _map_pruned(reg_and_mask, regularizing | pruned, plan, g_leaves)
 
 
 def _hard_mask(u_leaves, layers: _Layers, plan: _Plan, w_leaves, pruned) -> list:
-  """Hard prune: emit ``mask * (p + u) - p`` so that ``p + update`` is exactly 0 where pruned."""
+  """Hard prune: emit ``mask ⊙ (p + u) − p`` so that ``p + update`` is exactly 0 where pruned.
+
+  Written as a select, not a product: a kept entry passes ``u`` bit for bit, and a pruned one
+  gets ``−p`` whatever ``u`` holds (``0 · NaN`` would turn a pruned weight into NaN).
+  """
 
   def hard(us):
     out = {}
     for name, layer in plan.items():
       p = w_leaves[layer.index]
-      m = full_mask(layers[name]).astype(p.dtype)
-      out[name] = (m * (p + us[name]) - p).astype(us[name].dtype)
+      keep = full_mask(layers[name]) != 0
+      out[name] = jnp.where(keep, us[name], -p.astype(us[name].dtype))
     return out
 
   return _map_pruned(hard, pruned, plan, u_leaves)

@@ -469,3 +469,33 @@ def test_balanced_kernels_prune_the_same_number_in_every_filter():
       assert (~keep).sum() == math.ceil(0.3 * 48)
   with pytest.raises(ValueError, match="balanced_kernels"):
     ct.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, balanced_kernels=1)
+
+
+def test_hard_prune_keeps_pruned_weights_zero_under_non_finite_updates():
+  # A NaN / Inf update at a pruned position must not reach the pruned weight (0 · NaN = NaN);
+  # kept positions pass the inner update unchanged.
+  rng = np.random.default_rng(1)
+  p = {"conv": {"kernel": jnp.asarray(rng.normal(size=(3, 3, 8, 6)), jnp.float32)}}
+  g = {"conv": {"kernel": jnp.asarray(rng.normal(size=(3, 3, 8, 6)), jnp.float32)}}
+  tx = ct.clicktrain(
+    optax.sgd(0.01, momentum=0.9),
+    steps_per_epoch=1,
+    mode="one_shot",
+    one_shot_epoch=0,
+    hard_prune_epoch=1,
+    kernel_prune_ratio=0.5,
+  )
+  state = tx.init(p)
+  u, state = tx.update(g, state, p)
+  p = optax.apply_updates(p, u)
+  assert readouts.stage_name(state) == "pruned"
+  mask = np.asarray(readouts.masks(state, p)["conv"]["kernel"]) != 0
+  bad = g["conv"]["kernel"].at[~mask].set(jnp.nan).at[np.nonzero(~mask)[0][0], 0, 0, 0].set(jnp.inf)
+  u, state = tx.update({"conv": {"kernel": bad}}, state, p)
+  new = optax.apply_updates(p, u)
+  assert np.all(np.asarray(new["conv"]["kernel"])[~mask] == 0.0)
+  assert np.all(np.isfinite(u["conv"]["kernel"]))
+  # The inner momentum never saw the NaNs: the next finite step is finite everywhere.
+  u, state = tx.update(g, state, new)
+  assert np.all(np.isfinite(u["conv"]["kernel"]))
+  assert np.all(np.asarray(optax.apply_updates(new, u)["conv"]["kernel"])[~mask] == 0.0)
