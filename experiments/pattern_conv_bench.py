@@ -27,9 +27,7 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import sparse as jsparse
 from flax import nnx
 
@@ -46,7 +43,8 @@ from experiments.clicktrain_table1 import kernel_ratio_fn
 from jaxprune import flops, models
 from jaxprune.clicktrain import patterns
 from jaxprune.clicktrain.layout import build_layout, to_values
-from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv_values
+from jaxprune.clicktrain.pattern_conv import BACKENDS
+from jaxprune.clicktrain.sparse_execution import median_call_ms, time_layer
 from jaxprune.clicktrain.transform import default_layer_filter
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
@@ -81,16 +79,6 @@ def clicktrain_like_mask(
   return (mask * keep[None, None]).astype(np.float32)
 
 
-def _median_ms(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile + warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
-
-
 def _pruned_layers(model: nnx.Module, image_size: int, batch: int) -> list[Any]:
   layers = flops.layer_flops(model, (batch, image_size, image_size, 3))
   chosen = []
@@ -109,23 +97,7 @@ def bench_layer(layer: Any, ratio: float, args: argparse.Namespace, rng) -> dict
   mask = clicktrain_like_mask(shape, ratio, rng, balanced=args.balanced)
   layout = build_layout(mask, nnz_per_kernel=None)
   kernel = jnp.asarray(rng.normal(size=shape) * mask, jnp.float32)
-  x = jnp.asarray(rng.normal(size=layer.input_shape), jnp.float32)
   strides, padding = tuple(layer.strides), tuple(tuple(p) for p in layer.padding)
-  values = to_values(kernel, layout)
-
-  def dense(x, w):
-    return lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=_NHWC)
-
-  def sparse(x, v):
-    return pattern_conv_values(x, v, layout, strides=strides, padding=padding, backend=args.backend)
-
-  cot = jnp.asarray(rng.normal(size=layer.output_shape), jnp.float32)
-
-  def grads(f, argnum):
-    def g(x, w, c):
-      return jax.vjp(lambda *a: f(*a), x, w)[1](c)[argnum]
-
-    return jax.jit(g)
 
   row: dict[str, Any] = {
     "layer": layer.name.removesuffix("/kernel"),
@@ -138,17 +110,22 @@ def bench_layer(layer: Any, ratio: float, args: argparse.Namespace, rng) -> dict
     "balanced": layout.balanced,
   }
   reps = args.repeats
-  row["dense_fwd_ms"] = _median_ms(jax.jit(dense), x, kernel, repeats=reps)
-  row["sparse_fwd_ms"] = _median_ms(jax.jit(sparse), x, values, repeats=reps)
-  row["dense_dx_ms"] = _median_ms(grads(dense, 0), x, kernel, cot, repeats=reps)
-  row["sparse_dx_ms"] = _median_ms(grads(sparse, 0), x, values, cot, repeats=reps)
-  row["dense_dw_ms"] = _median_ms(grads(dense, 1), x, kernel, cot, repeats=reps)
-  row["sparse_dw_ms"] = _median_ms(grads(sparse, 1), x, values, cot, repeats=reps)
-  row["convert_ms"] = _median_ms(jax.jit(lambda w: to_values(w, layout)), kernel, repeats=reps)
+  row.update(
+    time_layer(
+      layout,
+      layer.input_shape,
+      strides=strides,
+      padding=padding,
+      backend=args.backend,
+      repeats=reps,
+      seed=int(rng.integers(1 << 31)),
+    )
+  )
+  row["convert_ms"] = median_call_ms(jax.jit(lambda w: to_values(w, layout)), kernel, repeats=reps)
   kh, kw, cin, cout = shape
   filter_matrix = jnp.transpose(kernel, (3, 2, 0, 1)).reshape(cout, cin * kh * kw)
   nse = max(layout.nnz, 1)
-  row["bcsr_fromdense_ms"] = _median_ms(
+  row["bcsr_fromdense_ms"] = median_call_ms(
     jax.jit(lambda m: jsparse.BCSR.fromdense(m, nse=nse)), filter_matrix, repeats=reps
   )
   return row

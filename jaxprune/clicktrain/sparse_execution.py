@@ -31,16 +31,20 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import statistics
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from flax import nnx
 
-from jaxprune import sdgp
-from jaxprune.clicktrain.layout import PatternLayout, build_layout
-from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv
+from jaxprune import flops, sdgp
+from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
+from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv, pattern_conv_values
 from jaxprune.models import replace_submodule
 from jaxprune.models.layers import conv_sharing_variables
 from jaxprune.paths import param_path
@@ -56,7 +60,9 @@ __all__ = [
   "default_threshold",
   "format_report",
   "masks_of",
+  "median_call_ms",
   "pattern_convs",
+  "time_layer",
 ]
 
 # Sparsity above which a layer runs the sparse path, per platform. GPU: the paper's 65%
@@ -222,6 +228,71 @@ class PatternConv(nnx.Conv):
     return y
 
 
+def median_call_ms(fn, *args, repeats: int) -> float:
+  """Median wall-clock milliseconds of ``fn(*args)`` over ``repeats`` calls after a warm-up."""
+  jax.block_until_ready(fn(*args))  # compile and warm up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
+def time_layer(
+  layout: PatternLayout,
+  input_shape: Sequence[int],
+  *,
+  strides=(1, 1),
+  padding="SAME",
+  backend: str = "reference",
+  repeats: int = 3,
+  seed: int = 0,
+) -> dict[str, float]:
+  """Wall-clock milliseconds of one conv, sparse path against the dense masked conv.
+
+  Times, on the default device, the forward pass, the data gradient and the weight gradient
+  of :func:`~jaxprune.clicktrain.pattern_conv.pattern_conv_values` with ``backend`` and of
+  ``lax.conv_general_dilated`` with the masked kernel, each the median of ``repeats`` calls of
+  the jitted function after a warm-up call (so compilation is not counted).
+
+  Returns:
+    ``dense_fwd_ms``, ``sparse_fwd_ms``, ``dense_dx_ms``, ``sparse_dx_ms``, ``dense_dw_ms``,
+    ``sparse_dw_ms``.
+  """
+  rng = np.random.default_rng(seed)
+  mask = np.asarray(to_dense(jnp.ones((layout.kernel_shape[3], layout.width)), layout))
+  kernel = jnp.asarray(rng.normal(size=layout.kernel_shape) * mask, jnp.float32)
+  values = to_values(kernel, layout)
+  x = jnp.asarray(rng.normal(size=tuple(input_shape)), jnp.float32)
+  strides = (strides, strides) if isinstance(strides, int) else tuple(strides)
+  pad = padding if isinstance(padding, str) else tuple(tuple(p) for p in padding)
+
+  def dense(x, w):
+    return lax.conv_general_dilated(x, w, strides, pad, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+  def sparse(x, v):
+    return pattern_conv_values(x, v, layout, strides=strides, padding=pad, backend=backend)
+
+  cot = jnp.asarray(rng.normal(size=jax.eval_shape(dense, x, kernel).shape), jnp.float32)
+
+  def grad(f, argnum):
+    return jax.jit(lambda x, w, c: jax.vjp(f, x, w)[1](c)[argnum])
+
+  return {
+    "dense_fwd_ms": median_call_ms(jax.jit(dense), x, kernel, repeats=repeats),
+    "sparse_fwd_ms": median_call_ms(jax.jit(sparse), x, values, repeats=repeats),
+    "dense_dx_ms": median_call_ms(grad(dense, 0), x, kernel, cot, repeats=repeats),
+    "sparse_dx_ms": median_call_ms(grad(sparse, 0), x, values, cot, repeats=repeats),
+    "dense_dw_ms": median_call_ms(grad(dense, 1), x, kernel, cot, repeats=repeats),
+    "sparse_dw_ms": median_call_ms(grad(sparse, 1), x, values, cot, repeats=repeats),
+  }
+
+
+def _total(times: Mapping[str, float], path: str) -> float:
+  return sum(times[f"{path}_{part}_ms"] for part in ("fwd", "dx", "dw"))
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerChoice:
   """What :func:`convert_model` decided for one pruned conv.
@@ -232,6 +303,7 @@ class LayerChoice:
     sparsity: fraction of zero weights under its mask.
     balanced: every filter keeps the same number of weights.
     backend: ``"dense"`` (left an ``nnx.Conv``) or the sparse backend it runs.
+    dense_ms, sparse_ms: measured forward + backward times (``threshold="measure"`` only).
   """
 
   path: str
@@ -239,6 +311,8 @@ class LayerChoice:
   sparsity: float
   balanced: bool
   backend: str
+  dense_ms: float | None = None
+  sparse_ms: float | None = None
 
 
 def _masks_by_kernel_path(weight_masks: Any) -> dict[tuple, np.ndarray]:
@@ -250,9 +324,11 @@ def convert_model(
   model: nnx.Module,
   weight_masks: Any,
   *,
-  threshold: float | None = None,
+  threshold: float | str | None = None,
   backend: str | None = None,
   nnz_per_kernel: int | None = 4,
+  input_shape: Sequence[int] | None = None,
+  repeats: int = 3,
 ) -> tuple[nnx.Module, list[LayerChoice]]:
   """Switches the pruned convs of ``model`` to the sparse path where it pays, in place.
 
@@ -262,7 +338,10 @@ def convert_model(
       pruned conv kernel and ``None`` elsewhere (``jaxprune.clicktrain.masks(opt_state,
       params)``).
     threshold: sparsity above which a layer runs the sparse path; default
-      :func:`default_threshold` of the current platform.
+      :func:`default_threshold` of the current platform. ``"measure"``: time each layer
+      both ways at its real input shape (:func:`time_layer`, forward + both gradients) and
+      keep the faster, which also catches what sparsity alone cannot (e.g. XLA:CPU's slow
+      dense convolution on 2x2 feature maps).
     backend: the sparse backend; default :func:`default_backend`.
     nnz_per_kernel: weights per kept kernel the layouts enforce (4 for ClickTrain's
       patterns; a 1x1 kernel keeps its single weight); ``None`` accepts any pattern.
@@ -274,9 +353,21 @@ def convert_model(
     ValueError: a mask whose shape or content does not fit its kernel (named), a masked
       conv that is already a ``PatternConv``, or a bad threshold / backend.
   """
-  threshold = default_threshold() if threshold is None else float(threshold)
-  if not np.isfinite(threshold) or threshold < 0:
-    raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+  measure = isinstance(threshold, str)
+  if measure:
+    if threshold != "measure":
+      raise ValueError(f"threshold must be a number or 'measure', got {threshold!r}")
+    if input_shape is None:
+      raise ValueError("input_shape: threshold='measure' needs the model's input shape")
+    traced = {
+      layer.param_path: layer
+      for layer in flops.layer_flops(model, tuple(input_shape))
+      if layer.kind == "conv" and layer.param_path is not None
+    }
+  else:
+    threshold = default_threshold() if threshold is None else float(threshold)
+    if not np.isfinite(threshold) or threshold < 0:
+      raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
   backend = default_backend() if backend is None else backend
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -302,12 +393,34 @@ def convert_model(
       layout = build_layout(mask, nnz_per_kernel=per_kernel)
     except ValueError as err:
       raise ValueError(f"weight_masks: {name}: {err}") from None
-    use = backend if layout.sparsity > threshold else "dense"
+    dense_ms = sparse_ms = None
+    if measure:
+      layer = traced[tuple(path) + ("kernel",)]
+      times = time_layer(
+        layout,
+        layer.input_shape,
+        strides=tuple(layer.strides),
+        padding=tuple(tuple(p) for p in layer.padding),
+        backend=backend,
+        repeats=repeats,
+      )
+      dense_ms, sparse_ms = _total(times, "dense"), _total(times, "sparse")
+      use = backend if sparse_ms < dense_ms else "dense"
+    else:
+      use = backend if layout.sparsity > threshold else "dense"
     if use != "dense":
       _check_convertible(module, name)
       swaps.append((tuple(path), PatternConv.from_conv(module, layout, backend=use, name=name)))
     choices.append(
-      LayerChoice(name, tuple(module.kernel.shape), layout.sparsity, layout.balanced, use)
+      LayerChoice(
+        name,
+        tuple(module.kernel.shape),
+        layout.sparsity,
+        layout.balanced,
+        use,
+        dense_ms,
+        sparse_ms,
+      )
     )
   for path, new in swaps:
     if not path:
@@ -325,11 +438,15 @@ def pattern_convs(model: nnx.Module) -> dict[str, PatternConv]:
 
 def format_report(choices: list[LayerChoice]) -> str:
   """A markdown table of :func:`convert_model`'s per-layer choices."""
-  lines = ["| layer | kernel | sparsity | balanced | path |", "|---|---|---:|---|---|"]
+  lines = [
+    "| layer | kernel | sparsity | balanced | dense / sparse ms | path |",
+    "|---|---|---:|---|---:|---|",
+  ]
   for c in choices:
+    times = "–" if c.dense_ms is None else f"{c.dense_ms:.2f} / {c.sparse_ms:.2f}"
     lines.append(
       f"| `{c.path}` | {'×'.join(map(str, c.kernel_shape))} | {c.sparsity:.1%} "
-      f"| {'yes' if c.balanced else 'no'} | {c.backend} |"
+      f"| {'yes' if c.balanced else 'no'} | {times} | {c.backend} |"
     )
   return "\n".join(lines)
 
@@ -352,7 +469,8 @@ class SparseExecution(Callback):
   the new model is converted with its sliced masks.
 
   Args:
-    threshold, backend, nnz_per_kernel: as :func:`convert_model`.
+    threshold, backend, nnz_per_kernel, input_shape, repeats: as :func:`convert_model`
+      (``threshold="measure"`` times every layer once, at the conversion).
 
   Attributes:
     choices: the per-layer decisions, once converted.
@@ -366,15 +484,21 @@ class SparseExecution(Callback):
   def __init__(
     self,
     *,
-    threshold: float | None = None,
+    threshold: float | str | None = None,
     backend: str | None = None,
     nnz_per_kernel: int | None = 4,
+    input_shape: Sequence[int] | None = None,
+    repeats: int = 3,
   ):
+    if threshold == "measure" and input_shape is None:
+      raise ValueError("input_shape: threshold='measure' needs the model's input shape")
     if backend is not None and backend not in BACKENDS:
       raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     self.threshold = threshold
     self.backend = backend
     self.nnz_per_kernel = nnz_per_kernel
+    self.input_shape = input_shape
+    self.repeats = repeats
     self.choices: list[LayerChoice] | None = None
     # The model last converted: a model rebuilt since (PruneTrain's reconfiguration) is
     # converted again, with the sliced masks.
@@ -393,6 +517,8 @@ class SparseExecution(Callback):
       threshold=self.threshold,
       backend=self.backend,
       nnz_per_kernel=self.nnz_per_kernel,
+      input_shape=self.input_shape,
+      repeats=self.repeats,
     )
     trainer.replace(model, trainer.opt_state)
     self._converted = model

@@ -251,3 +251,49 @@ def test_sparse_path_composes_with_sdgp(method):
   _apply(dense, masks)
   _, (_, dx_dense) = loss_grads(dense)
   assert not np.allclose(dx1, dx_dense, atol=1e-6)
+
+
+def test_measured_dispatch_keeps_the_faster_path_per_layer(monkeypatch):
+  from jaxprune.clicktrain import sparse_execution
+
+  # The timing itself (real calls on this machine): every entry is a positive duration.
+  model = _Net(nnx.Rngs(0))
+  masks = _masks(model)
+  layout = sparse_execution.build_layout(masks["conv2"]["kernel"])
+  times = sparse_execution.time_layer(layout, (1, 9, 9, 8), strides=2, padding="VALID", repeats=1)
+  assert set(times) == {f"{p}_{d}_ms" for p in ("dense", "sparse") for d in ("fwd", "dx", "dw")}
+  assert all(t > 0 for t in times.values())
+
+  # The decision, with planted timings: sparse only where it is faster (forward + backward),
+  # each layer timed at its own traced input shape.
+  seen = {}
+
+  def fake_time_layer(layout, input_shape, *, strides, padding, backend, repeats):
+    seen[layout.kernel_shape] = tuple(input_shape)
+    sparse_faster = layout.kernel_shape[-1] == 12  # conv2 only
+    dense, sparse = (3.0, 1.0) if sparse_faster else (1.0, 3.0)
+    return {
+      f"{p}_{d}_ms": (dense if p == "dense" else sparse)
+      for p in ("dense", "sparse")
+      for d in ("fwd", "dx", "dw")
+    }
+
+  monkeypatch.setattr(sparse_execution, "time_layer", fake_time_layer)
+  _apply(model, masks)
+  _, choices = convert_model(model, masks, threshold="measure", input_shape=(2, 9, 9, 1))
+  by_path = {c.path: c for c in choices}
+  assert {p: c.backend != "dense" for p, c in by_path.items()} == {
+    "conv1": False,
+    "conv2": True,
+    "conv3": False,
+  }
+  assert by_path["conv2"].dense_ms == 9.0 and by_path["conv2"].sparse_ms == 3.0
+  assert seen[(3, 3, 8, 8)] == (2, 9, 9, 8) and seen[(1, 1, 12, 8)] == (2, 4, 4, 12)
+  assert sorted(pattern_convs(model)) == ["conv2"]
+  assert "9.00 / 3.00" in format_report(choices)
+  with pytest.raises(ValueError, match="input_shape"):
+    convert_model(_Net(nnx.Rngs(0)), masks, threshold="measure")
+  with pytest.raises(ValueError, match="threshold"):
+    convert_model(_Net(nnx.Rngs(0)), masks, threshold="fastest", input_shape=(1, 9, 9, 1))
+  with pytest.raises(ValueError, match="input_shape"):
+    SparseExecution(threshold="measure")
