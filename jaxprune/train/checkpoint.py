@@ -109,6 +109,12 @@ class CheckpointStore:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def clear(self) -> None:
+    """Delete every checkpoint of the directory."""
+    for step in self.all_steps():
+      self._manager.delete(step)
+    self._manager.reload()
+
   def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Write checkpoint ``step`` (blocks until it is complete and renamed into place)."""
     ocp = _orbax()

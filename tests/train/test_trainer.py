@@ -655,6 +655,26 @@ def test_resume_refuses_a_differently_configured_run(tmp_path):
     _trainer(run_config={"schedule": lambda step: 0.1})
 
 
+def test_fresh_start_does_not_leave_the_old_runs_checkpoints_as_latest(tmp_path):
+  images, labels = _data(48)
+  loader = ArrayLoader(images, labels, 8)
+  ckpt = tmp_path / "ckpt"
+  _trainer(checkpoint_dir=ckpt).fit(loader, epochs=2)  # the old run: checkpoints 1 and 2
+  fresh = _trainer(_model(seed=5), checkpoint_dir=ckpt)
+  with pytest.raises(ValueError, match=r"checkpoint_dir .*ckpt already holds .*\[1, 2\]"):
+    fresh.fit(loader, epochs=1, resume=False)
+  assert fresh.epoch == 0 and fresh.store.all_steps() == [1, 2]  # refused before training
+  fresh.fit(loader, epochs=1, resume=False, overwrite=True)
+  assert fresh.store.all_steps() == [1]
+  fresh.fit(loader, epochs=2, resume=False)  # going on with its own run is not refused
+  # a later resume continues the fresh run, not the old one
+  later = _trainer(_model(seed=9), checkpoint_dir=ckpt)
+  assert later.restore_checkpoint(loader) and later.epoch == 2
+  _assert_trees_equal(later.params, fresh.params)
+  with pytest.raises(ValueError, match="overwrite"):
+    later.fit(loader, epochs=2, overwrite=True)
+
+
 def test_checkpoint_store_rejects_wrong_shapes(tmp_path):
   store = jt.CheckpointStore(tmp_path / "c")
   store.save(1, {"a": {"w": jnp.ones((2, 3))}}, {"epoch": 1})
