@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -579,6 +580,9 @@ class Trainer:
       overwrite: with ``resume=False``, delete the checkpoints already in
         ``checkpoint_dir`` instead of refusing to start.
 
+    If the run is already past ``epochs`` (e.g. a checkpoint at epoch 3 and ``epochs=2``),
+    nothing is trained, a ``UserWarning`` says so and the whole history is returned.
+
     Returns:
       The per-epoch records (also written as JSON lines to ``log_path``).
 
@@ -594,6 +598,15 @@ class Trainer:
     if resume:
       self.restore_checkpoint(train_loader)
     self._claim_store(overwrite)
+    if self.epoch > epochs:
+      # ``epochs`` is the run's total, so nothing is trained; say so rather than hand back
+      # more epochs than were asked for without a word.
+      where = f" (restored from {self.store.directory})" if self.store is not None else ""
+      warnings.warn(
+        f"fit(epochs={epochs}): the run is already at epoch {self.epoch}{where}, past the "
+        f"requested epochs; nothing is trained and the history holds {self.epoch} epochs",
+        stacklevel=2,
+      )
     for c in self.callbacks:
       c.on_fit_start(self)
     if self.reference_batch_size is None:

@@ -675,6 +675,17 @@ def test_fresh_start_does_not_leave_the_old_runs_checkpoints_as_latest(tmp_path)
     later.fit(loader, epochs=2, overwrite=True)
 
 
+def test_fit_to_fewer_epochs_than_the_checkpoint_holds_warns(tmp_path):
+  images, labels = _data(48)
+  loader = ArrayLoader(images, labels, 8)
+  ckpt = tmp_path / "ckpt"
+  _trainer(checkpoint_dir=ckpt).fit(loader, epochs=3)
+  resumed = _trainer(_model(seed=9), checkpoint_dir=ckpt)
+  with pytest.warns(UserWarning, match=r"epochs=2.*already at epoch 3.*ckpt"):
+    history = resumed.fit(loader, epochs=2)
+  assert len(history) == 3 and resumed.epoch == 3 and resumed.store.latest_step() == 3
+
+
 def test_checkpoint_store_rejects_wrong_shapes(tmp_path):
   store = jt.CheckpointStore(tmp_path / "c")
   store.save(1, {"a": {"w": jnp.ones((2, 3))}}, {"epoch": 1})
