@@ -37,7 +37,7 @@ from flax import nnx
 from jaxprune import masking, models
 from jaxprune.train import optim
 from jaxprune.train._spec_json import decode_spec, encode_spec
-from jaxprune.train.checkpoint import CheckpointStore
+from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
 from jaxprune.train.step import (
   Metrics,
   PerExampleLoss,
@@ -503,12 +503,47 @@ class Trainer:
     return models.rebuild(self._model, spec)
 
   def restore_checkpoint(self, loader: Any = None, step: int | None = None) -> bool:
-    """Restore the latest (or given) checkpoint; returns False if there is none."""
+    """Restore the latest (or given) checkpoint; returns False if there is none.
+
+    A damaged latest checkpoint (files truncated or missing) is renamed to
+    ``<step>.damaged`` with a ``UserWarning`` naming it, and the newest intact one is
+    restored instead.
+
+    Raises:
+      DamagedCheckpointError: if the given ``step`` is damaged, or every checkpoint is (the
+        message names each one's step and path).
+      ValueError: if the checkpoint belongs to a differently configured run or does not
+        fit the model.
+    """
     if self.store is None:
       return False
-    step = self.store.latest_step() if step is None else step
-    if step is None:
-      return False
+    if step is not None:
+      self._restore_step(loader, step)
+      return True
+    damaged: list[DamagedCheckpointError] = []
+    for candidate in reversed(self.store.all_steps()):
+      try:
+        self._restore_step(loader, candidate)
+      except DamagedCheckpointError as e:
+        damaged.append(e)
+        continue
+      for e in damaged:
+        # Out of the numbered sequence, so the resumed run can write that epoch again.
+        moved = self.store.set_aside(e.step)
+        warnings.warn(f"{e}; moved to {moved} and resumed from checkpoint {candidate}")
+      return True
+    if damaged:
+      newest, older = damaged[0], damaged[1:]
+      raise DamagedCheckpointError(
+        newest.step,
+        newest.path,
+        f"{newest.reason}; no intact checkpoint to fall back to" + "".join(f"; {e}" for e in older),
+      )
+    return False
+
+  def _restore_step(self, loader: Any, step: int) -> None:
+    # Every read from the store happens before the trainer's state changes, so a damaged
+    # checkpoint leaves the trainer as it was.
     meta = self.store.restore_meta(step)
     _check_run_config(meta.get("run_config"), self.run_config, self.store.directory)
     model = self._model
@@ -536,7 +571,6 @@ class Trainer:
         _set_loader_batch_size(loader, int(meta["batch_size"]))
       if meta.get("loader_state") is not None:
         _restore_loader(loader, meta["loader_state"])
-    return True
 
   # ----------------------------------------------------------------- logging
   def _rewrite_log(self) -> None:
