@@ -22,7 +22,7 @@ receive ``value=loss``); LR scaling needs a ``train.scale_by_lr`` inside it.
 """
 
 from jaxprune.train._spec_json import decode_spec, encode_spec
-from jaxprune.train.checkpoint import CheckpointStore
+from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
 from jaxprune.train.loss import (
   accuracy,
   correct_per_example,
@@ -53,6 +53,7 @@ from jaxprune.train.trainer import Callback, Trainer, fit
 
 __all__ = [
   "CheckpointStore",
+  "DamagedCheckpointError",
   "decode_spec",
   "encode_spec",
   "accuracy",

@@ -14,7 +14,9 @@ NNX ``State`` objects, Optax NamedTuple states and typed PRNG keys all round-tri
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -23,6 +25,20 @@ import numpy as np
 
 _ARRAYS = "arrays"
 _META = "meta"
+
+
+class DamagedCheckpointError(ValueError):
+  """A checkpoint whose files cannot be read back (truncated, missing or corrupt).
+
+  Attributes:
+    step: the checkpoint's number.
+    path: its directory.
+    reason: what failed.
+  """
+
+  def __init__(self, step: int, path: str, reason: str):
+    self.step, self.path, self.reason = step, path, reason
+    super().__init__(f"checkpoint {step} at {path} is damaged ({reason})")
 
 
 def _orbax() -> Any:
@@ -70,12 +86,6 @@ def _lookup(nested: dict[str, Any], path: tuple) -> Any:
   return node
 
 
-def _abstract_storable(x: Any) -> jax.ShapeDtypeStruct:
-  stored = jax.eval_shape(_storable, x) if _is_prng_key(x) else x
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.ShapeDtypeStruct(np.shape(stored), stored.dtype, sharding=sharding)
-
-
 class CheckpointStore:
   """A directory of numbered checkpoints (orbax ``CheckpointManager``, synchronous).
 
@@ -109,6 +119,12 @@ class CheckpointStore:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def clear(self) -> None:
+    """Delete every checkpoint of the directory."""
+    for step in self.all_steps():
+      self._manager.delete(step)
+    self._manager.reload()
+
   def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Write checkpoint ``step`` (blocks until it is complete and renamed into place)."""
     ocp = _orbax()
@@ -122,13 +138,46 @@ class CheckpointStore:
     )
     self._manager.wait_until_finished()
 
+  def step_path(self, step: int) -> str:
+    """Directory of checkpoint ``step``."""
+    return os.path.join(self.directory, str(step))
+
+  def _item_path(self, step: int, item: str) -> Any:
+    return self._manager.directory / str(step) / item
+
+  @contextlib.contextmanager
+  def _reading(self, step: int) -> Iterator[None]:
+    """Report a failure to read checkpoint ``step``'s files (a bare ``JSONDecodeError``
+    for a truncated record, ``KeyError`` for a missing item, ...) as that checkpoint's
+    damage, with its step and path."""
+    try:
+      yield
+    except Exception as e:
+      raise DamagedCheckpointError(step, self.step_path(step), f"{type(e).__name__}: {e}") from e
+
+  def set_aside(self, step: int) -> str:
+    """Rename damaged checkpoint ``step`` to ``<step>.damaged`` (kept for inspection, no
+    longer a numbered checkpoint, so its number can be written again); returns the path."""
+    target = base = self.step_path(step) + ".damaged"
+    n = 1
+    while os.path.exists(target):
+      target, n = f"{base}.{n}", n + 1
+    os.rename(self.step_path(step), target)
+    self._manager.reload()
+    return target
+
   def restore_meta(self, step: int) -> dict[str, Any]:
-    """The JSON record of checkpoint ``step``."""
+    """The JSON record of checkpoint ``step``.
+
+    Raises:
+      DamagedCheckpointError: if the record cannot be read back.
+    """
     ocp = _orbax()
-    restored = self._manager.restore(
-      step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
-    )
-    return dict(restored[_META])
+    with self._reading(step):
+      restored = self._manager.restore(
+        step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
+      )
+      return dict(restored[_META])
 
   def restore(self, step: int, template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restore checkpoint ``step`` into the structure of ``template``.
@@ -142,18 +191,36 @@ class CheckpointStore:
       ``(arrays, meta)``: pytrees shaped like ``template`` and the JSON record.
 
     Raises:
-      ValueError: if a saved array's shape differs from the template's (the model was
+      ValueError: if a saved array's shape differs from the template's, or the template
+        has arrays the checkpoint lacks or the other way round (the model was
         reconfigured: rebuild it from ``meta["model_spec"]`` first).
+      DamagedCheckpointError: if the checkpoint's own files cannot be read back.
     """
     ocp = _orbax()
-    abstract = jax.tree.map(_abstract_storable, _to_nested(template))
-    restored = self._manager.restore(
-      step,
-      args=ocp.args.Composite(
-        **{_ARRAYS: ocp.args.StandardRestore(abstract), _META: ocp.args.JsonRestore()}
-      ),
-    )
+    # Read the checkpoint into the shapes it recorded, not the template's: a failure here is
+    # then the checkpoint's own damage, told apart from a template that does not fit it.
+    with self._reading(step):
+      recorded = ocp.StandardCheckpointHandler().metadata(self._item_path(step, _ARRAYS)).tree
+      sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      abstract = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding), recorded
+      )
+      restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+          **{_ARRAYS: ocp.args.StandardRestore(abstract), _META: ocp.args.JsonRestore()}
+        ),
+      )
     stored = restored[_ARRAYS]
+    have = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored)}
+    want_paths = {
+      jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(_to_nested(template))
+    }
+    if have != want_paths:
+      raise ValueError(
+        f"template: arrays differ from checkpoint {step}'s: not in the checkpoint "
+        f"{sorted(want_paths - have)}, not in the template {sorted(have - want_paths)}"
+      )
 
     def fill(path, like):
       value = _lookup(stored, path)
@@ -163,7 +230,7 @@ class CheckpointStore:
           f"template: shape of {jax.tree_util.keystr(path)} is "
           f"{np.shape(want)} but the checkpoint has {np.shape(value)}"
         )
-      value = jnp.asarray(value)
+      value = jnp.asarray(value, dtype=want.dtype)
       if _is_prng_key(like):
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
       return value

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from flax import nnx
 from jaxprune import masking, models
 from jaxprune.train import optim
 from jaxprune.train._spec_json import decode_spec, encode_spec
-from jaxprune.train.checkpoint import CheckpointStore
+from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
 from jaxprune.train.step import (
   Metrics,
   PerExampleLoss,
@@ -171,6 +172,8 @@ class Trainer:
     metrics: extra per-epoch metrics ``{name: fn(trainer) -> value}`` for the JSON lines.
     log_path: file that receives one JSON object per epoch (rewritten on resume).
     checkpoint_dir: orbax checkpoint directory; ``fit`` resumes from its latest checkpoint.
+      A fresh start (``fit(resume=False)``) refuses a folder that holds another run's
+      checkpoints unless ``overwrite=True`` (see :meth:`fit`).
     checkpoint_every: checkpoint every this many epochs (and after the last one).
     max_to_keep: number of checkpoints kept.
     progress: show a tqdm bar; ``None`` = only when stderr is a terminal.
@@ -247,6 +250,9 @@ class Trainer:
     self._elapsed_before = 0.0
     self._memory_cache: dict[Any, dict[str, int]] = {}
     self._refill_check = masking.RefillCheck()  # pruned weights re-filled at an epoch end
+    # True once checkpoint_dir holds only this run's checkpoints (restored from it, found it
+    # empty, or cleared it with fit(overwrite=True)): only then may save_checkpoint write there.
+    self._owns_store = False
     self._set_model(model, self.tx.init(nnx.as_pure(nnx.state(model, nnx.Param))))
 
   # ----------------------------------------------------------------- state access
@@ -452,10 +458,36 @@ class Trainer:
       "run_config": self.run_config,
     }
 
+  def _claim_store(self, overwrite: bool) -> None:
+    """Make ``checkpoint_dir`` this run's own before anything is written into it.
+
+    Checkpoints are numbered by epoch and ``fit`` resumes the highest number, so a fresh run
+    writing next to another run's checkpoints would leave the other run's later epochs as
+    "latest" and a resume would silently continue the wrong run.
+    """
+    if self.store is None or self._owns_store:
+      return
+    steps = self.store.all_steps()
+    if steps and not overwrite:
+      raise ValueError(
+        f"checkpoint_dir {self.store.directory} already holds the checkpoints {steps} of "
+        "another run: resume it (fit(resume=True)), pass overwrite=True to delete them, or "
+        "use another checkpoint_dir"
+      )
+    if steps:
+      self.store.clear()
+    self._owns_store = True
+
   def save_checkpoint(self, loader: Any = None) -> None:
-    """Write a checkpoint of the current state (no-op without ``checkpoint_dir``)."""
+    """Write a checkpoint of the current state (no-op without ``checkpoint_dir``).
+
+    Raises:
+      ValueError: if ``checkpoint_dir`` holds another run's checkpoints (this trainer
+        neither restored from it nor cleared it with ``fit(overwrite=True)``).
+    """
     if self.store is None:
       return
+    self._claim_store(overwrite=False)
     arrays = {"params": self.params, "rest": self.rest, "opt_state": self.opt_state}
     self.store.save(self.epoch, arrays, self._meta(loader))
 
@@ -471,12 +503,47 @@ class Trainer:
     return models.rebuild(self._model, spec)
 
   def restore_checkpoint(self, loader: Any = None, step: int | None = None) -> bool:
-    """Restore the latest (or given) checkpoint; returns False if there is none."""
+    """Restore the latest (or given) checkpoint; returns False if there is none.
+
+    A damaged latest checkpoint (files truncated or missing) is renamed to
+    ``<step>.damaged`` with a ``UserWarning`` naming it, and the newest intact one is
+    restored instead.
+
+    Raises:
+      DamagedCheckpointError: if the given ``step`` is damaged, or every checkpoint is (the
+        message names each one's step and path).
+      ValueError: if the checkpoint belongs to a differently configured run or does not
+        fit the model.
+    """
     if self.store is None:
       return False
-    step = self.store.latest_step() if step is None else step
-    if step is None:
-      return False
+    if step is not None:
+      self._restore_step(loader, step)
+      return True
+    damaged: list[DamagedCheckpointError] = []
+    for candidate in reversed(self.store.all_steps()):
+      try:
+        self._restore_step(loader, candidate)
+      except DamagedCheckpointError as e:
+        damaged.append(e)
+        continue
+      for e in damaged:
+        # Out of the numbered sequence, so the resumed run can write that epoch again.
+        moved = self.store.set_aside(e.step)
+        warnings.warn(f"{e}; moved to {moved} and resumed from checkpoint {candidate}")
+      return True
+    if damaged:
+      newest, older = damaged[0], damaged[1:]
+      raise DamagedCheckpointError(
+        newest.step,
+        newest.path,
+        f"{newest.reason}; no intact checkpoint to fall back to" + "".join(f"; {e}" for e in older),
+      )
+    return False
+
+  def _restore_step(self, loader: Any, step: int) -> None:
+    # Every read from the store happens before the trainer's state changes, so a damaged
+    # checkpoint leaves the trainer as it was.
     meta = self.store.restore_meta(step)
     _check_run_config(meta.get("run_config"), self.run_config, self.store.directory)
     model = self._model
@@ -491,6 +558,7 @@ class Trainer:
     nnx.update(model, arrays["params"], arrays["rest"])
     self._set_model(model, arrays["opt_state"])
     self.epoch, self.step = int(meta["epoch"]), int(meta["step"])
+    self._owns_store = True  # the restored run goes on in its own folder
     self.reference_batch_size = meta.get("reference_batch_size")
     pending = meta.get("pending_batch_size")
     self._pending_batch_size = (int(pending[0]), bool(pending[1])) if pending else None
@@ -503,7 +571,6 @@ class Trainer:
         _set_loader_batch_size(loader, int(meta["batch_size"]))
       if meta.get("loader_state") is not None:
         _restore_loader(loader, meta["loader_state"])
-    return True
 
   # ----------------------------------------------------------------- logging
   def _rewrite_log(self) -> None:
@@ -530,16 +597,50 @@ class Trainer:
     epochs: int = 1,
     *,
     resume: bool = True,
+    overwrite: bool = False,
   ) -> list[dict[str, Any]]:
     """Train until ``epochs`` epochs are complete (resuming from the latest checkpoint).
 
+    A fresh start (``resume=False``) owns ``checkpoint_dir``: if the folder holds
+    checkpoints this trainer did not write or restore, ``fit`` refuses before training
+    unless ``overwrite=True``, which deletes them first. (A trainer that already trained or
+    restored may call ``fit(resume=False)`` again to go on with its own run.)
+
+    Args:
+      train_loader: training batches ``(images, labels)``.
+      test_loader: optional evaluation batches, evaluated after each epoch.
+      epochs: total number of epochs of the run (not the number still to train).
+      resume: restore the latest checkpoint of ``checkpoint_dir`` first.
+      overwrite: with ``resume=False``, delete the checkpoints already in
+        ``checkpoint_dir`` instead of refusing to start.
+
+    If the run is already past ``epochs`` (e.g. a checkpoint at epoch 3 and ``epochs=2``),
+    nothing is trained, a ``UserWarning`` says so and the whole history is returned.
+
     Returns:
       The per-epoch records (also written as JSON lines to ``log_path``).
+
+    Raises:
+      ValueError: if ``epochs`` is not a positive int, if ``overwrite`` is given with
+        ``resume=True``, or if a fresh start finds another run's checkpoints in
+        ``checkpoint_dir`` and ``overwrite`` is False.
     """
     if not isinstance(epochs, (int, np.integer)) or epochs < 1:
       raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+    if overwrite and resume:
+      raise ValueError("overwrite=True deletes the checkpoints: it needs resume=False")
     if resume:
       self.restore_checkpoint(train_loader)
+    self._claim_store(overwrite)
+    if self.epoch > epochs:
+      # ``epochs`` is the run's total, so nothing is trained; say so rather than hand back
+      # more epochs than were asked for without a word.
+      where = f" (restored from {self.store.directory})" if self.store is not None else ""
+      warnings.warn(
+        f"fit(epochs={epochs}): the run is already at epoch {self.epoch}{where}, past the "
+        f"requested epochs; nothing is trained and the history holds {self.epoch} epochs",
+        stacklevel=2,
+      )
     for c in self.callbacks:
       c.on_fit_start(self)
     if self.reference_batch_size is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import Any, NamedTuple
 
@@ -655,11 +656,100 @@ def test_resume_refuses_a_differently_configured_run(tmp_path):
     _trainer(run_config={"schedule": lambda step: 0.1})
 
 
+def test_fresh_start_does_not_leave_the_old_runs_checkpoints_as_latest(tmp_path):
+  images, labels = _data(48)
+  loader = ArrayLoader(images, labels, 8)
+  ckpt = tmp_path / "ckpt"
+  _trainer(checkpoint_dir=ckpt).fit(loader, epochs=2)  # the old run: checkpoints 1 and 2
+  fresh = _trainer(_model(seed=5), checkpoint_dir=ckpt)
+  with pytest.raises(ValueError, match=r"checkpoint_dir .*ckpt already holds .*\[1, 2\]"):
+    fresh.fit(loader, epochs=1, resume=False)
+  assert fresh.epoch == 0 and fresh.store.all_steps() == [1, 2]  # refused before training
+  fresh.fit(loader, epochs=1, resume=False, overwrite=True)
+  assert fresh.store.all_steps() == [1]
+  fresh.fit(loader, epochs=2, resume=False)  # going on with its own run is not refused
+  # a later resume continues the fresh run, not the old one
+  later = _trainer(_model(seed=9), checkpoint_dir=ckpt)
+  assert later.restore_checkpoint(loader) and later.epoch == 2
+  _assert_trees_equal(later.params, fresh.params)
+  with pytest.raises(ValueError, match="overwrite"):
+    later.fit(loader, epochs=2, overwrite=True)
+
+
+def test_fit_to_fewer_epochs_than_the_checkpoint_holds_warns(tmp_path):
+  images, labels = _data(48)
+  loader = ArrayLoader(images, labels, 8)
+  ckpt = tmp_path / "ckpt"
+  _trainer(checkpoint_dir=ckpt).fit(loader, epochs=3)
+  resumed = _trainer(_model(seed=9), checkpoint_dir=ckpt)
+  with pytest.warns(UserWarning, match=r"epochs=2.*already at epoch 3.*ckpt"):
+    history = resumed.fit(loader, epochs=2)
+  assert len(history) == 3 and resumed.epoch == 3 and resumed.store.latest_step() == 3
+
+
+def _two_checkpoints(tmp_path):
+  """A tiny run's checkpoints 1 and 2; returns the loader, the folder, epoch 1's params."""
+  loader = ArrayLoader(*_data(48), 8)
+  trainer = _trainer(checkpoint_dir=tmp_path / "ckpt")
+  trainer.fit(loader, epochs=1)
+  params1 = jax.tree.map(np.asarray, trainer.params)
+  trainer.fit(loader, epochs=2)
+  return loader, tmp_path / "ckpt", params1
+
+
+def _damage(step_dir, how):
+  if how == "delete_item":  # a missing item: a bare KeyError before
+    shutil.rmtree(step_dir / "arrays")
+    return
+  # a truncated array file: the arrays' JSON metadata (a bare JSONDecodeError before) or
+  # the array data themselves
+  files = [step_dir / "arrays" / "_METADATA"]
+  if how == "truncate_data":
+    files = [p for p in (step_dir / "arrays" / "d").iterdir()]
+  for path in files:
+    with open(path, "r+b") as f:
+      f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("how", ["truncate_metadata", "truncate_data", "delete_item"])
+def test_damaged_newest_checkpoint_is_named_and_the_newest_intact_one_resumed(tmp_path, how):
+  loader, ckpt, params1 = _two_checkpoints(tmp_path)
+  _damage(ckpt / "2", how)
+  fresh = _trainer(_model(seed=9), checkpoint_dir=ckpt)
+  with pytest.warns(UserWarning, match=r"checkpoint 2 at \S*ckpt/2 is damaged.*from checkpoint 1"):
+    assert fresh.restore_checkpoint(loader)
+  assert fresh.epoch == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, fresh.params), params1)
+  # set aside, so the resumed run writes epoch 2 again
+  assert fresh.store.all_steps() == [1] and (ckpt / "2.damaged").is_dir()
+  fresh.fit(loader, epochs=2)
+  assert fresh.store.all_steps() == [1, 2]
+
+
+def test_no_intact_checkpoint_refuses_naming_each_damaged_one(tmp_path):
+  loader, ckpt, _ = _two_checkpoints(tmp_path)
+  _damage(ckpt / "2", "truncate_metadata")
+  _damage(ckpt / "1", "delete_item")
+  fresh = _trainer(_model(seed=9), checkpoint_dir=ckpt)
+  with pytest.raises(
+    jt.DamagedCheckpointError, match=r"checkpoint 2 at .*no intact.*checkpoint 1 at \S*ckpt/1"
+  ):
+    fresh.fit(loader, epochs=2)
+  assert fresh.epoch == 0 and fresh.store.all_steps() == [1, 2]  # nothing restored or moved
+
+
 def test_checkpoint_store_rejects_wrong_shapes(tmp_path):
   store = jt.CheckpointStore(tmp_path / "c")
   store.save(1, {"a": {"w": jnp.ones((2, 3))}}, {"epoch": 1})
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError) as wrong_shape:
     store.restore(1, {"a": {"w": jnp.ones((4, 3))}})
+  with pytest.raises(
+    ValueError, match=r"template.*not in the checkpoint \[\"\['a'\]\['v'\]\"\]"
+  ) as extra:
+    store.restore(1, {"a": {"w": jnp.ones((2, 3)), "v": jnp.ones(2)}})
+  # a template that does not fit is not the checkpoint's damage
+  assert not isinstance(wrong_shape.value, jt.DamagedCheckpointError)
+  assert not isinstance(extra.value, jt.DamagedCheckpointError)
   arrays, meta = store.restore(1, {"a": {"w": jnp.zeros((2, 3))}})
   np.testing.assert_array_equal(arrays["a"]["w"], np.ones((2, 3)))
   assert meta == {"epoch": 1}
