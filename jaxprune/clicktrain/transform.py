@@ -595,7 +595,8 @@ def clicktrain(
       margin_rule: ``"relative"`` or ``"literal"`` (see
           :func:`jaxprune.clicktrain.patterns.loss_margin_ok`).
       group_lasso_coefficient: λ of the modified group lasso (2.5e-4 in the paper).
-      one_shot_epoch: one_shot mode: the epoch whose first batch picks masks.
+      one_shot_epoch: one_shot mode: the epoch whose first batch picks masks (the next
+          finite batch if that one's loss or gradient is not finite).
       layer_filter: ``fn(path, shape) -> "pattern" | "kernel" | None``;
           default :func:`default_layer_filter`.
       importance_every: run the per-batch importance work every this many
