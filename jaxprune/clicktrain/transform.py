@@ -68,6 +68,12 @@ Reading choices (the paper is silent or garbled; tested):
   one epoch after it (at least one epoch of regularization).
 * Importance work may run every ``importance_every`` steps (default 1) to cut
   overhead; skipped steps neither vote nor add competitive scores.
+* A non-finite step (a NaN / Inf loss, gradient leaf or pruned weight) is skipped by the
+  importance bookkeeping, whether or not the inner optimizer is wrapped in
+  ``optax.apply_if_finite``: it neither adds competitive scores nor votes nor adds Eq. 2
+  scores, so no NaN score ever ranks kernels or patterns, and the loss-margin test compares
+  with the last finite loss. In ``one_shot`` mode a non-finite pick batch defers the pick
+  to the next finite step (a pick from NaN scores would prune kernels by index).
 
 The read-outs (masks, stage, pattern usage, compression) are in
 :mod:`jaxprune.clicktrain.readouts`.
@@ -303,6 +309,18 @@ def _group_lasso_grad(w: jax.Array, ls: ClickTrainLayerState, eps: float) -> jax
 # per-layer states (or leaves); none reads anything from an enclosing scope.
 
 
+def _all_finite(loss, plan: _Plan, w_leaves, g_leaves) -> jax.Array:
+  """Whether a step may feed the importance bookkeeping: the loss, every gradient leaf (what
+  ``optax.apply_if_finite`` checks) and the pruned weights are finite. Scores from a NaN
+  step would stay NaN in the sums for good and rank kernels by index."""
+  ok = jnp.isfinite(loss)
+  for g in g_leaves:
+    ok = ok & jnp.all(jnp.isfinite(g))
+  for layer in plan.values():
+    ok = ok & jnp.all(jnp.isfinite(w_leaves[layer.index]))
+  return ok
+
+
 def _pool_step(layers: _Layers, plan: _Plan, w_leaves, g_leaves) -> _Layers:
   """DPPG steps 1-5 for one batch: +1 competitive score per kernel's candidate (§4.2)."""
   out = dict(layers)
@@ -475,7 +493,8 @@ def _next_state(
     stage_start_epoch=jnp.where(moved, clock.epochs_done, state.stage_start_epoch),
     epoch_loss_sum=jnp.where(clock.epoch_end, 0.0, clock.loss_sum),
     prev_epoch_loss=jnp.where(clock.epoch_end, clock.mean, state.prev_epoch_loss),
-    last_loss=clock.loss,
+    # A non-finite loss is no reference for the next batch's margin test (§4.3).
+    last_loss=jnp.where(jnp.isfinite(clock.loss), clock.loss, state.last_loss),
     layers=layers,
     inner_state=inner_state,
   )
@@ -501,14 +520,16 @@ def _paper_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock
   counted = counted | jnp.isnan(state.last_loss)
   do_importance = (state.count % cfg.importance_every) == 0
 
+  # The finiteness check runs inside the POOL / FINALIZE branches only (one pass over the
+  # gradients), so the other stages do not pay for it.
   def pool_branch(ls):
-    ls = jax.lax.cond(do_importance, lambda x: _pool_step(x, plan, w, g), lambda x: x, ls)
+    run = do_importance & _all_finite(clock.loss, plan, w, g)
+    ls = jax.lax.cond(run, lambda x: _pool_step(x, plan, w, g), lambda x: x, ls)
     return jax.lax.cond(to_final, lambda x: _select_pools(x, plan, cfg.pool_size), lambda x: x, ls)
 
   def finalize_branch(ls):
-    ls = jax.lax.cond(
-      do_importance, lambda x: _finalize_step(x, plan, w, g, counted), lambda x: x, ls
-    )
+    run = do_importance & _all_finite(clock.loss, plan, w, g)
+    ls = jax.lax.cond(run, lambda x: _finalize_step(x, plan, w, g, counted), lambda x: x, ls)
     return jax.lax.cond(to_reg, lambda x: _finalize_masks(x, plan), lambda x: x, ls)
 
   branch = jnp.where(stage == POOL, 1, jnp.where(stage == FINALIZE, 2, 0))
@@ -516,12 +537,14 @@ def _paper_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock
   return layers, to_pool | to_final | to_reg
 
 
-def _one_shot_step(cfg: _Config, plan: _Plan, state: ClickTrainState, w, g):
+def _one_shot_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock, w, g):
   """One-shot mode: masks from the first batch of ``one_shot_epoch``, straight to REGULARIZE.
+  A non-finite batch defers the pick to the next finite one (NaN scores must not pick).
 
   Returns the new per-layer states and the stage.
   """
-  pick = (state.stage == WARMUP) & (state.count == cfg.one_shot_epoch * cfg.steps_per_epoch)
+  due = (state.stage == WARMUP) & (state.count >= cfg.one_shot_epoch * cfg.steps_per_epoch)
+  pick = jax.lax.cond(due, lambda: _all_finite(clock.loss, plan, w, g), lambda: jnp.bool_(False))
   layers = jax.lax.cond(
     pick, lambda ls: _one_shot_masks(ls, plan, w, g), lambda ls: ls, state.layers
   )
@@ -572,7 +595,8 @@ def clicktrain(
       margin_rule: ``"relative"`` or ``"literal"`` (see
           :func:`jaxprune.clicktrain.patterns.loss_margin_ok`).
       group_lasso_coefficient: λ of the modified group lasso (2.5e-4 in the paper).
-      one_shot_epoch: one_shot mode: the epoch whose first batch picks masks.
+      one_shot_epoch: one_shot mode: the epoch whose first batch picks masks (the next
+          finite batch if that one's loss or gradient is not finite).
       layer_filter: ``fn(path, shape) -> "pattern" | "kernel" | None``;
           default :func:`default_layer_filter`.
       importance_every: run the per-batch importance work every this many
@@ -685,7 +709,7 @@ def clicktrain(
       layers, moved = _paper_step(cfg, plan, state, clock, w_leaves, g_leaves)
       stage = state.stage
     else:
-      layers, stage = _one_shot_step(cfg, plan, state, w_leaves, g_leaves)
+      layers, stage = _one_shot_step(cfg, plan, state, clock, w_leaves, g_leaves)
       moved = jnp.bool_(False)
 
     g_leaves = _modify_grads(g_leaves, layers, plan, w_leaves, stage, group_lasso_coefficient, eps)

@@ -11,7 +11,8 @@ dense" (§4.1).  BatchNorm parameters and biases are not penalised.
 
 λ is set once, at the first step, from a *penalty ratio* r (§4.1, Eq. 3):
 λ·GL₀ / (CE₀ + λ·GL₀) = r, where CE₀ is the first mini-batch loss and GL₀ the
-penalty of the freshly initialised weights; it stays fixed afterwards.
+penalty of the freshly initialised weights; it stays fixed afterwards.  A step
+with a non-finite loss does not count as the first: λ waits for a finite CE₀.
 
 Groups are found on any parameter pytree (Flax NNX ``State`` or Linen dicts):
 4-D leaves are HWIO conv kernels, 2-D leaves are dense kernels ``(in, out)``.
@@ -398,7 +399,7 @@ class GroupLassoRatioState(NamedTuple):
   """State of :func:`group_lasso_from_ratio`.
 
   Attributes:
-    coefficient: λ, 0 until the first update sets it (then fixed).
+    coefficient: λ, 0 until the first update with a finite loss sets it (then fixed).
     initialized: whether λ has been set.
   """
 
@@ -416,7 +417,8 @@ def group_lasso_from_ratio(
 
   At the first ``update`` λ = r·CE₀ / ((1 − r)·GL₀) with CE₀ = ``value`` (the
   loss passed as an extra argument) and GL₀ the penalty of ``params`` (the
-  initial weights); λ then stays fixed, also across reconfigurations (only
+  initial weights); an update with a NaN / Inf loss leaves λ unset (no penalty)
+  and the next finite one sets it.  λ then stays fixed, also across reconfigurations (only
   parameter-shaped state is sliced).  Every update adds λ·∇GL(params).
 
   Args:
@@ -474,8 +476,11 @@ def set_coefficient_once(
   is_classifier: Optional[PathPredicate] = None,
 ) -> GroupLassoRatioState:
   """λ of :func:`group_lasso_from_ratio`'s state: set from (``value``, ``params``) at the
-  first call (Eq. 3), unchanged afterwards.  Shared with PruneTrain's proximal form, which
-  needs λ but not the penalty gradient.
+  first call whose loss is finite (Eq. 3), unchanged afterwards.  Shared with PruneTrain's
+  proximal form, which needs λ but not the penalty gradient.
+
+  A step with a NaN / Inf loss (or, under ``jit``, a non-finite λ) leaves λ unset (0: no
+  penalty): CE₀ is then unknown, and a λ fixed from it would be NaN for the rest of the run.
 
   Raises:
     ValueError: ``params`` or ``value`` (the loss) is None.
@@ -492,12 +497,15 @@ def set_coefficient_once(
       penalty(params, is_input_conv=is_input_conv, is_classifier=is_classifier),
     )
 
-  if isinstance(state.initialized, jax.core.Tracer):
+  if isinstance(state.initialized, jax.core.Tracer) or isinstance(value, jax.core.Tracer):
     # Under jit the step is compiled once for all steps: a conditional, so that the penalty
-    # of every kernel is computed at the first step only, not at each one.
+    # of every kernel is computed until λ is set only, not at each step.
     coefficient = jax.lax.cond(
       state.initialized, lambda: jnp.asarray(state.coefficient, jnp.float32), first
     )
-  else:
-    coefficient = state.coefficient if bool(state.initialized) else first()
-  return GroupLassoRatioState(coefficient=coefficient, initialized=jnp.ones((), jnp.bool_))
+    initialized = state.initialized | jnp.isfinite(coefficient)
+    coefficient = jnp.where(initialized, coefficient, jnp.zeros((), jnp.float32))
+    return GroupLassoRatioState(coefficient=coefficient, initialized=initialized)
+  if bool(state.initialized) or not math.isfinite(float(value)):
+    return state
+  return GroupLassoRatioState(coefficient=first(), initialized=jnp.ones((), jnp.bool_))

@@ -57,7 +57,8 @@ def with_group_lasso(
   """PruneTrain's optimizer: ``inner`` with the channel group lasso λ·GL (§4.1).
 
   λ is computed at the first update from the loss (``value=``) and the group lasso of the
-  initial params so that λ·GL₀ / (CE₀ + λ·GL₀) = ``penalty_ratio`` (Eq. 3), then fixed.
+  initial params so that λ·GL₀ / (CE₀ + λ·GL₀) = ``penalty_ratio`` (Eq. 3), then fixed; an
+  update with a non-finite loss leaves λ unset (no penalty) until the first finite loss.
   :func:`reconfigure` slices ``inner``'s parameter-shaped state and keeps λ.
 
   Two ways to apply the penalty:

@@ -222,13 +222,15 @@ def reconfigure(
     smaller ``spec``; ``report`` is a :class:`ReconfigureReport`.
 
   Raises:
-    ValueError: negative / non-finite ``threshold``, an unsupported model, or an optimizer
-      state that does not match the model's params.
+    ValueError: negative / non-finite ``threshold``, an unsupported model, a model with
+      non-finite kernel weights (the first such layer is named), or an optimizer state that does
+      not match the model's params.
   """
   _check_reconfigure_args(threshold, channel_multiple)
   if not hasattr(model, "spec"):
     raise ValueError(f"model must carry a width spec (model.spec), got {type(model).__name__}")
   graph = _build_graph(model)
+  _check_finite(graph)
   # A conversion may need every width to stay a multiple of something (SDGP: m).
   multiple = math.lcm(channel_multiple, models.channel_multiple(model))
 
@@ -321,6 +323,18 @@ def reconfigure(
     removed_branch_offset=offset,
   )
   return new_model, new_opt_state, report
+
+
+def _check_finite(graph: _Graph) -> None:
+  """A NaN weight fails every ``max|w| >= threshold`` test (§4.2), so a diverged model would
+  look almost entirely dead: refuse it, naming the first such layer (in graph order)."""
+  for layer in _all_layers(graph):
+    finite = np.isfinite(layer.kernel())
+    if not finite.all():
+      raise ValueError(
+        f"model: non-finite weights in {layer.name} ({int((~finite).sum())} of {finite.size} "
+        "kernel entries NaN/Inf); a diverged model cannot be reconfigured"
+      )
 
 
 def _check_reconfigure_args(threshold: Any, channel_multiple: Any) -> None:

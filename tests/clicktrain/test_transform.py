@@ -499,3 +499,85 @@ def test_hard_prune_keeps_pruned_weights_zero_under_non_finite_updates():
   u, state = tx.update(g, state, new)
   assert np.all(np.isfinite(u["conv"]["kernel"]))
   assert np.all(np.asarray(optax.apply_updates(new, u)["conv"]["kernel"])[~mask] == 0.0)
+
+
+def _nonfinite_run(tx, bad_step, kind, steps):
+  """Drive ``tx`` on one 3x3x8x8 kernel (params held fixed) with batch ``bad_step``'s gradient
+  (``kind="grad"``) or loss (``kind="loss"``) non-finite; returns the weights, the gradients and
+  the states after every step."""
+  rng = np.random.default_rng(7)
+  w = jnp.asarray(rng.normal(size=(3, 3, 8, 8)), jnp.float32)
+  gs = [jnp.asarray(rng.normal(size=(3, 3, 8, 8)), jnp.float32) for _ in range(steps)]
+  update = jax.jit(tx.update)
+  st = tx.init({"conv": {"kernel": w}})
+  states = []
+  for i, g in enumerate(gs):
+    loss = jnp.float32(1.0)
+    if i == bad_step and kind == "grad":
+      g = g.at[0, 0, 0, 0].set(jnp.nan).at[1, 1, 2, 3].set(jnp.inf)
+    if i == bad_step and kind == "loss":
+      loss = jnp.float32(jnp.nan)
+    _, st = update({"conv": {"kernel": g}}, st, {"conv": {"kernel": w}}, value=loss)
+    states.append(st)
+  return w, gs, states
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain", "apply_if_finite"])
+@pytest.mark.parametrize("kind", ["grad", "loss"])
+@pytest.mark.parametrize("bad_step", [1, 2], ids=["pool", "finalize"])
+def test_non_finite_step_neither_votes_nor_adds_scores(guarded, kind, bad_step):
+  # Issue reproducer: pool = steps 0-1, finalization = steps 2-3. The non-finite batch must be
+  # left out of the DPPG scores, the votes and the summed Eq. 2 scores; the masks come from
+  # the finite batches only (before the fix: 64/64 NaN scores, kernels pruned by index).
+  inner = optax.sgd(0.1)
+  tx = ct.clicktrain(
+    optax.apply_if_finite(inner, 3) if guarded else inner,
+    steps_per_epoch=2,
+    hard_prune_epoch=10,
+    pool_start_epoch=0,
+    pool_epochs=1,
+    finalize_epochs=1,
+    pool_size=5,
+    kernel_prune_ratio=0.5,
+  )
+  w, gs, states = _nonfinite_run(tx, bad_step, kind, 4)
+  ls = states[-1].layers["conv/kernel"]
+  assert int(states[-1].stage) == ct.REGULARIZE
+  expect = np.zeros(126, np.int64)
+  for i in {0, 1} - {bad_step}:
+    imp = np.moveaxis(np.asarray((gs[i] * w) ** 2), (0, 1), (-2, -1))
+    expect += np.bincount(np.asarray(patterns.dppg_candidates(imp)).ravel(), minlength=126)
+  np.testing.assert_array_equal(ls.competitive_scores, expect)
+  pool = np.asarray(ls.pool)
+  np.testing.assert_array_equal(pool, sorted(range(126), key=lambda i: (-expect[i], i))[:5])
+  pool_masks = patterns.all_patterns()[pool]
+  votes = np.zeros((8, 8, 5), np.int64)
+  kscore = np.zeros((8, 8))
+  for i in {2, 3} - {bad_step}:
+    s = np.asarray(importance.pattern_scores(w, gs[i], pool_masks))
+    votes += np.eye(5, dtype=np.int64)[s.argmax(-1)]
+    kscore += np.asarray(importance.kernel_scores(w, gs[i]))
+  np.testing.assert_array_equal(ls.votes, votes)
+  np.testing.assert_allclose(ls.kernel_score_sum, kscore, rtol=1e-5)
+  np.testing.assert_array_equal(ls.pattern_id, pool[votes.argmax(-1)])
+  pruned = sorted(range(64), key=lambda i: (kscore.ravel()[i], i))[:32]
+  np.testing.assert_array_equal(np.flatnonzero(~np.asarray(ls.kernel_keep).ravel()), sorted(pruned))
+
+
+@pytest.mark.parametrize("kind", ["grad", "loss"])
+def test_one_shot_pick_defers_past_a_non_finite_batch(kind):
+  # The pick batch (first of epoch 1 = step 2) is non-finite: the masks come from step 3.
+  tx = ct.clicktrain(
+    optax.sgd(0.0),
+    steps_per_epoch=2,
+    hard_prune_epoch=3,
+    mode="one_shot",
+    one_shot_epoch=1,
+    kernel_prune_ratio=0.35,
+  )
+  w, gs, states = _nonfinite_run(tx, 2, kind, 4)
+  assert [int(s.stage) for s in states] == [ct.WARMUP] * 3 + [ct.REGULARIZE]
+  pat, keep, _ = _one_shot_reference(w, gs[3], 0.35)
+  ls = states[-1].layers["conv/kernel"]
+  np.testing.assert_array_equal(ls.pattern_id, patterns.library_pattern_ids()[:4][pat])
+  np.testing.assert_array_equal(ls.kernel_keep, keep)

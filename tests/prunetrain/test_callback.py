@@ -195,6 +195,21 @@ def test_min_flops_saving_skips_small_reconfigurations():
   assert installed.model.spec.stem_width == dense_spec.stem_width - 1
 
 
+def test_callback_refuses_to_reconfigure_a_diverged_model():
+  # A NaN model would look almost all dead; the hook must raise, not install the wreck.
+  model = _small_resnet()
+  array = np.array(model.stages[0][0].conv1.conv.kernel[...])
+  array[0, 0, 0, 0] = np.nan
+  model.stages[0][0].conv1.conv.kernel[...] = array
+  callback = pt.PruneTrainCallback(every_epochs=1, image_shape=(8, 8, 3), dynamic_batch=False)
+  trainer = train.Trainer(
+    model, pt.with_group_lasso(train.sgd(0.0)), callbacks=[callback], progress=False
+  )
+  with pytest.raises(ValueError, match="non-finite weights in "):
+    trainer.fit(_loader(0), None, epochs=1)
+  assert trainer.model is model and callback.reports == []
+
+
 def _weak_channel_run(proximal):
   """Two epochs of PruneTrain on a small ResNet whose stage-0 stream channel 3 starts weak.
 

@@ -236,6 +236,36 @@ def test_ratio_is_set_at_first_step_then_fixed():
   assert float(eager2.coefficient) == float(eager.coefficient)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("form", ["ratio", "with_group_lasso", "proximal"])
+def test_ratio_is_set_from_the_first_finite_loss(form, bad):
+  # A non-finite first loss must not fix λ = NaN for the run: λ stays unset (no penalty)
+  # until the first finite loss, under jit as outside it.
+  params = _params(3)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  tx = {
+    "ratio": lambda: gl.group_lasso_from_ratio(0.2),
+    "with_group_lasso": lambda: pt.with_group_lasso(optax.sgd(1.0), penalty_ratio=0.2),
+    "proximal": lambda: pt.with_group_lasso(
+      optax.sgd(1.0), penalty_ratio=0.2, proximal=True, learning_rate=1.0
+    ),
+  }[form]()
+  lasso = (lambda s: s) if form == "ratio" else (lambda s: s.group_lasso)
+  gl0 = float(np.asarray(_loop_penalty(jax.tree.map(np.asarray, params), np), np.float64))
+  expected = 0.2 * 2.5 / (0.8 * gl0)  # Eq. 3 with CE₀ = 2.5, the first finite loss
+  for update in (jax.jit(tx.update), tx.update):
+    state = tx.init(params)
+    updates, state = update(grads, state, params, value=jnp.float32(bad))
+    assert float(lasso(state).coefficient) == 0.0 and not bool(lasso(state).initialized)
+    # no penalty yet: the zero gradient passes as zeros
+    jax.tree.map(lambda u: np.testing.assert_array_equal(u, 0.0), updates)
+    _, state = update(grads, state, params, value=jnp.float32(2.5))
+    assert bool(lasso(state).initialized)
+    assert float(lasso(state).coefficient) == pytest.approx(expected, rel=1e-5)
+    _, state = update(grads, state, params, value=jnp.float32(bad))  # set: stays fixed
+    assert float(lasso(state).coefficient) == pytest.approx(expected, rel=1e-5)
+
+
 class _TinyNet(nnx.Module):
   def __init__(self, rngs):
     self.stem = nnx.Conv(3, 4, (3, 3), use_bias=False, rngs=rngs)

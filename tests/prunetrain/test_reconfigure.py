@@ -349,3 +349,21 @@ def test_bad_input():
   resnet9 = nnx.eval_shape(lambda: models.create("sdgp-resnet9", num_classes=10, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="model"):
     pt.reconfigure(resnet9, None)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("family", ["prunetrain-resnet", "clicktrain-vgg"])
+def test_non_finite_weights_raise_naming_the_layer(family, bad):
+  # NaN fails every max|w| >= threshold test: a diverged model must not pass as "dead".
+  model, _ = _model(family)
+  kernels = [
+    path[:-1] for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)) if path[-1] == "kernel"
+  ]
+  path = kernels[len(kernels) // 2]  # a kernel in the middle of the model
+  layer = model
+  for key in path:
+    layer = layer[key] if isinstance(key, int) else getattr(layer, key)
+  _set(layer.kernel, (0,) * layer.kernel[...].ndim, bad)
+  name = "/".join(map(str, path[:-1] if path[-1] == "conv" else path))  # ConvBN: its path
+  with pytest.raises(ValueError, match=f"non-finite weights in {name} \\(1 of "):
+    pt.reconfigure(model, None)
