@@ -22,6 +22,7 @@ receive ``value=loss``); LR scaling needs a ``train.scale_by_lr`` inside it.
 """
 
 from jaxprune.train._spec_json import decode_spec, encode_spec
+from jaxprune.train.batchnorm import recompute_batch_stats
 from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
 from jaxprune.train.loss import (
   accuracy,
@@ -52,6 +53,7 @@ from jaxprune.train.step import (
 from jaxprune.train.trainer import Callback, Trainer, fit
 
 __all__ = [
+  "recompute_batch_stats",
   "CheckpointStore",
   "DamagedCheckpointError",
   "decode_spec",

@@ -64,6 +64,12 @@ class Callback:
     to a resumed run here)."""
     del trainer
 
+  def on_train_epoch_end(self, trainer: "Trainer", epoch: int, train_loader: Iterable) -> None:
+    """Runs after epoch ``epoch`` (1-based) was trained, before it is evaluated; may change
+    the model's non-trained state for evaluation (e.g. re-estimate BatchNorm statistics
+    from ``train_loader``, :func:`jaxprune.train.recompute_batch_stats`)."""
+    del trainer, epoch, train_loader
+
   def on_epoch_end(self, trainer: "Trainer", epoch: int) -> Mapping[str, Any] | None:
     """Runs after epoch ``epoch`` (1-based) was trained and evaluated, before the
     checkpoint. Return a dict to add entries to the epoch's JSON record."""
@@ -661,6 +667,8 @@ class Trainer:
       record["lr"] = self.lr if self.lr is not None else lr_before
       record["lr_scale"] = self.lr_scale
       record["batch_size"] = _loader_batch_size(train_loader)
+      for c in self.callbacks:
+        c.on_train_epoch_end(self, self.epoch, train_loader)
       if test_loader is not None:
         t0 = time.perf_counter()
         record.update(self.evaluate(test_loader))

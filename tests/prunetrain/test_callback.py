@@ -1,5 +1,6 @@
 """PruneTrain in the training loop: reconfiguration hook, dynamic mini-batch, accounting."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -238,3 +239,85 @@ def test_proximal_group_lasso_reaches_exact_zeros_in_training():
   # The paper's subgradient form, same λ and steps: the groups get small, never zero.
   removed_subgradient, _ = _weak_channel_run(proximal=False)
   assert removed_subgradient == 0
+
+
+def _numpy_stem_stats(model, batches):
+  """Average over ``batches`` of the stem conv output's per-channel batch mean / biased
+  variance, computed with NumPy from the model's stem kernel (3x3, padding 1)."""
+  kernel = np.asarray(model.stem.conv.kernel[...], np.float64)
+  means, variances = [], []
+  for images, _ in batches:
+    x = np.pad(np.asarray(images, np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    n, h, w = images.shape[0], images.shape[1], images.shape[2]
+    out = sum(
+      np.einsum("nhwc,cf->nhwf", x[:, i : i + h, j : j + w], kernel[i, j])
+      for i in range(3)
+      for j in range(3)
+    )
+    means.append(out.mean((0, 1, 2)))
+    variances.append(out.var((0, 1, 2)))
+  return np.mean(means, 0), np.mean(variances, 0)
+
+
+# One optimizer object per LR, so runs of the same model structure reuse the compiled steps.
+_TXS = {lr: pt.with_group_lasso(train.sgd(lr, momentum=0.9)) for lr in (0.0, 0.05)}
+
+
+def _fit_one_epoch(model, lr, **callback_kwargs):
+  loader = _loader(0)
+  callback = pt.PruneTrainCallback(image_shape=(8, 8, 3), dynamic_batch=False, **callback_kwargs)
+  trainer = train.Trainer(model, _TXS[lr], callbacks=[callback], progress=False)
+  history = trainer.fit(loader, _loader(1), epochs=1)
+  return trainer, history[-1], list(loader.iter_epoch(0))
+
+
+def test_recompute_batchnorm_evaluates_with_the_trained_weights_statistics():
+  trainer, record, batches = _fit_one_epoch(
+    _small_resnet(), 0.05, every_epochs=5, recompute_batchnorm=2
+  )
+  model = trainer.model
+  mean, var = _numpy_stem_stats(model, batches[:2])
+  np.testing.assert_allclose(np.asarray(model.stem.bn.mean[...]), mean, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(model.stem.bn.var[...]), var, rtol=1e-4, atol=1e-5)
+  # The epoch was evaluated with those statistics.
+  assert record["test_loss"] == pytest.approx(trainer.evaluate(_loader(1))["test_loss"], rel=1e-6)
+  # Off: the moving averages of four steps from (0, 1) are not the batch statistics, and the
+  # trained weights are the same either way (training never reads running statistics).
+  plain, _, _ = _fit_one_epoch(_small_resnet(), 0.05, every_epochs=5)
+  assert not np.allclose(np.asarray(plain.model.stem.bn.var[...]), var, rtol=0.1)
+  for a, b in zip(
+    jax.tree.leaves(nnx.state(plain.model, nnx.Param)), jax.tree.leaves(nnx.state(model, nnx.Param))
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_recompute_batchnorm_after_a_reconfiguration_that_removes_a_branch():
+  model = _small_resnet()
+  block = model.stages[0][0]
+  # A dead residual branch whose last BatchNorm still adds a constant 0.5 (LR 0 keeps it so):
+  # removing it changes what every later layer sees, so their statistics must be re-estimated.
+  block.conv1.conv.kernel[...] = 0.0 * block.conv1.conv.kernel[...]
+  block.conv2.conv.kernel[...] = 0.0 * block.conv2.conv.kernel[...]
+  block.conv2.bn.bias[...] = 0.5 + 0.0 * block.conv2.bn.bias[...]
+  trainer, record, batches = _fit_one_epoch(model, 0.0, every_epochs=1, recompute_batchnorm=1)
+  assert record["pt_reconfigured"] and record["pt_layers_removed"] >= 1
+  assert callback_offset(trainer) == pytest.approx(0.5)
+  # Statistics of one batch: eval mode on that batch is train mode (batch statistics) on it.
+  new = trainer.model
+  new.eval()
+  images = np.asarray(batches[0][0])
+  with_batch_stats = nnx.clone(new)
+  with_batch_stats.train()
+  np.testing.assert_allclose(
+    np.asarray(new(images)), np.asarray(with_batch_stats(images)), rtol=1e-4, atol=1e-4
+  )
+
+
+def callback_offset(trainer):
+  return trainer.callbacks[0].reports[-1].removed_branch_offset
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5])
+def test_recompute_batchnorm_bad_value_raises(value):
+  with pytest.raises(ValueError, match="recompute_batchnorm"):
+    pt.PruneTrainCallback(recompute_batchnorm=value)

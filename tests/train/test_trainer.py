@@ -551,6 +551,36 @@ def test_step_hook_runs_every_k_steps():
   assert history[0]["lr"] == pytest.approx(0.05)  # the last steps ran at 0.1 x 0.5
 
 
+def test_train_epoch_end_hook_runs_after_training_before_evaluation():
+  images, labels = _data(48)
+  events = []
+
+  class Probe(jt.Callback):
+    def on_train_epoch_end(self, trainer, epoch, train_loader):
+      events.append(("train_end", epoch, trainer.step, train_loader is loader))
+      # What it changes is what the evaluation sees: zero the head, every logit is 0.
+      model = trainer.model
+      model.head.kernel[...] = 0.0 * model.head.kernel[...]
+      model.head.bias[...] = 0.0 * model.head.bias[...]
+      trainer.replace(model)
+
+    def on_epoch_end(self, trainer, epoch):
+      events.append(("epoch_end", epoch, trainer.step))
+
+  class LoggedTestLoader(ArrayLoader):
+    def __iter__(self):
+      events.append(("evaluate",))
+      return super().__iter__()
+
+  loader = ArrayLoader(images, labels, 8)
+  history = _trainer(callbacks=[Probe()]).fit(
+    loader, LoggedTestLoader(images, labels, 8, shuffle=False), epochs=1
+  )
+  assert events == [("train_end", 1, 6, True), ("evaluate",), ("epoch_end", 1, 6)]
+  # Zero logits: the (smoothed) cross-entropy of a uniform prediction over 3 classes.
+  assert history[0]["test_loss"] == pytest.approx(np.log(3.0), rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
