@@ -23,7 +23,8 @@ The algorithm runs as a stage machine over epochs (ClickTrain Fig. 4), :class:`S
  4    PRUNED       hard prune from ``hard_prune_epoch`` on: the emitted update
                    is ``mask * (p + u) - p``, so pruned weights are exactly 0
                    after every step; gradients are masked before the inner
-                   optimizer so its moments stay zero there too.
+                   optimizer so its moments get nothing there (they only
+                   decay from their values at the prune).
 ====  ===========  ==========================================================
 
 ``mode="one_shot"`` follows the authors' released code instead: at the first
@@ -416,7 +417,7 @@ def _modify_grads(
   g_leaves, layers: _Layers, plan: _Plan, w_leaves, stage, coefficient: float, eps: float
 ) -> list:
   """The gradient the inner optimizer sees: ``+ λ ∂(modified group lasso)`` while
-  regularizing (§4.4), masked once pruned (so the inner moments stay zero there)."""
+  regularizing (§4.4), masked once pruned (so the inner moments get nothing there)."""
   regularizing = stage == REGULARIZE
   pruned = stage == PRUNED
 

@@ -644,3 +644,60 @@ def test_group_lasso_penalty_and_gradient_match_a_plain_loop():
     np.testing.assert_allclose(added, LAMBDA * grads[name], rtol=1e-4, atol=1e-7)
     direct = ct._group_lasso_grad(named[name], st.layers[name], eps)
     np.testing.assert_allclose(direct, grads[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+  "inner, moments",
+  [
+    (optax.sgd(0.01, momentum=0.9), {"trace": 0.9}),
+    (optax.adam(0.01), {"mu": 0.9, "nu": 0.999}),
+  ],
+  ids=["momentum", "adam"],
+)
+def test_pruned_stage_masks_gradients_before_the_inner_optimizer(inner, moments):
+  # Once pruned, the inner optimizer sees a zero gradient at pruned positions (the hard mask
+  # alone would keep the weights at 0 but let its moments follow the gradient there). Large
+  # gradients everywhere make any leak visible.
+  rng = np.random.default_rng(2)
+  p = {"conv": {"kernel": jnp.asarray(rng.normal(size=(3, 3, 8, 6)), jnp.float32)}}
+  big = lambda i: {
+    "conv": {"kernel": jnp.asarray(np.random.default_rng(i).normal(size=(3, 3, 8, 6)) * 1e3)}
+  }
+  tx = ct.clicktrain(
+    inner,
+    steps_per_epoch=1,
+    mode="one_shot",
+    one_shot_epoch=0,
+    hard_prune_epoch=1,
+    kernel_prune_ratio=0.5,
+  )
+  update = jax.jit(tx.update)
+  u, state = update(big(0), tx.init(p), p)  # the pick + one regularized step, then pruned
+  p = optax.apply_updates(p, u)
+  assert readouts.stage_name(state) == "pruned"
+  pruned = np.asarray(readouts.masks(state, p)["conv"]["kernel"]) == 0
+  assert 0 < pruned.sum() < pruned.size
+  get = lambda st, key: np.asarray(optax.tree_utils.tree_get(st.inner_state, key)["conv"]["kernel"])
+  at_prune = {key: get(state, key) for key in moments}
+  assert all(np.abs(m[pruned]).min() > 0 for m in at_prune.values())
+  # From the prune on the moments at pruned positions only decay: m_t = β^t · m_prune (the
+  # moment updates add (1 - β)·g or g, here exactly 0).
+  for i in range(1, 4):
+    u, state = update(big(i), state, p)
+    p = optax.apply_updates(p, u)
+    for key, beta in moments.items():
+      expect = at_prune[key][pruned]
+      for _ in range(i):
+        expect = np.float32(beta) * expect
+      np.testing.assert_array_equal(get(state, key)[pruned], expect)
+  # A fresh inner state (moments all zero) stays exactly zero at pruned positions while the
+  # kept ones move.
+  state = state._replace(inner_state=inner.init(p))
+  for i in range(4, 7):
+    u, state = update(big(i), state, p)
+    p = optax.apply_updates(p, u)
+  for key in moments:
+    m = get(state, key)
+    assert np.all(m[pruned] == 0.0), key
+    assert np.all(m[~pruned] != 0.0), key
+  assert np.all(np.asarray(p["conv"]["kernel"])[pruned] == 0.0)
