@@ -213,16 +213,17 @@ def test_random_keeps_uniform_subsets():
 @pytest.mark.parametrize(
   "kwargs, match",
   [
-    (dict(n=3, m=2), "n"),
-    (dict(n=0, m=4), "n"),
-    (dict(n=2, m=3), "x"),
-    (dict(n=2, m=64), "m"),
-    (dict(n=2, m=0), "m"),
-    (dict(n=2, m=4, method="topk"), "method"),
-    (dict(n=2, m=4, method="random"), "key"),
-    (dict(n=2, m=4, method="mvue"), "key"),
-    (dict(n=3, m=4, method="mvue", key=KEY), "n"),
-    (dict(n=2, m=4, backend="cuda"), "backend"),
+    # Anchored at the start: the argument's name, then what is wrong with it.
+    (dict(n=3, m=2), r"^n must be an int with 1 <= n <= m=2, got 3"),
+    (dict(n=0, m=4), r"^n must be an int with 1 <= n <= m=4, got 0"),
+    (dict(n=2, m=3), r"^x: last axis \(8\) must be divisible by m=3"),
+    (dict(n=2, m=64), r"^m must be an int in \[1, 32\], got 64"),
+    (dict(n=2, m=0), r"^m must be an int in \[1, 32\], got 0"),
+    (dict(n=2, m=4, method="topk"), r"^method must be one of .*, got 'topk'"),
+    (dict(n=2, m=4, method="random"), r"^key is required for method 'random'"),
+    (dict(n=2, m=4, method="mvue"), r"^key is required for method 'mvue'"),
+    (dict(n=3, m=4, method="mvue", key=KEY), r"^n: method 'mvue' needs m divisible by n"),
+    (dict(n=2, m=4, backend="cuda"), r"^backend must be one of .*, got 'cuda'"),
   ],
 )
 def test_bad_arguments_raise(kwargs, match):
@@ -230,7 +231,7 @@ def test_bad_arguments_raise(kwargs, match):
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
     sdgp.nm_prune(jnp.ones((2, 8)), args.pop("n"), args.pop("m"), args.pop("method"), **args)
-  with pytest.raises(ValueError, match="x"):
+  with pytest.raises(ValueError, match=r"^x must have a floating dtype, got int32"):
     sdgp.nm_prune(jnp.ones((2, 8), jnp.int32), 2, 4, "magnitude")
-  with pytest.raises(ValueError, match="x"):
+  with pytest.raises(ValueError, match=r"^x: method 'rescaled_magnitude' needs at least 2 axes"):
     sdgp.nm_prune(jnp.ones((8,)), 2, 4, "rescaled_magnitude")
