@@ -11,6 +11,7 @@ import pytest
 
 from jaxprune.clicktrain import importance, patterns, readouts
 from jaxprune.clicktrain import transform as ct
+from jaxprune.train import checkpoint
 
 
 def _params(seed=0):
@@ -429,9 +430,8 @@ def test_mixed_kernel_sizes_get_one_pool_per_size():
 
 
 def test_state_round_trip_through_train_checkpoint_store(tmp_path):
-  store_mod = pytest.importorskip("jaxprune.train.checkpoint")
   st = _paper_run()[2][-1]
-  store = store_mod.CheckpointStore(tmp_path / "ckpt")
+  store = checkpoint.CheckpointStore(tmp_path / "ckpt")
   store.save(1, {"opt_state": st}, {"epoch": 1})
   fresh = jax.tree.map(jnp.zeros_like, st)
   arrays, meta = store.restore(1, {"opt_state": fresh})

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxprune
+from jaxprune import models
 from jaxprune.clicktrain import readouts
 
 
@@ -30,7 +31,6 @@ class _TinyNet(nnx.Module):
 def _model(kind):
   if kind == "tiny":
     return _TinyNet(nnx.Rngs(0)), [0.5, 0.25], (4, 8, 8, 3)
-  models = pytest.importorskip("jaxprune.models")
   model = models.create(
     "clicktrain-vgg11", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=1 / 16
   )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxprune import flops
+from jaxprune import flops, models, sdgp
 
 # ---------------------------------------------------------------------------------------------
 # Hand-counted FLOPs
@@ -266,7 +266,6 @@ def _resnet20_macs_per_image() -> int:
 
 
 def test_prunetrain_resnet20_matches_hand_count():
-  models = pytest.importorskip("jaxprune.models")
   model = nnx.eval_shape(
     lambda: models.create("prunetrain-resnet20", num_classes=10, rngs=nnx.Rngs(0))
   )
@@ -309,7 +308,6 @@ def _imagenet_resnet50_macs_per_image() -> int:
 
 @pytest.mark.slow
 def test_imagenet_resnet50_matches_hand_count():
-  models = pytest.importorskip("jaxprune.models")
   model = nnx.eval_shape(
     lambda: models.create("imagenet-resnet50", num_classes=1000, rngs=nnx.Rngs(0))
   )
@@ -320,8 +318,6 @@ def test_imagenet_resnet50_matches_hand_count():
 
 def test_sdgp_converted_model_keeps_its_layers():
   """SDGP's custom-VJP convs are traced through: same layers, same paths, same counts."""
-  models = pytest.importorskip("jaxprune.models")
-  sdgp = pytest.importorskip("jaxprune.sdgp")
   model = nnx.eval_shape(
     lambda: models.create("prunetrain-resnet20", num_classes=10, rngs=nnx.Rngs(0))
   )
