@@ -199,14 +199,40 @@ def test_kernel_finalization_counts():
     assert s[~keep].max() <= s[keep].min()
 
 
-def test_per_layer_ratio_callable_and_errors():
-  tx = ct.clicktrain(
-    optax.sgd(0.1),
-    steps_per_epoch=1,
-    hard_prune_epoch=3,
-    kernel_prune_ratio=lambda path, shape: 0.75 if shape[0] == 1 else 0.5,
+@pytest.mark.parametrize("mode", ["paper", "one_shot"])
+def test_per_layer_ratio_callable_and_errors(mode):
+  # The callable is asked once per pruned layer with its path and shape, and each layer then
+  # prunes ceil(ratio(path, shape) · Cin · Cout) kernels.
+  table = {CONV1: 0.3, CONV2: 0.7}
+  calls = set()
+
+  def ratio(path, shape):
+    calls.add((path, tuple(shape)))
+    return table[path]
+
+  schedule = (
+    dict(pool_start_epoch=0, pool_epochs=1, finalize_epochs=1, pool_size=5)
+    if mode == "paper"
+    else dict(one_shot_epoch=0)
   )
-  assert set(tx.init(_params()).layers) == {CONV1, CONV2}
+  tx = ct.clicktrain(
+    optax.identity(),
+    steps_per_epoch=1,
+    hard_prune_epoch=5,
+    mode=mode,
+    kernel_prune_ratio=ratio,
+    **schedule,
+  )
+  p = _params()
+  st = tx.init(p)
+  assert set(st.layers) == {CONV1, CONV2}
+  assert calls == {(CONV1, (3, 3, 6, 8)), (CONV2, (1, 1, 8, 8))}
+  for i in range(2 if mode == "paper" else 1):
+    _, st = tx.update(_fake_grads(p, i), st, p, value=jnp.float32(1.0))
+  assert int(st.stage) == ct.REGULARIZE
+  for name, (cin, cout) in ((CONV1, (6, 8)), (CONV2, (8, 8))):
+    pruned = int((~np.asarray(st.layers[name].kernel_keep)).sum())
+    assert pruned == math.ceil(table[name] * cin * cout) == {CONV1: 15, CONV2: 45}[name]
   with pytest.raises(ValueError, match="kernel_prune_ratio"):
     ct.clicktrain(
       optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=[0.5]
