@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from jaxprune import data, models
+
+
+def pytest_runtest_setup(item):
+  # `gpu` tests run the compiled kernels; elsewhere they skip before doing any work.
+  if item.get_closest_marker("gpu") and jax.default_backend() != "gpu":
+    pytest.skip("needs a CUDA device (jax.default_backend() != 'gpu')")
 
 
 class TinyCNN(nnx.Module):

@@ -1,4 +1,5 @@
-"""Pattern-sparse Pallas kernels: interpret mode = references = dense NumPy, CUDA cross-lowering."""
+"""Pattern-sparse Pallas kernels: interpret mode (and compiled, on a GPU) = references = dense
+NumPy, CUDA cross-lowering."""
 
 import jax
 import jax.numpy as jnp
@@ -36,19 +37,28 @@ def _dense_rows(values, columns, k):
   return dense
 
 
+# Interpreted everywhere; compiled (Triton) where a GPU exists (`gpu` tests skip elsewhere).
+INTERPRET = [
+  pytest.param(True, id="interpret"),
+  pytest.param(False, id="compiled", marks=pytest.mark.gpu),
+]
+
+
 def _tol(dtype):
   return {"rtol": 1e-5, "atol": 1e-5} if dtype == jnp.float32 else {"rtol": 2e-2, "atol": 5e-2}
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_spmm_interpret_matches_reference_and_dense(dtype):
+def test_spmm_matches_reference_and_dense(dtype, interpret):
   # R = 19 rows over 8-row tiles, P = 45 points over 32-point tiles: both ragged.
   rng = np.random.default_rng(0)
   values, columns = _ell(rng, 19, 23, 5)
   xt = rng.normal(size=(23, 45)).astype(np.float32)
   v, x = jnp.asarray(values, dtype), jnp.asarray(xt, dtype)
-  got = kernels.spmm(v, jnp.asarray(columns), x, tile=_TILE, interpret=True)
-  ref = kernels.spmm_reference(v, jnp.asarray(columns), x)
+  got = kernels.spmm(v, jnp.asarray(columns), x, tile=_TILE, interpret=interpret)
+  with jax.default_matmul_precision("highest"):  # no TF32 in the reference on a GPU
+    ref = kernels.spmm_reference(v, jnp.asarray(columns), x)
   assert got.shape == (19, 45) and got.dtype == dtype
   np.testing.assert_allclose(np.asarray(got, np.float32), ref, **_tol(dtype))
   dense = _dense_rows(np.asarray(v, np.float64), columns, 23) @ np.asarray(x, np.float64)
@@ -56,14 +66,16 @@ def test_spmm_interpret_matches_reference_and_dense(dtype):
   assert np.all(np.asarray(got)[0] == 0)  # the fully pruned row
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kept_weight_grad_interpret_matches_reference_and_dense(dtype):
+def test_kept_weight_grad_matches_reference_and_dense(dtype, interpret):
   rng = np.random.default_rng(1)
   _, columns = _ell(rng, 19, 23, 5)
   xt = jnp.asarray(rng.normal(size=(23, 45)), dtype)
   dyt = jnp.asarray(rng.normal(size=(19, 45)), dtype)
-  got = kernels.kept_weight_grad(dyt, xt, jnp.asarray(columns), tile=_TILE, interpret=True)
-  ref = kernels.kept_weight_grad_reference(dyt, xt, jnp.asarray(columns))
+  got = kernels.kept_weight_grad(dyt, xt, jnp.asarray(columns), tile=_TILE, interpret=interpret)
+  with jax.default_matmul_precision("highest"):
+    ref = kernels.kept_weight_grad_reference(dyt, xt, jnp.asarray(columns))
   assert got.shape == columns.shape and got.dtype == jnp.float32
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
   # Dense weight gradient dYt · Xtᵀ read at the kept positions.
@@ -184,3 +196,32 @@ def test_triton_ir_compiles_to_cubin(capability, triton_modules, tmp_path, monke
       assert f".entry {name}" in kernel.asm["ptx"] and len(kernel.asm["cubin"]) > 0
       compiled.add(name)
   assert compiled == {"clicktrain_pattern_spmm", "clicktrain_pattern_kept_weight_grad"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_compiled_pattern_conv_and_gradient_match_the_reference(dtype):
+  # The Triton kernels at their default tiles (forward SpMM, data-gradient SpMM, kept-position
+  # weight gradient) against the reference backend, through jax.grad.
+  rng = np.random.default_rng(6)
+  mask = _pattern_mask(rng, 16, 32)
+  layout = build_layout(mask)
+  x = jnp.asarray(rng.normal(size=(4, 16, 16, 16)), dtype)
+  w = jnp.asarray(rng.normal(size=(3, 3, 16, 32)) * 0.2, dtype)
+
+  def loss(x, w, backend):
+    y = pattern_conv(x, w, layout, strides=2, padding="SAME", backend=backend)
+    return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+  assert "triton" in grad.lower(x, w, "pallas").as_text()  # compiled, not interpreted
+  with jax.default_matmul_precision("highest"):  # no TF32 in the reference's convs
+    (dx, dw), y = grad(x, w, "pallas")
+    (dx_ref, dw_ref), y_ref = grad(x, w, "reference")
+  for got, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    if dtype == jnp.float32:
+      np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-3)
+    else:  # bf16 outputs of long sums: compare the error to the result's scale
+      assert np.linalg.norm(got - ref) <= 2e-2 * np.linalg.norm(ref)
+  assert np.all(np.asarray(dw, np.float32)[~mask] == 0)  # no gradient at pruned weights
