@@ -1,4 +1,5 @@
-"""Pallas N:M kernel: interpret-mode equality with the reference, CUDA cross-lowering, dispatch."""
+"""Pallas N:M kernel: interpret-mode (and compiled, on a GPU) equality with the reference, CUDA
+cross-lowering, dispatch."""
 
 import jax
 import jax.numpy as jnp
@@ -27,17 +28,43 @@ def _key_for(method):
   ],
 )
 def test_interpret_matches_reference(method, n, m, shape, dtype):
+  _check_pallas_against_reference(method, n, m, shape, dtype)  # interpreted on CPU
+
+
+def _check_pallas_against_reference(method, n, m, shape, dtype, f32_tol=1e-6):
+  """``backend="pallas"`` equals ``backend="reference"``: same kept positions, same values."""
   x = jax.random.normal(KEY, shape).astype(dtype)
   x = x.at[..., 1].set(x[..., 0])  # ties
   key = _key_for(method)
   ref = sdgp.nm_prune(x, n, m, method, key=key, backend="reference")
-  got = sdgp.nm_prune(x, n, m, method, key=key, backend="pallas")  # interpreted on CPU
+  got = sdgp.nm_prune(x, n, m, method, key=key, backend="pallas")
   assert got.dtype == dtype and got.shape == x.shape
   np.testing.assert_array_equal(np.asarray(got) != 0, np.asarray(ref) != 0)
-  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  tol = f32_tol if dtype == jnp.float32 else 1e-2
   np.testing.assert_allclose(
     np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)), rtol=tol, atol=tol
   )
+  return x, key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "method, n, m, shape, dtype",
+  [
+    ("magnitude", 2, 4, (8, 16, 16, 128), jnp.float32),  # many row and channel blocks
+    ("magnitude", 4, 32, (4, 8, 8, 512), jnp.bfloat16),
+    ("rescaled_magnitude", 2, 4, (8, 16, 16, 64), jnp.float32),
+    ("rescaled_magnitude", 2, 8, (4, 32, 32, 32), jnp.bfloat16),  # the doubled-warp blocks
+    ("random", 1, 4, (8, 16, 16, 64), jnp.float16),
+    ("mvue", 2, 4, (8, 16, 16, 128), jnp.float32),
+    ("mvue", 4, 32, (4, 8, 8, 256), jnp.bfloat16),
+  ],
+)
+def test_compiled_kernel_matches_reference(method, n, m, shape, dtype):
+  # The Triton kernel, compiled on the GPU (float32: block sums may reorder, hence 1e-5).
+  x, key = _check_pallas_against_reference(method, n, m, shape, dtype, f32_tol=1e-5)
+  f = jax.jit(lambda x: sdgp.nm_prune(x, n, m, method, key=key, backend="pallas"))
+  assert "triton" in f.lower(x).as_text()  # compiled, not interpreted
 
 
 def test_interpret_nan_policy_matches_reference():
