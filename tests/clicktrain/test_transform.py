@@ -581,3 +581,15 @@ def test_one_shot_pick_defers_past_a_non_finite_batch(kind):
   ls = states[-1].layers["conv/kernel"]
   np.testing.assert_array_equal(ls.pattern_id, patterns.library_pattern_ids()[:4][pat])
   np.testing.assert_array_equal(ls.kernel_keep, keep)
+
+
+@pytest.mark.parametrize(
+  "ratio",
+  [True, [True, 0.5], lambda path, shape: True],
+  ids=["scalar", "sequence", "callable"],
+)
+def test_bool_kernel_prune_ratio_is_rejected_not_pruning_every_kernel(ratio):
+  with pytest.raises(ValueError, match="kernel_prune_ratio"):
+    ct.clicktrain(
+      optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=ratio
+    ).init(_params())
