@@ -75,6 +75,28 @@ def _reduce_leaf(g: jax.Array, idx, axis_name, op) -> jax.Array:
   return out.reshape(g.shape)
 
 
+def _check_indices(idx: np.ndarray, size: int) -> None:
+  """Host-side indices must be what :func:`mask_indices` gives: sorted, unique, in range.
+
+  The scatter in :func:`_reduce_leaf` promises ``indices_are_sorted`` / ``unique_indices``
+  and XLA drops out-of-range positions (negative ones wrap on the gather), so anything else
+  would reduce the wrong entries without an error.
+  """
+  if idx.ndim != 1:
+    raise ValueError(f"indices: expected 1-D index arrays, got shape {idx.shape}")
+  if idx.size and not np.issubdtype(idx.dtype, np.integer):
+    raise ValueError(f"indices: expected integer index arrays, got dtype {idx.dtype}")
+  if idx.size == 0:
+    return
+  if idx.min() < 0 or idx.max() >= size:
+    raise ValueError(
+      f"indices: must lie in [0, {size}) for a leaf of {size} entries, got "
+      f"min {int(idx.min())}, max {int(idx.max())}"
+    )
+  if np.any(np.diff(idx) <= 0):
+    raise ValueError("indices: must be strictly increasing (sorted, no duplicates)")
+
+
 def _reduce_tree(grads: PyTree, indices: PyTree | None, axis_name, op) -> PyTree:
   if indices is None:
     return jax.tree.map(lambda g: op(g, axis_name), grads)
@@ -83,6 +105,8 @@ def _reduce_tree(grads: PyTree, indices: PyTree | None, axis_name, op) -> PyTree
   for g, idx in zip(g_leaves, i_leaves):
     if idx is not None and int(np.shape(idx)[0]) > int(np.size(g)):
       raise ValueError(f"indices: {np.shape(idx)[0]} indices for a leaf of {np.size(g)} entries")
+    if idx is not None and not isinstance(idx, jax.core.Tracer):
+      _check_indices(np.asarray(idx), int(np.size(g)))
   return treedef.unflatten(
     [_reduce_leaf(g, idx, axis_name, op) for g, idx in zip(g_leaves, i_leaves)]
   )
@@ -98,10 +122,17 @@ def sparse_psum(grads: PyTree, indices: PyTree | None, axis_name: Any) -> PyTree
       grads: pytree of per-device gradients.
       indices: pytree from :func:`mask_indices` matching ``grads`` (``None``
           leaves are reduced densely), or ``None`` for a fully dense reduction.
+          Each leaf: sorted, unique flat positions in ``[0, size)``. Host (NumPy /
+          concrete) indices are checked; traced indices cannot be, and out-of-range
+          ones are then dropped and unsorted or duplicate ones give undefined results.
       axis_name: the mapped axis to reduce over.
 
   Returns:
       The reduced pytree; entries outside ``indices`` are zero.
+
+  Raises:
+      ValueError: host-side ``indices`` that are not 1-D integer arrays of sorted,
+          unique positions within their leaf.
   """
   return _reduce_tree(grads, indices, axis_name, jax.lax.psum)
 

@@ -155,16 +155,27 @@ def pattern_index(positions: jnp.ndarray, size: int = 3) -> jnp.ndarray:
   system), so no table of all patterns is built.
 
   Args:
-      positions: int array ``(..., k)`` of distinct flat positions, any order.
+      positions: int array ``(..., k)`` of distinct flat positions in ``[0, size**2)``, any
+          order. Concrete positions are checked; traced ones cannot be, and an invalid set
+          then gives an unspecified id (``-1`` for 3x3 kernels).
       size: kernel side.
 
   Returns:
       int32 array ``(...,)``.
+
+  Raises:
+      ValueError: concrete ``positions`` out of range or repeated within a pattern.
   """
   positions = jnp.asarray(positions, jnp.int32)
   k = positions.shape[-1]
   _check_k_size(k, size)
   n = size * size
+  if not isinstance(positions, jax.core.Tracer) and positions.size:
+    p = np.asarray(positions)
+    if p.min() < 0 or p.max() >= n:
+      raise ValueError(f"positions: must lie in [0, {n}) for size={size}, got {p.min()}..{p.max()}")
+    if np.any(np.diff(np.sort(p, axis=-1), axis=-1) == 0):
+      raise ValueError("positions: must be distinct within each pattern, got a repeat")
   if n <= 16:
     # Small kernels (3x3): the kept set as a bit mask indexes a table of ranks; no
     # per-kernel sort (XLA's sort is the slowest op of DPPG on CPU).
@@ -182,9 +193,29 @@ def pattern_masks_from_ids(ids: jnp.ndarray, size: int = 3, k: int = 4) -> jnp.n
 
   Unranks the lexicographic index slot by slot, so no table of all
   ``C(size**2, k)`` patterns is built (211 876 for 7x7): jit-able.
+
+  Args:
+      ids: int array of pattern ids in ``[0, C(size**2, k))``. Concrete ids are checked
+          (``-1``, "no pattern yet" in ClickTrain's state, is not a pattern); traced ids
+          cannot be, and an out-of-range id then gives an unspecified, possibly non-binary
+          mask.
+      size: kernel side.
+      k: kept positions per pattern.
+
+  Returns:
+      float32 masks ``(..., size, size)``.
+
+  Raises:
+      ValueError: concrete ``ids`` outside ``[0, C(size**2, k))``.
   """
   _check_k_size(k, size)
   n = size * size
+  if not isinstance(ids, jax.core.Tracer) and np.size(ids):
+    i = np.asarray(ids)
+    if i.min() < 0 or i.max() >= math.comb(n, k):
+      raise ValueError(
+        f"ids: must lie in [0, {math.comb(n, k)}) for size={size}, k={k}, got {i.min()}..{i.max()}"
+      )
   table = jnp.asarray(_binomial_table(n, k), jnp.int32)
   rank = jnp.asarray(ids, jnp.int32)[..., None]
   cs = jnp.arange(n)

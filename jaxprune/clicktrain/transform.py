@@ -211,6 +211,15 @@ class _Config(NamedTuple):
   eps: float
 
 
+def _ratio(r: Any, name: str | None = None) -> float:
+  """A kernel prune ratio as a float; a bool (an int subclass: True would prune every
+  kernel) is rejected."""
+  if isinstance(r, (bool, np.bool_)):
+    where = "" if name is None else f" for {name!r}"
+    raise ValueError(f"kernel_prune_ratio{where} must be a number in [0, 1], got {r}")
+  return float(r)
+
+
 def _plan(
   params: PyTree,
   layer_filter,
@@ -239,13 +248,14 @@ def _plan(
       raise ValueError(f"mode='one_shot' uses 3x3 centre patterns; {name!r} is {kh}x{kw}")
     chosen.append((name, i, kind, kh))
   if isinstance(kernel_prune_ratio, (int, float)):
-    ratios = [float(kernel_prune_ratio)] * len(chosen)
+    ratios = [_ratio(kernel_prune_ratio)] * len(chosen)
   elif callable(kernel_prune_ratio):
     ratios = [
-      float(kernel_prune_ratio(name, tuple(np.shape(leaves[i][1])))) for name, i, _, _ in chosen
+      _ratio(kernel_prune_ratio(name, tuple(np.shape(leaves[i][1]))), name)
+      for name, i, _, _ in chosen
     ]
   else:
-    ratios = [float(r) for r in kernel_prune_ratio]
+    ratios = [_ratio(r) for r in kernel_prune_ratio]
     names = [c[0] for c in chosen]
     if len(ratios) == len(chosen) and known is not None:
       known.update(zip(names, ratios))
@@ -652,7 +662,9 @@ def clicktrain(
       raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
   if margin_rule not in ("relative", "literal"):
     raise ValueError(f"margin_rule must be 'relative' or 'literal', got {margin_rule!r}")
-  if isinstance(kernel_prune_ratio, (int, float)) and not 0.0 <= kernel_prune_ratio <= 1.0:
+  if isinstance(kernel_prune_ratio, (int, float)) and not (
+    0.0 <= _ratio(kernel_prune_ratio) <= 1.0
+  ):
     raise ValueError(f"kernel_prune_ratio must be in [0, 1], got {kernel_prune_ratio}")
   if pool_size > _pat.num_patterns(_PATTERN_SIZE, 3):
     raise ValueError(f"pool_size must be <= 126, got {pool_size}")

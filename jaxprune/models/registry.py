@@ -86,13 +86,16 @@ def create(
 
   Raises:
     ValueError: unknown ``name`` (the message lists the available ones), an unknown spec
-      field, or an invalid spec.
+      field, an invalid spec, or ``rngs`` that is not an ``nnx.Rngs``.
 
   Example:
     >>> model = create("prunetrain-resnet32", num_classes=10, rngs=nnx.Rngs(0))
     >>> half = create("clicktrain-vgg11", num_classes=100, rngs=nnx.Rngs(0),
     ...               width_multiplier=0.5)
   """
+  # Caught here: a missing Rngs otherwise fails deep inside the first Flax layer.
+  if not isinstance(rngs, nnx.Rngs):
+    raise ValueError(f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {rngs!r}")
   model_class, spec_factory = _lookup(name)
   if spec is None:
     spec = spec_factory()

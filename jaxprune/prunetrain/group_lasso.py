@@ -371,14 +371,18 @@ def add_group_lasso(
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
 
   Raises:
-    ValueError: negative ``coefficient``.
+    ValueError: a concrete ``coefficient`` that is negative, infinite, NaN or a bool.
 
   Example::
 
     tx = optax.chain(add_group_lasso(1e-4), optax.sgd(0.1, momentum=0.9))
   """
-  if not isinstance(coefficient, jax.core.Tracer) and not float(coefficient) >= 0.0:
-    raise ValueError(f"coefficient must be >= 0, got {coefficient}")
+  if not isinstance(coefficient, jax.core.Tracer) and (
+    isinstance(coefficient, bool)
+    or not math.isfinite(float(coefficient))
+    or not float(coefficient) >= 0.0
+  ):
+    raise ValueError(f"coefficient must be a finite number >= 0, got {coefficient!r}")
 
   def init_fn(params):
     del params

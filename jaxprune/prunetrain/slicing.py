@@ -192,7 +192,12 @@ class ChannelSlices:
   def slice_state(self, opt_state: Any) -> Any:
     """An optimizer state for the new params: every sub-tree shaped like the old params is
     rebuilt sliced, every state with a registered slicer goes through it, the rest (step
-    counts, PruneTrain's λ) is kept."""
+    counts, PruneTrain's λ) is kept.
+
+    Raises:
+      ValueError: an array leaf (ndim >= 1) outside every such sub-tree: ``opt_state`` does
+        not match the model's params.
+    """
     old_def = jax.tree.structure(self.old_params)
     old_shapes = [np.shape(x) for x in jax.tree.leaves(self.old_params)]
 
@@ -204,12 +209,20 @@ class ChannelSlices:
     def is_leaf(node):
       return _slicer_for(node) is not None or is_param_tree(node)
 
-    def convert(node):
+    def convert(path, node):
       slicer = _slicer_for(node)
       if slicer is not None:
         return slicer(node, self)
       if is_param_tree(node):
         return self.rebuild_like(self.new_params, node)
+      if np.ndim(node) >= 1:
+        # Kept unsliced it would no longer fit the new params: the state was built for
+        # another model, or on nnx.state (Variable nodes) instead of pure arrays.
+        raise ValueError(
+          f"opt_state: leaf {jax.tree_util.keystr(path)} of shape {np.shape(node)} is in no "
+          "sub-tree shaped like the model's params (built for another model, or on "
+          "nnx.state(...) instead of nnx.as_pure(nnx.state(model, nnx.Param))?)"
+        )
       return node
 
-    return jax.tree.map(convert, opt_state, is_leaf=is_leaf)
+    return jax.tree.map_with_path(convert, opt_state, is_leaf=is_leaf)

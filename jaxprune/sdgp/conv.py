@@ -435,6 +435,13 @@ class SDGPConversion:
     nm_math.validate((1, m), jnp.float32, n, m, method, key=0)
     targets = []
     for path, module in nnx.iter_modules(model):
+      # Converting twice would skip the SDGPConvs and silently keep the first N:M setting.
+      if isinstance(module, SDGPConv):
+        raise ValueError(
+          f"model: already converted (conv at {'/'.join(map(str, path)) or '<root>'} is an "
+          f"SDGPConv with n={module.n}, m={module.m}); build a fresh model to convert it with "
+          f"n={n}, m={m}"
+        )
       if (
         isinstance(module, nnx.Conv)
         and not isinstance(module, SDGPConv)
@@ -494,8 +501,9 @@ def convert_model(
     ``model``, with its convs replaced.
 
   Raises:
-    ValueError: bad ``n``/``m``/``method``, or a conv to convert whose output channels are
-      not divisible by ``m`` (named in the message).
+    ValueError: bad ``n``/``m``/``method``, a conv to convert whose output channels are
+      not divisible by ``m`` (named in the message), or a ``model`` already converted (it
+      holds an ``SDGPConv``: converting again would keep the first N:M setting).
 
   Example:
     >>> model = convert_model(models.create("sdgp-resnet9", num_classes=10,

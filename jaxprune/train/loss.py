@@ -14,8 +14,20 @@ import jax.numpy as jnp
 
 def _targets(labels: jax.Array, num_classes: int, label_smoothing: float) -> jax.Array:
   """Target distributions ``[B, C]`` from int or soft labels."""
+  labels = jnp.asarray(labels)
   if labels.ndim == 1:
+    if not isinstance(labels, jax.core.Tracer):
+      bad = (labels < 0) | (labels >= num_classes)
+      if bool(jnp.any(bad)):
+        raise ValueError(
+          f"labels: class ids must be in [0, {num_classes}) (the logits' classes), got "
+          f"{labels[bad].tolist()[:5]}"
+        )
     targets = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
+    # Under jit the ids are unknown: one_hot of an out-of-range id is all zeros, which would
+    # give a silent zero loss; a NaN row instead shows in the logged loss and poisons the step.
+    valid = (labels >= 0) & (labels < num_classes)
+    targets = jnp.where(valid[:, None], targets, jnp.nan)
   elif labels.ndim == 2:
     if labels.shape[-1] != num_classes:
       raise ValueError(
@@ -40,7 +52,12 @@ def cross_entropy_per_example(
     label_smoothing: ``eps`` in ``[0, 1)``; target = ``(1 - eps) y + eps / C``.
 
   Returns:
-    ``[B]`` float32 losses.
+    ``[B]`` float32 losses. Under ``jax.jit`` (ids unknown when tracing) a row whose class id
+    is outside ``[0, C)`` gets a NaN loss, so a data set with more classes than the model shows
+    NaN in the logged loss instead of training on a silent zero loss.
+
+  Raises:
+    ValueError: if ``labels`` are concrete int ids outside ``[0, C)``, or shapes do not fit.
 
   Example:
     >>> cross_entropy_per_example(jnp.zeros((2, 4)), jnp.array([0, 3])).round(4)

@@ -631,7 +631,8 @@ class Trainer:
         ``resume=True``, or if a fresh start finds another run's checkpoints in
         ``checkpoint_dir`` and ``overwrite`` is False.
     """
-    if not isinstance(epochs, (int, np.integer)) or epochs < 1:
+    # bool is an int subclass: epochs=True would silently train one epoch.
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
       raise ValueError(f"epochs must be a positive int, got {epochs!r}")
     if overwrite and resume:
       raise ValueError("overwrite=True deletes the checkpoints: it needs resume=False")

@@ -236,3 +236,20 @@ def test_kernel_keep_mask_per_filter_prunes_the_same_number_in_every_filter():
   assert (~layer).sum() == 21
   with pytest.raises(ValueError, match="scores must be"):
     patterns.kernel_keep_mask(jnp.ones((2, 3, 4)), 0.5, per_filter=True)
+
+
+@pytest.mark.parametrize(
+  "positions", [[0, 1, 1, 4], [0, 1, 2, 9], [-1, 0, 1, 2]], ids=["repeat", "past-end", "negative"]
+)
+def test_pattern_index_rejects_invalid_positions_instead_of_minus_one(positions):
+  with pytest.raises(ValueError, match="positions"):
+    patterns.pattern_index(np.array([positions]), 3)
+
+
+@pytest.mark.parametrize("bad", [-1, math.comb(9, 4)])
+def test_pattern_masks_from_ids_rejects_invalid_ids_instead_of_non_binary_mask(bad):
+  with pytest.raises(ValueError, match="ids"):
+    patterns.pattern_masks_from_ids(np.array([0, bad]), 3)
+  # The last valid id is still accepted and gives a binary 4-of-9 mask (hand count).
+  mask = np.asarray(patterns.pattern_masks_from_ids(np.array([math.comb(9, 4) - 1]), 3))
+  assert set(np.unique(mask)) <= {0.0, 1.0} and mask.sum() == 4

@@ -727,3 +727,15 @@ def test_pruned_stage_masks_gradients_before_the_inner_optimizer(inner, moments)
     assert np.all(m[pruned] == 0.0), key
     assert np.all(m[~pruned] != 0.0), key
   assert np.all(np.asarray(p["conv"]["kernel"])[pruned] == 0.0)
+
+
+@pytest.mark.parametrize(
+  "ratio",
+  [True, [True, 0.5], lambda path, shape: True],
+  ids=["scalar", "sequence", "callable"],
+)
+def test_bool_kernel_prune_ratio_is_rejected_not_pruning_every_kernel(ratio):
+  with pytest.raises(ValueError, match="kernel_prune_ratio"):
+    ct.clicktrain(
+      optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=ratio
+    ).init(_params())

@@ -465,3 +465,9 @@ def test_model_params_experiment_writes_table(tmp_path, monkeypatch):
   for name in names:
     assert f"| `{name}` | `{type(_abstract(name)).__name__}` |" in text
     assert f"{models.param_count(_abstract(name)):,}" in text
+
+
+@pytest.mark.parametrize("rngs", [None, 0])
+def test_create_without_rngs_raises_naming_rngs_not_deep_in_flax(rngs):
+  with pytest.raises(ValueError, match="rngs"):
+    models.create("prunetrain-resnet32", num_classes=10, rngs=rngs)

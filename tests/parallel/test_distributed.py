@@ -115,3 +115,23 @@ def test_too_many_indices_is_rejected():
   bad = {"w": np.arange(5, dtype=np.int32)}
   with pytest.raises(ValueError, match="indices"):
     jax.pmap(lambda g: distributed.sparse_psum(g, bad, "i"), axis_name="i")({"w": grads["w"][None]})
+
+
+@pytest.mark.parametrize(
+  "bad, why",
+  [
+    ([0, 4], "out of range (dropped by the scatter)"),
+    ([-1, 2], "negative (wraps to the last entry)"),
+    ([2, 1], "unsorted"),
+    ([1, 1], "duplicate"),
+    ([0.0, 1.0], "not integer"),
+  ],
+)
+def test_invalid_host_indices_raise_instead_of_reducing_wrong_entries(bad, why):
+  import jax
+
+  g = np.arange(4, dtype=np.float32).reshape(1, 2, 2)
+  idx = {"w": np.asarray(bad)}
+  for op in (distributed.sparse_psum, distributed.sparse_pmean):
+    with pytest.raises(ValueError, match="indices"):
+      jax.pmap(lambda g, op=op: op(g, idx, "i"), axis_name="i")({"w": g})

@@ -414,3 +414,9 @@ def test_proximal_bad_arguments():
   # Nothing to read the step size from: fails at init, naming the argument.
   with pytest.raises(ValueError, match="learning_rate"):
     pt.with_group_lasso(optax.sgd(0.1), proximal=True).init(params)
+
+
+@pytest.mark.parametrize("coefficient", [float("inf"), float("nan"), True])
+def test_add_group_lasso_rejects_non_finite_or_bool_coefficient(coefficient):
+  with pytest.raises(ValueError, match="coefficient"):
+    gl.add_group_lasso(coefficient)

@@ -367,3 +367,17 @@ def test_non_finite_weights_raise_naming_the_layer(family, bad):
   name = "/".join(map(str, path[:-1] if path[-1] == "conv" else path))  # ConvBN: its path
   with pytest.raises(ValueError, match=f"non-finite weights in {name} \\(1 of "):
     pt.reconfigure(model, None)
+
+
+@pytest.mark.parametrize("source", ["other-model", "nnx-state"])
+def test_mismatched_optimizer_state_raises_instead_of_passing_unsliced(source):
+  model, _ = _model("prunetrain-resnet")
+  _kill_channel(model, "prunetrain-resnet")
+  tx = optax.sgd(0.1, momentum=0.9)
+  if source == "other-model":
+    other, _ = _model("prunetrain-vgg")
+    opt_state = tx.init(_params(other))
+  else:
+    opt_state = tx.init(nnx.state(model, nnx.Param))
+  with pytest.raises(ValueError, match="opt_state"):
+    pt.reconfigure(model, opt_state, count_flops=False)

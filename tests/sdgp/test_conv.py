@@ -190,3 +190,13 @@ def test_convert_model_bad_arguments():
     ValueError, match=r"^out_features: 6 output channels are not divisible by m=4"
   ):
     sdgp.SDGPConv(8, 6, (3, 3), n=2, m=4, method="magnitude", rngs=nnx.Rngs(0))
+
+
+def test_convert_model_twice_raises_instead_of_keeping_first_setting():
+  model = _TinyNet(nnx.Rngs(0))
+  sdgp.convert_model(model, n=2, m=4, method="rescaled_magnitude")
+  with pytest.raises(ValueError, match="model: already converted.*n=2, m=4"):
+    sdgp.convert_model(model, n=1, m=4, method="rescaled_magnitude")
+  # The first setting is intact (every SDGPConv still n=2).
+  convs = [c for _, c in nnx.iter_modules(model) if isinstance(c, sdgp.SDGPConv)]
+  assert convs and all(c.n == 2 for c in convs)

@@ -819,3 +819,11 @@ def test_quickstart_rejects_unknown_method_and_formats_rows():
     [{"method": "dense", "test_acc": 0.5, "compression": 1.0, "train_time_s": 3.0}]
   )
   assert "| dense | 50.00% | 1.00x | 3.0 |" in table.splitlines()
+
+
+def test_bool_epochs_is_rejected_not_one_epoch():
+  images, labels = _data(8)
+  trainer = _trainer()
+  with pytest.raises(ValueError, match="epochs"):
+    trainer.fit(ArrayLoader(images, labels, 4), epochs=True)
+  assert trainer.epoch == 0
