@@ -39,7 +39,7 @@ from jax import lax
 
 from jaxprune.clicktrain.layout import PatternLayout, to_dense, to_values, transposed_values
 
-__all__ = ["BACKENDS", "pattern_conv", "pattern_conv_values"]
+__all__ = ["BACKENDS", "canonical_padding", "pattern_conv", "pattern_conv_values"]
 
 BACKENDS = ("reference", "pallas", "auto", "dense")
 _NHWC = ("NHWC", "HWIO", "NHWC")
@@ -54,12 +54,22 @@ def _pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
   return pair  # type: ignore[return-value]
 
 
-def _padding(padding) -> str | tuple[tuple[int, int], ...]:
+def canonical_padding(padding) -> str | tuple[tuple[int, int], ...]:
+  """``"SAME"`` / ``"VALID"`` (any case), an int, or one int or ``(lo, hi)`` pair per spatial
+  axis (``nnx.Conv``'s forms) → ``"SAME"``, ``"VALID"`` or ``((top, bottom), (left, right))``.
+
+  Raises:
+    ValueError: another string (e.g. ``"CIRCULAR"``), not two spatial axes, or a negative pad.
+  """
   if isinstance(padding, str):
     if padding.upper() not in ("SAME", "VALID"):
       raise ValueError(f"padding must be 'SAME', 'VALID' or explicit pairs, got {padding!r}")
     return padding.upper()
-  pads = tuple(tuple(int(v) for v in p) for p in padding)
+  if isinstance(padding, int):
+    padding = (padding, padding)
+  pads = tuple(
+    (int(p), int(p)) if isinstance(p, int) else tuple(int(v) for v in p) for p in padding
+  )
   if len(pads) != 2 or any(len(p) != 2 or min(p) < 0 for p in pads):
     raise ValueError(f"padding pairs must be ((top, bottom), (left, right)) >= 0, got {padding!r}")
   return pads
@@ -227,7 +237,7 @@ def pattern_conv_values(
   if tuple(values.shape) != (cout, layout.width):
     raise ValueError(f"values shape {tuple(values.shape)} is not {(cout, layout.width)}")
   strides = _pair(strides, "strides")
-  pad = _padding(padding)
+  pad = canonical_padding(padding)
   if backend == "dense":
     kernel = to_dense(values, layout)
     return lax.conv_general_dilated(

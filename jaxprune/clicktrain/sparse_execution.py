@@ -43,11 +43,18 @@ from jax import lax
 from flax import nnx
 
 from jaxprune import flops, sdgp
+from jaxprune.clicktrain.readouts import masks, stage_name
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
-from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv, pattern_conv_values
+from jaxprune.clicktrain.pattern_conv import (
+  BACKENDS,
+  canonical_padding,
+  pattern_conv,
+  pattern_conv_values,
+)
+from jaxprune.masking import count_refilled
 from jaxprune.models import replace_submodule
 from jaxprune.models.layers import conv_sharing_variables
-from jaxprune.paths import param_path
+from jaxprune.paths import flatten_with_paths
 from jaxprune.train import Callback
 
 __all__ = [
@@ -59,7 +66,6 @@ __all__ = [
   "default_backend",
   "default_threshold",
   "format_report",
-  "masks_of",
   "median_call_ms",
   "pattern_convs",
   "time_layer",
@@ -97,17 +103,10 @@ class _StaticLayout:
 
 
 def _conv_padding(conv: nnx.Conv, name: str):
-  padding = conv.padding
-  if isinstance(padding, str):
-    if padding.upper() in ("SAME", "VALID"):
-      return padding.upper()
-    raise ValueError(f"{name}: padding {padding!r} is not supported by PatternConv")
-  if isinstance(padding, int):
-    return ((padding, padding), (padding, padding))
-  pads = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
-  if len(pads) != 2:
-    raise ValueError(f"{name}: padding {padding!r} is not 2-D")
-  return pads
+  try:
+    return canonical_padding(conv.padding)
+  except ValueError as err:
+    raise ValueError(f"{name}: {err} (PatternConv)") from None
 
 
 def _check_convertible(conv: nnx.Conv, name: str) -> None:
@@ -315,11 +314,6 @@ class LayerChoice:
   sparse_ms: float | None = None
 
 
-def _masks_by_kernel_path(weight_masks: Any) -> dict[tuple, np.ndarray]:
-  flat = jax.tree_util.tree_flatten_with_path(weight_masks, is_leaf=lambda x: x is None)[0]
-  return {param_path(p): np.asarray(m) for p, m in flat if m is not None}
-
-
 def convert_model(
   model: nnx.Module,
   weight_masks: Any,
@@ -371,7 +365,7 @@ def convert_model(
   backend = default_backend() if backend is None else backend
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  masks = _masks_by_kernel_path(weight_masks)
+  masks = {path: np.asarray(m) for path, m in flatten_with_paths(weight_masks)}  # None: unmasked
   choices: list[LayerChoice] = []
   swaps = []
   for path, module in nnx.iter_modules(model):
@@ -451,12 +445,6 @@ def format_report(choices: list[LayerChoice]) -> str:
   return "\n".join(lines)
 
 
-def _clicktrain_state_pruned(opt_state: Any) -> bool:
-  from jaxprune.clicktrain import stage_name
-
-  return stage_name(opt_state) == "pruned"
-
-
 class SparseExecution(Callback):
   """Trainer hook: switch the pruned convs to the sparse path once the masks are final.
 
@@ -506,10 +494,11 @@ class SparseExecution(Callback):
 
   def _convert(self, trainer: Any) -> dict[str, Any] | None:
     model = trainer.model
-    if model is self._converted or not _clicktrain_state_pruned(trainer.opt_state):
+    if model is self._converted or stage_name(trainer.opt_state) != "pruned":
       return None
-    weight_masks = masks_of(trainer.opt_state, model)
-    if not _pruned_weights_are_zero(model, weight_masks):
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    weight_masks = masks(trainer.opt_state, params)
+    if count_refilled(weight_masks, params)[0]:
       return None  # the stage changed at this epoch end; the first pruned step zeroes them
     model, self.choices = convert_model(
       model,
@@ -530,23 +519,3 @@ class SparseExecution(Callback):
   def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any] | None:
     del epoch
     return self._convert(trainer)
-
-
-def _pruned_weights_are_zero(model: nnx.Module, weight_masks: Any) -> bool:
-  params = nnx.as_pure(nnx.state(model, nnx.Param))
-  pairs = jax.tree.leaves(
-    jax.tree.map(
-      lambda m, w: None if m is None else bool(np.all(np.asarray(w)[np.asarray(m) == 0] == 0)),
-      weight_masks,
-      params,
-      is_leaf=lambda x: x is None,
-    )
-  )
-  return all(pairs)
-
-
-def masks_of(opt_state: Any, model: nnx.Module) -> Any:
-  """ClickTrain's weight masks for ``model``'s params (``None`` for unpruned leaves)."""
-  from jaxprune.clicktrain import masks
-
-  return masks(opt_state, nnx.state(model, nnx.Param))
