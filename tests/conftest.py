@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxprune import data, models
+import optax
+
+from jaxprune import clicktrain, data, models
 
 
 def pytest_runtest_setup(item):
@@ -99,5 +101,24 @@ def digits_loader():
   ) -> data.Loader:
     dataset = digits_like(n, num_classes=num_classes, seed=seed)
     return data.Loader(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=shuffle)
+
+  return build
+
+
+@pytest.fixture
+def one_shot_clicktrain():
+  """Builder of the ClickTrain transform the masking tests share: one-shot masks from the first
+  batch, hard prune from epoch 1 on (2 steps per epoch: the state says "pruned" at the end of
+  epoch 1, the weights are masked from step 2 on)."""
+
+  def build():
+    return clicktrain.clicktrain(
+      optax.sgd(0.05, momentum=0.9),
+      steps_per_epoch=2,
+      hard_prune_epoch=1,
+      mode="one_shot",
+      one_shot_epoch=0,
+      kernel_prune_ratio=0.5,
+    )
 
   return build

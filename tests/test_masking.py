@@ -8,7 +8,6 @@ import pytest
 
 from jaxprune import masking
 from jaxprune.clicktrain import readouts
-from jaxprune.clicktrain import transform as ct
 
 
 def _params(seed=0):
@@ -165,18 +164,6 @@ def _batch(i):
   return jnp.asarray(rng.normal(size=(8, 6, 6, 3)), jnp.float32), jnp.arange(8) % 3
 
 
-def _clicktrain():
-  # one-shot masks at step 0, hard prune from epoch 1 (step 2) on
-  return ct.clicktrain(
-    optax.sgd(0.05, momentum=0.9),
-    steps_per_epoch=2,
-    hard_prune_epoch=1,
-    mode="one_shot",
-    one_shot_epoch=0,
-    kernel_prune_ratio=0.5,
-  )
-
-
 def _stepper(tx):
   @jax.jit
   def step(p, st, x, y):
@@ -195,9 +182,9 @@ def _train(step, p, st, steps, start=0, check=None):
   return p, st
 
 
-def test_mask_after_adamw_chained_outside_clicktrain():
+def test_mask_after_adamw_chained_outside_clicktrain(one_shot_clicktrain):
   adamw = optax.adamw(1e-2, weight_decay=1e-2)
-  tx = optax.chain(_clicktrain(), adamw)
+  tx = optax.chain(one_shot_clicktrain(), adamw)
   step = _stepper(tx)
   p = _params()
   p, st = _train(step, p, tx.init(p), 2)  # masks chosen, stage -> PRUNED at the epoch end
@@ -214,7 +201,7 @@ def test_mask_after_adamw_chained_outside_clicktrain():
 
   # The same run with mask(clicktrain masks) last: exactly zero after every step; the kept
   # entries move (training goes on).
-  tx_m = optax.chain(_clicktrain(), adamw, masking.mask(m))
+  tx_m = optax.chain(one_shot_clicktrain(), adamw, masking.mask(m))
   st_m = (*st, masking.mask(m).init(p))
 
   def zero_where_pruned(q):
@@ -288,10 +275,10 @@ def test_bad_masks():
     masking.save_masks("unused.npz", half)
 
 
-def test_find_masks_combines_sources_and_skips_unpruned_clicktrain():
+def test_find_masks_combines_sources_and_skips_unpruned_clicktrain(one_shot_clicktrain):
   p = _params()
   m = _masks(p)
-  tx = optax.chain(_clicktrain(), masking.mask(m))
+  tx = optax.chain(one_shot_clicktrain(), masking.mask(m))
   st = tx.init(p)
   # ClickTrain not pruned yet: only the mask transform's masks
   found = masking.find_masks(st, p)

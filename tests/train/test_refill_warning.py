@@ -13,7 +13,6 @@ from flax import nnx
 import jaxprune.train as jt
 from jaxprune import masking
 from jaxprune.clicktrain import readouts
-from jaxprune.clicktrain import transform as ct
 
 
 class _Net(nnx.Module):
@@ -35,19 +34,6 @@ def _batches():
   ]
 
 
-def _clicktrain():
-  # masks from the first batch, hard prune from epoch 1 on (the state says "pruned" at the
-  # end of epoch 1, the weights are masked from the first step of epoch 2)
-  return ct.clicktrain(
-    optax.sgd(0.05, momentum=0.9),
-    steps_per_epoch=2,
-    hard_prune_epoch=1,
-    mode="one_shot",
-    one_shot_epoch=0,
-    kernel_prune_ratio=0.5,
-  )
-
-
 def _fit(tx, epochs=3):
   trainer = jt.Trainer(_Net(nnx.Rngs(0)), tx, progress=False)
   trainer.fit(_batches(), epochs=epochs)
@@ -59,10 +45,12 @@ def _pruned_nonzero(trainer):
   return masking.count_refilled(m, trainer.params)[0]
 
 
-def test_trainer_warns_when_adamw_after_clicktrain_refills_and_not_with_mask_last():
+def test_trainer_warns_when_adamw_after_clicktrain_refills_and_not_with_mask_last(
+  one_shot_clicktrain,
+):
   adamw = optax.adamw(1e-2, weight_decay=1e-2)
   with pytest.warns(RuntimeWarning, match=r"pruned weights are non-zero \(first in 'c2/kernel'\)"):
-    bad = _fit(optax.chain(_clicktrain(), adamw))
+    bad = _fit(optax.chain(one_shot_clicktrain(), adamw))
   assert readouts.stage_name(bad.opt_state) == "pruned"
   assert _pruned_nonzero(bad) > 0  # the warning was right
   m = readouts.masks(bad.opt_state, bad.params)
@@ -70,19 +58,19 @@ def test_trainer_warns_when_adamw_after_clicktrain_refills_and_not_with_mask_las
   # Same run (same model, data and one-shot masks) with the mask transform last: no warning.
   with warnings.catch_warnings():
     warnings.simplefilter("error", RuntimeWarning)
-    good = _fit(optax.chain(_clicktrain(), adamw, masking.mask(m)))
+    good = _fit(optax.chain(one_shot_clicktrain(), adamw, masking.mask(m)))
   assert readouts.stage_name(good.opt_state) == "pruned"
   for a, b in zip(jax.tree.leaves(m), jax.tree.leaves(readouts.masks(good.opt_state, good.params))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert _pruned_nonzero(good) == 0
 
 
-def test_trainer_quiet_through_clicktrains_own_hard_prune():
+def test_trainer_quiet_through_clicktrains_own_hard_prune(one_shot_clicktrain):
   # ClickTrain alone: at the end of epoch 1 the state says "pruned" while the weights are
   # still live (masked from the next step on); that must not warn.
   with warnings.catch_warnings():
     warnings.simplefilter("error", RuntimeWarning)
-    trainer = _fit(_clicktrain())
+    trainer = _fit(one_shot_clicktrain())
   assert readouts.stage_name(trainer.opt_state) == "pruned"
   assert _pruned_nonzero(trainer) == 0
   w = np.asarray(trainer.params["c2"]["kernel"])
