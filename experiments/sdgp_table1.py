@@ -7,8 +7,8 @@ triangular lr peaking at 0.5 at epoch 2, weight decay 5e-4 on all params, label 
 the stem and the head stay.
 
 ``--budget paper`` is that recipe; ``--budget cpu`` (the default) the reduced one every row
-shares (``experiments/_tables.py``): ResNet-9 at 1/4 width (convs 32, 64, [64, 64], 128,
-[128, 128], 64) on the full training set, 8 epochs at batch 128 with the peak lr scaled
+shares (``experiments/_tables.py``): ResNet-9 at 1/8 width (convs 16, 32, [32, 32], 64,
+[64, 64], 32) on the full training set, 10 epochs at batch 128 with the peak lr scaled
 linearly (0.5 · 128/512) and the peak at the recipe's fraction of training (2/150) but no
 earlier than epoch 0.5. Every row uses the same budget and seed, so the rows compare; the test
 accuracy (flip TTA) is logged after every epoch, which Fig. 10's time-to-accuracy reads.
