@@ -103,7 +103,7 @@ def train_row(
   train_loader = data.Loader(
     train_set, budget["batch_size"], shuffle=True, seed=args.seed, augment="sdgp", drop_last=True
   )
-  test_loader = data.Loader(test_set, 500, shuffle=False, drop_last=False)
+  test_loader = data.Loader(test_set, min(500, len(test_set)), shuffle=False, drop_last=False)
   schedule = train.triangular_schedule(
     budget["peak_lr"], len(train_loader), budget["peak_epoch"], budget["epochs"]
   )
