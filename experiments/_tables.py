@@ -1,10 +1,11 @@
 """What every paper-table command shares: named budgets, where results go, the results page.
 
 A *budget* is one named recipe for a whole table: ``paper`` is the paper's recipe exactly (for a
-GPU), ``cpu`` one reduced recipe that every row of that table shares, sized so that a row
-trains within about an hour on 2 CPU cores and the dense row reaches roughly 80% on CIFAR-10
-(reduced width over the full training set; the dense PruneTrain ResNet-20 reached 81.4% in 10
-epochs and 68 minutes on such a machine, ``results/benchmarks/cifar10_resnet20_dense.md``).
+GPU), ``cpu`` one reduced recipe that every row of that table shares: reduced width over the
+full training set, sized from FLOPs so that a run takes about an hour on 2 CPU cores and a
+dense row gets near 80% on CIFAR-10 (the dense PruneTrain ResNet-20, 82 MFLOPs per image,
+reached 81.4% in 10 epochs and 68 minutes on such a machine,
+``results/benchmarks/cifar10_resnet20_dense.md``).
 
 Runs write to ``runs/<paper>/`` (git-ignored) unless ``--publish`` is given, which writes to
 ``experiments/results/<paper>/``, the pages the repository links.
@@ -251,6 +252,7 @@ def command_line(name: str, argv: Sequence[str] | None) -> str:
 
 
 def utc_now() -> str:
+  """The date and time a page states, in UTC."""
   return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
