@@ -1,6 +1,6 @@
 """Quickstart: train on scikit-learn's 8x8 digits and print a results table.
 
-Runs in about two minutes on 2 CPU cores (five methods x 15 epochs), with no data to
+Runs in a few minutes on 2 CPU cores (five methods x 15 epochs), with no data to
 download (the digits ship inside scikit-learn). Every row is a registered
 :mod:`jaxprune.methods` method with a configuration sized for this run, trained with the same
 data, model, optimizer and budget, so pruning methods can be compared with the dense
