@@ -74,7 +74,9 @@ Reading choices (the paper is silent or garbled; tested):
   ``optax.apply_if_finite``: it neither adds competitive scores nor votes nor adds Eq. 2
   scores, so no NaN score ever ranks kernels or patterns, and the loss-margin test compares
   with the last finite loss. In ``one_shot`` mode a non-finite pick batch defers the pick
-  to the next finite step (a pick from NaN scores would prune kernels by index).
+  to the next finite step (a pick from NaN scores would prune kernels by index). Likewise a
+  pool generation or finalization stage none of whose batches fed its scores does not end
+  (nor does the hard prune come) until an epoch that had one; each such epoch end warns.
 
 The read-outs (masks, stage, pattern usage, compression) are in
 :mod:`jaxprune.clicktrain.readouts`.
@@ -98,6 +100,7 @@ from __future__ import annotations
 
 import enum
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -332,6 +335,38 @@ def _all_finite(loss, plan: _Plan, w_leaves, g_leaves) -> jax.Array:
   return ok
 
 
+def _scored(layers: _Layers, plan: _Plan, stage: Stage) -> jax.Array:
+  """Whether some batch of the current POOL / FINALIZE stage fed its scores: each scored
+  DPPG batch adds +1 per pattern kernel, each counted finalization batch a vote per pattern
+  kernel and Eq. 2 scores (> 0 unless every ``g ⊙ w`` is 0). A stage of only non-finite or
+  skipped batches has all-zero scores, which would choose the pool / masks by index."""
+  ok = jnp.bool_(False)
+  if stage == POOL:
+    pattern = [n for n, layer in plan.items() if layer.kind == "pattern"]
+    if not pattern:  # no pool to choose
+      return jnp.bool_(True)
+    for n in pattern:
+      ok = ok | jnp.any(layers[n].competitive_scores > 0)
+    return ok
+  if not plan:
+    return jnp.bool_(True)
+  for n in plan:
+    ok = ok | jnp.any(layers[n].kernel_score_sum > 0)
+    if layers[n].votes is not None:
+      ok = ok | jnp.any(layers[n].votes > 0)
+  return ok
+
+
+def _warn_when(pred: jax.Array, message: str, epoch: jax.Array) -> None:
+  """A ``RuntimeWarning`` from inside ``jit`` when ``pred`` holds; ``{epoch}`` in
+  ``message`` is filled with ``epoch``. A no-op step otherwise (one scalar ``cond``)."""
+
+  def warn(e):
+    warnings.warn(message.format(epoch=int(e)), RuntimeWarning)
+
+  jax.lax.cond(pred, lambda: jax.debug.callback(warn, epoch), lambda: None)
+
+
 def _pool_step(layers: _Layers, plan: _Plan, w_leaves, g_leaves) -> _Layers:
   """DPPG steps 1-5 for one batch: +1 competitive score per kernel's candidate (§4.2)."""
   out = dict(layers)
@@ -532,20 +567,34 @@ def _paper_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock
   do_importance = (state.count % cfg.importance_every) == 0
 
   # The finiteness check runs inside the POOL / FINALIZE branches only (one pass over the
-  # gradients), so the other stages do not pay for it.
+  # gradients), so the other stages do not pay for it. A stage that fed no scores (every
+  # batch non-finite or skipped) does not end: it goes on for another epoch, as one_shot
+  # defers its pick, instead of choosing the pool / masks from all-zero scores by index.
   def pool_branch(ls):
     run = do_importance & _all_finite(clock.loss, plan, w, g)
     ls = jax.lax.cond(run, lambda x: _pool_step(x, plan, w, g), lambda x: x, ls)
-    return jax.lax.cond(to_final, lambda x: _select_pools(x, plan, cfg.pool_size), lambda x: x, ls)
+    end = to_final & _scored(ls, plan, POOL)
+    return jax.lax.cond(end, lambda x: _select_pools(x, plan, cfg.pool_size), lambda x: x, ls), end
 
   def finalize_branch(ls):
     run = do_importance & _all_finite(clock.loss, plan, w, g)
     ls = jax.lax.cond(run, lambda x: _finalize_step(x, plan, w, g, counted), lambda x: x, ls)
-    return jax.lax.cond(to_reg, lambda x: _finalize_masks(x, plan), lambda x: x, ls)
+    end = to_reg & _scored(ls, plan, FINALIZE)
+    return jax.lax.cond(end, lambda x: _finalize_masks(x, plan), lambda x: x, ls), end
 
   branch = jnp.where(stage == POOL, 1, jnp.where(stage == FINALIZE, 2, 0))
-  layers = jax.lax.switch(branch, [lambda x: x, pool_branch, finalize_branch], state.layers)
-  return layers, to_pool | to_final | to_reg
+  layers, ended = jax.lax.switch(
+    branch, [lambda x: (x, jnp.bool_(False)), pool_branch, finalize_branch], state.layers
+  )
+  _warn_when(
+    (to_final | to_reg) & ~ended,
+    "clicktrain: no batch of the pool generation / finalization stage ending after "
+    "{epoch} epochs fed its scores (every one non-finite, skipped by importance_every or failing "
+    "the loss-margin test): the stage goes on for another epoch instead of choosing patterns "
+    "and kernels from all-zero scores",
+    clock.epochs_done,
+  )
+  return layers, to_pool | ended
 
 
 def _one_shot_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock, w, g):
