@@ -65,8 +65,11 @@ Reading choices (the paper is silent or garbled; tested):
 * Kernel finalization is "similar" to pattern finalization in the paper; here
   it sums Eq. 2 over the batches that pass the margin test (one cheap add per
   step; no per-step sort).
-* If the finalization ends after ``hard_prune_epoch``, the hard prune happens
-  one epoch after it (at least one epoch of regularization).
+* With the loss-derivative trigger (``pool_start_epoch=None``), if the finalization ends
+  after ``hard_prune_epoch``, the hard prune happens one epoch after it (at least one epoch
+  of regularization), and a run still in warmup at ``hard_prune_epoch`` warns once. A set
+  ``pool_start_epoch`` must leave that epoch: ``hard_prune_epoch > pool_start_epoch +
+  pool_epochs + finalize_epochs`` (else ``ValueError``).
 * Importance work may run every ``importance_every`` steps (default 1) to cut
   overhead; skipped steps neither vote nor add competitive scores.
 * A non-finite step (a NaN / Inf loss, gradient leaf or pruned weight) is skipped by the
@@ -560,6 +563,22 @@ def _paper_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock
   else:
     start_pool = clock.epochs_done >= cfg.pool_start_epoch
   to_pool = clock.epoch_end & (stage == WARMUP) & start_pool
+  # Only the data-driven trigger can leave the run in warmup at the hard prune epoch (a set
+  # pool_start_epoch that late is a ValueError in clicktrain()): say so once, or the run
+  # ends dense without a word.
+  _warn_when(
+    clock.epoch_end
+    & (stage == WARMUP)
+    & ~to_pool
+    & (clock.epochs_done == max(cfg.hard_prune_epoch, 1)),
+    "clicktrain: still in warmup after {epoch} epochs (hard_prune_epoch="
+    f"{cfg.hard_prune_epoch}): the loss-derivative trigger (|change of the epoch mean loss| "
+    f"< loss_derivative_threshold={cfg.loss_derivative_threshold}) has not fired, so nothing "
+    "is pruned yet; pool generation starts when it fires and the hard prune comes "
+    "pool_epochs + finalize_epochs + 1 epochs later (set pool_start_epoch for a fixed "
+    "schedule)",
+    clock.epochs_done,
+  )
   to_final = clock.epoch_end & (stage == POOL) & (clock.in_stage >= cfg.pool_epochs)
   to_reg = clock.epoch_end & (stage == FINALIZE) & (clock.in_stage >= cfg.finalize_epochs)
   counted = _pat.loss_margin_ok(state.last_loss, clock.loss, cfg.loss_margin, cfg.margin_rule)
@@ -646,7 +665,9 @@ def clicktrain(
           a sequence (one per pruned layer, in param flatten order) or
           ``fn(path, shape) -> float``.
       pool_start_epoch: paper mode: epoch at which DPPG starts; ``None`` uses
-          the loss-derivative trigger (§4.1).
+          the loss-derivative trigger (§4.1, a ``RuntimeWarning`` if it has not fired by
+          ``hard_prune_epoch``). When set, ``hard_prune_epoch`` must be larger than
+          ``pool_start_epoch + pool_epochs + finalize_epochs``.
       loss_derivative_threshold: the trigger's threshold (0.27 in the paper).
       pool_epochs: epochs of DPPG (stage 2).
       finalize_epochs: epochs of adaptive finalization (stage 3).
@@ -692,6 +713,17 @@ def clicktrain(
     not isinstance(pool_start_epoch, (int, np.integer)) or pool_start_epoch < 0
   ):
     raise ValueError(f"pool_start_epoch must be None or an int >= 0, got {pool_start_epoch!r}")
+  if mode == "paper" and pool_start_epoch is not None:
+    # A fixed schedule is known here: masks final at pool_start + pool + finalize, then at
+    # least one epoch of regularization (§4.4) before the hard prune. A later hard prune
+    # than asked (or a run still in warmup at hard_prune_epoch) is a mis-configuration.
+    final = pool_start_epoch + pool_epochs + finalize_epochs
+    if hard_prune_epoch <= final:
+      raise ValueError(
+        f"hard_prune_epoch ({hard_prune_epoch}) must be > pool_start_epoch + pool_epochs + "
+        f"finalize_epochs ({pool_start_epoch} + {pool_epochs} + {finalize_epochs} = {final}): "
+        "the masks are final only at that epoch and get at least one epoch of regularization"
+      )
   if mode == "one_shot":
     if not isinstance(one_shot_epoch, (int, np.integer)) or one_shot_epoch < 0:
       raise ValueError(

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,41 @@ def test_loss_derivative_trigger():
     stages.append(int(st.stage))
   assert stages[:7] == [ct.WARMUP] * 7
   assert stages[7] == ct.POOL and int(st.stage_start_epoch) == 4
+
+
+def test_run_still_in_warmup_at_the_hard_prune_epoch_warns_once():
+  # The epoch mean loss rises by 1 every epoch: the loss-derivative trigger never fires and
+  # the run would stay dense past hard_prune_epoch without a word.
+  tx = ct.clicktrain(optax.sgd(0.0), steps_per_epoch=1, hard_prune_epoch=3)
+  p = _params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for i in range(6):
+      _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(i))
+      jax.effects_barrier()
+      if i == 1:
+        assert not caught  # not before the end of epoch hard_prune_epoch - 1
+  messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+  assert len(messages) == 1, messages
+  assert messages[0].startswith("clicktrain: still in warmup after 3 epochs (hard_prune_epoch=3)")
+  assert int(st.stage) == ct.WARMUP
+
+
+def test_fixed_schedule_that_misses_the_hard_prune_epoch_raises():
+  # Masks final at pool_start + pool + finalize, one epoch of regularization before the hard
+  # prune: hard_prune_epoch = 5 needs pool_start_epoch <= 2 (the boundary schedule prunes at
+  # exactly hard_prune_epoch: test_stage_schedule_fixed_epochs).
+  kwargs = dict(steps_per_epoch=1, hard_prune_epoch=5, pool_epochs=1, finalize_epochs=1)
+  ct.clicktrain(optax.sgd(0.1), pool_start_epoch=2, **kwargs)
+  for start in (3, 7):  # 7: still in warmup at the hard prune epoch
+    with pytest.raises(
+      ValueError,
+      match=rf"hard_prune_epoch \(5\) must be > pool_start_epoch \+ pool_epochs \+ "
+      rf"finalize_epochs \({start} \+ 1 \+ 1 = {start + 2}\)",
+    ):
+      ct.clicktrain(optax.sgd(0.1), pool_start_epoch=start, **kwargs)
 
 
 # One shared paper-mode run (fixed params, fake gradients, identity inner optimizer so
