@@ -681,7 +681,8 @@ def clicktrain(
       layer_filter: ``fn(path, shape) -> "pattern" | "kernel" | None``;
           default :func:`default_layer_filter`.
       importance_every: run the per-batch importance work every this many
-          steps (1 = every batch, as in the paper).
+          steps (1 = every batch, as in the paper); paper mode: at most the steps of
+          the shorter of the pool and finalization stages.
       balanced_kernels: prune ``ceil(ratio * Cin)`` kernels in every filter instead of
           ranking the whole layer, so every filter keeps the same number of weights: the
           load-balance constraint of the paper's sparse kernels (§5.2); off by default, as
@@ -713,6 +714,15 @@ def clicktrain(
     not isinstance(pool_start_epoch, (int, np.integer)) or pool_start_epoch < 0
   ):
     raise ValueError(f"pool_start_epoch must be None or an int >= 0, got {pool_start_epoch!r}")
+  shortest = min(pool_epochs, finalize_epochs) * steps_per_epoch
+  if mode == "paper" and importance_every > shortest:
+    # A stage of fewer steps than importance_every may hold no importance step: all-zero
+    # scores, and the pool / masks would go by index.
+    stage = "pool_epochs" if pool_epochs <= finalize_epochs else "finalize_epochs"
+    raise ValueError(
+      f"importance_every ({importance_every}) must be <= the shortest importance stage, "
+      f"{stage} * steps_per_epoch = {shortest} steps, or that stage may score no batch"
+    )
   if mode == "paper" and pool_start_epoch is not None:
     # A fixed schedule is known here: masks final at pool_start + pool + finalize, then at
     # least one epoch of regularization (§4.4) before the hard prune. A later hard prune

@@ -130,6 +130,21 @@ def test_run_still_in_warmup_at_the_hard_prune_epoch_warns_once():
   assert int(st.stage) == ct.WARMUP
 
 
+def test_importance_every_longer_than_a_stage_raises():
+  # A 2-epoch finalization of 3 steps each (6 steps) with importance_every=7 may score no
+  # batch at all (all-zero scores: masks by index); 6 scores at least one whatever the phase.
+  kwargs = dict(steps_per_epoch=3, hard_prune_epoch=20, pool_epochs=4, finalize_epochs=2)
+  ct.clicktrain(optax.sgd(0.1), importance_every=6, **kwargs)
+  with pytest.raises(
+    ValueError,
+    match=r"importance_every \(7\) must be <= the shortest importance stage, "
+    r"finalize_epochs \* steps_per_epoch = 6 steps",
+  ):
+    ct.clicktrain(optax.sgd(0.1), importance_every=7, **kwargs)
+  # one_shot mode has no per-batch importance work: no limit.
+  ct.clicktrain(optax.sgd(0.1), mode="one_shot", one_shot_epoch=1, importance_every=7, **kwargs)
+
+
 def test_fixed_schedule_that_misses_the_hard_prune_epoch_raises():
   # Masks final at pool_start + pool + finalize, one epoch of regularization before the hard
   # prune: hard_prune_epoch = 5 needs pool_start_epoch <= 2 (the boundary schedule prunes at
