@@ -22,9 +22,11 @@ The algorithm runs as a stage machine over epochs (ClickTrain Fig. 4), :class:`S
                    is added to the loss (its gradient to the gradient).
  4    PRUNED       hard prune from ``hard_prune_epoch`` on: the emitted update
                    is ``mask * (p + u) - p``, so pruned weights are exactly 0
-                   after every step; gradients are masked before the inner
-                   optimizer so its moments get nothing there (they only
-                   decay from their values at the prune).
+                   after every step, the step entering the stage (the last
+                   of epoch ``hard_prune_epoch - 1``) included: the stage and
+                   the weights always agree. Gradients are masked before the
+                   inner optimizer so its moments get nothing there (they
+                   only decay from their values at the prune).
 ====  ===========  ==========================================================
 
 ``mode="one_shot"`` follows the authors' released code instead: at the first
@@ -657,8 +659,9 @@ def clicktrain(
       inner: the optimizer (e.g. ``optax.sgd(0.1, momentum=0.9)`` chained with
           weight decay); receives the regularized / masked gradient.
       steps_per_epoch: optimizer steps per epoch (converts the epoch settings).
-      hard_prune_epoch: epoch from whose first step the masks are applied
-          (paper Table 1: 90-98 of 190).
+      hard_prune_epoch: epoch whose every step runs on the pruned weights (paper
+          Table 1: 90-98 of 190): the last step of the epoch before it zeroes them and
+          enters the pruned stage.
       mode: ``"paper"`` (DPPG + adaptive finalization) or ``"one_shot"``
           (the authors' released code).
       kernel_prune_ratio: fraction of kernels removed per layer: one float,
@@ -822,9 +825,10 @@ def clicktrain(
       grads, state.inner_state, params, value=value, **extra_args
     )
     u_leaves, u_def = jax.tree.flatten(new_updates)
-    u_leaves = _hard_mask(u_leaves, layers, plan, w_leaves, stage == PRUNED)
-
     new_state = _next_state(cfg, state, clock, stage, moved, layers, inner_state)
+    # The step that enters PRUNED already emits the hard mask: a state (and every read-out
+    # of it) that says "pruned" always comes with weights that are zero where the masks prune.
+    u_leaves = _hard_mask(u_leaves, layers, plan, w_leaves, new_state.stage == PRUNED)
     return jax.tree.unflatten(u_def, u_leaves), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -308,6 +308,37 @@ def test_group_lasso_gradient_matches_autodiff():
   assert float(jnp.abs(penalty_grad["block"]["conv2"]["kernel"]).max()) > 0
 
 
+def test_read_outs_say_pruned_only_once_the_weights_are():
+  # Against the weights themselves: from the step whose state says "pruned" (the last step of
+  # epoch hard_prune_epoch - 1), the weights are zero wherever the masks prune, and
+  # compression() is the weights' own count of total / nonzero conv weights.
+  tx = ct.clicktrain(
+    optax.sgd(0.05, momentum=0.9),
+    steps_per_epoch=2,
+    mode="one_shot",
+    one_shot_epoch=0,
+    hard_prune_epoch=1,
+    kernel_prune_ratio=0.5,
+  )
+  p = _params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  stages = []
+  for i in range(4):
+    u, st = update(_fake_grads(p, i), st, p)
+    p = optax.apply_updates(p, u)
+    stages.append(readouts.stage_name(st))
+    if stages[-1] == "pruned":
+      m = readouts.masks(st, p)
+      for w, keep in zip(jax.tree.leaves(p), jax.tree.leaves(m, is_leaf=lambda x: x is None)):
+        if keep is not None:
+          assert np.all(np.asarray(w)[np.asarray(keep) == 0] == 0.0), i
+      convs = [np.asarray(w) for w in jax.tree.leaves(p) if w.ndim == 4]
+      total, nonzero = sum(w.size for w in convs), sum(np.count_nonzero(w) for w in convs)
+      assert readouts.compression(st, p) == pytest.approx(total / nonzero), i
+  assert stages == ["regularize", "pruned", "pruned", "pruned"]
+
+
 def test_hard_prune_keeps_pruned_weights_exactly_zero():
   spe = 2
   inner = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05, momentum=0.9))
