@@ -285,6 +285,33 @@ def _plan(
   }
 
 
+def _check_layers(plan: _Plan, layers: _Layers, params: PyTree) -> None:
+  """The params' pruned layers are those the state was built for, with the same shapes (a
+  ``ValueError`` naming the first that is not, instead of a bare ``KeyError`` later). A state
+  layer whose param is still there but that the filter no longer chooses (e.g. a PruneTrain
+  reconfiguration left it 3 input channels) is left to the plan, which follows the params."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  w_leaves = [leaf for _, leaf in leaves]
+  for name, layer in plan.items():
+    if name not in layers:
+      raise ValueError(
+        f"params: pruned layer {name!r} is not in the ClickTrain state (built for "
+        f"{sorted(layers)}): params of another structure than tx.init saw"
+      )
+    want, got = layers[name].pattern_mask.shape, np.shape(w_leaves[layer.index])
+    if want != got:
+      raise ValueError(
+        f"params: {name!r} has shape {got}, the ClickTrain state was built for {want}"
+      )
+  paths = {path_string(p) for p, _ in leaves}
+  for name in layers:
+    if name not in paths:
+      raise ValueError(
+        f"params: the ClickTrain state's pruned layer {name!r} is missing from the params "
+        "(params of another structure than tx.init saw)"
+      )
+
+
 def _init_layer(
   leaf: jax.Array, layer: _PrunedLayer, pool_size: int, mode: str
 ) -> ClickTrainLayerState:
@@ -697,7 +724,8 @@ def clicktrain(
       ``params`` and (paper mode) ``value=loss``.
 
   Raises:
-      ValueError: a bad argument (named in the message).
+      ValueError: a bad argument (named in the message); from ``update``, params whose
+          pruned layers (paths or shapes) are not those ``init`` saw (the first one named).
   """
   if mode not in ("paper", "one_shot"):
     raise ValueError(f"mode must be 'paper' or 'one_shot', got {mode!r}")
@@ -810,6 +838,7 @@ def clicktrain(
     plan = _plan(params, layer_filter, kernel_prune_ratio, mode, ratio_by_name, balanced_kernels)
     loss = jnp.asarray(0.0 if value is None else value, jnp.float32)
     w_leaves = jax.tree.leaves(params)
+    _check_layers(plan, state.layers, params)
     g_leaves, g_def = jax.tree.flatten(updates)
     clock = _clock(cfg, state, loss)
     if mode == "paper":

@@ -308,6 +308,26 @@ def test_group_lasso_gradient_matches_autodiff():
   assert float(jnp.abs(penalty_grad["block"]["conv2"]["kernel"]).max()) > 0
 
 
+def test_params_of_another_structure_raise_naming_the_first_stray_or_missing_layer():
+  tx = ct.clicktrain(optax.sgd(0.1, momentum=0.9), steps_per_epoch=1, hard_prune_epoch=3)
+  p = _params()
+  st = tx.init(p)
+  block = dict(p["block"])
+  conv1 = block.pop("conv1")
+  cases = [
+    ({**p, "block": {**block, "conv9": conv1}}, "pruned layer 'block/conv9/kernel' is not in"),
+    ({**p, "block": block}, "pruned layer 'block/conv1/kernel' is missing from the params"),
+    (
+      {**p, "block": {**block, "conv1": {"kernel": jnp.zeros((3, 3, 6, 4))}}},
+      r"'block/conv1/kernel' has shape \(3, 3, 6, 4\), the ClickTrain state was built for "
+      r"\(3, 3, 6, 8\)",
+    ),
+  ]
+  for q, message in cases:
+    with pytest.raises(ValueError, match=message):
+      tx.update(jax.tree.map(jnp.zeros_like, q), st, q, value=jnp.float32(1.0))
+
+
 def test_read_outs_say_pruned_only_once_the_weights_are():
   # Against the weights themselves: from the step whose state says "pruned" (the last step of
   # epoch hard_prune_epoch - 1), the weights are zero wherever the masks prune, and
