@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxprune.paths import path_string
+
 __all__ = [
   "mask_indices",
   "sparse_psum",
@@ -29,7 +31,11 @@ __all__ = [
   "reduced_elements",
   "allreduce_gradients",
   "AllreduceGradientsState",
+  "SCOPE_PREFIX",
 ]
+
+# Each leaf's reduction runs under ``jax.named_scope(f"{SCOPE_PREFIX}[{path}]")``.
+SCOPE_PREFIX = "allreduce"
 
 PyTree = Any
 
@@ -98,18 +104,21 @@ def _check_indices(idx: np.ndarray, size: int) -> None:
 
 
 def _reduce_tree(grads: PyTree, indices: PyTree | None, axis_name, op) -> PyTree:
-  if indices is None:
-    return jax.tree.map(lambda g: op(g, axis_name), grads)
-  g_leaves, treedef = jax.tree.flatten(grads)
-  i_leaves = treedef.flatten_up_to(indices)
+  keyed, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  g_leaves = [g for _, g in keyed]
+  i_leaves = [None] * len(g_leaves) if indices is None else treedef.flatten_up_to(indices)
   for g, idx in zip(g_leaves, i_leaves):
     if idx is not None and int(np.shape(idx)[0]) > int(np.size(g)):
       raise ValueError(f"indices: {np.shape(idx)[0]} indices for a leaf of {np.size(g)} entries")
     if idx is not None and not isinstance(idx, jax.core.Tracer):
       _check_indices(np.asarray(idx), int(np.size(g)))
-  return treedef.unflatten(
-    [_reduce_leaf(g, idx, axis_name, op) for g, idx in zip(g_leaves, i_leaves)]
-  )
+  reduced = []
+  for (key_path, g), idx in zip(keyed, i_leaves):
+    # The scope names the parameter in the compiled program's metadata, so the bytes of
+    # each all-reduce can be traced back to its layer (flops.compiled_allreduces).
+    with jax.named_scope(f"{SCOPE_PREFIX}[{path_string(key_path)}]"):
+      reduced.append(_reduce_leaf(g, idx, axis_name, op))
+  return treedef.unflatten(reduced)
 
 
 def sparse_psum(grads: PyTree, indices: PyTree | None, axis_name: Any) -> PyTree:

@@ -1,9 +1,6 @@
 """Multi-host start-up settings: flags over environment, consistency checks, the no-op path."""
 
 import argparse
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -66,7 +63,7 @@ def test_environment_errors_name_the_variable():
     multihost.settings(None, {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "5"})
 
 
-def test_num_cpu_devices_is_applied_before_jax_starts():
+def test_num_cpu_devices_is_applied_before_jax_starts(run_python):
   script = textwrap.dedent(
     """
     from jaxprune import multihost
@@ -75,15 +72,6 @@ def test_num_cpu_devices_is_applied_before_jax_starts():
     print(jax.local_device_count(), jax.process_count())
     """
   )
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="3")
-  env.pop("XLA_FLAGS", None)
-  out = subprocess.run(
-    [sys.executable, "-c", script],
-    check=False,
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=120,
-  )
+  out = run_python(script, env={"JAX_NUM_CPU_DEVICES": "3"})
   assert out.returncode == 0, out.stderr
   assert out.stdout.split() == ["3", "1"]
