@@ -206,12 +206,14 @@ def initialize(
 
   started = xla_bridge.backends_are_initialized()
   if resolved.num_cpu_devices is not None:
-    if started and jax.config.jax_num_cpu_devices not in (-1, resolved.num_cpu_devices):
-      raise ValueError(
-        f"num_cpu_devices {resolved.num_cpu_devices}: JAX already started with "
-        f"{jax.config.jax_num_cpu_devices} CPU devices"
-      )
-    if not started:
+    if started:
+      have = len(jax.local_devices(backend="cpu"))
+      if have != resolved.num_cpu_devices:
+        raise ValueError(
+          f"num_cpu_devices {resolved.num_cpu_devices}: JAX already started with {have} CPU "
+          "devices (initialize must run before any JAX computation or device query)"
+        )
+    else:
       jax.config.update("jax_num_cpu_devices", resolved.num_cpu_devices)
   if resolved.num_processes == 1:
     return resolved

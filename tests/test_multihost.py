@@ -75,3 +75,12 @@ def test_num_cpu_devices_is_applied_before_jax_starts(run_python):
   out = run_python(script, env={"JAX_NUM_CPU_DEVICES": "3"})
   assert out.returncode == 0, out.stderr
   assert out.stdout.split() == ["3", "1"]
+
+
+def test_num_cpu_devices_after_jax_started_must_match():
+  import jax
+
+  have = len(jax.local_devices(backend="cpu"))
+  assert multihost.initialize({"num_cpu_devices": have}, environ={}).num_cpu_devices == have
+  with pytest.raises(ValueError, match=f"already started with {have} CPU devices"):
+    multihost.initialize({"num_cpu_devices": have + 1}, environ={})
