@@ -15,6 +15,9 @@ reduces that, and scatters it back into a zero-filled gradient.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -32,6 +35,8 @@ __all__ = [
   "allreduce_gradients",
   "AllreduceGradientsState",
   "SCOPE_PREFIX",
+  "per_device_keys",
+  "device_key",
 ]
 
 # Each leaf's reduction runs under ``jax.named_scope(f"{SCOPE_PREFIX}[{path}]")``.
@@ -206,3 +211,36 @@ def allreduce_gradients(
     return op(updates, indices, axis_name), state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+# The mapped axis whose index random layers fold into their keys while a data-parallel step
+# is traced (read synchronously at trace time, as `jax.lax.axis_index` needs the axis bound).
+_KEY_AXIS: contextvars.ContextVar = contextvars.ContextVar("device_key_axis", default=None)
+
+
+@contextlib.contextmanager
+def per_device_keys(axis_name: Any) -> Iterator[None]:
+  """While tracing a mapped step, make :func:`device_key` fold in the device's axis index.
+
+  Data parallelism replicates every random stream, so without this each device would draw
+  the same random numbers for its own shard of the batch. Inside this context a random layer
+  (e.g. SDGP's ``random`` / ``mvue`` data-gradient pruning) uses ``fold_in(key, axis_index)``
+  for its draw, while the key it keeps in its state advances as on one device: the state
+  stays replicated and the draws are reproducible from the seed and the device's position.
+
+  Args:
+    axis_name: the ``shard_map`` / ``pmap`` axis of the data-parallel step.
+  """
+  token = _KEY_AXIS.set(axis_name)
+  try:
+    yield
+  finally:
+    _KEY_AXIS.reset(token)
+
+
+def device_key(key: jax.Array | None) -> jax.Array | None:
+  """``key`` folded with this device's index inside :func:`per_device_keys`, else ``key``."""
+  axis_name = _KEY_AXIS.get()
+  if key is None or axis_name is None:
+    return key
+  return jax.random.fold_in(key, jax.lax.axis_index(axis_name))

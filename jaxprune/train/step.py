@@ -73,6 +73,52 @@ def default_loss(label_smoothing: float = 0.0) -> PerExampleLoss:
   return functools.partial(cross_entropy_per_example, label_smoothing=label_smoothing)
 
 
+def forward_backward(
+  graphdef: nnx.GraphDef,
+  loss_fn: PerExampleLoss,
+  params: Any,
+  rest: Any,
+  images: jax.Array,
+  labels: jax.Array,
+) -> tuple[jax.Array, jax.Array, Any, Any]:
+  """Mean loss over ``images``, logits, the new non-param state and the gradients.
+
+  Shared by the single-device step and the data-parallel one
+  (:mod:`jaxprune.train.data_parallel`), which calls it on each device's shard.
+  """
+
+  def compute_loss(params):
+    model = nnx.merge(graphdef, params, rest)
+    logits = model(images)
+    per_example = loss_fn(logits, labels)
+    _, _, new_rest = nnx.split(model, nnx.Param, ...)
+    return jnp.mean(per_example), (logits, nnx.as_pure(new_rest))
+
+  (loss, (logits, new_rest)), grads = jax.value_and_grad(compute_loss, has_aux=True)(params)
+  return loss, logits, new_rest, grads
+
+
+def apply_optimizer(
+  tx: optax.GradientTransformationExtraArgs, grads: Any, opt_state: Any, params: Any, loss
+) -> tuple[Any, Any]:
+  """``(new_params, new_opt_state)``; as ``nnx.Optimizer.update``, the loss reaches
+  ``GradientTransformationExtraArgs`` as ``value``."""
+  updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def train_sums(loss: jax.Array, logits: jax.Array, labels: jax.Array) -> Metrics:
+  """One batch's contribution to the running :class:`Metrics`."""
+  batch = logits.shape[0]
+  return Metrics(
+    loss * batch, jnp.sum(correct_per_example(logits, labels)), jnp.asarray(batch, jnp.float32)
+  )
+
+
+def add_metrics(metrics: Metrics, sums: Metrics) -> Metrics:
+  return Metrics(*(a + b for a, b in zip(metrics, sums)))
+
+
 def _train_step(
   graphdef: nnx.GraphDef,
   tx: optax.GradientTransformationExtraArgs,
@@ -84,27 +130,37 @@ def _train_step(
   images: jax.Array,
   labels: jax.Array,
 ):
-  def compute_loss(params):
-    model = nnx.merge(graphdef, params, rest)
-    logits = model(images)
-    per_example = loss_fn(logits, labels)
-    _, _, new_rest = nnx.split(model, nnx.Param, ...)
-    return jnp.mean(per_example), (logits, nnx.as_pure(new_rest))
+  loss, logits, new_rest, grads = forward_backward(graphdef, loss_fn, params, rest, images, labels)
+  params, opt_state = apply_optimizer(tx, grads, opt_state, params, loss)
+  return params, new_rest, opt_state, add_metrics(metrics, train_sums(loss, logits, labels))
 
-  (loss, (logits, new_rest)), grads = jax.value_and_grad(compute_loss, has_aux=True)(params)
-  # As nnx.Optimizer.update: the loss reaches GradientTransformationExtraArgs as `value`.
-  updates, opt_state = tx.update(grads, opt_state, params, value=loss)
-  params = optax.apply_updates(params, updates)
-  batch = images.shape[0]
-  metrics = Metrics(
-    metrics.loss_sum + loss * batch,
-    metrics.correct_sum + jnp.sum(correct_per_example(logits, labels)),
-    metrics.count + batch,
+
+def eval_sums(
+  graphdef: nnx.GraphDef,
+  loss_fn: PerExampleLoss,
+  flip_tta: bool,
+  params: Any,
+  rest: Any,
+  images: jax.Array,
+  labels: jax.Array,
+  weights: jax.Array,
+) -> Metrics:
+  """One eval batch's contribution to the running :class:`Metrics` (weight 0 = padding)."""
+  model = nnx.merge(graphdef, params, rest)
+  logits = model(images)
+  if flip_tta:
+    # Test-time augmentation of the SDGP/ffcv recipe: average the logits of the image
+    # and its horizontal mirror (NHWC: width is axis 2).
+    logits = 0.5 * (logits + model(images[:, :, ::-1, :]))
+  per_example = loss_fn(logits, labels)
+  return Metrics(
+    jnp.sum(per_example * weights),
+    jnp.sum(correct_per_example(logits, labels) * weights),
+    jnp.sum(weights),
   )
-  return params, new_rest, opt_state, metrics
 
 
-def _eval_step(
+def eval_step(
   graphdef: nnx.GraphDef,
   loss_fn: PerExampleLoss,
   flip_tta: bool,
@@ -114,19 +170,15 @@ def _eval_step(
   images: jax.Array,
   labels: jax.Array,
   weights: jax.Array,
+  *,
+  axis_name: Any = None,
 ) -> Metrics:
-  model = nnx.merge(graphdef, params, rest)
-  logits = model(images)
-  if flip_tta:
-    # Test-time augmentation of the SDGP/ffcv recipe: average the logits of the image
-    # and its horizontal mirror (NHWC: width is axis 2).
-    logits = 0.5 * (logits + model(images[:, :, ::-1, :]))
-  per_example = loss_fn(logits, labels)
-  return Metrics(
-    metrics.loss_sum + jnp.sum(per_example * weights),
-    metrics.correct_sum + jnp.sum(correct_per_example(logits, labels) * weights),
-    metrics.count + jnp.sum(weights),
-  )
+  """``metrics`` plus the batch's sums; with ``axis_name`` (inside a data-parallel step on
+  one shard of the batch) the sums are added up over that axis."""
+  sums = eval_sums(graphdef, loss_fn, flip_tta, params, rest, images, labels, weights)
+  if axis_name is not None:
+    sums = jax.lax.psum(sums, axis_name)
+  return add_metrics(metrics, sums)
 
 
 @functools.lru_cache(maxsize=32)
@@ -170,7 +222,7 @@ class StepFunctions:
       donate_argnums=(0, 1, 2, 3) if donate else (),
     )
     self.evaluate = jax.jit(
-      functools.partial(_eval_step, eval_graphdef, loss_fn, flip_tta),
+      functools.partial(eval_step, eval_graphdef, loss_fn, flip_tta),
       donate_argnums=(2,) if donate else (),
     )
 
