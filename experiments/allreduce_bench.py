@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import shlex
 import sys
@@ -42,11 +41,11 @@ from experiments._machine import machine_description
 from experiments.clicktrain_table1 import kernel_ratio_fn
 from jaxprune import clicktrain, distributed, flops, masking, models, multihost
 from jaxprune.paths import path_string
+from jaxprune.train import data_parallel
 from jaxprune.train import step as train_step
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAME = "allreduce_bytes"
-_AXIS = "batch"
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -106,35 +105,6 @@ def one_shot_masks(model: nnx.Module, model_name: str, images, labels) -> Any:
   return clicktrain.masks(state, params)
 
 
-def mapped_step(model: nnx.Module, tx: optax.GradientTransformation, mesh: Mesh):
-  """The jitted data-parallel step: the train step of :mod:`jaxprune.train.step` inside a
-  ``shard_map`` (images and labels split over the batch axis, the rest replicated)."""
-  graphdef, _, _, _ = train_step.split_model(model)
-  body = functools.partial(
-    train_step._train_step,
-    graphdef,
-    optax.with_extra_args_support(tx),
-    train_step.default_loss(),
-  )
-  # check_vma=False: with it on, the transpose of the replicated parameters' implicit
-  # broadcast would all-reduce every dense gradient before ``tx`` sees it (the sparse
-  # reduction would then add bytes instead of saving them).
-  mapped = jax.shard_map(
-    body,
-    mesh=mesh,
-    in_specs=(P(), P(), P(), P(), P(_AXIS), P(_AXIS)),
-    out_specs=P(),
-    check_vma=False,
-  )
-  return jax.jit(mapped)
-
-
-def _tx(indices: Any) -> optax.GradientTransformation:
-  return optax.chain(
-    distributed.allreduce_gradients(_AXIS, indices=indices), optax.sgd(0.05, momentum=0.9)
-  )
-
-
 def _time(fn, arguments, steps: int) -> float:
   out = fn(*arguments)
   jax.block_until_ready(out)
@@ -155,18 +125,18 @@ def bench_model(model_name: str, args: argparse.Namespace, mesh: Mesh) -> dict[s
   params = masking.apply_masks(params, masks)
   indices = distributed.mask_indices(masks)
 
-  replicated = NamedSharding(mesh, P())
-  split = NamedSharding(mesh, P(_AXIS))
   variants: dict[str, Any] = {}
   for label, idx in (("dense", None), ("sparse", indices)):
-    tx = _tx(idx)
-    fn = mapped_step(model, tx, mesh)
-    state = (params, rest, tx.init(params), train_step.Metrics.zeros())
-    arguments = jax.device_put(state, replicated) + (
-      jax.device_put(images, split),
-      jax.device_put(labels, split),
+    tx = optax.sgd(0.05, momentum=0.9)
+    # The library's data-parallel step: shard_map over the batch axis, the gradients reduced
+    # by distributed.allreduce_gradients (sparse with ``indices``) before ``tx``.
+    steps = data_parallel.DataParallelSteps(
+      model, tx, train_step.default_loss(), mesh, indices=idx, donate=False
     )
-    compiled = fn.lower(*arguments).compile()
+    state = steps.replicate((params, rest, tx.init(params), train_step.Metrics.zeros()))
+    batch = jax.device_put((images, labels), NamedSharding(mesh, P(data_parallel.BATCH_AXIS)))
+    arguments = (*state, *batch)
+    compiled = steps.train.lower(*arguments).compile()
     variants[label] = {
       "fn": compiled,
       "arguments": arguments,
@@ -310,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   # Emulated CPU devices must be set before JAX starts (experiments.run's --num-cpu-devices
   # does it too); a JAX already started with another count is a ValueError.
   multihost.initialize({"num_cpu_devices": args.devices})
-  mesh = Mesh(np.array(jax.devices("cpu")[: args.devices]), (_AXIS,))
+  mesh = data_parallel.make_mesh(jax.devices("cpu")[: args.devices])
   results = []
   for name in args.models.split(","):
     result = bench_model(name.strip(), args, mesh)
@@ -327,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   command = "python -m experiments.run allreduce_bench " + shlex.join(
     list(sys.argv[2:] if argv is None else argv)
   )
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   (out_dir / f"{NAME}.md").write_text(markdown(results, command, machine_description(), date))
   (out_dir / f"{NAME}.json").write_text(json.dumps(results, indent=1, default=float))
   print(f"wrote {out_dir / NAME}.md")

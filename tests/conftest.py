@@ -133,6 +133,13 @@ def _cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
   return env
 
 
+@pytest.fixture(scope="session")
+def cpu_env():
+  """``cpu_env(extra=None)``: this environment for a CPU-only child process (no forced
+  ``XLA_FLAGS`` device count), plus ``extra``."""
+  return _cpu_env
+
+
 @pytest.fixture
 def run_python():
   """Runs Python source in a fresh CPU-only interpreter: device counts (``jax_num_cpu_devices``)
