@@ -233,6 +233,7 @@ def markdown(results: list[dict[str, Any]], command: str, machine: str, date: st
         f"| `{layer['path']}` | {layer['entries']} | {layer['kept']} | {frac:.3f} | "
         f"{_mb(layer['dense_bytes'])} | {_mb(layer['sparse_bytes'])} | {100 * fewer:.1f}% |"
       )
+    unnamed = r["unnamed_bytes"]
     rest_entries = sum(layer["entries"] for layer in rest)
     rest_dense = sum(layer["dense_bytes"] for layer in rest)
     rest_sparse = sum(layer["sparse_bytes"] for layer in rest)
@@ -241,19 +242,26 @@ def markdown(results: list[dict[str, Any]], command: str, machine: str, date: st
       f"{rest_entries} | 1.000 | {_mb(rest_dense)} | {_mb(rest_sparse)} | "
       f"{100 * (1 - rest_sparse / rest_dense):.1f}% |"
     )
+    lines.append(
+      "| not gradients: BatchNorm running statistics (averaged over the devices), loss, metric "
+      f"sums | | | | {_mb(unnamed['dense'])} | {_mb(unnamed['sparse'])} | |"
+    )
     entries = sum(layer["entries"] for layer in r["layers"])
     kept = sum(layer["kept"] for layer in r["layers"])
     lines += [
       f"| **total** | {entries} | {kept} | {kept / entries:.3f} | **{_mb(dense)}** | "
       f"**{_mb(sparse)}** | **{100 * (1 - sparse / dense):.1f}%** |",
       "",
+      "- Each pruned layer's bytes fall exactly in proportion to its kept entries (bytes "
+      "fewer = 1 − kept fraction): the compiled all-reduce carries the compact vector of kept "
+      "gradient entries and nothing else of that layer.",
       f"- All-reduce instructions in the compiled step: {r['allreduce_ops']['dense']} dense, "
-      f"{r['allreduce_ops']['sparse']} sparse (XLA combines the per-leaf reductions); bytes "
-      f"not attributed to a parameter: {r['unnamed_bytes']['dense']} dense, "
-      f"{r['unnamed_bytes']['sparse']} sparse.",
-      f"- Ring, per device (MB): HLO {_mb(r['hlo_ring_bytes']['dense'])} dense / "
-      f"{_mb(r['hlo_ring_bytes']['sparse'])} sparse; cost model "
-      f"{_mb(r['model_ring_bytes']['dense'])} / {_mb(r['model_ring_bytes']['sparse'])}.",
+      f"{r['allreduce_ops']['sparse']} sparse (XLA's combiner merges the per-leaf reductions "
+      "into one multi-operand all-reduce).",
+      f"- Ring, per device (MB): from the HLO {_mb(r['hlo_ring_bytes']['dense'])} dense / "
+      f"{_mb(r['hlo_ring_bytes']['sparse'])} sparse; cost model (`flops.allreduce_bytes`, "
+      f"gradients only) {_mb(r['model_ring_bytes']['dense'])} / "
+      f"{_mb(r['model_ring_bytes']['sparse'])}. {_model_note(r)}",
       f"- Step time on {r['devices']} CPU devices (median of rounds, global batch "
       f"{_batch(r)}): dense {1e3 * r['step_s']['dense']:.0f} ms, sparse "
       f"{1e3 * r['step_s']['sparse']:.0f} ms, ratio sparse / dense **{r['time_ratio']:.2f}**.",
@@ -269,6 +277,23 @@ def markdown(results: list[dict[str, Any]], command: str, machine: str, date: st
     "",
   ]
   return "\n".join(lines)
+
+
+def _model_note(r: dict[str, Any]) -> str:
+  """How the HLO's gradient bytes compare with the cost model's, and why."""
+  merged = [layer for layer in r["layers"] if layer["dense_bytes"] == 0]
+  named = sum(layer["dense_bytes"] for layer in r["layers"])
+  model = 4 * sum(layer["entries"] for layer in r["layers"])
+  note = "The HLO adds the non-gradient bytes above" + (
+    "; its gradient bytes equal the model's."
+    if named == model
+    else f"; its gradient bytes are {model - named} fewer than the model's: "
+    + ", ".join(f"`{layer['path']}`" for layer in merged)
+    + " have no all-reduce of their own, because their gradient is the same value as "
+    "another leaf's (a projection shortcut's BatchNorm bias and the block's last BatchNorm "
+    "bias both receive the block output's gradient summed) and XLA reduces it once."
+  )
+  return note
 
 
 def _batch(r: dict[str, Any]) -> int:
@@ -299,7 +324,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   )
   date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   (out_dir / f"{NAME}.md").write_text(markdown(results, command, machine_description(), date))
-  (out_dir / f"{NAME}.json").write_text(json.dumps(results, indent=1, default=float))
+  record = {"command": command, "date": date, "machine": machine_description()}
+  (out_dir / f"{NAME}.json").write_text(
+    json.dumps({**record, "results": results}, indent=1, default=float)
+  )
   print(f"wrote {out_dir / NAME}.md")
   return results
 

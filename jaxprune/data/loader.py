@@ -150,7 +150,7 @@ class Loader:
     self._epoch = 0
     self._step = 0
     # Identifies the iteration that owns the position; a new one (or set_epoch / restore)
-    # supersedes the live one (issue: two live iterators advanced one position in turns).
+    # supersedes the live one, so two live iterators never advance one position in turns.
     self._owner = 0
     self._batch_size = 0
     self.batch_size = batch_size
