@@ -38,6 +38,7 @@ _WORKER = textwrap.dedent(
     import optax
     from flax import nnx
     from jaxprune import data, distributed, masking
+    from jaxprune.paths import path_string
     from jaxprune.train import CheckpointStore
     from jaxprune.train import data_parallel as dp
     from jaxprune.train import step as st
@@ -61,7 +62,18 @@ _WORKER = textwrap.dedent(
     assert (loader.process_index, loader.process_count) == (jax.process_index(),
                                                            jax.process_count())
 
-    model = Net(nnx.Rngs(0))
+    # Parameters from NumPy, not JAX's initializers: each initializer is a compile, and the
+    # worker should spend its time on the distributed step.
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Net(nnx.Rngs(0))))
+    init = np.random.default_rng(1)
+    def fill(path, leaf):
+      name = path_string(path).rsplit("/", 1)[-1]
+      if name in ("scale", "var"):
+        return np.ones(leaf.shape, leaf.dtype)
+      if name in ("bias", "mean"):
+        return np.zeros(leaf.shape, leaf.dtype)
+      return (0.3 * init.standard_normal(leaf.shape)).astype(leaf.dtype)
+    model = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, abstract))
     _, _, params, rest = st.split_model(model)
     mesh = dp.make_mesh()
     assert mesh.devices.size == 4
