@@ -26,6 +26,7 @@ _SCRIPT = textwrap.dedent(
     from flax import nnx
     from jaxprune.train import step as st
     from jaxprune.train import data_parallel as dp
+    from jax.sharding import PartitionSpec as P
 
     assert jax.device_count() == 4, jax.devices()
     out = {}
@@ -67,7 +68,7 @@ _SCRIPT = textwrap.dedent(
 
     def dp_step(model, tx, **kw):
       _, _, p, r = st.split_model(model)
-      steps = dp.DataParallelSteps(model, tx, loss_fn, mesh, donate=False, **kw)
+      steps = dp.step_functions(model, tx, loss_fn, mesh, donate=False, **kw)
       state = steps.replicate((p, r, tx.init(p), st.Metrics.zeros()))
       return steps.train(*state, x, y), steps
 
@@ -128,6 +129,125 @@ _SCRIPT = textwrap.dedent(
     pm = pstep(p, r, tx.init(p), st.Metrics.zeros(), x.reshape(4, 4, 8, 8, 1), y.reshape(4, 4))
     compare("pmap", single_step(Net(batchnorm=True, rngs=nnx.Rngs(0)), tx), pm)
 
+    # ----------------------------------------------------------- through the Trainer
+    import tempfile
+    from jaxprune import clicktrain, data, distributed, models, train
+    from jaxprune import prunetrain as pt
+    from jaxprune.sdgp import convert_model
+
+    def loader(n, channels=1, batch=16, shuffle=True, seed=0, classes=4):
+      r = np.random.default_rng(seed)
+      images = r.integers(0, 256, (n, 8, 8, channels), dtype=np.uint8)
+      labels = (images.reshape(n, -1).mean(1) > 127.5).astype(np.int32) + 2 * (
+        images[:, :4].mean((1, 2, 3)) > images[:, 4:].mean((1, 2, 3)))
+      dataset = data.Dataset.from_arrays(images, labels.astype(np.int32), num_classes=classes)
+      return data.Loader(dataset, batch, shuffle=shuffle, seed=seed, drop_last=shuffle)
+
+    def run(build, tx, epochs, mesh, train_loader, test_loader=None, **kw):
+      trainer = train.Trainer(build(), tx, mesh=mesh, progress=False, **kw)
+      trainer.fit(train_loader, test_loader, epochs)
+      return trainer
+
+    keys = ("train_loss", "train_acc", "test_loss", "test_acc")
+    def history_diff(a, b):
+      return max(abs(x[k] - y[k]) for x, y in zip(a.history, b.history) for k in keys if k in x)
+
+    # A few epochs, dense (synchronised BatchNorm), then an exact resume of the 4-device run.
+    bn_net = lambda: Net(batchnorm=True, rngs=nnx.Rngs(1))
+    sgd = train.sgd(0.05, momentum=0.9)
+    one = run(bn_net, sgd, 3, None, loader(64), loader(40, shuffle=False, seed=1))
+    with tempfile.TemporaryDirectory() as folder:
+      four = run(bn_net, sgd, 3, "auto", loader(64), loader(40, shuffle=False, seed=1),
+                 sync_batchnorm=True, checkpoint_dir=folder + "/a")
+      out["epochs"] = {"history": history_diff(one, four),
+                       "params": max_diff(one.params, four.params),
+                       "loss": [r["train_loss"] for r in four.history],
+                       "devices": four.num_devices}
+      first = run(bn_net, sgd, 1, "auto", loader(64), loader(40, shuffle=False, seed=1),
+                  sync_batchnorm=True, checkpoint_dir=folder + "/b")
+      resumed = run(bn_net, sgd, 3, "auto", loader(64), loader(40, shuffle=False, seed=1),
+                    sync_batchnorm=True, checkpoint_dir=folder + "/b")
+      out["resume"] = {"params": max_diff(four.params, resumed.params),
+                       "opt_state": max_diff(four.opt_state, resumed.opt_state),
+                       "history": history_diff(four, resumed)}
+
+    # ClickTrain: one-shot masks at the first step, hard prune from epoch 2 on: the 4-device
+    # run reduces densely in epoch 1, only the kept entries from epoch 2.
+    ct_tx = clicktrain.clicktrain(
+      optax.chain(record_grads(), optax.sgd(0.05, momentum=0.9)), steps_per_epoch=4,
+      hard_prune_epoch=1, mode="one_shot", one_shot_epoch=0, kernel_prune_ratio=0.5)
+    plain_net = lambda: Net(batchnorm=False, rngs=nnx.Rngs(2))
+    one = run(plain_net, ct_tx, 2, None, loader(64))
+    four = run(plain_net, ct_tx, 2, "auto", loader(64))
+    masks = clicktrain.masks(four.opt_state, four.params)
+    idx = four.reduction_indices
+    inner_grads = lambda t: clicktrain.find_state(t.opt_state).inner_state[0]
+    out["clicktrain"] = {
+      "stage": clicktrain.stage_name(four.opt_state),
+      "kept": [int(np.asarray(idx["conv"]["kernel"]).size),
+               int(np.count_nonzero(np.asarray(masks["conv"]["kernel"])))],
+      "size": int(np.size(four.params["conv"]["kernel"])),
+      "dense_leaves_none": idx["head"]["kernel"] is None,
+      "params": max_diff(one.params, four.params),
+      "grads": max_diff(inner_grads(one), inner_grads(four)),
+      "history": history_diff(one, four),
+    }
+
+    # PruneTrain: a weak stem channel dies under the proximal group lasso; the reconfigured
+    # (smaller) state is re-replicated and the step rebuilt once.
+    def weak_resnet():
+      model = models.ResNet(models.prunetrain_resnet_spec(8).scaled(0.5), num_classes=4,
+                            rngs=nnx.Rngs(0))
+      for param, index in [
+        (model.stem.conv.kernel, (..., 3)), (model.stages[0][0].conv2.conv.kernel, (..., 3)),
+        (model.stages[0][0].conv1.conv.kernel, (slice(None), slice(None), 3)),
+        (model.stages[1][0].shortcut.conv.kernel, (slice(None), slice(None), 3)),
+        (model.stages[1][0].conv1.conv.kernel, (slice(None), slice(None), 3))]:
+        param[...] = param[...].at[index].multiply(0.02)
+      return model
+    pt_tx = pt.with_group_lasso(train.sgd(0.1, momentum=0.9), penalty_ratio=0.99, proximal=True)
+    callback = lambda: [pt.PruneTrainCallback(every_epochs=1, threshold=1e-30,
+                                              image_shape=(8, 8, 3), dynamic_batch=False)]
+    one = run(weak_resnet, pt_tx, 2, None, loader(64, channels=3), callbacks=callback())
+    four = run(weak_resnet, pt_tx, 2, "auto", loader(64, channels=3), callbacks=callback(),
+               sync_batchnorm=True)
+    out["prunetrain"] = {
+      "removed": [r.get("pt_channels_removed", 0) for r in four.history],
+      "same_spec": repr(one.model.spec) == repr(four.model.spec),
+      "params": max_diff(one.params, four.params),
+      "history": history_diff(one, four),
+      "replicated": all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == 4
+                        for x in jax.tree.leaves(four.params)),
+      "compiled": four.steps.train._jitted._cache_size(),
+    }
+
+    # SDGP: a deterministic method equals the single-device step; a random one draws per
+    # device (distinct keys), reproducibly, while its stored key advances as on one device.
+    def sdgp_net(method):
+      return lambda: convert_model(Net(batchnorm=False, rngs=nnx.Rngs(3)), n=2, m=4,
+                                   method=method, seed=5)
+    one = run(sdgp_net("magnitude"), sgd, 1, None, loader(32))
+    four = run(sdgp_net("magnitude"), sgd, 1, "auto", loader(32))
+    out["sdgp"] = {"params": max_diff(one.params, four.params), "history": history_diff(one, four)}
+    one = run(sdgp_net("random"), sgd, 1, None, loader(32))
+    four = run(sdgp_net("random"), sgd, 1, "auto", loader(32))
+    again = run(sdgp_net("random"), sgd, 1, "auto", loader(32))
+    keyed = lambda t: [x for x in jax.tree.leaves(t.rest)
+                       if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    def draws(key):
+      with distributed.per_device_keys("batch"):
+        return jax.random.key_data(distributed.device_key(key))[None]
+    per_device = jax.shard_map(draws, mesh=mesh, in_specs=P(), out_specs=P("batch"),
+                               check_vma=False)(jax.random.key(0))
+    out["sdgp_random"] = {
+      "reproducible": max_diff(four.params, again.params),
+      "vs_single": max_diff(one.params, four.params),
+      "state_keys_equal": all(bool(jnp.all(jax.random.key_data(a) == jax.random.key_data(b)))
+                              for a, b in zip(keyed(one), keyed(four))),
+      "num_keys": len(keyed(four)),
+      "distinct_device_keys": len({tuple(np.asarray(k).tolist()) for k in per_device}),
+    }
+
     print("RESULT " + json.dumps(out))
     """
 )
@@ -148,7 +268,7 @@ def results():
     timeout=600,
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+  line = next(out for out in proc.stdout.splitlines() if out.startswith("RESULT "))
   return json.loads(line[len("RESULT ") :])
 
 
@@ -177,3 +297,71 @@ def test_per_device_batchnorm_is_the_mean_of_the_quarters(results):
 def test_indivisible_batch_names_both_numbers(results):
   message = results["indivisible"]
   assert message is not None and "10" in message and "4 devices" in message
+
+
+def test_epochs_on_four_devices_match_one_device(results):
+  got = results["epochs"]
+  assert got["devices"] == 4
+  assert got["history"] < 1e-4 and got["params"] < 1e-4, got
+  assert got["loss"][-1] < got["loss"][0], got  # it trained
+
+
+def test_resume_of_a_data_parallel_run_is_exact(results):
+  got = results["resume"]
+  assert got["params"] == 0.0 and got["opt_state"] == 0.0 and got["history"] < 1e-6, got
+
+
+def test_clicktrain_sparse_reduction_after_the_hard_prune(results):
+  got = results["clicktrain"]
+  assert got["stage"] == "pruned"
+  kept, nonzero = got["kept"]
+  assert kept == nonzero and 0 < kept < got["size"] // 2, got  # 4 of 9 taps, half the kernels
+  assert got["dense_leaves_none"]
+  assert got["params"] < 1e-5 and got["grads"] < 1e-5 and got["history"] < 1e-5, got
+
+
+def test_prunetrain_reconfiguration_under_data_parallelism(results):
+  got = results["prunetrain"]
+  assert got["removed"][0] > 0, got
+  assert got["same_spec"] and got["replicated"] and got["compiled"] == 1, got
+  assert got["params"] < 1e-4 and got["history"] < 1e-4, got
+
+
+def test_sdgp_deterministic_method_matches_single_device(results):
+  got = results["sdgp"]
+  assert got["params"] < 1e-5 and got["history"] < 1e-5, got
+
+
+def test_sdgp_random_keys_differ_per_device_and_are_reproducible(results):
+  got = results["sdgp_random"]
+  assert got["distinct_device_keys"] == 4
+  assert got["reproducible"] == 0.0
+  assert got["vs_single"] > 0.0  # other draws than one device's
+  assert got["num_keys"] > 0 and got["state_keys_equal"], got
+
+
+class _FakeTrainer:
+  """What DynamicBatch reads: the batch, the device count and an affine step memory."""
+
+  def __init__(self, num_devices):
+    self.batch_size, self.num_devices, self.requested = 96, num_devices, None
+
+  def step_memory(self, batch_size, image_shape):
+    del image_shape
+    return {"total": 1000 + 10 * batch_size}
+
+  def set_batch_size(self, batch_size, scale_lr=True):
+    self.requested = batch_size
+
+
+@pytest.mark.parametrize("num_devices", [1, 3])
+def test_dynamic_batch_grows_the_global_batch_in_multiples_of_the_devices(num_devices):
+  from jaxprune.prunetrain.dynamic_batch import DynamicBatch
+
+  policy = DynamicBatch((8, 8, 3), granularity=32)
+  policy.budget_bytes = 1000 + 10 * 300  # batches up to 300 fit
+  trainer = _FakeTrainer(num_devices)
+  grown = policy.grow(trainer)
+  # 1 device: 96 + 6·32 = 288; 3 devices: steps of lcm(32, 3) = 96, so 288 too but via 96s.
+  assert grown == trainer.requested == 288
+  assert grown % num_devices == 0 and (grown - 96) % (32 * num_devices) == 0
