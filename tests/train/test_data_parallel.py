@@ -119,6 +119,32 @@ _SCRIPT = textwrap.dedent(
       "vs_single": max_diff(p4, single_step(Net(batchnorm=True, rngs=nnx.Rngs(0)), sgd)[0]),
     }
 
+    # Dropout: device i draws with fold_in(key, i); the stored key stays, the counter advances.
+    class DropNet(nnx.Module):
+      def __init__(self, rngs):
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(64, 4, rngs=rngs)
+
+      def __call__(self, x):
+        return self.head(self.drop(x.reshape(x.shape[0], -1)))
+
+    model = DropNet(nnx.Rngs(4))
+    tg, _, p, r = st.split_model(model)
+    (p4, r4, _, m4), _ = dp_step(model, sgd)
+    fb = jax.jit(functools.partial(st.forward_backward, tg, loss_fn))
+    is_key = lambda v: jnp.issubdtype(v.dtype, jax.dtypes.prng_key)
+    quarters = [fb(p, jax.tree.map(lambda v: jax.random.fold_in(v, i) if is_key(v) else v, r),
+                   x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]) for i in range(4)]
+    hand_params = jax.tree.map(lambda w, g: w - 0.1 * g, p, mean([q[3] for q in quarters]))
+    count, key = jax.tree.leaves(r4)
+    out["dropout"] = {
+      "loss": abs(m4.summary()["loss"] - float(np.mean([q[0] for q in quarters]))),
+      "params": max_diff(p4, hand_params),
+      "count": int(count),
+      "key_kept": bool(jnp.all(jax.random.key_data(key)
+                               == jax.random.key_data(jax.tree.leaves(r)[1]))),
+    }
+
     # The same per-device body under jax.pmap (batch reshaped to [devices, per_device]).
     model = Net(batchnorm=True, rngs=nnx.Rngs(0))
     tg, _, p, r = st.split_model(model)
@@ -219,6 +245,8 @@ _SCRIPT = textwrap.dedent(
       "replicated": all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == 4
                         for x in jax.tree.leaves(four.params)),
       "compiled": four.steps.train._jitted._cache_size(),
+      # The dynamic mini-batch's probe: one device's memory of the compiled global-batch step.
+      "memory": four.step_memory(32, (8, 8, 3))["total"],
     }
 
     # SDGP: a deterministic method equals the single-device step; a random one draws per
@@ -294,6 +322,12 @@ def test_per_device_batchnorm_is_the_mean_of_the_quarters(results):
   assert got["vs_single"] > 1e-4, got
 
 
+def test_dropout_draws_per_device_and_keeps_its_key(results):
+  got = results["dropout"]
+  assert got["loss"] < 1e-5 and got["params"] < 1e-5, got
+  assert got["count"] == 1 and got["key_kept"], got
+
+
 def test_indivisible_batch_names_both_numbers(results):
   message = results["indivisible"]
   assert message is not None and "10" in message and "4 devices" in message
@@ -324,6 +358,7 @@ def test_prunetrain_reconfiguration_under_data_parallelism(results):
   got = results["prunetrain"]
   assert got["removed"][0] > 0, got
   assert got["same_spec"] and got["replicated"] and got["compiled"] == 1, got
+  assert got["memory"] > 0
   assert got["params"] < 1e-4 and got["history"] < 1e-4, got
 
 
