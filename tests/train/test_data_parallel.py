@@ -203,13 +203,32 @@ _SCRIPT = textwrap.dedent(
       optax.chain(record_grads(), optax.sgd(0.05, momentum=0.9)), steps_per_epoch=4,
       hard_prune_epoch=1, mode="one_shot", one_shot_epoch=0, kernel_prune_ratio=0.5)
     plain_net = lambda: Net(batchnorm=False, rngs=nnx.Rngs(2))
+
+    class Reduction(train.Callback):
+      # Which reduction each step ran: dense (no index arrays) or sparse.
+      every_steps = 1
+
+      def __init__(self):
+        self.sparse, self.steps = [], []
+
+      def on_step(self, trainer, step):
+        self.sparse.append(trainer.reduction_indices is not None)
+        self.steps.append(id(trainer.steps))
+
     one = run(plain_net, ct_tx, 2, None, loader(64))
-    four = run(plain_net, ct_tx, 2, "auto", loader(64))
+    seen = Reduction()
+    with tempfile.TemporaryDirectory() as folder:
+      four = run(plain_net, ct_tx, 2, "auto", loader(64), callbacks=[seen])
+      # Resumed after the hard prune: the index arrays are rebuilt from the restored masks.
+      run(plain_net, ct_tx, 1, "auto", loader(64), checkpoint_dir=folder)
+      resumed = run(plain_net, ct_tx, 2, "auto", loader(64), checkpoint_dir=folder)
     masks = clicktrain.masks(four.opt_state, four.params)
     idx = four.reduction_indices
     inner_grads = lambda t: clicktrain.find_state(t.opt_state).inner_state[0]
     out["clicktrain"] = {
       "stage": clicktrain.stage_name(four.opt_state),
+      "sparse_steps": seen.sparse,
+      "step_objects": len(set(seen.steps)),
       "kept": [int(np.asarray(idx["conv"]["kernel"]).size),
                int(np.count_nonzero(np.asarray(masks["conv"]["kernel"])))],
       "size": int(np.size(four.params["conv"]["kernel"])),
@@ -217,6 +236,8 @@ _SCRIPT = textwrap.dedent(
       "params": max_diff(one.params, four.params),
       "grads": max_diff(inner_grads(one), inner_grads(four)),
       "history": history_diff(one, four),
+      "resumed_indices": resumed.steps.indices_digest == four.steps.indices_digest,
+      "resumed_params": max_diff(four.params, resumed.params),
     }
 
     # PruneTrain: a weak stem channel dies under the proximal group lasso; the reconfigured
@@ -351,6 +372,9 @@ def test_clicktrain_sparse_reduction_after_the_hard_prune(results):
   kept, nonzero = got["kept"]
   assert kept == nonzero and 0 < kept < got["size"] // 2, got  # 4 of 9 taps, half the kernels
   assert got["dense_leaves_none"]
+  # Dense in epoch 1 (before the hard prune), sparse from epoch 2 on; one rebuild.
+  assert got["sparse_steps"] == [False] * 4 + [True] * 4 and got["step_objects"] == 2, got
+  assert got["resumed_indices"] and got["resumed_params"] == 0.0, got
   assert got["params"] < 1e-5 and got["grads"] < 1e-5 and got["history"] < 1e-5, got
 
 
