@@ -70,6 +70,7 @@ __all__ = [
   "indices_digest",
   "make_mesh",
   "resolve_mesh",
+  "step_functions",
   "rng_key_leaves",
   "train_graphdef",
 ]
@@ -249,9 +250,10 @@ class _GlobalBatchStep:
       return x
     x = np.asarray(x)
     if x.shape[0] % self._local_devices:
+      where = " on this process" if jax.process_count() > 1 else ""
       raise ValueError(
         f"batch size {x.shape[0]} is not divisible by the {self._local_devices} devices it "
-        f"is split over (mesh axis {BATCH_AXIS!r}{' on this process' if jax.process_count() > 1 else ''})"
+        f"is split over (mesh axis {BATCH_AXIS!r}{where})"
       )
     return jax.make_array_from_process_local_data(self._sharding, x)
 
@@ -267,18 +269,22 @@ class DataParallelSteps:
   compiled step is a ``jax.jit`` of a ``jax.shard_map`` of :func:`data_parallel_train_step`
   / :func:`jaxprune.train.step.eval_step` (with ``axis_name``).
 
+  Build it with :func:`step_functions` (cached: the same structure, optimizer, loss, mesh
+  and index arrays reuse the compiled executables, e.g. a resumed run in the same process).
+
   Args:
-    model: the model (its structure: graphdefs, random streams).
+    train_graphdef: train-mode graphdef (:func:`train_graphdef`).
+    eval_graphdef: eval-mode graphdef.
     tx: the optimizer.
     loss_fn: per-example loss.
     mesh: a mesh with a ``"batch"`` axis.
-    sync_batchnorm: synchronised BatchNorm statistics (see the module docstring).
+    rng_keys: :func:`rng_key_leaves` of the model.
     flip_tta: flip test-time augmentation in eval.
     donate: donate the states to the step.
     indices: reduction index arrays (:func:`jaxprune.distributed.mask_indices`) or ``None``.
 
   Example:
-    >>> steps = DataParallelSteps(model, tx, loss_fn, make_mesh())  # doctest: +SKIP
+    >>> steps = step_functions(model, tx, loss_fn, make_mesh())  # doctest: +SKIP
     >>> params, rest, opt_state, metrics = steps.replicate((params, rest, opt_state,
     ...                                                     Metrics.zeros()))  # doctest: +SKIP
     >>> params, rest, opt_state, metrics = steps.train(params, rest, opt_state, metrics,
@@ -287,12 +293,13 @@ class DataParallelSteps:
 
   def __init__(
     self,
-    model: nnx.Module,
+    train_graphdef: nnx.GraphDef,
+    eval_graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
     loss_fn: PerExampleLoss,
     mesh: Mesh,
     *,
-    sync_batchnorm: bool = False,
+    rng_keys: tuple[bool, ...] = (),
     flip_tta: bool = False,
     donate: bool = True,
     indices: Any = None,
@@ -309,10 +316,7 @@ class DataParallelSteps:
     self.batch_multiple = int(local)
 
     tx = optax.with_extra_args_support(tx)
-    train_gd = train_graphdef(model, BATCH_AXIS if sync_batchnorm else None)
-    model.eval()
-    eval_gd = nnx.graphdef(model)
-    model.train()
+    train_gd, eval_gd = train_graphdef, eval_graphdef
     train_body = functools.partial(
       data_parallel_train_step,
       train_gd,
@@ -320,7 +324,7 @@ class DataParallelSteps:
       loss_fn,
       BATCH_AXIS,
       indices=indices,
-      rng_keys=rng_key_leaves(model),
+      rng_keys=rng_keys,
     )
     eval_body = functools.partial(eval_step, eval_gd, loss_fn, flip_tta, axis_name=BATCH_AXIS)
     rep, sharded = P(), P(BATCH_AXIS)
@@ -365,3 +369,72 @@ class DataParallelSteps:
   def replicate(self, tree: Any) -> Any:
     """``tree`` placed on every device of the mesh (the same value on each)."""
     return jax.device_put(tree, self.replicated)
+
+
+class _Indices:
+  """Index arrays hashed by content, so :func:`step_functions` can cache on them."""
+
+  def __init__(self, tree: Any):
+    self.tree, self.digest = tree, indices_digest(tree)
+
+  def __hash__(self) -> int:
+    return hash(self.digest)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Indices) and other.digest == self.digest
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_steps(train_gd, eval_gd, tx, loss_fn, mesh, rng_keys, flip_tta, donate, indices):
+  return DataParallelSteps(
+    train_gd,
+    eval_gd,
+    tx,
+    loss_fn,
+    mesh,
+    rng_keys=rng_keys,
+    flip_tta=flip_tta,
+    donate=donate,
+    indices=indices.tree,
+  )
+
+
+def step_functions(
+  model: nnx.Module,
+  tx: optax.GradientTransformation,
+  loss_fn: PerExampleLoss,
+  mesh: Mesh | str,
+  *,
+  sync_batchnorm: bool = False,
+  flip_tta: bool = False,
+  donate: bool = True,
+  indices: Any = None,
+) -> DataParallelSteps:
+  """Cached :class:`DataParallelSteps` for ``model``'s structure (left in train mode).
+
+  Args:
+    model: the model (its structure: graphdefs, random streams).
+    tx: the optimizer.
+    loss_fn: per-example loss.
+    mesh: a mesh with a ``"batch"`` axis, or ``"auto"`` (:func:`make_mesh`).
+    sync_batchnorm: synchronised BatchNorm statistics (see the module docstring).
+    flip_tta: flip test-time augmentation in eval.
+    donate: donate the states to the step.
+    indices: reduction index arrays (:func:`jaxprune.distributed.mask_indices` of final
+      masks) or ``None`` for the dense reduction.
+  """
+  train_gd = train_graphdef(model, BATCH_AXIS if sync_batchnorm else None)
+  model.eval()
+  eval_gd = nnx.graphdef(model)
+  model.train()
+  return _cached_steps(
+    train_gd,
+    eval_gd,
+    tx,
+    loss_fn,
+    resolve_mesh(mesh),
+    rng_key_leaves(model),
+    flip_tta,
+    donate,
+    _Indices(indices),
+  )
