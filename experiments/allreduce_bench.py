@@ -130,7 +130,7 @@ def bench_model(model_name: str, args: argparse.Namespace, mesh: Mesh) -> dict[s
     tx = optax.sgd(0.05, momentum=0.9)
     # The library's data-parallel step: shard_map over the batch axis, the gradients reduced
     # by distributed.allreduce_gradients (sparse with ``indices``) before ``tx``.
-    steps = data_parallel.DataParallelSteps(
+    steps = data_parallel.step_functions(
       model, tx, train_step.default_loss(), mesh, indices=idx, donate=False
     )
     state = steps.replicate((params, rest, tx.init(params), train_step.Metrics.zeros()))

@@ -2,9 +2,10 @@
 
 Each worker starts through :func:`jaxprune.multihost.initialize` from the command-line flags,
 loads its shard of every global batch with :class:`jaxprune.data.Loader` (process index and
-count from JAX), trains a few data-parallel steps (:class:`jaxprune.train.DataParallelSteps`
+count from JAX), trains a few data-parallel steps (:func:`jaxprune.train.data_parallel.step_functions`
 over every device of every process, ClickTrain-style sparse reduction from the second half
-on), writes and restores an orbax checkpoint from every process, and saves what it saw. The
+on), writes an orbax checkpoint from every process, runs ``Trainer.fit`` with ``mesh="auto"``
+and resumes it, and saves what it saw. The
 same script with one process and 4 devices is the reference: the same global batches on the
 same 4 device shards, so loss and parameters must agree to float tolerance (only the
 all-reduce's transport differs).
@@ -39,7 +40,7 @@ _WORKER = textwrap.dedent(
     from flax import nnx
     from jaxprune import data, distributed, masking
     from jaxprune.paths import path_string
-    from jaxprune.train import CheckpointStore
+    from jaxprune.train import CheckpointStore, Trainer
     from jaxprune.train import data_parallel as dp
     from jaxprune.train import step as st
 
@@ -57,23 +58,29 @@ _WORKER = textwrap.dedent(
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (96, 8, 8, 1), dtype=np.uint8)
     labels = rng.integers(0, 4, 96)
-    loader = data.Loader(data.Dataset.from_arrays(images, labels, num_classes=4), 16, seed=3,
-                         augment="none", prefetch=0)
+    dataset = data.Dataset.from_arrays(images, labels, num_classes=4)
+    def new_loader():
+      return data.Loader(dataset, 16, seed=3, augment="none", prefetch=0)
+    loader = new_loader()
     assert (loader.process_index, loader.process_count) == (jax.process_index(),
                                                            jax.process_count())
 
     # Parameters from NumPy, not JAX's initializers: each initializer is a compile, and the
     # worker should spend its time on the distributed step.
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Net(nnx.Rngs(0))))
-    init = np.random.default_rng(1)
-    def fill(path, leaf):
-      name = path_string(path).rsplit("/", 1)[-1]
-      if name in ("scale", "var"):
-        return np.ones(leaf.shape, leaf.dtype)
-      if name in ("bias", "mean"):
-        return np.zeros(leaf.shape, leaf.dtype)
-      return (0.3 * init.standard_normal(leaf.shape)).astype(leaf.dtype)
-    model = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, abstract))
+
+    def build():
+      init = np.random.default_rng(1)
+      def fill(path, leaf):
+        name = path_string(path).rsplit("/", 1)[-1]
+        if name in ("scale", "var"):
+          return np.ones(leaf.shape, leaf.dtype)
+        if name in ("bias", "mean"):
+          return np.zeros(leaf.shape, leaf.dtype)
+        return (0.3 * init.standard_normal(leaf.shape)).astype(leaf.dtype)
+      return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, abstract))
+
+    model = build()
     _, _, params, rest = st.split_model(model)
     mesh = dp.make_mesh()
     assert mesh.devices.size == 4
@@ -85,9 +92,9 @@ _WORKER = textwrap.dedent(
     # Pruned weights stay zero (their momentum from the dense steps is masked away).
     tx = optax.chain(optax.sgd(0.1, momentum=0.9), masking.mask(masks))
     steps_for = {
-      "dense": dp.DataParallelSteps(model, tx, st.default_loss(), mesh),
-      "sparse": dp.DataParallelSteps(model, tx, st.default_loss(), mesh,
-                                     indices=distributed.mask_indices(masks)),
+      "dense": dp.step_functions(model, tx, st.default_loss(), mesh),
+      "sparse": dp.step_functions(model, tx, st.default_loss(), mesh,
+                                  indices=distributed.mask_indices(masks)),
     }
     def local(tree):
       # Replicated over every process's devices: this process's own copy.
@@ -122,7 +129,24 @@ _WORKER = textwrap.dedent(
         4, {"params": params, "opt_state": tx.init(params)})
       save("restored", local(restored["params"]))
       restored_loader = meta["loader"]
+
+    # The Trainer over every process's devices: two epochs, a checkpoint after each ...
+    plain_sgd = optax.sgd(0.1, momentum=0.9)  # one object: the resumed run reuses the step
+
+    def trainer():
+      return Trainer(build(), plain_sgd, mesh="auto", progress=False,
+                     checkpoint_dir=args.out + f"/trainer_ckpt_{jax.process_count()}")
+    history = trainer().fit(new_loader(), epochs=2)
+    # ... and a fresh Trainer resuming from them for a third epoch.
+    try:
+      resumed = trainer()
+      resumed.fit(new_loader(), epochs=3)
+      save("resumed", local(resumed.params))
+      resume_error = None
+    except Exception as err:  # recorded; both processes still finish
+      resume_error = f"{type(err).__name__}: {err}"[:800]
     result = {
+      "fit_losses": [h["train_loss"] for h in history], "resume_error": resume_error,
       "process": jax.process_index(), "count": jax.process_count(), "losses": losses,
       "seen": seen, "saved_loader": loader.state(), "restored_loader": restored_loader,
       "pruned_zero": bool(np.all(final["conv"]["kernel"][~mask] == 0)),
@@ -240,3 +264,31 @@ def test_orbax_checkpoint_written_by_two_processes_restores_exactly(runs):
   assert restored.keys() == written.keys()
   for name in written:
     np.testing.assert_array_equal(restored[name], written[name], err_msg=name)
+
+
+def test_trainer_on_two_processes_fits_like_one_process(runs):
+  pair, single = runs
+  (reference,) = _results(single, 1)
+  first, second = _results(pair, 2)
+  np.testing.assert_allclose(first["fit_losses"], reference["fit_losses"], rtol=1e-5)
+  assert first["fit_losses"] == second["fit_losses"]
+  assert len(reference["fit_losses"]) == 2 and reference["resume_error"] is None
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="multi-host resume: CheckpointStore.restore reads into "
+  "SingleDeviceSharding(jax.devices()[0]), which process 1 cannot address (it reports the "
+  "checkpoint as damaged), and process 0 then cannot replicate that array across hosts",
+)
+def test_trainer_on_two_processes_resumes_like_one_process(runs):
+  pair, single = runs
+  first, second = _results(pair, 2)
+  assert first["resume_error"] is None and second["resume_error"] is None, (
+    first["resume_error"],
+    second["resume_error"],
+  )
+  want = _params(single / "resumed_0.npz")
+  got = _params(pair / "resumed_0.npz")
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
