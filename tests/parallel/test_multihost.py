@@ -98,7 +98,8 @@ _WORKER = textwrap.dedent(
     }
     def local(tree):
       # Replicated over every process's devices: this process's own copy.
-      return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
+      return jax.tree.map(
+        lambda a: np.asarray(a.addressable_data(0) if isinstance(a, jax.Array) else a), tree)
 
     state = steps_for["dense"].replicate((params, rest, tx.init(params), st.Metrics.zeros()))
     losses, seen = [], []
