@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["ENVIRONMENT", "Settings", "add_arguments", "initialize", "settings"]
+__all__ = ["ENVIRONMENT", "Settings", "add_arguments", "backends_started", "initialize", "settings"]
 
 ENVIRONMENT = {
   "coordinator_address": "JAX_COORDINATOR_ADDRESS",
@@ -88,6 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help=f"{meaning} (env {ENVIRONMENT[name]})",
     )
   return parser
+
+
+def backends_started() -> bool:
+  """Whether JAX's backends (devices) already started in this process: from then on
+  :func:`initialize` can no longer start ``jax.distributed`` or change the CPU device count."""
+  from jax._src import xla_bridge  # JAX exposes this nowhere public
+
+  return xla_bridge.backends_are_initialized()
 
 
 def _int(value: Any, what: str, source: str) -> int:
@@ -202,9 +210,7 @@ def initialize(
   resolved = settings(args, environ)
   if resolved.num_processes == 1 and resolved.num_cpu_devices is None:
     return resolved
-  from jax._src import xla_bridge  # the only place JAX says whether its backends started
-
-  started = xla_bridge.backends_are_initialized()
+  started = backends_started()
   if resolved.num_cpu_devices is not None:
     if started:
       have = len(jax.local_devices(backend="cpu"))

@@ -28,9 +28,10 @@ def _jax_process() -> tuple[int, int]:
   must not start JAX's backends before :func:`jax.distributed.initialize` could run.
   """
   import jax
-  from jax._src import xla_bridge
 
-  if jax.distributed.is_initialized() or xla_bridge.backends_are_initialized():
+  from jaxprune.multihost import backends_started
+
+  if jax.distributed.is_initialized() or backends_started():
     return jax.process_index(), jax.process_count()
   return 0, 1
 
