@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import nm_math
+from jaxprune.distributed import device_key
 from jaxprune.models.conversions import record_conversion, replace_submodule
 from jaxprune.models.layers import conv_sharing_variables
 from jaxprune.sdgp.prune import BACKENDS, nm_prune
@@ -291,13 +292,16 @@ def next_layer_key(key_variable: SDGPKey | None) -> Array | None:
   """This call's key of an SDGP layer (``None`` for the deterministic methods).
 
   Splits the layer's :class:`SDGPKey` and advances it: a fresh key per call (= per layer and
-  step), so SDGP draws new masks every iteration.
+  step), so SDGP draws new masks every iteration. Inside a data-parallel step
+  (:func:`jaxprune.distributed.per_device_keys`) the returned key also folds in the device's
+  index, so each device prunes its shard's gradient with its own draw, while the stored key
+  advances as on one device.
   """
   if key_variable is None:
     return None
   state_key, key = jax.random.split(key_variable[...])
   key_variable[...] = state_key
-  return key
+  return device_key(key)
 
 
 class SDGPKey(nnx.Variable):
