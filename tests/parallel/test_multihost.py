@@ -276,12 +276,6 @@ def test_trainer_on_two_processes_fits_like_one_process(runs):
   assert len(reference["fit_losses"]) == 2 and reference["resume_error"] is None
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="multi-host resume: CheckpointStore.restore reads into "
-  "SingleDeviceSharding(jax.devices()[0]), which process 1 cannot address (it reports the "
-  "checkpoint as damaged), and process 0 then cannot replicate that array across hosts",
-)
 def test_trainer_on_two_processes_resumes_like_one_process(runs):
   pair, single = runs
   first, second = _results(pair, 2)
