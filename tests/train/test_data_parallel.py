@@ -13,7 +13,13 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import numpy as np
+import optax
 import pytest
+
+from jaxprune import train
+from jaxprune.prunetrain.dynamic_batch import DynamicBatch
 
 _SCRIPT = textwrap.dedent(
   r"""
@@ -409,8 +415,6 @@ class _FakeTrainer:
 
 @pytest.mark.parametrize("num_devices", [1, 3])
 def test_dynamic_batch_grows_the_global_batch_in_multiples_of_the_devices(num_devices):
-  from jaxprune.prunetrain.dynamic_batch import DynamicBatch
-
   policy = DynamicBatch((8, 8, 3), granularity=32)
   policy.budget_bytes = 1000 + 10 * 300  # batches up to 300 fit
   trainer = _FakeTrainer(num_devices)
@@ -418,3 +422,18 @@ def test_dynamic_batch_grows_the_global_batch_in_multiples_of_the_devices(num_de
   # 1 device: 96 + 6·32 = 288; 3 devices: steps of lcm(32, 3) = 96, so 288 too but via 96s.
   assert grown == trainer.requested == 288
   assert grown % num_devices == 0 and (grown - 96) % (32 * num_devices) == 0
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    ({"mesh": "gpu"}, "mesh must be None, 'auto' or a jax.sharding.Mesh"),
+    ({"mesh": "no-batch-axis"}, "axis named 'batch'"),
+    ({"sync_batchnorm": True}, "sync_batchnorm=True needs a mesh"),
+  ],
+)
+def test_bad_data_parallel_arguments_raise(tiny_cnn, kwargs, match):
+  if kwargs.get("mesh") == "no-batch-axis":
+    kwargs = {"mesh": jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))}
+  with pytest.raises(ValueError, match=match):
+    train.Trainer(tiny_cnn(), optax.sgd(0.1), progress=False, **kwargs)
