@@ -25,7 +25,7 @@ _SCRIPT = textwrap.dedent(
   r"""
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
-    import functools, json
+    import dataclasses, functools, json
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -239,23 +239,24 @@ _SCRIPT = textwrap.dedent(
       "resumed_params": max_diff(four.params, resumed.params),
     }
 
-    # PruneTrain: a weak stem channel dies under the proximal group lasso; the reconfigured
-    # (smaller) state is re-replicated and the step rebuilt once.
+    # PruneTrain: on a one-stage ResNet-8, the stream channel 3 starts weak where it is written
+    # (stem, block conv2) and read (block conv1, head) and dies under the proximal group
+    # lasso in epoch 1; the reconfigured (smaller) state is re-replicated, the step rebuilt once.
     def weak_resnet():
-      model = models.ResNet(models.prunetrain_resnet_spec(8).scaled(0.5), num_classes=4,
-                            rngs=nnx.Rngs(0))
-      for param, index in [
-        (model.stem.conv.kernel, (..., 3)), (model.stages[0][0].conv2.conv.kernel, (..., 3)),
-        (model.stages[0][0].conv1.conv.kernel, (slice(None), slice(None), 3)),
-        (model.stages[1][0].shortcut.conv.kernel, (slice(None), slice(None), 3)),
-        (model.stages[1][0].conv1.conv.kernel, (slice(None), slice(None), 3))]:
+      spec = models.prunetrain_resnet_spec(8).scaled(0.5)
+      spec = dataclasses.replace(spec, stages=spec.stages[:1])
+      model = models.ResNet(spec, num_classes=4, rngs=nnx.Rngs(0))
+      block = model.stages[0][0]
+      for param, index in [(model.stem.conv.kernel, (..., 3)), (block.conv2.conv.kernel, (..., 3)),
+                           (block.conv1.conv.kernel, (slice(None), slice(None), 3)),
+                           (model.head.kernel, (3,))]:
         param[...] = param[...].at[index].multiply(0.02)
       return model
-    pt_tx = pt.with_group_lasso(train.sgd(0.1, momentum=0.9), penalty_ratio=0.99, proximal=True)
+    pt_tx = pt.with_group_lasso(train.sgd(0.1, momentum=0.9), penalty_ratio=0.9, proximal=True)
     callback = lambda: [pt.PruneTrainCallback(every_epochs=1, threshold=1e-30,
                                               image_shape=(8, 8, 3), dynamic_batch=False)]
-    one = run(weak_resnet, pt_tx, 2, None, loader(64, channels=3), callbacks=callback())
-    four = run(weak_resnet, pt_tx, 2, "auto", loader(64, channels=3), callbacks=callback(),
+    one = run(weak_resnet, pt_tx, 2, None, loader(128, channels=3), callbacks=callback())
+    four = run(weak_resnet, pt_tx, 2, "auto", loader(128, channels=3), callbacks=callback(),
                sync_batchnorm=True)
     out["prunetrain"] = {
       "removed": [r.get("pt_channels_removed", 0) for r in four.history],
@@ -380,7 +381,7 @@ def test_clicktrain_sparse_reduction_after_the_hard_prune(results):
 
 def test_prunetrain_reconfiguration_under_data_parallelism(results):
   got = results["prunetrain"]
-  assert got["removed"][0] > 0, got
+  assert got["removed"] == [2, 0], got  # the weak channel in its two writers
   assert got["same_spec"] and got["replicated"] and got["compiled"] == 1, got
 
   assert got["params"] < 1e-4 and got["history"] < 1e-4, got
