@@ -188,6 +188,11 @@ _SCRIPT = textwrap.dedent(
                        "devices": four.num_devices,
                        # The dynamic mini-batch's probe: one device's memory of the step.
                        "memory": four.step_memory(32, (8, 8, 1))["total"]}
+      try:
+        four.set_batch_size(18)
+        out["epochs"]["set_batch_size"] = None
+      except ValueError as e:
+        out["epochs"]["set_batch_size"] = str(e)
       first = run(bn_net, sgd, 1, "auto", loader(64), loader(40, shuffle=False, seed=1),
                   sync_batchnorm=True, checkpoint_dir=folder + "/b")
       resumed = run(bn_net, sgd, 3, "auto", loader(64), loader(40, shuffle=False, seed=1),
@@ -358,6 +363,7 @@ def test_indivisible_batch_names_both_numbers(results):
 def test_epochs_on_four_devices_match_one_device(results):
   got = results["epochs"]
   assert got["devices"] == 4 and got["memory"] > 0
+  assert "batch_size 18" in got["set_batch_size"] and "4 devices" in got["set_batch_size"]
   assert got["history"] < 1e-4 and got["params"] < 1e-4, got
   assert got["loss"][-1] < got["loss"][0], got  # it trained
 
