@@ -244,6 +244,22 @@ _SCRIPT = textwrap.dedent(
       "resumed_params": max_diff(four.params, resumed.params),
     }
 
+    # What the compiled steps all-reduce: the conv kernel whole before the hard prune, only
+    # its kept entries (one compact vector) after it.
+    def reduced_shapes(steps):
+      batch = (jax.ShapeDtypeStruct((16, 8, 8, 1), jnp.float32),
+               jax.ShapeDtypeStruct((16,), jnp.int32))
+      hlo = steps.train.lower(four.params, four.rest, four.opt_state,
+                              steps.replicate(st.Metrics.zeros()), *batch).compile().as_text()
+      return " ".join(line for line in hlo.splitlines() if "all-reduce(" in line)
+    dense = reduced_shapes(dp.step_functions(plain_net(), ct_tx, four.loss_fn, four.mesh))
+    sparse = reduced_shapes(four.steps)
+    kept = out["clicktrain"]["kept"][0]
+    out["clicktrain"]["hlo"] = {"dense_whole": "f32[3,3,8,8]" in dense,
+                                "dense_compact": f"f32[{kept}]" in dense,
+                                "sparse_whole": "f32[3,3,8,8]" in sparse,
+                                "sparse_compact": f"f32[{kept}]" in sparse}
+
     # PruneTrain: on a one-stage ResNet-8, the stream channel 3 starts weak where it is written
     # (stem, block conv2) and read (block conv1, head) and dies under the proximal group
     # lasso in epoch 1; the reconfigured (smaller) state is re-replicated, the step rebuilt once.
@@ -382,6 +398,12 @@ def test_clicktrain_sparse_reduction_after_the_hard_prune(results):
   # Dense in epoch 1 (before the hard prune), sparse from epoch 2 on; one rebuild.
   assert got["sparse_steps"] == [False] * 4 + [True] * 4 and got["step_objects"] == 2, got
   assert got["resumed_indices"] and got["resumed_params"] == 0.0, got
+  assert got["hlo"] == {
+    "dense_whole": True,
+    "dense_compact": False,
+    "sparse_whole": False,
+    "sparse_compact": True,
+  }, got
   assert got["params"] < 1e-5 and got["grads"] < 1e-5 and got["history"] < 1e-5, got
 
 
