@@ -367,8 +367,24 @@ class DataParallelSteps:
     )
 
   def replicate(self, tree: Any) -> Any:
-    """``tree`` placed on every device of the mesh (the same value on each)."""
-    return jax.device_put(tree, self.replicated)
+    """``tree`` placed on every device of the mesh (the same value on each).
+
+    On several processes every process must hold the same values (the same seed, the same
+    checkpoint); each leaf becomes a global array from its process-local copy.
+    """
+    if self.replicated.is_fully_addressable:
+      return jax.device_put(tree, self.replicated)
+    return jax.tree.map(self._replicate_leaf, tree)
+
+  def _replicate_leaf(self, x: Any) -> jax.Array:
+    if isinstance(x, jax.Array) and x.sharding == self.replicated:
+      return x
+    if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+      data = jax.make_array_from_process_local_data(
+        self.replicated, np.asarray(jax.random.key_data(x))
+      )
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.make_array_from_process_local_data(self.replicated, np.asarray(x))
 
 
 class _Indices:

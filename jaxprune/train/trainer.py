@@ -211,7 +211,7 @@ class Trainer:
     >>> trainer = Trainer(model, sgd(0.1, 0.9, weight_decay=5e-4), label_smoothing=0.1)  # doctest: +SKIP
     >>> history = trainer.fit(train_loader, test_loader, epochs=10)  # doctest: +SKIP
 
-    Data parallel over every local device, batch 512 split evenly::
+    Data parallel over every device (each loader batch split evenly over them)::
 
     >>> trainer = Trainer(model, tx, mesh="auto")  # doctest: +SKIP
     >>> trainer.num_devices  # doctest: +SKIP
@@ -270,7 +270,6 @@ class Trainer:
     if sync_batchnorm and self.mesh is None:
       raise ValueError("sync_batchnorm=True needs a mesh (data parallelism)")
     self.sync_batchnorm = bool(sync_batchnorm)
-    self._reduction_digest: str | None = None  # masks the data-parallel step reduces over
     # Round-trip through JSON so the comparison on resume sees what the checkpoint stores
     # (tuples become lists); unserialisable values fail here, not at the first save.
     try:
@@ -315,7 +314,6 @@ class Trainer:
       donate=self.donate,
       indices=indices,
     )
-    self._reduction_digest = self._steps.indices_digest
     self._replicate()
 
   def _replicate(self) -> None:
@@ -331,7 +329,7 @@ class Trainer:
     rebuilt (and recompiled) only when they change."""
     masks = masking.find_masks(self.opt_state, self.params)
     indices = distributed.mask_indices(masks) if masks is not None else None
-    if data_parallel.indices_digest(indices) != self._reduction_digest:
+    if data_parallel.indices_digest(indices) != self._steps.indices_digest:
       self._set_model(self.model, self.opt_state, indices)
 
   @property

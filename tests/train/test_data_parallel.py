@@ -13,13 +13,19 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import numpy as np
+import optax
 import pytest
+
+from jaxprune import train
+from jaxprune.prunetrain.dynamic_batch import DynamicBatch
 
 _SCRIPT = textwrap.dedent(
   r"""
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
-    import functools, json
+    import dataclasses, functools, json
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -182,6 +188,11 @@ _SCRIPT = textwrap.dedent(
                        "devices": four.num_devices,
                        # The dynamic mini-batch's probe: one device's memory of the step.
                        "memory": four.step_memory(32, (8, 8, 1))["total"]}
+      try:
+        four.set_batch_size(18)
+        out["epochs"]["set_batch_size"] = None
+      except ValueError as e:
+        out["epochs"]["set_batch_size"] = str(e)
       first = run(bn_net, sgd, 1, "auto", loader(64), loader(40, shuffle=False, seed=1),
                   sync_batchnorm=True, checkpoint_dir=folder + "/b")
       resumed = run(bn_net, sgd, 3, "auto", loader(64), loader(40, shuffle=False, seed=1),
@@ -233,23 +244,40 @@ _SCRIPT = textwrap.dedent(
       "resumed_params": max_diff(four.params, resumed.params),
     }
 
-    # PruneTrain: a weak stem channel dies under the proximal group lasso; the reconfigured
-    # (smaller) state is re-replicated and the step rebuilt once.
+    # What the compiled steps all-reduce: the conv kernel whole before the hard prune, only
+    # its kept entries (one compact vector) after it.
+    def reduced_shapes(steps):
+      batch = (jax.ShapeDtypeStruct((16, 8, 8, 1), jnp.float32),
+               jax.ShapeDtypeStruct((16,), jnp.int32))
+      hlo = steps.train.lower(four.params, four.rest, four.opt_state,
+                              steps.replicate(st.Metrics.zeros()), *batch).compile().as_text()
+      return " ".join(line for line in hlo.splitlines() if "all-reduce(" in line)
+    dense = reduced_shapes(dp.step_functions(plain_net(), ct_tx, four.loss_fn, four.mesh))
+    sparse = reduced_shapes(four.steps)
+    kept = out["clicktrain"]["kept"][0]
+    out["clicktrain"]["hlo"] = {"dense_whole": "f32[3,3,8,8]" in dense,
+                                "dense_compact": f"f32[{kept}]" in dense,
+                                "sparse_whole": "f32[3,3,8,8]" in sparse,
+                                "sparse_compact": f"f32[{kept}]" in sparse}
+
+    # PruneTrain: on a one-stage ResNet-8, the stream channel 3 starts weak where it is written
+    # (stem, block conv2) and read (block conv1, head) and dies under the proximal group
+    # lasso in epoch 1; the reconfigured (smaller) state is re-replicated, the step rebuilt once.
     def weak_resnet():
-      model = models.ResNet(models.prunetrain_resnet_spec(8).scaled(0.5), num_classes=4,
-                            rngs=nnx.Rngs(0))
-      for param, index in [
-        (model.stem.conv.kernel, (..., 3)), (model.stages[0][0].conv2.conv.kernel, (..., 3)),
-        (model.stages[0][0].conv1.conv.kernel, (slice(None), slice(None), 3)),
-        (model.stages[1][0].shortcut.conv.kernel, (slice(None), slice(None), 3)),
-        (model.stages[1][0].conv1.conv.kernel, (slice(None), slice(None), 3))]:
+      spec = models.prunetrain_resnet_spec(8).scaled(0.5)
+      spec = dataclasses.replace(spec, stages=spec.stages[:1])
+      model = models.ResNet(spec, num_classes=4, rngs=nnx.Rngs(0))
+      block = model.stages[0][0]
+      for param, index in [(model.stem.conv.kernel, (..., 3)), (block.conv2.conv.kernel, (..., 3)),
+                           (block.conv1.conv.kernel, (slice(None), slice(None), 3)),
+                           (model.head.kernel, (3,))]:
         param[...] = param[...].at[index].multiply(0.02)
       return model
-    pt_tx = pt.with_group_lasso(train.sgd(0.1, momentum=0.9), penalty_ratio=0.99, proximal=True)
+    pt_tx = pt.with_group_lasso(train.sgd(0.1, momentum=0.9), penalty_ratio=0.9, proximal=True)
     callback = lambda: [pt.PruneTrainCallback(every_epochs=1, threshold=1e-30,
                                               image_shape=(8, 8, 3), dynamic_batch=False)]
-    one = run(weak_resnet, pt_tx, 2, None, loader(64, channels=3), callbacks=callback())
-    four = run(weak_resnet, pt_tx, 2, "auto", loader(64, channels=3), callbacks=callback(),
+    one = run(weak_resnet, pt_tx, 2, None, loader(128, channels=3), callbacks=callback())
+    four = run(weak_resnet, pt_tx, 2, "auto", loader(128, channels=3), callbacks=callback(),
                sync_batchnorm=True)
     out["prunetrain"] = {
       "removed": [r.get("pt_channels_removed", 0) for r in four.history],
@@ -351,6 +379,7 @@ def test_indivisible_batch_names_both_numbers(results):
 def test_epochs_on_four_devices_match_one_device(results):
   got = results["epochs"]
   assert got["devices"] == 4 and got["memory"] > 0
+  assert "batch_size 18" in got["set_batch_size"] and "4 devices" in got["set_batch_size"]
   assert got["history"] < 1e-4 and got["params"] < 1e-4, got
   assert got["loss"][-1] < got["loss"][0], got  # it trained
 
@@ -369,12 +398,18 @@ def test_clicktrain_sparse_reduction_after_the_hard_prune(results):
   # Dense in epoch 1 (before the hard prune), sparse from epoch 2 on; one rebuild.
   assert got["sparse_steps"] == [False] * 4 + [True] * 4 and got["step_objects"] == 2, got
   assert got["resumed_indices"] and got["resumed_params"] == 0.0, got
+  assert got["hlo"] == {
+    "dense_whole": True,
+    "dense_compact": False,
+    "sparse_whole": False,
+    "sparse_compact": True,
+  }, got
   assert got["params"] < 1e-5 and got["grads"] < 1e-5 and got["history"] < 1e-5, got
 
 
 def test_prunetrain_reconfiguration_under_data_parallelism(results):
   got = results["prunetrain"]
-  assert got["removed"][0] > 0, got
+  assert got["removed"] == [2, 0], got  # the weak channel in its two writers
   assert got["same_spec"] and got["replicated"] and got["compiled"] == 1, got
 
   assert got["params"] < 1e-4 and got["history"] < 1e-4, got
@@ -409,8 +444,6 @@ class _FakeTrainer:
 
 @pytest.mark.parametrize("num_devices", [1, 3])
 def test_dynamic_batch_grows_the_global_batch_in_multiples_of_the_devices(num_devices):
-  from jaxprune.prunetrain.dynamic_batch import DynamicBatch
-
   policy = DynamicBatch((8, 8, 3), granularity=32)
   policy.budget_bytes = 1000 + 10 * 300  # batches up to 300 fit
   trainer = _FakeTrainer(num_devices)
@@ -418,3 +451,18 @@ def test_dynamic_batch_grows_the_global_batch_in_multiples_of_the_devices(num_de
   # 1 device: 96 + 6·32 = 288; 3 devices: steps of lcm(32, 3) = 96, so 288 too but via 96s.
   assert grown == trainer.requested == 288
   assert grown % num_devices == 0 and (grown - 96) % (32 * num_devices) == 0
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    ({"mesh": "gpu"}, "mesh must be None, 'auto' or a jax.sharding.Mesh"),
+    ({"mesh": "no-batch-axis"}, "axis named 'batch'"),
+    ({"sync_batchnorm": True}, "sync_batchnorm=True needs a mesh"),
+  ],
+)
+def test_bad_data_parallel_arguments_raise(tiny_cnn, kwargs, match):
+  if kwargs.get("mesh") == "no-batch-axis":
+    kwargs = {"mesh": jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))}
+  with pytest.raises(ValueError, match=match):
+    train.Trainer(tiny_cnn(), optax.sgd(0.1), progress=False, **kwargs)
