@@ -205,9 +205,13 @@ def data_parallel_train_step(
     loss, logits, new_rest, grads = forward_backward(
       graphdef, loss_fn, params, _fold_keys(rest, rng_keys, axis_name), images, labels
     )
-  sums = jax.lax.psum(train_sums(loss, logits, labels), axis_name)
   # Equal shards: the global mean loss / gradient is the mean of the shards' means.
   global_loss = jax.lax.pmean(loss, axis_name)
+  # One decision per step, from the global loss: a NaN on one device is a non-finite step
+  # (its averaged gradient is NaN too), counted once, not once per device.
+  finite = jnp.isfinite(global_loss)
+  sums = jax.lax.psum(train_sums(loss, logits, labels, finite), axis_name)
+  sums = sums._replace(nonfinite=(~finite).astype(jnp.float32))
   reduce = distributed.allreduce_gradients(axis_name, indices=indices)
   grads, _ = reduce.update(grads, reduce.init(params))
   new_rest = _average_floats(_restore_keys(new_rest, rest, rng_keys), axis_name)
