@@ -30,6 +30,7 @@ __all__ = [
   "conv_kernel_init",
   "conv_sharing_variables",
   "global_avg_pool",
+  "kaiming_uniform_relu_init",
   "normal_init",
   "torch_default_init",
 ]
@@ -73,6 +74,14 @@ def torch_default_init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) 
   """PyTorch's default Conv2d/Linear weight init (``kaiming_uniform_(a=sqrt(5))``):
   U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
   return (_unit_samples(key, shape, "uniform") / math.sqrt(_fans(shape)[0])).astype(dtype)
+
+
+def kaiming_uniform_relu_init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
+  """He et al. (2015) uniform init with fan_in and the ReLU gain √2: U(-b, b) with
+  b = √2 · √3 / √fan_in = √(6 / fan_in), i.e. PyTorch's ``kaiming_uniform_(w,
+  nonlinearity="relu")``. For an HWIO kernel fan_in = kh·kw·(in / groups)."""
+  bound = math.sqrt(6.0 / _fans(shape)[0])
+  return (_unit_samples(key, shape, "uniform") * bound).astype(dtype)
 
 
 def normal_init(std: float) -> nnx.Initializer:
