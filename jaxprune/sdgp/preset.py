@@ -20,10 +20,10 @@ from pallas_kernels import nm_math
 __all__ = ["PAPER_MODELS", "method", "paper_method", "paper_model"]
 
 # The networks of the released configs: the 2x-wide ffcv ResNet-9 on CIFAR-10 and torchvision's
-# ResNet-50 on ImageNet.
+# ResNet-50 with BlurPool (``use_blurpool: 1`` in every ImageNet config) on ImageNet.
 PAPER_MODELS = {
   "cifar10": ("sdgp-resnet9", {}),
-  "imagenet": ("imagenet-resnet50", {}),
+  "imagenet": ("imagenet-resnet50", {"blurpool": True}),
 }
 
 
@@ -133,6 +133,10 @@ def paper_method(
 
 def paper_model(dataset: str, *, num_classes: int, rngs: nnx.Rngs, **overrides) -> nnx.Module:
   """The released configs' network for ``dataset`` (:data:`PAPER_MODELS`), unconverted.
+
+  On ImageNet that is ``imagenet-resnet50`` with ``blurpool=True``: a binomial blur before
+  every strided conv but the stem, where the released ``apply_blurpool`` puts it (strided
+  convs with at least 16 input channels), applied before SDGP's conversion as there.
 
   Args:
     dataset: ``"cifar10"`` or ``"imagenet"``.
