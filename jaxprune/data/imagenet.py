@@ -17,9 +17,11 @@ Why ``grain``, and which of it: its ``DataLoader`` runs the JPEG decoding and au
 worker processes (JPEG decoding holds the GIL, so threads do not scale) and batches there, which
 is what we need from it. Its ``IndexSampler`` sharding is not used: in grain 0.2.18 a record
 count not divisible by the number of shards loses records (10 records over 3 shards yield 9),
-so an epoch would not cover the data. The order, the shards and every record's random draws
-are made here instead, from ``(seed, epoch)``: each record carries its own seed, so a batch does
-not depend on the number of workers, and resuming at a step reproduces the rest of the epoch.
+so an epoch would not cover the data. The order, the shards, the batches and every record's
+random draws are made here instead, from ``(seed, epoch)``: grain's records are whole batches
+(one transfer per batch; per-image transfers cost more than decoding), and each image carries
+its own seed, so a batch does not depend on the number of workers, and resuming at a step
+reproduces the rest of the epoch.
 
 Example:
   >>> from jaxprune.data.imagenet import ImageNetLoader
@@ -33,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -190,37 +191,44 @@ def _decode(path: str) -> Image.Image:
     return image.convert("RGB")
 
 
-class _Decode(grain.transforms.Map):
-  """The per-record work of a worker: decode, crop (random with the record's own seed)."""
+class _DecodeBatch(grain.transforms.Map):
+  """A worker's work: decode and crop every record of one batch (random crops from each
+  record's own seed), stacked. Whole batches cross the process boundary: per-image transfers
+  cost more than the decoding."""
 
   def __init__(self, train: bool, size: int, crop_ratio: float):
     self.train, self.size, self.crop_ratio = train, size, crop_ratio
 
-  def map(self, record: tuple[str, int, int]) -> tuple[np.ndarray, np.int32]:
-    path, label, seed = record
-    image = _decode(path)
-    if self.train:
-      view = random_resized_crop(image, self.size, np.random.default_rng(seed))
-    else:
-      view = center_crop(image, self.size, self.crop_ratio)
-    return view, np.int32(label)
+  def map(self, batch: tuple[list[str], np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    paths, labels, seeds = batch
+    views = []
+    for path, seed in zip(paths, seeds):
+      image = _decode(path)
+      if self.train:
+        views.append(random_resized_crop(image, self.size, np.random.default_rng(int(seed))))
+      else:
+        views.append(center_crop(image, self.size, self.crop_ratio))
+    return np.stack(views), labels
 
 
 @dataclasses.dataclass(frozen=True)
-class _Records:
-  """A grain random-access source: one process's records of one epoch, from ``start``."""
+class _Batches:
+  """A grain random-access source whose element ``i`` is batch ``i`` (paths, labels, seeds)
+  of one process's epoch: batch composition is fixed here, whatever the number of workers."""
 
   paths: tuple[str, ...]
   labels: np.ndarray
   order: np.ndarray  # record indices of this process's shard, in epoch order
   seeds: np.ndarray  # one augmentation seed per entry of ``order``
+  batch_size: int
 
   def __len__(self) -> int:
-    return len(self.order)
+    return -(-len(self.order) // self.batch_size)
 
-  def __getitem__(self, i: int) -> tuple[str, int, int]:
-    j = int(self.order[i])
-    return self.paths[j], int(self.labels[j]), int(self.seeds[i])
+  def __getitem__(self, i: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+    rows = self.order[i * self.batch_size : (i + 1) * self.batch_size]
+    seeds = self.seeds[i * self.batch_size : (i + 1) * self.batch_size]
+    return [self.paths[j] for j in rows], self.labels[rows], seeds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,42 +363,37 @@ class ImageNetLoader:
       raise ValueError(f"step must be <= {len(self)} batches per epoch, got {step}")
     self.epoch, self.step = epoch, step
 
-  def _records(self, epoch: int, start: int) -> _Records:
+  def _batches(self, epoch: int, start_step: int) -> _Batches:
     order = self.shard(epoch)
     if self.drop_last:
       order = order[: len(self) * self.batch_size]
     # One seed per (seed, epoch, process, position): independent of workers and of resuming.
     base = np.random.default_rng([self.seed, epoch, 1, self.process_index])
     seeds = base.integers(0, 2**63 - 1, size=len(order), dtype=np.int64)
-    return _Records(self.folder.paths, self.folder.labels, order[start:], seeds[start:])
+    start = start_step * self.batch_size
+    return _Batches(
+      self.folder.paths, self.folder.labels, order[start:], seeds[start:], self.batch_size
+    )
 
   def iter_epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The batches of ``epoch`` from ``start_step`` on (does not move :attr:`epoch`)."""
-    records = self._records(epoch, start_step * self.batch_size)
-    if len(records) == 0:
+    batches = self._batches(epoch, start_step)
+    if len(batches) == 0:
       return
     if self.num_workers and not flags.FLAGS.is_parsed():
       # grain's worker processes read absl flags (their defaults here); outside an absl app
       # nothing parses them, and reading unparsed flags raises.
       flags.FLAGS.mark_as_parsed()
     loader = grain.DataLoader(
-      data_source=records,
+      data_source=batches,
       sampler=grain.samplers.IndexSampler(
-        len(records), shard_options=grain.sharding.NoSharding(), shuffle=False, num_epochs=1
+        len(batches), shard_options=grain.sharding.NoSharding(), shuffle=False, num_epochs=1
       ),
-      # Records are batched here, not in the workers: a worker batches only the records it
-      # decoded (every num_workers-th), so worker-side batches would depend on num_workers.
-      operations=[_Decode(self.train, self.image_size, self.crop_ratio)],
+      operations=[_DecodeBatch(self.train, self.image_size, self.crop_ratio)],
       worker_count=self.num_workers,
-      worker_buffer_size=self.prefetch * self.batch_size,
+      worker_buffer_size=self.prefetch,
     )
-    elements = iter(loader)
-    while True:
-      chunk = list(itertools.islice(elements, self.batch_size))
-      if not chunk or (self.drop_last and len(chunk) < self.batch_size):
-        return
-      images = np.stack([image for image, _ in chunk])
-      labels = np.fromiter((label for _, label in chunk), np.int32, len(chunk))
+    for images, labels in loader:  # in batch order: grain reads its workers round-robin
       yield (images.astype(np.float32) / np.float32(255.0) - self.mean) / self.std, labels
 
   def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
