@@ -7,15 +7,15 @@ The layout is ``<root>/train/<wnid>/*.JPEG`` and ``<root>/val/<wnid>/*.JPEG`` (t
 set sorted into class folders). Class ``i`` is the ``i``-th training folder name in sorted order;
 files are listed sorted, so the record order is a pure function of the folder.
 
-Training images get the torchvision recipe every ImageNet row of the papers used: a random
+Training images get the standard recipe (torchvision's, and ffcv's in SDGP's code): a random
 resized crop (area 8–100 % of the image, aspect ratio 3/4–4/3, ten tries then a centre crop)
 resized to ``image_size``, then a horizontal flip with probability 1/2. Evaluation resizes the
 shorter side to ``image_size / crop_ratio`` (256 for 224) and takes the centre
 ``image_size`` square. Both finish with ``(x / 255 - mean) / std`` (ImageNet statistics).
 
 Why ``grain``, and which of it: its ``DataLoader`` runs the JPEG decoding and augmentation in
-worker processes (JPEG decoding holds the GIL, so threads do not scale) and batches there, which
-is what we need from it. Its ``IndexSampler`` sharding is not used: in grain 0.2.18 a record
+worker processes (JPEG decoding holds the GIL, so threads do not scale), which is what we need
+from it. Its ``IndexSampler`` sharding is not used: in grain 0.2.18 a record
 count not divisible by the number of shards loses records (10 records over 3 shards yield 9),
 so an epoch would not cover the data. The order, the shards, the batches and every record's
 random draws are made here instead, from ``(seed, epoch)``: grain's records are whole batches
@@ -267,7 +267,10 @@ class ImageNetLoader:
     shuffle, drop_last: default ``True`` for ``"train"``, ``False`` for ``"val"``.
     process_index, process_count: this process and the number of processes
       (``jax.process_index()``, ``jax.process_count()`` in a multi-host run).
-    num_workers: decoding processes (0: decode in this process).
+    num_workers: decoding processes (0: decode in this process). Each is spawned anew every
+      epoch and imports jaxprune (seconds), and each batch is copied once between processes:
+      they pay where cores are free (on a busy 2-core machine 0 was fastest, see
+      ``experiments/results/imagenet_loader_throughput.md``).
     prefetch: batches each worker keeps ready.
     mean, std: per-channel normalisation in [0, 1] units (ImageNet's by default).
 
@@ -321,10 +324,10 @@ class ImageNetLoader:
     self.shuffle = train if shuffle is None else bool(shuffle)
     self.drop_last = train if drop_last is None else bool(drop_last)
     self.train = train
-    self.mean = np.asarray(mean, np.float32).reshape(1, 1, 1, 3)
-    self.std = np.asarray(std, np.float32).reshape(1, 1, 1, 3)
-    if self.mean.size != 3 or self.std.size != 3 or (self.std <= 0).any():
-      raise ValueError(f"mean and std need 3 entries, std > 0; got {mean} and {std}")
+    mean_array, std_array = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+    if mean_array.shape != (3,) or std_array.shape != (3,) or (std_array <= 0).any():
+      raise ValueError(f"mean and std need 3 entries each, std > 0; got {mean} and {std}")
+    self.mean, self.std = mean_array.reshape(1, 1, 1, 3), std_array.reshape(1, 1, 1, 3)
     self.epoch = 0
     self.step = 0
 

@@ -175,6 +175,7 @@ def test_bad_arguments(folder, tmp_path):
     ({"seed": -1}, "seed"),
     ({"crop_ratio": 0.0}, "crop_ratio"),
     ({"image_size": True}, "image_size"),
+    ({"std": (0.2, 0.2)}, "mean and std"),
   ):
     with pytest.raises(ValueError, match=f"^{name}"):
       make(**kwargs)
