@@ -37,9 +37,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import cloudpickle
 import grain
 import numpy as np
 from absl import flags
@@ -383,10 +385,15 @@ class ImageNetLoader:
     batches = self._batches(epoch, start_step)
     if len(batches) == 0:
       return
-    if self.num_workers and not flags.FLAGS.is_parsed():
-      # grain's worker processes read absl flags (their defaults here); outside an absl app
-      # nothing parses them, and reading unparsed flags raises.
-      flags.FLAGS.mark_as_parsed()
+    if self.num_workers:
+      if not flags.FLAGS.is_parsed():
+        # grain's worker processes read absl flags (their defaults here); outside an absl app
+        # nothing parses them, and reading unparsed flags raises.
+        flags.FLAGS.mark_as_parsed()
+      # grain ships the work to spawned workers with cloudpickle; by value, this module's
+      # classes and functions arrive without the worker importing jaxprune (and with it JAX),
+      # which took most of a worker's start.
+      cloudpickle.register_pickle_by_value(sys.modules[__name__])
     loader = grain.DataLoader(
       data_source=batches,
       sampler=grain.samplers.IndexSampler(
