@@ -157,7 +157,7 @@ def _write(path: Path, result: dict) -> None:
     f"{result['image_size']} x {result['image_size']} float32 normalised. `train`: random "
     "resized crop + flip; `val`: resize + centre crop. `workers` = grain worker processes "
     "(0: decoded in the consuming process). The first batch includes starting the workers "
-    "(spawned processes that import jaxprune).",
+    "(spawned processes that import grain, and JAX with it).",
     "",
     "| split | workers | images/s (epoch) | images/s (after the first batch) | first batch (s) |",
     "|---|---:|---:|---:|---:|",

@@ -270,8 +270,8 @@ class ImageNetLoader:
     process_index, process_count: this process and the number of processes
       (``jax.process_index()``, ``jax.process_count()`` in a multi-host run).
     num_workers: decoding processes (0: decode in this process). Each is spawned anew every
-      epoch and imports jaxprune (seconds), and each batch is copied once between processes:
-      they pay where cores are free (on a busy 2-core machine 0 was fastest, see
+      epoch and imports grain, and JAX with it (seconds), and each batch is copied once between
+      processes: they pay where cores are free (on a busy 2-core machine 0 was fastest, see
       ``experiments/results/imagenet_loader_throughput.md``).
     prefetch: batches each worker keeps ready.
     mean, std: per-channel normalisation in [0, 1] units (ImageNet's by default).
