@@ -8,17 +8,15 @@ consuming process). The consumer does nothing with the batches.
 
     python -m experiments.run bench_imagenet_loader [--images 2000] [--workers 0,1,2] [--publish]
 
-Writes to ``experiments/results/scratch/`` unless ``--publish`` (then
-``experiments/results/imagenet_loader_throughput.md``).
+Writes ``runs/benchmarks/imagenet_loader_throughput.md`` (scratch, git-ignored) unless
+``--publish`` (then ``experiments/results/benchmarks/``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -27,10 +25,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from experiments import _tables
 from experiments._machine import cpu_description
 from jaxprune.data.imagenet import ImageNetLoader
 
-RESULTS = Path(__file__).resolve().parent / "results"
 NAME = "imagenet_loader_throughput"
 
 
@@ -83,9 +81,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--batch-size", type=int, default=64)
   parser.add_argument("--image-size", type=int, default=224)
   parser.add_argument("--folder", default=None, help="reuse / keep the generated folder here")
-  parser.add_argument(
-    "--publish", action="store_true", help=f"write experiments/results/{NAME}.md (default: scratch)"
-  )
+  _tables.add_publish_argument(parser, "benchmarks/")
   args = parser.parse_args(argv)
   if args.images < 10:
     parser.error("--images must be at least 10")
@@ -118,13 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
           flush=True,
         )
     num_images = {s: len(ImageNetLoader(root, s, batch_size=1)) for s in ("train", "val")}
-  command = "python -m experiments.run bench_imagenet_loader " + shlex.join(
-    argv if argv is not None else sys.argv[1:]
-  )
   result = {
-    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    "date": _tables.utc_now(),
     "machine": cpu_description(),
-    "command": command.strip(),
+    "command": _tables.command_line("bench_imagenet_loader", argv),
     "num_images": num_images,
     "folder_mb": round(size_mb, 1),
     "generate_s": round(generate_s, 1),
@@ -134,9 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
     "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     "rows": rows,
   }
-  out = RESULTS if args.publish else RESULTS / "scratch"
-  _write(out / f"{NAME}.md", result)
-  print(f"wrote {out / NAME}.md")
+  out = _tables.output_dir("benchmarks", args.publish) / f"{NAME}.md"
+  _write(out, result)
+  print(f"wrote {out}")
   return result
 
 

@@ -272,7 +272,7 @@ class ImageNetLoader:
     num_workers: decoding processes (0: decode in this process). Each is spawned anew every
       epoch and imports grain, and JAX with it (seconds), and each batch is copied once between
       processes: they pay where cores are free (on a busy 2-core machine 0 was fastest, see
-      ``experiments/results/imagenet_loader_throughput.md``).
+      ``experiments/results/benchmarks/imagenet_loader_throughput.md``).
     prefetch: batches each worker keeps ready.
     mean, std: per-channel normalisation in [0, 1] units (ImageNet's by default).
 

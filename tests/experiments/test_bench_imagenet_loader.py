@@ -4,11 +4,13 @@ import json
 
 from PIL import Image
 
+from experiments import _tables
 from experiments import bench_imagenet_loader as bench
 
 
 def test_bench_times_each_split_and_writes_scratch_unless_published(tmp_path, monkeypatch):
-  monkeypatch.setattr(bench, "RESULTS", tmp_path / "results")
+  monkeypatch.setattr(_tables, "RESULTS", tmp_path / "results")
+  monkeypatch.setattr(_tables, "SCRATCH", tmp_path / "runs")
   folder = tmp_path / "folder"
   argv = ["--images", "12", "--workers", "0", "--batch-size", "4", "--image-size", "16"]
   result = bench.main([*argv, "--folder", str(folder)])
@@ -22,12 +24,12 @@ def test_bench_times_each_split_and_writes_scratch_unless_published(tmp_path, mo
     ("train", 0, 12),  # drop_last: 3 whole batches
     ("val", 0, 10),  # every image, last batch short
   ]
-  page = tmp_path / "results" / "scratch" / f"{bench.NAME}.md"
+  page = tmp_path / "runs" / "benchmarks" / f"{bench.NAME}.md"
   assert (
     "| train | 0 |" in page.read_text()
     and "Command: `python -m experiments.run" in page.read_text()
   )
   assert json.loads(page.with_suffix(".json").read_text())["rows"] == result["rows"]
-  assert not (tmp_path / "results" / f"{bench.NAME}.md").exists()
+  assert not (tmp_path / "results").exists()
   bench.main([*argv, "--folder", str(folder), "--workers", "0", "--publish"])
-  assert (tmp_path / "results" / f"{bench.NAME}.md").exists()
+  assert (tmp_path / "results" / "benchmarks" / f"{bench.NAME}.md").exists()
