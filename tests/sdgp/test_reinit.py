@@ -1,5 +1,6 @@
 """SDGP's released-code re-initialisation of converted convs, and the paper preset."""
 
+import functools
 import math
 
 import jax
@@ -8,15 +9,18 @@ import pytest
 from flax import nnx
 
 from jaxprune import sdgp
+from jaxprune.models.layers import torch_default_init
 
 
 class _Net(nnx.Module):
   """A stem (3 inputs: never converted), a wide conv and a grouped conv with bias."""
 
   def __init__(self, rngs):
-    self.stem = nnx.Conv(3, 32, (3, 3), use_bias=False, rngs=rngs)
-    self.wide = nnx.Conv(32, 64, (3, 3), use_bias=False, rngs=rngs)
-    self.grouped = nnx.Conv(64, 32, (3, 3), feature_group_count=4, rngs=rngs)
+    # torch_default_init draws from the one sampler the re-initialisation also compiles.
+    conv = functools.partial(nnx.Conv, kernel_size=(3, 3), kernel_init=torch_default_init)
+    self.stem = conv(3, 32, use_bias=False, rngs=rngs)
+    self.wide = conv(32, 64, use_bias=False, rngs=rngs)
+    self.grouped = conv(64, 32, feature_group_count=4, rngs=rngs)
     self.grouped.bias[...] = jax.numpy.ones(32)
 
   def __call__(self, x):
