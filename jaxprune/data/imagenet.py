@@ -41,11 +41,17 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import cloudpickle
-import grain
 import numpy as np
-from absl import flags
 from PIL import Image
+
+try:
+  import cloudpickle
+  import grain
+  from absl import flags
+except ImportError as error:  # the optional extra is missing: say which one
+  raise ImportError(
+    f"jaxprune.data.imagenet needs grain ({error}): pip install 'jaxprune[imagenet]'"
+  ) from error
 
 __all__ = [
   "IMAGENET_MEAN",
