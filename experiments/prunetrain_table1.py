@@ -122,6 +122,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     help="install a reconfiguration only when it saves at least this fraction of the "
     "inference FLOPs (each one recompiles the step); 0 = the paper's behaviour",
   )
+  parser.add_argument(
+    "--recompute-batchnorm",
+    type=int,
+    default=0,
+    metavar="N",
+    help="re-estimate BatchNorm statistics from N training batches before each evaluation and "
+    "after each installed reconfiguration (PruneTrainCallback); 0 = off, the paper's behaviour",
+  )
   parser.add_argument("--skip-dense", action="store_true", help="run PruneTrain only")
   parser.add_argument(
     "--reuse-dense",
@@ -252,6 +260,7 @@ def _build(args: argparse.Namespace, method: str, train_set, test_set, log_dir: 
       "dynamic_batch": not args.no_dynamic_batch,
       "max_batch_size": len(train_set),
       "min_flops_saving": args.min_flops_saving,
+      "recompute_batchnorm": args.recompute_batchnorm,
     }
   run = methods.Run.from_loader(train_loader, epochs=args.epochs)
   chosen = methods.get(method, **config)
@@ -550,6 +559,12 @@ def _write(stem: Path, args: argparse.Namespace, runs: dict[str, Any], command: 
       f", a reconfiguration installed only when it saves ≥ {100 * args.min_flops_saving:.0f}% "
       "of the inference FLOPs (not the paper's)"
       if args.min_flops_saving
+      else ""
+    )
+    + (
+      f", BatchNorm statistics re-estimated from {args.recompute_batchnorm} training batches "
+      "before each evaluation and after each installed reconfiguration (not the paper's)"
+      if args.recompute_batchnorm
       else ""
     )
     + ".",

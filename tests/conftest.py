@@ -108,8 +108,8 @@ def digits_loader():
 @pytest.fixture
 def one_shot_clicktrain():
   """Builder of the ClickTrain transform the masking tests share: one-shot masks from the first
-  batch, hard prune from epoch 1 on (2 steps per epoch: the state says "pruned" at the end of
-  epoch 1, the weights are masked from step 2 on)."""
+  batch, hard prune from epoch 1 on (2 steps per epoch: the state says "pruned" and the weights
+  are masked from the end of epoch 1 on)."""
 
   def build():
     return clicktrain.clicktrain(

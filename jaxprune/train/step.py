@@ -29,24 +29,32 @@ PerExampleLoss = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 class Metrics(NamedTuple):
-  """Device-side running sums; ``count`` is the number of examples."""
+  """Device-side running sums; ``count`` is the number of examples.
+
+  A train step whose loss is not finite adds nothing to the sums and counts in
+  ``nonfinite`` instead (one NaN batch would otherwise make the epoch's mean loss NaN and
+  hide the finite ones); whether its update was applied is the optimizer's business (e.g.
+  ``optax.apply_if_finite`` skips it).
+  """
 
   loss_sum: jax.Array
   correct_sum: jax.Array
   count: jax.Array
+  nonfinite: jax.Array  # train steps with a NaN / Inf loss, left out of the sums
 
   @classmethod
   def zeros(cls) -> "Metrics":
-    return cls(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+    return cls(*(jnp.zeros([], jnp.float32) for _ in cls._fields))
 
   def summary(self) -> dict[str, float]:
-    count = float(self.count)
+    count, nonfinite = float(self.count), int(self.nonfinite)
     if count == 0:
-      return {"loss": float("nan"), "acc": float("nan"), "count": 0}
+      return {"loss": float("nan"), "acc": float("nan"), "count": 0, "nonfinite": nonfinite}
     return {
       "loss": float(self.loss_sum) / count,
       "acc": float(self.correct_sum) / count,
       "count": int(count),
+      "nonfinite": nonfinite,
     }
 
 
@@ -95,11 +103,14 @@ def _train_step(
   # As nnx.Optimizer.update: the loss reaches GradientTransformationExtraArgs as `value`.
   updates, opt_state = tx.update(grads, opt_state, params, value=loss)
   params = optax.apply_updates(params, updates)
-  batch = images.shape[0]
+  # A select, not a product: 0 · NaN would poison the sums (see Metrics).
+  finite = jnp.isfinite(loss)
+  batch = jnp.where(finite, images.shape[0], 0).astype(jnp.float32)
   metrics = Metrics(
-    metrics.loss_sum + loss * batch,
-    metrics.correct_sum + jnp.sum(correct_per_example(logits, labels)),
+    metrics.loss_sum + jnp.where(finite, loss * batch, 0.0),
+    metrics.correct_sum + jnp.where(finite, jnp.sum(correct_per_example(logits, labels)), 0.0),
     metrics.count + batch,
+    metrics.nonfinite + (~finite).astype(jnp.float32),
   )
   return params, new_rest, opt_state, metrics
 
@@ -126,6 +137,7 @@ def _eval_step(
     metrics.loss_sum + jnp.sum(per_example * weights),
     metrics.correct_sum + jnp.sum(correct_per_example(logits, labels) * weights),
     metrics.count + jnp.sum(weights),
+    metrics.nonfinite,
   )
 
 

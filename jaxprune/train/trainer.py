@@ -363,7 +363,11 @@ class Trainer:
 
   # ----------------------------------------------------------------- train / eval
   def train_epoch(self, loader: Iterable) -> dict[str, float]:
-    """One pass over ``loader``; returns train loss / acc and throughput."""
+    """One pass over ``loader``; returns train loss / acc and throughput.
+
+    Steps with a non-finite loss are left out of ``train_loss`` / ``train_acc`` and counted
+    in ``nonfinite_steps``, with a ``RuntimeWarning`` (see :class:`~jaxprune.train.Metrics`).
+    """
     metrics = Metrics.zeros()
     due = [c for c in self.callbacks if c.every_steps]
     try:
@@ -411,10 +415,20 @@ class Trainer:
       raise ValueError(
         "train_loader yielded no batches (batch_size larger than the dataset with drop_last=True?)"
       )
+    if summary["nonfinite"]:
+      warnings.warn(
+        f"epoch {self.epoch + 1}: {summary['nonfinite']} of {steps} train steps had a "
+        "non-finite loss; train_loss / train_acc average the other steps and the record's "
+        "nonfinite_steps counts them (whether their updates were applied is up to the "
+        "optimizer, e.g. optax.apply_if_finite skips them)",
+        RuntimeWarning,
+        stacklevel=3,
+      )
     compute = max(elapsed - data_wait, 1e-9)
     return {
       "train_loss": summary["loss"],
       "train_acc": summary["acc"],
+      "nonfinite_steps": summary["nonfinite"],
       "steps": steps,
       "images_per_s": images_seen / elapsed,
       "step_images_per_s": images_seen / compute,
