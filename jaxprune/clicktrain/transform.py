@@ -31,9 +31,10 @@ The algorithm runs as a stage machine over epochs (ClickTrain Fig. 4), :class:`S
 
 ``mode="one_shot"`` follows the authors' released code instead: at the first
 step of ``one_shot_epoch`` the masks are chosen from that one batch's gradient
-(pattern = argmax of Eq. 1 over the four 2x2 blocks containing the centre,
-ties to the first; kernels = the ``ceil(ratio * Cin * Cout)`` lowest Eq. 2
-scores), then REGULARIZE with a fixed λ until ``hard_prune_epoch``, then
+(pattern = argmax of Eq. 1 over the released fixed pool, ties to the first:
+by default the four 2x2 blocks containing the centre, or the first 8 or 12
+patterns of their library with ``one_shot_patterns``; kernels = the
+``ceil(ratio * Cin * Cout)`` lowest Eq. 2 scores), then REGULARIZE with a fixed λ until ``hard_prune_epoch``, then
 PRUNED. The released code also switches to mixup (α = 0.3) after the hard
 prune; that is data-side: use ``jaxprune.data.Loader``'s soft labels.
 
@@ -215,6 +216,7 @@ class _Config(NamedTuple):
   margin_rule: str
   group_lasso_coefficient: float
   one_shot_epoch: int | None
+  one_shot_patterns: int
   importance_every: int
   eps: float
 
@@ -460,11 +462,11 @@ def _finalize_masks(layers: _Layers, plan: _Plan) -> _Layers:
   return out
 
 
-def _one_shot_masks(layers: _Layers, plan: _Plan, w_leaves, g_leaves) -> _Layers:
-  """The released code's rule on one batch: centre blocks + lowest Eq. 2."""
+def _one_shot_masks(layers: _Layers, plan: _Plan, w_leaves, g_leaves, num_patterns: int) -> _Layers:
+  """The released code's rule on one batch: best of its fixed pool (Eq. 1) + lowest Eq. 2."""
   out = dict(layers)
-  blocks = _pat.centre_block_patterns()
-  block_ids = jnp.asarray(_pat.library_pattern_ids()[:4])
+  blocks, block_ids = _pat.one_shot_pool(num_patterns)
+  block_ids = jnp.asarray(block_ids)
   for name, layer in plan.items():
     ls = layers[name]
     w, g = w_leaves[layer.index], g_leaves[layer.index]
@@ -654,7 +656,10 @@ def _one_shot_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Cl
   due = (state.stage == WARMUP) & (state.count >= cfg.one_shot_epoch * cfg.steps_per_epoch)
   pick = jax.lax.cond(due, lambda: _all_finite(clock.loss, plan, w, g), lambda: jnp.bool_(False))
   layers = jax.lax.cond(
-    pick, lambda ls: _one_shot_masks(ls, plan, w, g), lambda ls: ls, state.layers
+    pick,
+    lambda ls: _one_shot_masks(ls, plan, w, g, cfg.one_shot_patterns),
+    lambda ls: ls,
+    state.layers,
   )
   return layers, jnp.where(pick, REGULARIZE, state.stage)
 
@@ -675,6 +680,7 @@ def clicktrain(
   margin_rule: str = "relative",
   group_lasso_coefficient: float = 2.5e-4,
   one_shot_epoch: int | None = None,
+  one_shot_patterns: int = 4,
   layer_filter: Callable[[str, tuple[int, ...]], str | None] | None = None,
   importance_every: int = 1,
   balanced_kernels: bool = False,
@@ -708,6 +714,10 @@ def clicktrain(
       group_lasso_coefficient: λ of the modified group lasso (2.5e-4 in the paper).
       one_shot_epoch: one_shot mode: the epoch whose first batch picks masks (the next
           finite batch if that one's loss or gradient is not finite).
+      one_shot_patterns: one_shot mode: size of the fixed pool each kernel picks its
+          pattern from, 4, 8 or 12 (:func:`jaxprune.clicktrain.patterns.one_shot_pool`: the
+          head of the released library; 4, the centre 2x2 blocks, is the released default,
+          their VGG-16 config uses 12).
       layer_filter: ``fn(path, shape) -> "pattern" | "kernel" | None``;
           default :func:`default_layer_filter`.
       importance_every: run the per-batch importance work every this many
@@ -745,6 +755,10 @@ def clicktrain(
     not isinstance(pool_start_epoch, (int, np.integer)) or pool_start_epoch < 0
   ):
     raise ValueError(f"pool_start_epoch must be None or an int >= 0, got {pool_start_epoch!r}")
+  if isinstance(one_shot_patterns, bool) or one_shot_patterns not in _pat.ONE_SHOT_POOL_SIZES:
+    raise ValueError(
+      f"one_shot_patterns must be one of {_pat.ONE_SHOT_POOL_SIZES}, got {one_shot_patterns!r}"
+    )
   shortest = min(pool_epochs, finalize_epochs) * steps_per_epoch
   if mode == "paper" and importance_every > shortest:
     # A stage of fewer steps than importance_every may hold no importance step: all-zero
@@ -805,6 +819,7 @@ def clicktrain(
     margin_rule=margin_rule,
     group_lasso_coefficient=group_lasso_coefficient,
     one_shot_epoch=one_shot_epoch,
+    one_shot_patterns=int(one_shot_patterns),
     importance_every=importance_every,
     eps=eps,
   )

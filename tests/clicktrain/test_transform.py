@@ -401,12 +401,21 @@ def test_hard_prune_keeps_pruned_weights_exactly_zero():
   assert masks["stem"]["kernel"] is None
 
 
-def _one_shot_reference(w, g, ratio):
+# The released code's pattern table, transcribed from it (rows top -> bottom); a pool of
+# 4, 8 or 12 is its head.
+_RELEASED_TABLE = (
+  "000/011/011", "000/110/110", "011/011/000", "110/110/000",
+  "000/001/111", "000/111/010", "010/011/010", "010/110/010",
+  "111/010/000", "000/100/111", "111/100/000", "000/101/011",
+)  # fmt: skip
+
+
+def _one_shot_reference(w, g, ratio, num_patterns=4):
   """NumPy re-implementation of the released code's rule on one batch."""
   w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
   blocks = [
     np.array([[c == "1" for c in r] for r in s.split("/")], float)
-    for s in ("000/011/011", "000/110/110", "011/011/000", "110/110/000")
+    for s in _RELEASED_TABLE[:num_patterns]
   ]
   kh, kw, cin, cout = w.shape
   pat = np.zeros((cin, cout), int)
@@ -425,7 +434,8 @@ def _one_shot_reference(w, g, ratio):
   return pat, keep.reshape(cin, cout), np.moveaxis(mask, (2, 3), (0, 1)) * keep.reshape(cin, cout)
 
 
-def test_one_shot_matches_released_rule():
+@pytest.mark.parametrize("num_patterns", [4, 8, 12])
+def test_one_shot_matches_released_rule(num_patterns):
   spe = 2
   tx = ct.clicktrain(
     optax.sgd(0.0),
@@ -433,6 +443,7 @@ def test_one_shot_matches_released_rule():
     hard_prune_epoch=3,
     mode="one_shot",
     one_shot_epoch=1,
+    one_shot_patterns=num_patterns,
     kernel_prune_ratio=0.35,
   )
   p = _params()
@@ -443,10 +454,15 @@ def test_one_shot_matches_released_rule():
     assert int(st.stage) == (ct.WARMUP if i < spe else ct.REGULARIZE)
   g = _fake_grads(p, spe)  # the first batch of epoch 1
   pat, keep, mask = _one_shot_reference(
-    p["block"]["conv1"]["kernel"], g["block"]["conv1"]["kernel"], 0.35
+    p["block"]["conv1"]["kernel"], g["block"]["conv1"]["kernel"], 0.35, num_patterns
   )
   ls = st.layers[CONV1]
-  np.testing.assert_array_equal(ls.pattern_id, patterns.library_pattern_ids()[:4][pat])
+  pool_ids = patterns.one_shot_pool(num_patterns)[1]
+  np.testing.assert_array_equal(ls.pattern_id, pool_ids[pat])
+  # Only pool patterns are used, and a bigger pool is actually used beyond the first four.
+  assert set(np.unique(ls.pattern_id)) <= set(pool_ids.tolist())
+  if num_patterns > 4:
+    assert pat.max() >= 4
   np.testing.assert_array_equal(ls.kernel_keep, keep)
   np.testing.assert_array_equal(readouts.masks(st, p)["block"]["conv1"]["kernel"], mask)
   ks = np.asarray(
@@ -499,6 +515,16 @@ def test_bad_arguments():
     ct.clicktrain(sgd, steps_per_epoch=0, hard_prune_epoch=3)
   with pytest.raises(ValueError, match="one_shot_epoch"):
     ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, mode="one_shot")
+  for bad in (0, 6, 16, True, 4.5):
+    with pytest.raises(ValueError, match=r"^one_shot_patterns must be one of \(4, 8, 12\)"):
+      ct.clicktrain(
+        sgd,
+        steps_per_epoch=1,
+        hard_prune_epoch=3,
+        mode="one_shot",
+        one_shot_epoch=1,
+        one_shot_patterns=bad,
+      )
   with pytest.raises(ValueError, match="hard_prune_epoch"):
     ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=2, mode="one_shot", one_shot_epoch=2)
   with pytest.raises(ValueError, match="kernel_prune_ratio"):
