@@ -36,13 +36,16 @@ PAPERS = ("clicktrain", "prunetrain", "sdgp", "benchmarks")
 
 # The SDGP training recipe (the ffcv ResNet-9 recipe SDGP ran): the cpu budget keeps its shape,
 # scales the peak lr linearly with the batch and puts the peak at the recipe's fraction of the
-# run, no earlier than half an epoch.
+# run, no earlier than half an epoch. "init": "released" is the authors' converter: every conv
+# re-initialised (Kaiming-uniform) and the dense row converted as 4:4 (sdgp.paper_method);
+# "model" keeps the model's own init and leaves the dense row unconverted.
 _SDGP_PAPER = {
   "width": 1.0,
   "train_subset": None,
   "test_subset": None,
   "epochs": 150,
   "batch_size": 512,
+  "init": "released",
 }
 _SDGP_CPU = {
   "width": 0.125,
@@ -50,6 +53,7 @@ _SDGP_CPU = {
   "test_subset": None,
   "epochs": 10,
   "batch_size": 128,
+  "init": "released",
 }
 
 

@@ -76,6 +76,22 @@ class _EpochPrinter(train.Callback):
     )
 
 
+def row_method(
+  method: str, n: int, m: int, budget: dict[str, Any], seed: int, backend: str
+) -> methods.Method:
+  """The method of one row under ``budget["init"]``: ``"released"`` is the authors' recipe
+  (:func:`jaxprune.sdgp.paper_method`: every converted conv re-initialised, the dense row a
+  4:4 conversion), ``"model"`` the library default (kernels kept, dense row unconverted)."""
+  init = budget.get("init", "model")
+  if init == "released":
+    return sdgp.paper_method(method, dataset="cifar10", n=n, m=m, seed=seed, backend=backend)
+  if init != "model":
+    raise ValueError(f"budget['init'] must be 'released' or 'model', got {init!r}")
+  if method == "dense":
+    return methods.get("dense")
+  return methods.get("sdgp", n=n, m=m, method=method, seed=seed, backend=backend)
+
+
 def train_row(
   method: str,
   n: int,
@@ -94,11 +110,7 @@ def train_row(
     rngs=nnx.Rngs(args.seed),
     width_multiplier=budget["width"],
   )
-  chosen = (
-    methods.get("dense")
-    if method == "dense"
-    else methods.get("sdgp", n=n, m=m, method=method, seed=args.seed, backend=args.backend)
-  )
+  chosen = row_method(method, n, m, budget, args.seed, args.backend)
   model = chosen.convert(model)
   train_loader = data.Loader(
     train_set, budget["batch_size"], shuffle=True, seed=args.seed, augment="sdgp", drop_last=True

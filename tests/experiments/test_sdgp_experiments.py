@@ -5,7 +5,7 @@ import argparse
 import pytest
 from flax import nnx
 
-from experiments import sdgp_fig8, sdgp_table1, sdgp_timemodel
+from experiments import _tables, sdgp_fig8, sdgp_table1, sdgp_timemodel
 from jaxprune import models
 
 
@@ -100,3 +100,31 @@ def test_time_to_accuracy_needs_a_dense_cell_and_every_projection():
     sdgp_timemodel.time_to_accuracy([sparse], {(2, 4): 0.8}, target=0.5)
   with pytest.raises(ValueError, match="step_ratio"):
     sdgp_timemodel.time_to_accuracy([_cell("dense", 1, 1, [0.9]), sparse], {}, target=0.5)
+
+
+def _kernels(model):
+  return {p: c.kernel[...] for p, c in nnx.iter_modules(model) if isinstance(c, nnx.Conv)}
+
+
+@pytest.mark.parametrize("budget", ["paper", "cpu"])
+def test_table_rows_follow_the_released_init_of_the_budget(budget):
+  chosen = _tables.get_budget("sdgp_table1", budget)
+  assert chosen["init"] == "released"
+
+  def fresh():
+    return models.create("sdgp-resnet9", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=0.125)
+
+  before = _kernels(fresh())
+  # Released: the dense row is a 4:4 conversion and every converted conv is drawn afresh
+  # (all but the stem, whose input gradient nothing needs, so SDGP leaves it unconverted).
+  dense = sdgp_table1.row_method("dense", 2, 4, dict(chosen), 0, "reference").convert(fresh())
+  after = _kernels(dense)
+  assert after.keys() == before.keys()
+  unchanged = [p for p in before if bool((after[p] == before[p]).all())]
+  assert unchanged == [("prep", "conv")]
+  # The library default keeps every kernel bit for bit and leaves the dense row alone.
+  kept = sdgp_table1.row_method("mvue", 2, 4, {**chosen, "init": "model"}, 0, "reference")
+  after = _kernels(kept.convert(fresh()))
+  assert all(bool((after[p] == before[p]).all()) for p in before)
+  with pytest.raises(ValueError, match="init"):
+    sdgp_table1.row_method("dense", 2, 4, {**chosen, "init": "kaiming"}, 0, "reference")
