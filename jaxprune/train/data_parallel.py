@@ -60,6 +60,7 @@ from jaxprune.train.step import (
   apply_optimizer,
   eval_step,
   forward_backward,
+  keep_state_if_finite,
   train_sums,
 )
 
@@ -215,6 +216,7 @@ def data_parallel_train_step(
   reduce = distributed.allreduce_gradients(axis_name, indices=indices)
   grads, _ = reduce.update(grads, reduce.init(params))
   new_rest = _average_floats(_restore_keys(new_rest, rest, rng_keys), axis_name)
+  new_rest = keep_state_if_finite(finite, new_rest, rest)
   params, opt_state = apply_optimizer(tx, grads, opt_state, params, global_loss)
   return params, new_rest, opt_state, add_metrics(metrics, sums)
 

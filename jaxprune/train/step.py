@@ -134,6 +134,20 @@ def train_sums(
   )
 
 
+def keep_state_if_finite(finite: jax.Array, new_rest: Any, rest: Any) -> Any:
+  """``new_rest`` where the step was finite, else the floating leaves of ``rest``.
+
+  A non-finite batch would otherwise write NaN into BatchNorm's running statistics even when
+  the optimizer skips the update (``optax.apply_if_finite``), and every later eval would be
+  NaN; counters and keys advance either way.
+  """
+  return jax.tree.map(
+    lambda new, old: jnp.where(finite, new, old) if jnp.issubdtype(new.dtype, jnp.inexact) else new,
+    new_rest,
+    rest,
+  )
+
+
 def add_metrics(metrics: Metrics, sums: Metrics) -> Metrics:
   return Metrics(*(a + b for a, b in zip(metrics, sums)))
 
@@ -151,6 +165,7 @@ def _train_step(
 ):
   loss, logits, new_rest, grads = forward_backward(graphdef, loss_fn, params, rest, images, labels)
   params, opt_state = apply_optimizer(tx, grads, opt_state, params, loss)
+  new_rest = keep_state_if_finite(jnp.isfinite(loss), new_rest, rest)
   return params, new_rest, opt_state, add_metrics(metrics, train_sums(loss, logits, labels))
 
 

@@ -102,9 +102,12 @@ _SCRIPT = textwrap.dedent(
     # A NaN in one device's quarter: one non-finite step, left out of the sums on every device.
     x_nan = x.copy()
     x_nan[5] = np.nan
-    m_nan = steps.train(*four, x_nan, y)[3]
+    after_nan = steps.train(*four, x_nan, y)
+    m_nan = after_nan[3]
     out["nonfinite"] = [m_nan.summary()[k] for k in ("nonfinite", "count")]
     out["nonfinite"].append(float(m_nan.loss_sum - four[3].loss_sum))
+    # BatchNorm's running statistics stay as they were (else NaN on every device).
+    out["nonfinite"].append(max_diff(after_nan[1], four[1]))
 
     # Per-device BatchNorm: the mean over the quarters of single-device passes.
     model = Net(batchnorm=True, rngs=nnx.Rngs(0))
@@ -364,7 +367,8 @@ def test_data_parallel_step_equals_single_device_step(results, case):
 
 def test_nonfinite_shard_is_one_nonfinite_step_left_out_of_the_sums(results):
   # Before this step: 16 finite examples counted; the NaN step adds none and counts once.
-  assert results["nonfinite"] == [1, 16, 0.0]
+  # ... and leaves the BatchNorm running statistics as they were.
+  assert results["nonfinite"] == [1, 16, 0.0, 0.0]
 
 
 def test_states_are_replicated(results):

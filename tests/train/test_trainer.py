@@ -460,6 +460,13 @@ def test_nonfinite_step_is_left_out_of_the_epoch_loss_and_counted():
   assert record["nonfinite_steps"] == 1
   np.testing.assert_allclose(record["train_loss"], np.mean(losses), rtol=1e-5)
   assert record["train_acc"] == pytest.approx(correct / 24)
+  # The NaN step leaves BatchNorm's running statistics as they were: the plain loop's, which
+  # saw only the finite batches (without the guard every one would be NaN).
+  want = jax.tree.leaves(nnx.state(reference, nnx.BatchStat))
+  got = jax.tree.leaves(nnx.state(trainer.model, nnx.BatchStat))
+  assert len(got) == len(want) > 0
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
 class _BusyLoader(ArrayLoader):
