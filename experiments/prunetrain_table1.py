@@ -231,6 +231,30 @@ class _Run:
     self.steal_s = None if steal is None or self.steal_s is None else self.steal_s + steal
 
 
+class _RunningStatsEval(train.Callback):
+  """Test accuracy with the BatchNorm running statistics as training left them, recorded
+  before ``PruneTrainCallback(recompute_batchnorm=N)`` re-estimates them (it must come
+  first among the callbacks).
+
+  Training reads batch statistics only, so re-estimation changes evaluation and nothing
+  else: one run gives the accuracy without it (``test_acc_running_stats``) and with it
+  (the trainer's ``test_acc``) at every epoch. A run without re-estimation would carry the
+  same running statistics: BatchNorm's momentum 0.9 forgets a reset within an epoch's
+  hundreds of steps.
+  """
+
+  def __init__(self, test_loader: data.Loader):
+    self.test_loader = test_loader
+    self._acc: float | None = None
+
+  def on_train_epoch_end(self, trainer: train.Trainer, epoch: int, train_loader) -> None:
+    self._acc = trainer.evaluate(self.test_loader)["test_acc"]
+
+  def on_epoch_end(self, trainer: train.Trainer, epoch: int) -> dict[str, Any]:
+    acc, self._acc = self._acc, None
+    return {"test_acc_running_stats": acc}
+
+
 def _build(args: argparse.Namespace, method: str, train_set, test_set, log_dir: Path) -> _Run:
   train_loader = data.Loader(
     train_set, args.batch_size, shuffle=True, seed=args.seed, augment="prunetrain", drop_last=True
@@ -266,6 +290,8 @@ def _build(args: argparse.Namespace, method: str, train_set, test_set, log_dir: 
   chosen = methods.get(method, **config)
   callbacks = chosen.callbacks(run)
   callback = callbacks[0] if callbacks else None
+  if callback is not None and args.recompute_batchnorm:
+    callbacks = [_RunningStatsEval(test_loader), *callbacks]
   dense_costs = pt.model_costs(model, image_shape)
   trainer = train.Trainer(
     model,
@@ -623,12 +649,26 @@ def _write(stem: Path, args: argparse.Namespace, runs: dict[str, Any], command: 
       *_cpu_time_rows(pt_run, dense),
       f"| final spec | `{pt_run['final_spec']}` |",
       "",
-      "| epoch | test acc | batch | inference MFLOPs | params | channels removed |",
-      "|---:|---:|---:|---:|---:|---:|",
     ]
+    stale = all(r.get("test_acc_running_stats") is not None for r in pt_run["history"])
+    if stale:
+      lines += [
+        "BatchNorm re-estimation, before / after: `test acc` is evaluated after the running "
+        "statistics were re-estimated, `running stats` with them as training left them "
+        "(the same run, the same weights; see `_RunningStatsEval`).",
+        "",
+        "| epoch | test acc | running stats | batch | inference MFLOPs | params | channels removed |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+      ]
+    else:
+      lines += [
+        "| epoch | test acc | batch | inference MFLOPs | params | channels removed |",
+        "|---:|---:|---:|---:|---:|---:|",
+      ]
     for r in pt_run["history"]:
+      before = f"| {100 * r['test_acc_running_stats']:.2f}% " if stale else ""
       lines.append(
-        f"| {r['epoch']} | {100 * r['test_acc']:.2f}% | {r['batch_size']} "
+        f"| {r['epoch']} | {100 * r['test_acc']:.2f}% {before}| {r['batch_size']} "
         f"| {r.get('pt_inference_flops_after', r['pt_inference_flops']) / 1e6:.1f} "
         f"| {r.get('pt_params_after', r['pt_params']):,.0f} "
         f"| {r.get('pt_channels_removed', 0)} |"

@@ -139,3 +139,45 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, monkeypat
     assert float(row[1]) == pytest.approx(d["epoch_time_s"], abs=0.06)
     assert float(row[2]) == pytest.approx(p["epoch_time_s"], abs=0.06)
   assert float(rows[-1][5]) < 1.0  # the second epoch trained the pruned model
+
+
+def test_running_stats_probe_gives_before_and_after_of_one_run(tmp_path, monkeypatch):
+  """With --recompute-batchnorm the row also records the accuracy with the running statistics
+  as training left them, taken before the re-estimation: at epoch 1 it equals a run without
+  re-estimation, and re-estimation changes nothing of the training (the same weights)."""
+  import jax
+  import numpy as np
+
+  from jaxprune import data, models
+
+  create = models.create
+  monkeypatch.setattr(
+    prunetrain_table1.models,
+    "create",
+    lambda name, **kw: create("prunetrain-resnet20", **kw),
+  )
+  rng = np.random.default_rng(1)
+  images = rng.integers(0, 256, size=(48, 8, 8, 3), dtype=np.uint8)
+  labels = np.arange(48, dtype=np.int32) % 10
+  train_set = data.Dataset.from_arrays(images, labels, num_classes=10)
+  test_set = data.Dataset.from_arrays(images[:16], labels[:16], num_classes=10)
+
+  def run(recompute):
+    args = prunetrain_table1._parse(["--budget", "cpu", "--no-dynamic-batch"])
+    args.epochs, args.batch_size, args.lr, args.milestones = 2, 16, 0.5, []
+    args.penalty_ratio, args.threshold, args.width = 0.95, 0.3, 0.25
+    args.recompute_batchnorm = recompute
+    (tmp_path / str(recompute)).mkdir()
+    built = prunetrain_table1._build(
+      args, "prunetrain", train_set, test_set, tmp_path / str(recompute)
+    )
+    built.advance(args.epochs)
+    return built.trainer
+
+  plain, probed = run(0), run(2)
+  assert all("test_acc_running_stats" not in r for r in plain.history)
+  stale = [r["test_acc_running_stats"] for r in probed.history]
+  assert len(stale) == 2 and all(0.0 <= a <= 1.0 for a in stale)
+  assert stale[0] == plain.history[0]["test_acc"]
+  for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(probed.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
