@@ -63,13 +63,9 @@ print(f"{len(train_set)} training and {len(test_set)} test images of shape {trai
 
 
 def build_model() -> nnx.Module:
+  spec = models.prunetrain_resnet_spec(DEPTH).scaled(0.5)  # half width
   return models.create(
-    "prunetrain-resnet20",
-    spec=models.prunetrain_resnet_spec(DEPTH),
-    num_classes=train_set.num_classes,
-    rngs=nnx.Rngs(SEED),
-    width_multiplier=0.5,
-    in_channels=1,
+    "prunetrain-resnet20", spec=spec, in_channels=1, num_classes=10, rngs=nnx.Rngs(SEED)
   )
 
 

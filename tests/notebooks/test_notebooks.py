@@ -50,8 +50,15 @@ def test_ipynb_matches_its_py_source(path):
       )
 
 
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+  """One JAX compilation cache for the notebooks of this module: they train the same small
+  model with the same methods, and XLA compilation is most of their time on a CPU."""
+  return tmp_path_factory.mktemp("jax-compilation-cache")
+
+
 @pytest.fixture
-def kernel_manager(tmp_path, monkeypatch):
+def kernel_manager(tmp_path, monkeypatch, compilation_cache):
   """A kernel of this interpreter (not whatever ``python3`` spec the machine has), whose
   ``import jaxprune`` finds this checkout, at the notebooks' small setting."""
   spec_dir = tmp_path / "kernels" / KERNEL
@@ -64,6 +71,7 @@ def kernel_manager(tmp_path, monkeypatch):
   (spec_dir / "kernel.json").write_text(json.dumps(spec))
   monkeypatch.setenv("JAXPRUNE_NOTEBOOK_SMALL", "1")
   monkeypatch.setenv("MPLBACKEND", "Agg")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(compilation_cache))
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
   specs = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
   return KernelManager(kernel_name=KERNEL, kernel_spec_manager=specs)
