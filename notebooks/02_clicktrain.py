@@ -30,9 +30,8 @@
 import os
 
 SMALL = os.environ.get("JAXPRUNE_NOTEBOOK_SMALL", "0") == "1"
-EPOCHS = 5 if SMALL else 15
+EPOCHS = 6 if SMALL else 15
 DEPTH = 8 if SMALL else 20  # PruneTrain's CIFAR ResNet, depth 6n + 2
-TRAIN_IMAGES = 384 if SMALL else None  # None: the whole training split
 KERNEL_PRUNE_RATIO = 0.5  # fraction of kernels removed per layer
 SWEEP_RATIOS = () if SMALL else (0.25, 0.65, 0.8)  # more runs for compression vs accuracy
 SEED = 0
@@ -81,8 +80,6 @@ show_patterns(clicktrain.library_patterns(), "The released library (12 patterns)
 
 # %%
 train_set = data.load("digits", split="train")
-if TRAIN_IMAGES is not None:
-  train_set = train_set.balanced_subset(TRAIN_IMAGES, seed=SEED)
 test_set = data.load("digits", split="test")
 
 
@@ -108,7 +105,9 @@ def train_clicktrain(ratio: float) -> train.Trainer:
     },
     progress=False,
   )
-  trainer.fit(train_loader, data.Loader(test_set, 256, shuffle=False), epochs=EPOCHS)
+  trainer.fit(
+    train_loader, data.Loader(test_set, 256, shuffle=False, drop_last=False), epochs=EPOCHS
+  )
   return trainer
 
 
