@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from experiments import _tables
 from experiments._machine import cpu_description
 from jaxprune import data
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PRESETS = ("none", "prunetrain", "sdgp", "clicktrain-mixup")
 
 
@@ -57,8 +57,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--batch-sizes", default="128,512")
   parser.add_argument("--threads", default="1,2", help="worker thread counts to try")
   parser.add_argument("--presets", default=",".join(PRESETS))
-  parser.add_argument("--out", default=str(RESULTS / "loader_throughput.md"))
+  parser.add_argument("--out", default=None, help="the page (default: loader_throughput.md)")
+  _tables.add_publish_argument(parser, "benchmarks/")
   args = parser.parse_args(argv)
+  if args.out is None:
+    args.out = str(_tables.output_dir("benchmarks", args.publish) / "loader_throughput.md")
   if args.epochs < 1:
     parser.error("--epochs must be at least 1")
   return args
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv if argv is not None else sys.argv[1:]
   )
   result = dict(
-    date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     machine=cpu_description(),
     command=command.strip(),
     epochs=args.epochs,

@@ -29,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import _tables
 from experiments._machine import machine_description
 from jaxprune import models, train
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _model() -> nnx.Module:
@@ -90,8 +89,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="bench_train_step", description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--batch-sizes", default="8,64")
-  parser.add_argument("--out", default=str(RESULTS / "train_step_dispatch.md"))
+  parser.add_argument("--out", default=None, help="the page (default: train_step_dispatch.md)")
+  _tables.add_publish_argument(parser, "benchmarks/")
   args = parser.parse_args(argv)
+  if args.out is None:
+    args.out = str(_tables.output_dir("benchmarks", args.publish) / "train_step_dispatch.md")
   if args.steps < 1:
     parser.error("--steps must be at least 1")
   return args
@@ -118,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
   command = "python -m experiments.run bench_train_step " + shlex.join(
     list(argv) if argv is not None else sys.argv[1:]
   )
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   lines = [
     "# Train-step dispatch: split/merge jax.jit vs nnx.jit",
     "",

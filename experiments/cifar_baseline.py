@@ -28,10 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import _tables
 from experiments._machine import machine_description
 from jaxprune import data, models, train
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def step_throughput(
@@ -79,6 +78,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   parser.add_argument("--progress", action="store_true", help="tqdm bar even without a tty")
   parser.add_argument("--note", default="", help="a remark written into the markdown")
+  _tables.add_publish_argument(parser, "benchmarks/")
   args = parser.parse_args(argv)
   if args.epochs < 1:
     parser.error("--epochs must be at least 1")
@@ -89,8 +89,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   arch = args.model.split("-", 1)[-1]
   name = args.name or f"cifar10_{arch}_dense"
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  log_path = RESULTS / f"{name}.jsonl"
+  folder = _tables.output_dir("benchmarks", args.publish)
+  log_path = folder / f"{name}.jsonl"
   ckpt = args.checkpoint_dir or str(Path("runs") / name / "ckpt")
   command = "python -m experiments.run cifar_baseline " + shlex.join(
     list(argv) if argv is not None else sys.argv[1:]
@@ -153,13 +153,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # Rewrites the markdown after every epoch so a long run leaves a readable partial result.
     def after_epoch(self, trainer: train.Trainer, record: dict[str, Any]) -> None:
       _write_markdown(
-        RESULTS / f"{name}.md", args, summarize(trainer.history), trainer.history, command
+        folder / f"{name}.md", args, summarize(trainer.history), trainer.history, command
       )
 
   trainer.callbacks.append(Report())
   history = trainer.fit(train_loader, test_loader, epochs=args.epochs)
   result = summarize(history)
-  _write_markdown(RESULTS / f"{name}.md", args, result, history, command)
+  _write_markdown(folder / f"{name}.md", args, result, history, command)
   print(json.dumps(result), flush=True)
   return result
 
@@ -171,7 +171,7 @@ def _write_markdown(
   history: list[dict[str, Any]],
   command: str,
 ) -> None:
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   lines = [
     f"# Dense baseline: {args.model} on CIFAR-10 (JPEG), {args.epochs} epochs",
     "",

@@ -25,7 +25,6 @@ import shlex
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -35,11 +34,10 @@ import optax
 from flax import nnx
 
 import jaxprune
+from experiments import _tables
 from experiments._machine import machine_description
-from jaxprune.clicktrain import transform as ct
 from jaxprune import models, train
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from jaxprune.clicktrain import transform as ct
 
 
 def _forced(state: ct.ClickTrainState, stage: int) -> ct.ClickTrainState:
@@ -82,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--name", default="clicktrain_overhead")
+  _tables.add_publish_argument(parser, "benchmarks/")
   args = parser.parse_args(argv)
   command = "python -m experiments.run clicktrain_overhead " + shlex.join(
     list(argv) if argv is not None else sys.argv[1:]
@@ -153,8 +152,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "ratio_from_update_overhead": implied,
   }
 
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  folder = _tables.output_dir("benchmarks", args.publish)
+  date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   lines = [
     f"# ClickTrain wrapper overhead: {args.model} (width x{args.width}), batch {args.batch}, CPU",
     "",
@@ -180,8 +179,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "Last column: 1 + (update time of the variant - update time of the inner "
     "optimizer) / (minimum full train step of the inner optimizer).",
   ]
-  (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-  (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+  (folder / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+  (folder / f"{args.name}.json").write_text(json.dumps(result, indent=2))
   print("\n".join(lines), flush=True)
   return result
 

@@ -11,31 +11,26 @@ stage; VGG-11 35, 45, 65, 75, 80, 80, 85%. ResNet-50 and VGG-13 ratios are not
 published; we use ResNet-32's by stage and VGG-11's stretched to 9 layers
 (35, 40, 45, 55, 65, 75, 80, 80, 85%).
 
-``--budget`` is the reduced CPU mode, the same budget for every row: width x1/4,
-a 10k-image training subset, a 2k-image test subset, ``--epochs`` (default 6)
-epochs, stages at fixed epochs scaled to the run (warmup 1, DPPG 1, finalize 1,
-regularize until 60% of the run, then hard pruned), pool of 12. It shows the
-machinery and the compression / FLOPs columns; the accuracies are far from
-converged and are not comparable to the paper's.
+``--budget paper`` is that recipe; ``--budget cpu`` (the default) the reduced one every row
+shares (``experiments/_tables.py``): width ×1/8 over the full training and test sets, 12
+epochs at batch 128 (LR ×0.1 at 50% / 75%), stages at fixed epochs scaled to the run (warm-up
+1, DPPG 1, finalize 1, regularize until 60% of the run, then hard pruned), pool of 12, and the
+VGG classifier initialised N(0, 0.05) (at reduced width ClickTrain's N(0, 0.01) 3-layer MLP
+stays at chance for hundreds of steps); dense and ClickTrain rows train identically.
 
-Writes ``experiments/results/clicktrain_table1[_budget]_<rows>.md``, per-row
-``clicktrain_table1[_budget]_<row>_<method>.json``, per-epoch
-JSON lines, and PNG plots of the final pattern pool (usage counts) and per-layer
-sparsity:
+    python -m experiments.run clicktrain_table1 --budget cpu --rows resnet32,vgg11 [--publish]
 
-    python -m experiments.run clicktrain_table1 --rows vgg11 --budget --epochs 15 \
-        --linear-init-std 0.05                   # the VGG-11 run reported in results/
-    python -m experiments.run clicktrain_table1 --rows resnet18 --budget --width 0.125 \
-        --train-subset 5000 --batch-size 64      # the run reported in results/
+Each row writes ``table1_<budget>_<row>_<method>.json``, its epoch log (``logs/``) and PNG plots
+of the final pattern pool (usage counts) and per-layer sparsity; the table page
+``table1_<budget>.md`` gathers every row of the budget present in the folder beside the
+paper's Table 1. All go to ``runs/clicktrain/``, or ``experiments/results/clicktrain/`` with
+``--publish``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,11 +40,10 @@ import numpy as np
 from flax import nnx
 
 import jaxprune
+from experiments import _tables
 from experiments._machine import machine_description
 from jaxprune import data, flops, models, train
 from jaxprune.clicktrain import patterns, readouts
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # Paper Table 1, CIFAR-10, first ClickTrain row per model:
 # (base acc, Δ, compression, train / inference FLOPs saved, hard-prune epoch)
@@ -95,55 +89,44 @@ def kernel_ratio_fn(row: str):
 
 def _parse(argv):
   p = argparse.ArgumentParser(prog="clicktrain_table1", description=__doc__.splitlines()[0])
-  p.add_argument("--rows", default="vgg11", help="comma list of resnet32,resnet50,vgg11,vgg13")
-  p.add_argument("--budget", action="store_true", help="reduced CPU mode (see module doc)")
-  p.add_argument("--epochs", type=int, default=None, help="default 190, or 6 with --budget")
-  p.add_argument("--width", type=float, default=None, help="default 1, or 0.25 with --budget")
-  p.add_argument("--train-subset", type=int, default=None)
-  p.add_argument("--test-subset", type=int, default=None)
-  p.add_argument("--batch-size", type=int, default=128)
+  _tables.add_table_arguments(p, "clicktrain_table1")
+  p.add_argument(
+    "--rows",
+    default="vgg11",
+    help=f"comma list of {','.join(PAPER)} (and {','.join(EXTRA_ROWS)}, not a Table 1 row)",
+  )
   p.add_argument("--mode", default="paper", choices=["paper", "one_shot"])
   p.add_argument("--skip-dense", action="store_true")
-  p.add_argument("--root", default=None)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument(
-    "--linear-init-std",
-    type=float,
-    default=None,
-    help="std of the VGG classifier's normal init (default: the model's, ClickTrain's 0.01)",
-  )
   a = p.parse_args(argv)
-  if a.budget:
-    a.epochs = a.epochs or 6
-    a.width = a.width or 0.25
-    a.train_subset = a.train_subset or 10_000
-    a.test_subset = a.test_subset or 2_000
-  else:
-    a.epochs = a.epochs or 190
-    a.width = a.width or 1.0
+  # The budget's settings become attributes, as the page states them.
+  for key, value in _tables.get_budget("clicktrain_table1", a.budget).items():
+    setattr(a, key, value)
   return a
 
 
 def _schedule(args, row: str) -> dict[str, Any]:
-  if args.budget:
-    e = args.epochs
-    hard = max(4, round(0.6 * e))
-    return dict(
-      pool_start_epoch=1, pool_epochs=1, finalize_epochs=1, hard_prune_epoch=hard, one_shot_epoch=1
-    )
+  if args.hard_prune_fraction is not None:
+    hard = max(4, round(args.hard_prune_fraction * args.epochs))
+    return {
+      "pool_start_epoch": 1,
+      "pool_epochs": args.pool_epochs,
+      "finalize_epochs": args.finalize_epochs,
+      "hard_prune_epoch": hard,
+      "one_shot_epoch": 1,
+    }
   hard = PAPER[row][5] if row in PAPER else round(0.5 * args.epochs)
-  return dict(
-    pool_start_epoch=None,
-    pool_epochs=5,
-    finalize_epochs=5,
-    hard_prune_epoch=hard,
-    one_shot_epoch=hard - 30,
-  )
+  return {
+    "pool_start_epoch": None,
+    "pool_epochs": args.pool_epochs,
+    "finalize_epochs": args.finalize_epochs,
+    "hard_prune_epoch": hard,
+    "one_shot_epoch": hard - 30,
+  }
 
 
-def _run(args, row: str, prune: bool, train_set, test_set) -> dict[str, Any]:
+def _run(args, row: str, prune: bool, train_set, test_set, folder: Path) -> dict[str, Any]:
   label = "clicktrain" if prune else "dense"
-  stem = f"clicktrain_table1{'_budget' if args.budget else ''}_{row}_{label}"
+  stem = f"table1_{args.budget}_{row}_{label}"
   loader = data.Loader(
     train_set, args.batch_size, shuffle=True, seed=args.seed, augment="clicktrain", drop_last=True
   )
@@ -151,12 +134,10 @@ def _run(args, row: str, prune: bool, train_set, test_set) -> dict[str, Any]:
     test_set, min(500, len(test_set.labels)), shuffle=False, drop_last=False
   )
   spe = len(loader)
-  milestones = [max(1, round(0.5 * args.epochs)), max(2, round(0.75 * args.epochs))]
-  inner = train.sgd(train.step_schedule(0.1, spe, milestones), momentum=0.9, weight_decay=5e-4)
+  milestones = [max(1, round(f * args.epochs)) for f in args.milestones]
+  inner = train.sgd(train.step_schedule(args.lr, spe, milestones), momentum=0.9, weight_decay=5e-4)
   overrides = {}
-  if args.linear_init_std is not None:
-    if not row.startswith("vgg"):
-      raise ValueError(f"--linear-init-std applies to the VGG rows only, not {row!r}")
+  if args.linear_init_std is not None and row.startswith("vgg"):
     overrides["linear_init_std"] = args.linear_init_std
   model = models.create(
     f"clicktrain-{row}",
@@ -171,7 +152,7 @@ def _run(args, row: str, prune: bool, train_set, test_set) -> dict[str, Any]:
     if args.mode == "paper":
       kw.pop("one_shot_epoch")
     else:
-      kw = dict(hard_prune_epoch=kw["hard_prune_epoch"], one_shot_epoch=kw["one_shot_epoch"])
+      kw = {"hard_prune_epoch": kw["hard_prune_epoch"], "one_shot_epoch": kw["one_shot_epoch"]}
     tx = jaxprune.clicktrain.clicktrain(
       inner, steps_per_epoch=spe, mode=args.mode, kernel_prune_ratio=kernel_ratio_fn(row), **kw
     )
@@ -181,8 +162,9 @@ def _run(args, row: str, prune: bool, train_set, test_set) -> dict[str, Any]:
     }
   else:
     tx, metrics = inner, {"compression": lambda t: flops.compression_ratio(t.params)}
+  (folder / "logs").mkdir(parents=True, exist_ok=True)
   trainer = train.Trainer(
-    model, tx, metrics=metrics, log_path=RESULTS / f"{stem}.jsonl", progress=False
+    model, tx, metrics=metrics, log_path=folder / "logs" / f"{stem}.jsonl", progress=False
   )
   if prune and args.mode == "one_shot":
     # The released code switches to mixup (α = 0.3) after the hard prune.
@@ -202,6 +184,7 @@ def _run(args, row: str, prune: bool, train_set, test_set) -> dict[str, Any]:
     "test_acc": history[-1]["test_acc"],
     "compression": flops.compression_ratio(trainer.params),
     "wall_time_s": history[-1]["wall_time_s"],
+    "log": f"logs/{stem}.jsonl",
     "history": history,
   }
   if prune:
@@ -218,8 +201,8 @@ def _run(args, row: str, prune: bool, train_set, test_set) -> dict[str, Any]:
         int(i) for i in next((ls.pool for ls in st.layers.values() if ls.pool is not None), [])
       ],
     )
-    _plots(result, RESULTS / f"{stem}")
-  (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2, default=float))
+    _plots(result, folder / stem)
+  (folder / f"{stem}.json").write_text(json.dumps(result, indent=2, default=float))
   return result
 
 
@@ -275,87 +258,88 @@ def _plots(result: dict[str, Any], stem: Path) -> None:
 
 
 def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str) -> str:
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  machine = machine_description()
-  mode = (
-    f"reduced budget: width x{args.width}, {args.train_subset} train / {args.test_subset} "
-    f"test images, {args.epochs} epochs"
-    if args.budget
-    else f"full recipe, {args.epochs} epochs"
+  rows, logs = [], {}
+  for row, res in results.items():
+    paper = PAPER.get(row)
+    dense, clk = res.get("dense"), res.get("clicktrain")
+    for method, run in (("dense", dense), ("ClickTrain", clk)):
+      if run is None:
+        continue
+      label = f"{row} {method}"
+      if method == "dense":
+        theirs = [paper and paper[0], None, None, None]
+        ours = [f"{100 * run['test_acc']:.2f}", None, f"{run['compression']:.2f}x", None]
+      else:
+        theirs = [
+          None,
+          paper and f"{paper[1]:+.1f}",
+          paper and f"{paper[2]}x",
+          paper and f"{paper[3]}% / {paper[4]}%",
+        ]
+        delta = 100 * (run["test_acc"] - dense["test_acc"]) if dense else None
+        fs = run["flops_saved"]
+        ours = [
+          f"{100 * run['test_acc']:.2f}",
+          None if delta is None else f"{delta:+.2f}",
+          f"{run['compression']:.2f}x",
+          f"{100 * fs['training']:.1f}% / {100 * fs['inference']:.1f}%",
+        ]
+      rows.append((label, theirs, ours))
+      if "log" in run:
+        logs[label] = run["log"]
+  page = _tables.results_page(
+    "ClickTrain Table 1 — CIFAR-10, dense vs ClickTrain",
+    command=command,
+    budget_name=args.budget,
+    budget=_tables.get_budget("clicktrain_table1", args.budget),
+    machine=machine_description(),
+    columns=["acc (%)", "Δ acc (points)", "compression", "train / inference FLOPs saved"],
+    rows=rows,
+    logs=logs,
+    notes=[
+      (
+        f"ClickTrain mode: `{args.mode}`; data: the JPEG re-encoded CIFAR-10 (accuracies a "
+        "little under published numbers)."
+      ),
+      "Paper: 190 epochs at full width; hard prune at epoch "
+      + ", ".join(f"{r} {p[5]}" for r, p in PAPER.items())
+      + "; PruneTrain in the same table: "
+      + ", ".join(f"{r} {d:+.1f} points at {c}x" for r, (d, c) in PRUNETRAIN.items())
+      + ".",
+      (
+        "FLOPs saved (ours) are per step once hard-pruned (sparse conv accounting of "
+        "`jaxprune.flops`: pruned weights skipped in forward and both backward convs); the "
+        "paper's training column averages over the whole run."
+      ),
+      *(
+        [
+          (
+            "Reduced budget: compare dense vs ClickTrain within this table, not with the "
+            "paper's accuracy columns."
+          )
+        ]
+        if args.budget != "paper"
+        else []
+      ),
+    ],
   )
-  lines = [
-    f"# ClickTrain Table 1 (CIFAR-10), {mode}",
-    "",
-    f"- Command: `{command}`",
-    f"- Date: {date}",
-    f"- Machine: {machine}",
-    f"- ClickTrain mode: `{args.mode}`; data: the JPEG re-encoded CIFAR-10 (accuracies a little "
-    "under published numbers).",
-    *(
-      [
-        f"- VGG classifier init: N(0, {args.linear_init_std}) instead of the paper's N(0, 0.01): "
-        "at reduced width the std-0.01 3-layer MLP keeps the loss at ln 10 for the first "
-        "hundreds of steps, longer than the budget; dense and ClickTrain rows use the same init."
-      ]
-      if args.linear_init_std is not None
-      else []
-    ),
-    *(
-      [
-        "- Budget runs are far from converged: compare dense vs ClickTrain within this table, "
-        "not with the paper's accuracy columns."
-      ]
-      if args.budget
-      else []
-    ),
-    "",
-    "| model | method | base acc | acc | Δ | comp. ratio | train / inf FLOPs saved | "
-    "hard-prune epoch | paper (CLK): base, Δ, ratio, FLOPs saved, epoch | paper PruneTrain Δ, ratio |",
-    "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
-  ]
-  for row, res in results.items():
-    if row in PAPER:
-      p = PAPER[row]
-      paper = f"{p[0]}%, {p[1]:+.1f}%, {p[2]}x, {p[3]}% / {p[4]}%, {p[5]}"
-      prt = f"{PRUNETRAIN[row][0]:+.1f}%, {PRUNETRAIN[row][1]}x"
-    else:
-      paper = prt = "n/a (not a Table 1 row)"
-    dense = res.get("dense")
-    base = f"{100 * dense['test_acc']:.2f}%" if dense else "—"
-    if dense:
-      lines.append(
-        f"| {row} | dense | {base} | {base} | 0 | {dense['compression']:.2f}x | — | — "
-        f"| {paper} | {prt} |"
-      )
-    clk = res.get("clicktrain")
-    if clk:
-      delta = f"{100 * (clk['test_acc'] - dense['test_acc']):+.2f}%" if dense else "—"
-      fs = clk["flops_saved"]
-      lines.append(
-        f"| {row} | ClickTrain | {base} | {100 * clk['test_acc']:.2f}% | {delta} "
-        f"| {clk['compression']:.2f}x | {100 * fs['training']:.1f}% / {100 * fs['inference']:.1f}% "
-        f"| {_schedule(args, row)['hard_prune_epoch']} | {paper} | {prt} |"
-      )
-  lines += [
-    "",
-    "FLOPs saved are per step once hard-pruned (sparse conv accounting of "
-    "`jaxprune.flops`: pruned weights skipped in forward and both backward convs). The "
-    "paper's training column averages over the whole run.",
-    "",
-  ]
-  prefix = "clicktrain_table1_budget" if args.budget else "clicktrain_table1"
+  lines = [page]
   for row, res in results.items():
     clk = res.get("clicktrain")
     if clk:
+      stem = f"table1_{args.budget}_{row}_clicktrain"
       lines += [
         f"## {row}: pattern pool and per-layer sparsity",
         "",
-        f"- final stage: {clk['stage']}; pool (ids into `all_patterns(4, 3)`, most "
-        f"competitive first): {clk['pool']}",
-        f"- patterns used by kept kernels (id: count): "
-        + ", ".join(f"{i}: {c}" for i, c in zip(*clk['pattern_usage'].get(3, [[], []]))),
-        f"- ![patterns]({prefix}_{row}_clicktrain_patterns.png)",
-        f"- ![sparsity]({prefix}_{row}_clicktrain_sparsity.png)",
+        (
+          f"- final stage: {clk['stage']}; hard prune at epoch "
+          f"{_schedule(args, row)['hard_prune_epoch']}; pool (ids into `all_patterns(4, 3)`, "
+          f"most competitive first): {clk['pool']}"
+        ),
+        "- patterns used by kept kernels (id: count): "
+        + ", ".join(f"{i}: {c}" for i, c in zip(*clk["pattern_usage"].get("3", [[], []]))),
+        f"- ![patterns]({stem}_patterns.png)",
+        f"- ![sparsity]({stem}_sparsity.png)",
         "",
         "| layer | zero weights |",
         "|---|---:|",
@@ -365,36 +349,39 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
   return "\n".join(lines) + "\n"
 
 
+def _saved_rows(folder: Path, budget: str) -> dict[str, dict[str, Any]]:
+  """Every row of ``budget`` whose JSON is in ``folder`` (rows run separately share a page)."""
+  results: dict[str, dict[str, Any]] = {}
+  for row in (*PAPER, *EXTRA_ROWS):
+    for method in ("dense", "clicktrain"):
+      path = folder / f"table1_{budget}_{row}_{method}.json"
+      if path.exists():
+        results.setdefault(row, {})[method] = json.loads(path.read_text())
+  return results
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
-  command = "python -m experiments.run clicktrain_table1 " + shlex.join(
-    list(argv) if argv is not None else sys.argv[1:]
-  )
+  command = _tables.command_line("clicktrain_table1", argv)
   rows = [r.strip() for r in args.rows.split(",") if r.strip()]
   for r in rows:
     if r not in PAPER and r not in EXTRA_ROWS:
       raise ValueError(f"--rows: unknown row {r!r}; choose from {sorted(PAPER) + list(EXTRA_ROWS)}")
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  train_set = data.load("cifar10", root=args.root, split="train")
-  test_set = data.load("cifar10", root=args.root, split="test")
-  if args.train_subset:
-    train_set = train_set.subset(
-      np.random.default_rng(args.seed).permutation(len(train_set.labels))[: args.train_subset]
-    )
-  if args.test_subset:
-    # the test set is stored class by class: a random subset keeps every class
-    test_set = test_set.subset(
-      np.random.default_rng(args.seed + 1).permutation(len(test_set.labels))[: args.test_subset]
-    )
+  folder = _tables.output_dir("clicktrain", args.publish, args.out)
+  train_set = data.load("cifar10", root=args.root, split="train").balanced_subset(
+    args.train_subset, args.seed
+  )
+  test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
+    args.test_subset, args.seed + 1
+  )
+  out = folder / f"table1_{args.budget}.md"
   results: dict[str, dict[str, Any]] = {}
-  # one markdown per set of rows, so a run of other rows does not overwrite it
-  out = RESULTS / f"clicktrain_table1{'_budget' if args.budget else ''}_{'_'.join(rows)}.md"
   for row in rows:
     results[row] = {}
     for prune in (True,) if args.skip_dense else (False, True):
-      res = _run(args, row, prune, train_set, test_set)
+      res = _run(args, row, prune, train_set, test_set, folder)
       results[row]["clicktrain" if prune else "dense"] = res
-      out.write_text(_markdown(args, results, command))
+      out.write_text(_markdown(args, _saved_rows(folder, args.budget), command))
       print(
         f"{row} {res['method']}: acc {100 * res['test_acc']:.2f}% "
         f"compression {res['compression']:.2f}x",

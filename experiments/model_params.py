@@ -5,7 +5,7 @@ running statistics), on abstract models (``nnx.eval_shape``: nothing is allocate
 classes for the CIFAR families and 1000 for ImageNet. The reference column holds the figures
 this library must reproduce (the papers, torchvision, kuangliu/pytorch-cifar).
 
-    python -m experiments.run model_params [--output experiments/results/model_params.md]
+    python -m experiments.run model_params [--publish | --output PATH]
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import flax
 import jax
 from flax import nnx
 
+from experiments import _tables
 from jaxprune import models
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # Published / design figures (parameters), with their source.
 _REFERENCE = {
@@ -96,14 +95,17 @@ def table(names: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> str:
   """Writes the table to ``--output`` and returns it."""
   parser = argparse.ArgumentParser(prog="model_params", description=__doc__.splitlines()[0])
-  parser.add_argument("--output", type=Path, default=RESULTS / "model_params.md")
+  parser.add_argument("--output", type=Path, default=None, help="default: model_params.md")
+  _tables.add_publish_argument(parser, "benchmarks/")
   args = parser.parse_args(argv)
+  if args.output is None:
+    args.output = _tables.output_dir("benchmarks", args.publish) / "model_params.md"
   command = "python -m experiments.run model_params " + shlex.join(list(argv or []))
   body = table(models.available())
   text = (
     "# Registered models and parameter counts\n\n"
     f"Command: `{command.strip()}`  \n"
-    f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  \n"
+    f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}  \n"
     f"JAX {jax.__version__}, Flax {flax.__version__}\n\n"
     "Parameters = `nnx.Param` entries (weights, biases, BatchNorm γ/β; running statistics "
     "excluded). `prunetrain-*` and `clicktrain-*` models of the same name are different "

@@ -15,9 +15,10 @@ it times on the machine at hand, with the layer's real input shape:
 
 Times are medians of ``--repeats`` calls of the jitted function after a warm-up call; each
 ratio compares two functions timed in the same run. Writes
-``experiments/results/pattern_conv_bench<suffix>.{md,json}`` (``--out`` to change)::
+``runs/benchmarks/pattern_conv_bench<suffix>.{md,json}`` (``--publish``:
+``experiments/results/benchmarks/``; ``--out`` to change)::
 
-    python -m experiments.run pattern_conv_bench                  # the table in results/
+    python -m experiments.run pattern_conv_bench --publish        # the table in results/
     python -m experiments.run pattern_conv_bench --models vgg11 --batch 4 --repeats 2
 """
 
@@ -35,9 +36,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import sparse as jsparse
 from flax import nnx
+from jax.experimental import sparse as jsparse
 
+from experiments import _tables
 from experiments._machine import machine_description
 from experiments.clicktrain_table1 import kernel_ratio_fn
 from jaxprune import flops, models
@@ -48,7 +50,6 @@ from jaxprune.clicktrain.sparse_execution import median_call_ms, time_layer
 from jaxprune.clicktrain.transform import default_layer_filter
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def clicktrain_like_mask(
@@ -212,9 +213,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--balanced", action="store_true", help="equal kernels removed per filter")
   parser.add_argument("--layers", type=int, default=None, help="time only the first N layers")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--out", type=Path, default=RESULTS)
+  parser.add_argument("--out", type=Path, default=None, help="folder (default: see --publish)")
+  _tables.add_publish_argument(parser, "benchmarks/")
   parser.add_argument("--name-suffix", default="")
   args = parser.parse_args(argv)
+  if args.out is None:
+    args.out = _tables.output_dir("benchmarks", args.publish)
   for name in ("batch", "image_size", "repeats"):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -10,15 +10,15 @@ same batch size.  The measured time ratio is put beside the training-FLOP ratio
 (:mod:`jaxprune.flops`); target: time ratio within 1.25x of the FLOP ratio.
 
     python -m experiments.run prunetrain_speed [--model prunetrain-resnet32] [--keep 0.75 0.5 0.25] \
-        [--run experiments/results/prunetrain_table1_<model>_budget.json]
+        [--run runs/prunetrain/table1_cpu_resnet32.json] [--publish]
 
-Writes ``experiments/results/prunetrain_speed{--name-suffix}.{md,json}``.
+Writes ``runs/prunetrain/prunetrain_speed{--name-suffix}.{md,json}``, or to
+``experiments/results/prunetrain/`` with ``--publish``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shlex
 import statistics
@@ -33,12 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import _tables
 from experiments._machine import host_steal_seconds, machine_description, steal_since
 from experiments._op_profile import KINDS, op_seconds_by_kind
 from jaxprune import flops, models, train
 from jaxprune import prunetrain as pt
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def kill_channels(model: nnx.Module, keep: float, seed: int = 0) -> None:
@@ -207,6 +206,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     "split the op time into convolution / dot, transpose / copy and elementwise / reduction",
   )
   parser.add_argument("--name-suffix", default="", help="appended to the result file names")
+  _tables.add_publish_argument(parser, "prunetrain/")
   args = parser.parse_args(argv)
   if not args.keep and not args.run:
     parser.error("nothing to time: give --keep fractions or --run files")
@@ -283,13 +283,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _write(result: dict[str, Any], args: argparse.Namespace) -> None:
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  folder = _tables.output_dir("prunetrain", args.publish)
+  date = _tables.utc_now()
   machine = machine_description()
   result = {**result, "date": date, "machine": machine}
   name = f"prunetrain_speed{args.name_suffix}"
-  (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
-  (RESULTS / f"{name}.md").write_text("\n".join(_markdown(result, args)) + "\n")
+  (folder / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+  (folder / f"{name}.md").write_text("\n".join(_markdown(result, args)) + "\n")
 
 
 def _markdown(result: dict[str, Any], args: argparse.Namespace) -> list[str]:

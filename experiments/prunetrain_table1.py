@@ -5,35 +5,40 @@ Paper recipe (PruneTrain §5 and the authors' scripts): batch 128, SGD momentum 
 every 10 epochs, dynamic mini-batch (+32 while the step's memory fits the first step's,
 LR scaled linearly).  Both runs use the same data, schedule and number of epochs.
 
-``--budget`` is the reduced CPU mode: a class-balanced 10 240-image subset of the training
-set, 8 epochs at batch 64 (1 280 steps; lr 0.05, linear scaling), one LR drop at 75%,
-reconfiguration every epoch, penalty ratio 0.85 and threshold 1e-2.  Why: with SGD the
-group lasso shrinks a group's norm by about lr·λ/(1−momentum) per step; with the paper's
-ratio 0.2 (λ ≈ 2e-4 for ResNet-32) that is ~1e-4 per step, so the ~1.4-norm groups of a
-fresh ResNet-32 need ~10⁴ steps to die, while a CPU budget affords ~10³.  Ratio 0.85
-(λ ≈ 4e-3) shrinks an undefended group to zero in ~700 steps, leaving the rest of the run
-to recover; the groups then jitter around zero with amplitude ~lr·λ, above the paper's
-1e-4, hence the larger threshold.  Earlier probes on 2 560 images × 5 epochs (200 steps):
-ratio 0.9 removed nothing and cost 6 points; 0.95 removed 37% of the inference FLOPs but
-held the network at chance for two epochs (−21 points).  The budget numbers show the
-mechanism end to end (dense vs PruneTrain at the same budget); they are not the paper's
-operating point.
+``--budget paper`` is that recipe; ``--budget cpu`` (the default) the reduced one every row
+shares (``experiments/_tables.py``): half width over the full training set, 10 epochs at batch
+128 (3 900 steps), LR drops at 50% / 75%, reconfiguration every epoch, penalty ratio 0.6 and
+threshold 1e-2.  Why: with SGD the group lasso shrinks a group's norm by about
+lr·λ/(1−momentum) per step; with the paper's ratio 0.2 (λ ≈ 2e-4 for ResNet-32) that is
+~1e-4 per step, so the ~1.4-norm groups of a fresh ResNet-32 need ~10⁴ steps to die, while
+the budget affords ~4·10³; the groups then jitter around zero with amplitude ~lr·λ, above the
+paper's 1e-4, hence the larger threshold.  Earlier probes (10 240 images × 8 epochs at lr
+0.05, 1 280 steps, full width; summarised in ``results/prunetrain/index.md``): ratios 0.5 and
+0.7 removed nothing, 0.78 removed 34% of the inference FLOPs for −3.3 points, 0.85 removed
+62–68% for −22 to −30 points; the cpu budget has about 6× their shrinkage (lr × steps), so
+0.6 sits between "nothing" and "too much".
 
-    python -m experiments.run prunetrain_table1 --model prunetrain-resnet32            # paper
-    python -m experiments.run prunetrain_table1 --model prunetrain-resnet32 --budget   # CPU
+    python -m experiments.run prunetrain_table1 --budget paper --rows resnet32   # GPU
+    python -m experiments.run prunetrain_table1 --budget cpu --rows resnet32     # ~1 h, 2 cores
+
+Each row writes ``table1_<budget>_<row>.{md,json}`` (the per-epoch channels / FLOPs table
+and the plot ``table1_<budget>_<row>_over_training.png``) and its runs' epoch logs
+(``logs/``); the table page ``table1_<budget>.md`` gathers every row present in the folder
+beside the paper's Table 1.  All go to ``runs/prunetrain/``, or to
+``experiments/results/prunetrain/`` with ``--publish``.
 
 ``--proximal`` applies the group lasso as a proximal step (``with_group_lasso(...,
 proximal=True)``: groups reach exact zero, so the paper's 1e-4 threshold applies);
 ``--channel-multiple k`` rounds the kept widths up to multiples of k.  At this budget the
 proximal form did not give a better trade-off: ratio 0.99 (λ ≈ 0.076, the proximal step is
 not amplified by momentum) removed channels from epoch 2 on but held the network at
-13–25% (``prunetrain_table1_resnet32_budget_proximal.md``).
+13–25% (a probe summarised in ``results/prunetrain/index.md``).
 
 ``--min-flops-saving f`` installs a reconfiguration only when it saves at least ``f`` of the
 inference FLOPs (``PruneTrainCallback(min_flops_saving=f)``): on the CPU every installed one
 costs 10–12 s between epochs (the pruning, the cost accounting and one compilation of the
 step to probe the dynamic mini-batch) plus the recompilation of the step in the next epoch
-(``_ratio078_paired.md``), together about 25 ResNet-32 steps.  Each
+(measured in a paired probe), together about 25 ResNet-32 steps.  Each
 run's training CPU seconds and the host's steal time are recorded beside the wall time: on a
 shared virtual machine steal time stretches wall time (by 2× in some epochs of earlier runs)
 without changing the work.
@@ -44,18 +49,13 @@ dense runs, ``_milestones`` and ``_milestones_skip5``, trained in 1310 s and 840
 than the saving being measured. Alternating, both see the same drift; the paired run
 computes exactly what the two separate runs compute (tested).
 
-Writes ``experiments/results/prunetrain_table1_<model>[_budget].{md,json}`` (and JSON lines
-per run) with the paper's Table 1 numbers beside the measured ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import shlex
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,11 +63,10 @@ from typing import Any
 
 from flax import nnx
 
+from experiments import _tables
 from experiments._machine import host_steal_seconds, machine_description, steal_since
 from jaxprune import data, methods, models, train
 from jaxprune import prunetrain as pt
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # PruneTrain Table 1, CIFAR-10: accuracy change vs dense, training FLOPs and inference FLOPs
 # of the final model as a fraction of the dense baseline (training time in brackets).
@@ -98,51 +97,15 @@ PAPER = {
   },
 }
 
-# Reduced CPU mode defaults (each can still be overridden on the command line).
-BUDGET = {
-  "train_subset": 10240,
-  "test_subset": 2000,
-  "epochs": 8,
-  "interval": 1,
-  "penalty_ratio": 0.85,
-  "threshold": 1e-2,
-  "batch_size": 64,
-  "lr": 0.05,
-  "milestones": [0.75],
-}
-FULL = {
-  "train_subset": 0,
-  "test_subset": 0,
-  "epochs": 182,
-  "interval": 10,
-  "penalty_ratio": 0.2,
-  "threshold": 1e-4,
-  "batch_size": 128,
-  "lr": 0.1,
-  "milestones": [0.5, 0.75],
-}
-
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="prunetrain_table1", description=__doc__.splitlines()[0])
-  parser.add_argument("--model", default="prunetrain-resnet32", choices=sorted(PAPER))
-  parser.add_argument("--budget", action="store_true", help="reduced CPU mode (see module doc)")
-  parser.add_argument("--epochs", type=int, default=None)
-  parser.add_argument("--interval", type=int, default=None, help="epochs between reconfigurations")
-  parser.add_argument("--penalty-ratio", type=float, default=None)
-  parser.add_argument("--train-subset", type=int, default=None, help="0 = all 50 000 images")
-  parser.add_argument("--test-subset", type=int, default=None, help="0 = all 10 000 images")
-  parser.add_argument("--batch-size", type=int, default=None)
-  parser.add_argument("--lr", type=float, default=None)
+  _tables.add_table_arguments(parser, "prunetrain_table1")
   parser.add_argument(
-    "--milestones",
-    type=float,
-    nargs="*",
-    default=None,
-    help="LR x0.1 at these fractions of the run (paper: 0.5 0.75)",
+    "--rows",
+    default="resnet32",
+    help=f"comma list of {','.join(ROWS)} (every row trains with the same budget)",
   )
-  parser.add_argument("--weight-decay", type=float, default=5e-4)
-  parser.add_argument("--threshold", type=float, default=None)
   parser.add_argument(
     "--proximal",
     action="store_true",
@@ -158,6 +121,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     default=0.0,
     help="install a reconfiguration only when it saves at least this fraction of the "
     "inference FLOPs (each one recompiles the step); 0 = the paper's behaviour",
+  )
+  parser.add_argument(
+    "--recompute-batchnorm",
+    type=int,
+    default=0,
+    metavar="N",
+    help="re-estimate BatchNorm statistics from N training batches before each evaluation and "
+    "after each installed reconfiguration (PruneTrainCallback); 0 = off, the paper's behaviour",
   )
   parser.add_argument("--skip-dense", action="store_true", help="run PruneTrain only")
   parser.add_argument(
@@ -175,16 +146,20 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     help="train dense and PruneTrain in one process, alternating epochs, so that both see "
     "the same host load (the wall-time comparison of a shared machine)",
   )
-  parser.add_argument("--name-suffix", default="", help="appended to the result file names")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--root", default=None, help="CIFAR-10 source (default: data package's)")
+  parser.add_argument(
+    "--name-suffix", default="", help="appended to the row's file names (probes, not rows)"
+  )
   args = parser.parse_args(argv)
-  defaults = BUDGET if args.budget else FULL
-  for key, value in defaults.items():
-    if getattr(args, key) is None:
-      setattr(args, key, value)
-  if args.epochs < 1 or args.interval < 1:
-    parser.error("--epochs and --interval must be >= 1")
+  rows = [r for r in args.rows.split(",") if r]
+  unknown = sorted(set(rows) - set(ROWS))
+  if unknown or not rows:
+    parser.error(f"--rows: unknown {unknown}; choose from {ROWS}")
+  args.rows = rows
+  args.model = f"prunetrain-{rows[0]}"  # main sets each row's in turn
+  # The budget's settings become attributes, as recorded in each row's JSON.
+  for key, value in _tables.get_budget("prunetrain_table1", args.budget).items():
+    setattr(args, key, list(value) if isinstance(value, tuple) else value)
+  args.weight_decay = 5e-4
   if args.reuse_dense is not None and not args.skip_dense:
     parser.error("--reuse-dense needs --skip-dense (otherwise the dense row is run)")
   if args.paired and args.skip_dense:
@@ -192,9 +167,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
+ROWS = tuple(name.split("-", 1)[1] for name in PAPER)
 # Settings that make a dense row reusable: the dense run does not depend on the others.
 _DENSE_SETTINGS = (
   "model",
+  "width",
   "train_subset",
   "test_subset",
   "epochs",
@@ -206,7 +183,9 @@ _DENSE_SETTINGS = (
 )
 
 
-def _reused_dense_run(args: argparse.Namespace, name: str) -> dict[str, Any] | None:
+def _reused_dense_run(
+  args: argparse.Namespace, name: str, folder: Path | None = None
+) -> dict[str, Any] | None:
   """The dense run of ``--reuse-dense``'s JSON (None without the flag).
 
   Raises:
@@ -218,7 +197,9 @@ def _reused_dense_run(args: argparse.Namespace, name: str) -> dict[str, Any] | N
     previous = Path(args.reuse_dense)
   else:
     base = name[: -len(args.name_suffix)] if args.name_suffix else name
-    previous = (RESULTS / base).with_suffix(".json")
+    previous = (
+      (folder or _tables.output_dir("prunetrain", args.publish, args.out)) / base
+    ).with_suffix(".json")
   earlier = json.loads(previous.read_text())
   different = [k for k in _DENSE_SETTINGS if earlier["args"].get(k) != getattr(args, k)]
   if different:
@@ -261,7 +242,12 @@ def _build(args: argparse.Namespace, method: str, train_set, test_set, log_dir: 
   milestones = [m for m in milestones if m < args.epochs]
   schedule = train.step_schedule(args.lr, steps_per_epoch, milestones) if milestones else args.lr
   tx = train.sgd(schedule, momentum=0.9, weight_decay=args.weight_decay)
-  model = models.create(args.model, num_classes=train_set.num_classes, rngs=nnx.Rngs(args.seed))
+  model = models.create(
+    args.model,
+    num_classes=train_set.num_classes,
+    rngs=nnx.Rngs(args.seed),
+    width_multiplier=args.width,
+  )
   image_shape = tuple(train_set.images.shape[1:])
   config = {}
   if method == "prunetrain":
@@ -274,6 +260,7 @@ def _build(args: argparse.Namespace, method: str, train_set, test_set, log_dir: 
       "dynamic_batch": not args.no_dynamic_batch,
       "max_batch_size": len(train_set),
       "min_flops_saving": args.min_flops_saving,
+      "recompute_batchnorm": args.recompute_batchnorm,
     }
   run = methods.Run.from_loader(train_loader, epochs=args.epochs)
   chosen = methods.get(method, **config)
@@ -363,25 +350,29 @@ def _result(args: argparse.Namespace, run: _Run) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
-  command = "python -m experiments.run prunetrain_table1 " + shlex.join(
-    list(argv) if argv is not None else sys.argv[1:]
-  )
-  name = (
-    f"prunetrain_table1_{args.model.split('-', 1)[1]}"
-    + ("_budget" if args.budget else "")
-    + args.name_suffix
-  )
-  reused = _reused_dense_run(args, name)  # before loading data: a mismatch fails fast
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  log_dir = RESULTS / "scratch" / name
-  log_dir.mkdir(parents=True, exist_ok=True)
-  # A subset size of 0 means the full split.
+  command = _tables.command_line("prunetrain_table1", argv)
+  folder = _tables.output_dir("prunetrain", args.publish, args.out)
+  # A subset size of None means the full split.
   train_set = data.load("cifar10", root=args.root, split="train").balanced_subset(
-    args.train_subset or None, args.seed
+    args.train_subset, args.seed
   )
   test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
-    args.test_subset or None, args.seed + 1
+    args.test_subset, args.seed + 1
   )
+  out = {}
+  for row in args.rows:
+    args.model = f"prunetrain-{row}"
+    out[row] = _run_row(
+      args, f"table1_{args.budget}_{row}{args.name_suffix}", folder, command, train_set, test_set
+    )
+    write_table_page(folder, args.budget, command)
+  return out
+
+
+def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]:
+  reused = _reused_dense_run(args, name, folder)
+  log_dir = folder / "logs" / name
+  log_dir.mkdir(parents=True, exist_ok=True)
   runs = {}
   if reused is not None:
     runs["dense"] = reused
@@ -396,13 +387,72 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     _train_paired(paired, args.epochs)
     for run in paired:
       runs[run.method] = _result(args, run)
-    _write(name, args, runs, command)
+    _write(folder / name, args, runs, command)
   for method in [] if args.paired else names:
     run = _build(args, method, train_set, test_set, log_dir)
     run.advance(args.epochs)
     runs[method] = _result(args, run)
-    _write(name, args, runs, command)
+    _write(folder / name, args, runs, command)
   return runs
+
+
+def write_table_page(folder: Path, budget_name: str, command: str) -> Path:
+  """``table1_<budget>.md``: every row of this budget in ``folder`` beside the paper's
+  Table 1 (the rows' JSON files are the source, so rows run separately share one page)."""
+  rows, logs = [], {}
+  for row in ROWS:
+    path = folder / f"table1_{budget_name}_{row}.json"
+    if not path.exists():
+      continue
+    saved = json.loads(path.read_text())
+    paper, runs = saved["paper"], saved["runs"]
+    dense, pruned = runs.get("dense"), runs.get("prunetrain")
+    ours = [None, None, None, None]
+    if pruned:
+      delta = 100 * (pruned["test_acc"] - dense["test_acc"]) if dense else None
+      ours = [
+        f"{100 * dense['test_acc']:.2f}" if dense else None,
+        None if delta is None else f"{delta:+.2f}",
+        f"{100 * pruned['train_flops_ratio']:.0f}%",
+        f"{100 * pruned['inference_flops_ratio']:.0f}%",
+      ]
+    label = f"[{row}]({path.stem}.md)"
+    rows.append(
+      (
+        label,
+        [
+          None,
+          f"{paper['acc_delta']:+.1f}",
+          f"{100 * paper['train_flops']:.0f}%",
+          f"{100 * paper['inference_flops']:.0f}%",
+        ],
+        ours,
+      )
+    )
+    logs[label] = f"logs/{path.stem}/prunetrain.jsonl"
+  page = _tables.results_page(
+    "PruneTrain Table 1 — CIFAR-10, dense vs PruneTrain",
+    command=command,
+    budget_name=budget_name,
+    budget=_tables.get_budget("prunetrain_table1", budget_name),
+    machine=machine_description(),
+    columns=["dense acc (%)", "Δ acc (points)", "train FLOPs", "inference FLOPs"],
+    rows=rows,
+    logs=logs,
+    notes=[
+      (
+        "FLOPs are PruneTrain's as a fraction of the dense run's (training: the whole run; "
+        "inference: the final model). The paper's accuracy is after 182 epochs at full width."
+      ),
+      (
+        "Each row links its page: per-epoch test accuracy, batch size, inference FLOPs, params "
+        "and channels removed, and the channels / FLOPs-over-training plot."
+      ),
+    ],
+  )
+  out = folder / f"table1_{budget_name}.md"
+  out.write_text(page)
+  return out
 
 
 def _named_runs(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list[tuple[str, Any]]:
@@ -470,10 +520,10 @@ def _paired_epoch_rows(pt_run: dict[str, Any], dense: dict[str, Any]) -> list[st
   return lines
 
 
-def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: str) -> None:
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def _write(stem: Path, args: argparse.Namespace, runs: dict[str, Any], command: str) -> None:
+  date = _tables.utc_now()
   machine = machine_description()
-  (RESULTS / f"{name}.json").write_text(
+  stem.with_suffix(".json").write_text(
     json.dumps(
       {
         "args": vars(args),
@@ -489,13 +539,14 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
   paper = PAPER[args.model]
   pt_run, dense = runs.get("prunetrain"), runs.get("dense")
   lines = [
-    f"# PruneTrain Table 1, CIFAR-10 {args.model}"
-    + (" (reduced CPU budget)" if args.budget else ""),
+    f"# PruneTrain Table 1, CIFAR-10 {args.model}, budget `{args.budget}`",
     "",
     f"- Command: `{command}`",
     f"- Date: {date}; machine: {machine}",
-    f"- Data: {args.train_subset or 50000} training / {args.test_subset or 10000} test images "
-    "of the JPEG-re-encoded CIFAR-10; pad-4 crop + flip.",
+    (
+      f"- Data: {args.train_subset or 50000} training / {args.test_subset or 10000} test images "
+      f"of the JPEG-re-encoded CIFAR-10; pad-4 crop + flip; model width ×{args.width:g}."
+    ),
     f"- Recipe: batch {args.batch_size}, SGD momentum 0.9, lr {args.lr} (×0.1 at "
     f"{', '.join(f'{100 * f:.0f}%' for f in args.milestones)} of {args.epochs} epochs), "
     f"wd {args.weight_decay}; PruneTrain: penalty ratio "
@@ -510,11 +561,17 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
       if args.min_flops_saving
       else ""
     )
+    + (
+      f", BatchNorm statistics re-estimated from {args.recompute_batchnorm} training batches "
+      "before each evaluation and after each installed reconfiguration (not the paper's)"
+      if args.recompute_batchnorm
+      else ""
+    )
     + ".",
   ]
-  if args.budget:
+  if args.budget != "paper":
     lines.append(
-      "- Reduced budget: a few epochs on a subset cannot reach the paper's accuracy. "
+      "- Reduced budget: a few epochs cannot reach the paper's accuracy. "
       "The penalty ratio and threshold are raised so that channels die within the "
       "run (see the module docstring for the arithmetic). Compare the two "
       "measured rows with each other, not with the paper's numbers."
@@ -527,8 +584,10 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
     )
   lines += [
     "",
-    "| | test acc | Δ acc vs dense | train FLOPs (vs dense) | inference FLOPs | "
-    "params | layers removed |",
+    (
+      "| | test acc | Δ acc vs dense | train FLOPs (vs dense) | inference FLOPs | "
+      "params | layers removed |"
+    ),
     "|---|---:|---:|---:|---:|---:|---:|",
   ]
   if dense:
@@ -576,7 +635,52 @@ def _write(name: str, args: argparse.Namespace, runs: dict[str, Any], command: s
       )
     if args.paired and dense:
       lines += ["", *_paired_epoch_rows(pt_run, dense)]
-  (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    plot = _plot_over_training(pt_run, stem)
+    if plot is not None:
+      lines += ["", f"![channels and FLOPs over training]({plot.name})"]
+  lines += [
+    "",
+    "Per-epoch logs: "
+    + ", ".join(f"[{m}](logs/{stem.name}/{m}.jsonl)" for m in runs if m in ("dense", "prunetrain")),
+  ]
+  stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def _plot_over_training(pt_run: dict[str, Any], stem: Path) -> Path | None:
+  """PruneTrain's figure: the model's inference FLOPs and parameters, and the channels
+  removed, after each epoch (relative to the dense model); None without matplotlib."""
+  try:
+    import matplotlib
+  except ImportError:
+    return None
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  history = pt_run["history"]
+  epochs = [r["epoch"] for r in history]
+  flops0, params0 = history[0]["pt_inference_flops"], history[0]["pt_params"]
+  flops = [r.get("pt_inference_flops_after", r["pt_inference_flops"]) / flops0 for r in history]
+  params = [r.get("pt_params_after", r["pt_params"]) / params0 for r in history]
+  removed, total = [], 0
+  for r in history:
+    total += r.get("pt_channels_removed", 0)
+    removed.append(total)
+  fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
+  left.plot(epochs, flops, marker="o", label="inference FLOPs")
+  left.plot(epochs, params, marker="s", label="parameters")
+  left.set_xlabel("epoch")
+  left.set_ylabel("fraction of dense")
+  left.set_ylim(0, 1.05)
+  left.legend(fontsize=8)
+  right.step(epochs, removed, where="post", color="tab:red")
+  right.set_xlabel("epoch")
+  right.set_ylabel("channels removed (cumulative)")
+  fig.suptitle(f"PruneTrain over training: {stem.name}", fontsize=9)
+  fig.tight_layout()
+  out = stem.parent / f"{stem.name}_over_training.png"
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 """Quickstart: train on scikit-learn's 8x8 digits and print a results table.
 
-Runs in about two minutes on 2 CPU cores (five methods x 15 epochs), with no data to
+Runs in a few minutes on 2 CPU cores (five methods x 15 epochs), with no data to
 download (the digits ship inside scikit-learn). Every row is a registered
 :mod:`jaxprune.methods` method with a configuration sized for this run, trained with the same
 data, model, optimizer and budget, so pruning methods can be compared with the dense
 baseline:
 
-    python -m experiments.run quickstart [--epochs 15] [--methods dense] [--json out.json]
+    python -m experiments.run quickstart [--epochs 15] [--methods dense] [--publish]
+
+It writes the table to ``runs/quickstart.md`` (with the command, date and machine; JSON beside
+it), or to ``experiments/results/quickstart.md``, the page the README quotes, with
+``--publish``.
 
 The default rows are the first five of ``METHODS``; the others (``clicktrain-one-shot`` and
 the compositions) run when named in ``--methods``. Adding a row is one entry in ``METHODS``:
@@ -28,12 +32,15 @@ import argparse
 import json
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import optax
 from flax import nnx
 
+from experiments import _tables
+from experiments._machine import machine_description
 from jaxprune import data, flops, methods, models, train
 
 
@@ -191,7 +198,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     default=",".join(DEFAULT_METHODS),
     help=f"comma-separated subset of: {', '.join(METHODS)}",
   )
-  parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+  _tables.add_output_arguments(parser, "quickstart.md")
   parser.add_argument("--progress", action="store_true", help="show per-epoch progress bars")
   args = parser.parse_args(argv)
   if args.epochs < 1:
@@ -202,8 +209,42 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
+_NOTE = (
+  "compression = dense conv weights / nonzero conv weights of the final model; SDGP prunes "
+  "data gradients, not weights, so its model stays dense."
+)
+
+
+def write_page(
+  folder: Path, rows: Sequence[dict[str, Any]], command: str, args: argparse.Namespace
+) -> Path:
+  """Writes ``quickstart.md`` (the table, the command, date and machine) and
+  ``quickstart.json`` to ``folder``; returns the page's path."""
+  page = folder / "quickstart.md"
+  lines = [
+    "# Quickstart: the methods on scikit-learn's digits",
+    "",
+    f"- Command: `{command}`",
+    f"- Date: {_tables.utc_now()}",
+    f"- Machine: {machine_description()}",
+    (
+      f"- Recipe: PruneTrain's ResNet-20 at half width on the 8x8 digits, {args.epochs} epochs, "
+      f"batch {args.batch_size}, SGD momentum 0.9, triangular lr peak {args.lr}, weight decay "
+      f"{args.weight_decay}, seed {args.seed}; the same for every row."
+    ),
+    "",
+    format_table(rows),
+    "",
+    _NOTE,
+  ]
+  page.write_text("\n".join(lines) + "\n")
+  page.with_suffix(".json").write_text(json.dumps(list(rows), indent=2) + "\n")
+  return page
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   args = _parse(argv)
+  command = _tables.command_line("quickstart", argv)
   rows = []
   for name in args.methods.split(","):
     rows.append(run_method(name, args))
@@ -212,13 +253,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
       flush=True,
     )
   print(format_table(rows))
-  print(
-    "compression = dense conv weights / nonzero conv weights of the final model; SDGP prunes "
-    "data gradients, not weights, so its model stays dense."
-  )
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(rows, f, indent=2)
+  print(_NOTE)
+  page = write_page(_tables.output_dir(None, args.publish, args.out), rows, command, args)
+  print(f"wrote {page}")
   return rows
 
 

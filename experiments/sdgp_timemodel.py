@@ -15,16 +15,24 @@ It also times the whole jitted train step (forward, backward, SGD update) of the
 and of SDGP-converted copies in the same run: on hardware without N:M support SDGP cannot be
 faster, the ratio measures the pruning overhead (target ≤ 1.10).
 
-    python -m experiments.run sdgp_timemodel [--width 0.25] [--batch-size 32] [--repeats 10]
+Time-to-accuracy (Fig. 10): the epoch at which each trained n:m cell of ``sdgp_fig8`` (same
+budget, read from its JSON) first reaches the target accuracy, times its projected epoch time:
+the dense cell's mean measured epoch time scaled by the setting's projected step / dense step.
+(The paper rescales the recorded epoch times the same way, for a 94.5% target; on a CPU the
+SDGP cells' own epoch times measure the pruning overhead, not sparse hardware, so the dense
+epoch is the base.)
+
+    python -m experiments.run sdgp_timemodel --budget cpu [--fig8 PATH] [--publish]
+
+``--budget`` sets the width and batch of the timed model and the target accuracy
+(``experiments/_tables.py``); writes ``timemodel_<budget>.{md,json}`` to ``runs/sdgp/``, or to
+``experiments/results/sdgp/`` with ``--publish``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,11 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import _tables
 from experiments._machine import machine_description
+from experiments.sdgp_fig8 import SWEEP as SETTINGS
 from jaxprune import models, sdgp, train
 
-RESULTS = Path(__file__).resolve().parent / "results"
-SETTINGS = ((2, 4), (1, 4), (2, 8), (4, 32))
 STEP_METHODS = ("magnitude", "rescaled_magnitude", "mvue")
 
 
@@ -53,14 +61,14 @@ class _ConvRecorder:
     kwargs.pop("out_sharding", None)
     kwargs.pop("preferred_element_type", None)
     self.records.append(
-      dict(
-        name=self.name,
-        lhs=lhs.shape,
-        rhs=rhs.shape,
-        strides=tuple(window_strides),
-        padding=padding,
-        kwargs=kwargs,
-      )
+      {
+        "name": self.name,
+        "lhs": lhs.shape,
+        "rhs": rhs.shape,
+        "strides": tuple(window_strides),
+        "padding": padding,
+        "kwargs": kwargs,
+      }
     )
     return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, **kwargs)
 
@@ -131,10 +139,55 @@ def step_job(model: nnx.Module, batch: int) -> tuple[Callable, tuple]:
   return trainer.steps.train, (*state, images, labels)
 
 
+def time_to_accuracy(
+  cells: Sequence[dict[str, Any]], step_ratio: dict[tuple[int, int], float], target: float
+) -> list[dict[str, Any]]:
+  """Fig. 10's time-to-accuracy of trained cells.
+
+  Args:
+    cells: ``sdgp_fig8`` records (``method``, ``n``, ``m``, ``history`` with per-epoch
+      ``test_acc`` and ``epoch_time_s``), one of them ``method == "dense"``.
+    step_ratio: ``(n, m)`` -> projected step time / dense step time.
+    target: the accuracy to reach (a fraction).
+
+  Returns:
+    Per cell: ``epochs`` (the first epoch at or above ``target``, None if never),
+    ``epoch_s`` (the dense mean epoch time × the cell's step ratio) and ``tta_s``.
+
+  Raises:
+    ValueError: ``cells`` has no dense cell (its epoch time is the base), or a sparse cell's
+      setting is not in ``step_ratio``.
+  """
+  dense = [c for c in cells if c["method"] == "dense"]
+  if not dense:
+    raise ValueError("cells: no dense cell; its measured epoch time is the base of the projection")
+  history = dense[0]["history"]
+  dense_epoch = sum(r["epoch_time_s"] for r in history) / len(history)
+  out = []
+  for cell in cells:
+    key = (cell["n"], cell["m"])
+    if cell["method"] != "dense" and key not in step_ratio:
+      raise ValueError(f"step_ratio: no projection for {key[0]}:{key[1]}")
+    ratio = 1.0 if cell["method"] == "dense" else step_ratio[key]
+    reached = [r["epoch"] for r in cell["history"] if r["test_acc"] >= target]
+    epochs = reached[0] if reached else None
+    epoch_s = dense_epoch * ratio
+    out.append(
+      {
+        "method": cell["method"],
+        "n": cell["n"],
+        "m": cell["m"],
+        "epochs": epochs,
+        "epoch_s": epoch_s,
+        "tta_s": None if epochs is None else epochs * epoch_s,
+      }
+    )
+  return out
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="sdgp_timemodel", description=__doc__.splitlines()[0])
-  parser.add_argument("--width", type=float, default=0.25, help="ResNet-9 width multiplier")
-  parser.add_argument("--batch-size", type=int, default=32)
+  _tables.add_table_arguments(parser, "sdgp_timemodel")
   parser.add_argument(
     "--repeats",
     type=int,
@@ -144,15 +197,21 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--step-rounds", type=int, default=30, help="round-robin rounds of the whole train steps"
   )
-  parser.add_argument("--name", default="sdgp_timemodel")
+  parser.add_argument(
+    "--fig8",
+    default=None,
+    help="sdgp_fig8 JSON for the time-to-accuracy (default: fig8_<budget>.json in the same "
+    "folder as this run's output)",
+  )
   return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
-  command = "python -m experiments.run sdgp_timemodel " + shlex.join(
-    list(argv) if argv is not None else sys.argv[1:]
-  )
+  command = _tables.command_line("sdgp_timemodel", argv)
+  budget = _tables.get_budget("sdgp_timemodel", args.budget)
+  args.width, args.batch_size = budget["width"], budget["batch_size"]
+  folder = _tables.output_dir("sdgp", args.publish, args.out)
 
   def build() -> nnx.Module:
     return models.create(
@@ -203,8 +262,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       }
     )
 
+  fig8 = Path(args.fig8) if args.fig8 else folder / f"fig8_{args.budget}.json"
+  tta = None
+  if fig8.exists():
+    ratios = {(p["n"], p["m"]): p["projected_step_s"] / steps["dense"] for p in projections}
+    tta = {
+      "source": fig8.name,
+      "target_acc": budget["target_acc"],
+      "cells": time_to_accuracy(
+        json.loads(fig8.read_text())["cells"], ratios, budget["target_acc"]
+      ),
+    }
   result = {
     "command": command,
+    "budget_name": args.budget,
+    "budget": dict(budget),
+    "time_to_accuracy": tta,
     "width": args.width,
     "batch_size": args.batch_size,
     "layers": [{k: v for k, v in layer.items() if k != "kwargs"} for layer in layers],
@@ -213,28 +286,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "steps": steps,
     "projections": projections,
   }
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str))
-  _write_markdown(RESULTS / f"{args.name}.md", args, result, command)
+  name = f"timemodel_{args.budget}"
+  (folder / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+  _write_markdown(folder / f"{name}.md", args, result, command)
   return result
 
 
 def _write_markdown(
   path: Path, args: argparse.Namespace, result: dict[str, Any], command: str
 ) -> None:
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  ms = lambda s: f"{1e3 * s:.2f}"  # noqa: E731
+  date = _tables.utc_now()
+  ms = lambda s: f"{1e3 * s:.2f}"
   steps, totals = result["steps"], result["totals"]
   lines = [
     "# SDGP time model (Fig. 9/10) and step overhead — sdgp-resnet9",
     "",
     f"- Command: `{command}`",
     f"- Date: {date}",
-    f"- Machine: {machine_description()} (2 cores shared with other jobs; each time is the "
-    f"minimum over {args.repeats} round-robin rounds of all conv jobs ({args.step_rounds} "
-    "for the train steps), which still carries the noise of a shared machine)",
-    f"- Reduced for CPU: width ×{args.width}, batch {args.batch_size}, 32×32 inputs (the paper: "
-    "full width, batch 512, A100). Each conv part is its own jitted function.",
+    (
+      f"- Machine: {machine_description()} (2 cores shared with other jobs; each time is the "
+      f"minimum over {args.repeats} round-robin rounds of all conv jobs ({args.step_rounds} "
+      "for the train steps), which still carries the noise of a shared machine)"
+    ),
+    (
+      f"- Budget: `{args.budget}`: width ×{args.width}, batch {args.batch_size}, 32×32 inputs (the "
+      "paper: full width, batch 512, A100). Each conv part is its own jitted function."
+    ),
     "",
     "## Per-layer conv time (ms)",
     "",
@@ -251,16 +328,22 @@ def _write_markdown(
     )
   conv_total = sum(totals.values())
   lines += [
-    f"| **total** | | | {ms(totals['forward'])} | {ms(totals['input_grad'])} | "
-    f"{ms(totals['weight_grad'])} |",
+    (
+      f"| **total** | | | {ms(totals['forward'])} | {ms(totals['input_grad'])} | "
+      f"{ms(totals['weight_grad'])} |"
+    ),
     "",
-    f"dX share of conv time: **{100 * result['input_grad_share']:.1f}%** "
-    f"(paper, ResNet-18 on A100: 33.2%). Conv total {ms(conv_total)} ms.",
+    (
+      f"dX share of conv time: **{100 * result['input_grad_share']:.1f}%** "
+      f"(paper, ResNet-18 on A100: 33.2%). Conv total {ms(conv_total)} ms."
+    ),
     "",
     "## Projected step time with N:M-accelerated dX convs (Fig. 10's method)",
     "",
-    f"Dense train step (measured): {ms(steps['dense'])} ms. Projected = dense step − "
-    "ΣdX·(1 − n/m); paper-style = dense step · (1 − s + s·n/m) with s the dX share.",
+    (
+      f"Dense train step (measured): {ms(steps['dense'])} ms. Projected = dense step − "
+      "ΣdX·(1 − n/m); paper-style = dense step · (1 − s + s·n/m) with s the dX share."
+    ),
     "",
     "| n:m | ratio m/n | projected step (ms) | speed-up | paper-style step (ms) |",
     "|---|---:|---:|---:|---:|",
@@ -270,6 +353,7 @@ def _write_markdown(
       f"| {p['n']}:{p['m']} | {p['ratio']:g} | {ms(p['projected_step_s'])} | "
       f"{p['projected_speedup']:.3f}x | {ms(p['paper_style_step_s'])} |"
     )
+  lines += ["", *_tta_lines(result["time_to_accuracy"])]
   lines += [
     "",
     "## Measured SDGP step / dense step on this machine (2:4, no sparse hardware)",
@@ -281,14 +365,44 @@ def _write_markdown(
     lines.append(f"| {name} | {ms(seconds)} | {seconds / steps['dense']:.3f} |")
   lines += [
     "",
-    "Caveats: SDGP does the dense step's work plus one pass over each conv's output "
-    "gradient, so a ratio below 1 would be noise, not a speed-up. On a shared machine the "
-    "ratios drift with other jobs' load (runs under heavy load moved by ±0.3); equal-shape "
-    "layers (res1/0 vs res1/1, res2/0 vs res2/1) timing alike is a sign of a quiet run. "
-    "The per-part conv times are standalone jitted convs; their sum and the step time "
-    "need not add up.",
+    (
+      "Caveats: SDGP does the dense step's work plus one pass over each conv's output "
+      "gradient, so a ratio below 1 would be noise, not a speed-up. On a shared machine the "
+      "ratios drift with other jobs' load (runs under heavy load moved by ±0.3); equal-shape "
+      "layers (res1/0 vs res1/1, res2/0 vs res2/1) timing alike is a sign of a quiet run. "
+      "The per-part conv times are standalone jitted convs; their sum and the step time "
+      "need not add up."
+    ),
   ]
   path.write_text("\n".join(lines) + "\n")
+
+
+def _tta_lines(tta: dict[str, Any] | None) -> list[str]:
+  """The time-to-accuracy section (Fig. 10's right half)."""
+  lines = ["## Time-to-accuracy (Fig. 10)", ""]
+  if tta is None:
+    return lines + [
+      (
+        "Not computed: no `sdgp_fig8` JSON of this budget beside this page (run "
+        "`python -m experiments.run sdgp_fig8` with the same `--budget` and output first)."
+      )
+    ]
+  lines += [
+    (
+      f"Target {100 * tta['target_acc']:.1f}% test accuracy; cells from "
+      f"[{tta['source']}]({tta['source'].removesuffix('.json')}.md). Paper (94.5%, A100, "
+      "projected): 4:32 reaches the target 27% faster than 16:32; the dX share is 33.31%."
+    ),
+    "",
+    "| setting | first epoch at target | projected epoch (s) | time-to-accuracy (s) |",
+    "|---|---:|---:|---:|",
+  ]
+  for c in tta["cells"]:
+    label = "dense" if c["method"] == "dense" else f"{c['n']}:{c['m']}"
+    epochs = "not reached" if c["epochs"] is None else str(c["epochs"])
+    tta_s = "—" if c["tta_s"] is None else f"{c['tta_s']:.0f}"
+    lines.append(f"| {label} | {epochs} | {c['epoch_s']:.1f} | {tta_s} |")
+  return lines
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from jaxprune import paths
 from jaxprune import masking
 from jaxprune import data
 from jaxprune import distributed
+from jaxprune import multihost
 from jaxprune import flops
 from jaxprune import models
 from jaxprune import train

@@ -15,12 +15,17 @@ reduces that, and scatters it back into a zero-filled gradient.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from jaxprune.paths import path_string
 
 __all__ = [
   "mask_indices",
@@ -29,7 +34,13 @@ __all__ = [
   "reduced_elements",
   "allreduce_gradients",
   "AllreduceGradientsState",
+  "SCOPE_PREFIX",
+  "per_device_keys",
+  "device_key",
 ]
+
+# Each leaf's reduction runs under ``jax.named_scope(f"{SCOPE_PREFIX}[{path}]")``.
+SCOPE_PREFIX = "allreduce"
 
 PyTree = Any
 
@@ -98,18 +109,21 @@ def _check_indices(idx: np.ndarray, size: int) -> None:
 
 
 def _reduce_tree(grads: PyTree, indices: PyTree | None, axis_name, op) -> PyTree:
-  if indices is None:
-    return jax.tree.map(lambda g: op(g, axis_name), grads)
-  g_leaves, treedef = jax.tree.flatten(grads)
-  i_leaves = treedef.flatten_up_to(indices)
+  keyed, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  g_leaves = [g for _, g in keyed]
+  i_leaves = [None] * len(g_leaves) if indices is None else treedef.flatten_up_to(indices)
   for g, idx in zip(g_leaves, i_leaves):
     if idx is not None and int(np.shape(idx)[0]) > int(np.size(g)):
       raise ValueError(f"indices: {np.shape(idx)[0]} indices for a leaf of {np.size(g)} entries")
     if idx is not None and not isinstance(idx, jax.core.Tracer):
       _check_indices(np.asarray(idx), int(np.size(g)))
-  return treedef.unflatten(
-    [_reduce_leaf(g, idx, axis_name, op) for g, idx in zip(g_leaves, i_leaves)]
-  )
+  reduced = []
+  for (key_path, g), idx in zip(keyed, i_leaves):
+    # The scope names the parameter in the compiled program's metadata, so the bytes of
+    # each all-reduce can be traced back to its layer (flops.compiled_allreduces).
+    with jax.named_scope(f"{SCOPE_PREFIX}[{path_string(key_path)}]"):
+      reduced.append(_reduce_leaf(g, idx, axis_name, op))
+  return treedef.unflatten(reduced)
 
 
 def sparse_psum(grads: PyTree, indices: PyTree | None, axis_name: Any) -> PyTree:
@@ -197,3 +211,36 @@ def allreduce_gradients(
     return op(updates, indices, axis_name), state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+# The mapped axis whose index random layers fold into their keys while a data-parallel step
+# is traced (read synchronously at trace time, as `jax.lax.axis_index` needs the axis bound).
+_KEY_AXIS: contextvars.ContextVar = contextvars.ContextVar("device_key_axis", default=None)
+
+
+@contextlib.contextmanager
+def per_device_keys(axis_name: Any) -> Iterator[None]:
+  """While tracing a mapped step, make :func:`device_key` fold in the device's axis index.
+
+  Data parallelism replicates every random stream, so without this each device would draw
+  the same random numbers for its own shard of the batch. Inside this context a random layer
+  (e.g. SDGP's ``random`` / ``mvue`` data-gradient pruning) uses ``fold_in(key, axis_index)``
+  for its draw, while the key it keeps in its state advances as on one device: the state
+  stays replicated and the draws are reproducible from the seed and the device's position.
+
+  Args:
+    axis_name: the ``shard_map`` / ``pmap`` axis of the data-parallel step.
+  """
+  token = _KEY_AXIS.set(axis_name)
+  try:
+    yield
+  finally:
+    _KEY_AXIS.reset(token)
+
+
+def device_key(key: jax.Array | None) -> jax.Array | None:
+  """``key`` folded with this device's index inside :func:`per_device_keys`, else ``key``."""
+  axis_name = _KEY_AXIS.get()
+  if key is None or axis_name is None:
+    return key
+  return jax.random.fold_in(key, jax.lax.axis_index(axis_name))

@@ -301,7 +301,7 @@ class RefillCheck:
   pruning wrapper) re-fills them; the fix is :func:`mask` last in the chain. Call it at epoch
   ends (host side; it costs a walk over the state's nodes unless a mask source is found).
   A source is checked only once it was also found at the previous call: a method may announce
-  its masks at an epoch end and apply them from the next step on (ClickTrain's hard prune).
+  its masks at an epoch end and apply them from the next step on.
 
   Example:
     >>> check = RefillCheck()

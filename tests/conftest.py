@@ -6,6 +6,9 @@ Each fixture returns a builder, so a test picks the seed, channels and classes i
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -108,8 +111,8 @@ def digits_loader():
 @pytest.fixture
 def one_shot_clicktrain():
   """Builder of the ClickTrain transform the masking tests share: one-shot masks from the first
-  batch, hard prune from epoch 1 on (2 steps per epoch: the state says "pruned" at the end of
-  epoch 1, the weights are masked from step 2 on)."""
+  batch, hard prune from epoch 1 on (2 steps per epoch: the state says "pruned" and the weights
+  are masked from the end of epoch 1 on)."""
 
   def build():
     return clicktrain.clicktrain(
@@ -122,3 +125,37 @@ def one_shot_clicktrain():
     )
 
   return build
+
+
+def _cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **(extra or {}))
+  env.pop("XLA_FLAGS", None)  # a device count forced from outside would override the script's
+  return env
+
+
+@pytest.fixture(scope="session")
+def cpu_env():
+  """``cpu_env(extra=None)``: this environment for a CPU-only child process (no forced
+  ``XLA_FLAGS`` device count), plus ``extra``."""
+  return _cpu_env
+
+
+@pytest.fixture
+def run_python():
+  """Runs Python source in a fresh CPU-only interpreter: device counts (``jax_num_cpu_devices``)
+  and ``jax.distributed`` must be set up before JAX starts, which this test process did long ago.
+
+  ``run(source, env=None, timeout=120)`` returns the ``subprocess.CompletedProcess`` (text).
+  """
+
+  def run(source: str, *, env: dict[str, str] | None = None, timeout: float = 120):
+    return subprocess.run(
+      [sys.executable, "-c", source],
+      check=False,
+      capture_output=True,
+      text=True,
+      env=_cpu_env(env),
+      timeout=timeout,
+    )
+
+  return run

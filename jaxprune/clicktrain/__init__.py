@@ -29,6 +29,7 @@ References:
 from jaxprune.clicktrain import reconfigure as _reconfigure  # noqa: F401 (PruneTrain's slicer)
 from jaxprune.clicktrain.importance import kernel_scores, pattern_scores, weight_importance
 from jaxprune.clicktrain.patterns import (
+  ONE_SHOT_POOL_SIZES,
   accumulate_competitive_scores,
   all_patterns,
   centre_block_patterns,
@@ -39,6 +40,7 @@ from jaxprune.clicktrain.patterns import (
   library_patterns,
   loss_margin_ok,
   num_patterns,
+  one_shot_pool,
   pattern_index,
   pattern_mask,
   pattern_masks_from_ids,
@@ -69,7 +71,7 @@ from jaxprune.clicktrain.transform import (
   clicktrain,
   default_layer_filter,
 )
-from jaxprune.clicktrain.preset import method
+from jaxprune.clicktrain.preset import RELEASED_CIFAR10, method, released_method
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
 from jaxprune.clicktrain.pattern_conv import pattern_conv, pattern_conv_values
 from jaxprune.clicktrain.sparse_execution import (
@@ -81,6 +83,8 @@ from jaxprune.clicktrain.sparse_execution import (
 )
 
 __all__ = [
+  "RELEASED_CIFAR10",
+  "released_method",
   "FINALIZE",
   "POOL",
   "PRUNED",
@@ -116,6 +120,8 @@ __all__ = [
   "masks",
   "method",
   "num_patterns",
+  "one_shot_pool",
+  "ONE_SHOT_POOL_SIZES",
   "pattern_conv",
   "pattern_conv_values",
   "pattern_convs",

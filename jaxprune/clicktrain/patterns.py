@@ -56,6 +56,8 @@ __all__ = [
   "pattern_masks_from_ids",
   "library_patterns",
   "library_pattern_ids",
+  "ONE_SHOT_POOL_SIZES",
+  "one_shot_pool",
   "centre_block_patterns",
   "LIBRARY_12",
   "dppg_candidates",
@@ -68,9 +70,10 @@ __all__ = [
   "pattern_mask",
 ]
 
-# The authors' 12-pattern library (rows top -> bottom, 1 = kept). The first four
-# are the four 2x2 blocks containing the centre: the fixed pool of their
-# released code ("one_shot" mode), in this order.
+# The authors' 12-pattern library (rows top -> bottom, 1 = kept), in the order of
+# their released code's pattern table. The first four are the four 2x2 blocks
+# containing the centre. Their "one_shot" rule draws its fixed pool from the head
+# of this list: 4, 8 or 12 patterns (`num_patterns`, see `one_shot_pool`).
 LIBRARY_12: tuple[str, ...] = (
   "000/011/011",
   "000/110/110",
@@ -248,6 +251,32 @@ def library_pattern_ids() -> np.ndarray:
   return np.array([int(np.flatnonzero((table == m).all(1))[0]) for m in flat], np.int32)
 
 
+# The pool sizes of the released code: its table builds pools of the first 4, 8 or 12 entries.
+ONE_SHOT_POOL_SIZES: tuple[int, ...] = (4, 8, 12)
+
+
+def one_shot_pool(num_patterns: int = 4) -> tuple[np.ndarray, np.ndarray]:
+  """The fixed pattern pool of the released code's one-shot rule.
+
+  Their pattern table holds the 12 patterns of ``LIBRARY_12`` in this order and a
+  ``num_patterns`` of 4, 8 or 12 takes the first that many (4, the default there and here:
+  the four 2x2 centre blocks; their VGG-16 config uses 12). Every pattern keeps 4 of 9.
+
+  Args:
+    num_patterns: 4, 8 or 12.
+
+  Returns:
+    ``(masks, ids)``: ``(num_patterns, 3, 3)`` float32 masks and their int32 indices
+    into ``all_patterns(4, 3)``.
+
+  Raises:
+    ValueError: ``num_patterns`` not in ``ONE_SHOT_POOL_SIZES``.
+  """
+  if isinstance(num_patterns, bool) or num_patterns not in ONE_SHOT_POOL_SIZES:
+    raise ValueError(f"num_patterns must be one of {ONE_SHOT_POOL_SIZES}, got {num_patterns!r}")
+  return library_patterns()[:num_patterns], library_pattern_ids()[:num_patterns]
+
+
 def centre_block_patterns() -> np.ndarray:
   """The four 2x2 blocks of a 3x3 kernel that contain the centre, ``(4, 3, 3)``.
 
@@ -255,7 +284,7 @@ def centre_block_patterns() -> np.ndarray:
   ``LIBRARY_12``, the fixed pool of the authors' released code; ties in the
   ``one_shot`` argmax go to the first.
   """
-  return library_patterns()[:4]
+  return one_shot_pool(4)[0]
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,12 +8,13 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxprune.clicktrain.transform import clicktrain
 from jaxprune.methods import Method, Run, split_config
 
-__all__ = ["method", "one_shot_method"]
+__all__ = ["RELEASED_CIFAR10", "method", "one_shot_method", "released_method"]
 
 # The paper prunes at epoch 90-98 of 190 (Table 1); the released code picks its masks 30
 # epochs before that. Both are placed at the same fractions of a run of another length.
@@ -74,3 +75,65 @@ def one_shot_method(**config: Any) -> Method:
   if "mode" in config:
     raise ValueError("mode: clicktrain-one-shot fixes mode='one_shot'; use clicktrain for others")
   return method(mode="one_shot", **config)
+
+
+# The authors' released CIFAR-10 configs of the one-shot rule (their cifar10_<arch>_v1 files):
+# pool size, per-layer kernel-prune ratios (every conv but the stem, in order), group-lasso λ,
+# and the epochs of the mask pick and of the hard prune in their 190-epoch runs.
+_RELEASED_EPOCHS = 190
+RELEASED_CIFAR10: dict[str, dict[str, Any]] = {
+  "vgg11": {
+    "one_shot_patterns": 4,
+    "kernel_prune_ratio": (0.35, 0.45, 0.65, 0.75, 0.80, 0.80, 0.85),
+    "group_lasso_coefficient": 3.5e-4,
+    "one_shot_epoch": 65,
+    "hard_prune_epoch": 143,
+  },
+  "vgg16": {
+    "one_shot_patterns": 12,
+    "kernel_prune_ratio": (0.35, 0.45, 0.55, 0.55, 0.55, 0.65, 0.65, 0.65, 0.75, 0.80, 0.85, 0.85),
+    "group_lasso_coefficient": 1.5e-4,
+    "one_shot_epoch": 150,
+    "hard_prune_epoch": 163,
+  },
+}
+
+
+def released_method(arch: str, **overrides: Any) -> Method:
+  """The authors' released one-shot config for ``clicktrain-<arch>`` on CIFAR-10.
+
+  VGG-16's picks each kernel's pattern from a pool of 12 (``one_shot_patterns=12``), VGG-11's
+  from the 4 centre blocks. The pick and hard-prune epochs are placed at the same fractions of
+  the run as in their 190 epochs (VGG-16: 150 and 163) unless given. Their runs also switch
+  to mixup (α = 0.3) after the hard prune: that is data-side (the loader's soft labels).
+
+  Args:
+    arch: a key of :data:`RELEASED_CIFAR10` (``"vgg11"``, ``"vgg16"``).
+    **overrides: keywords of :func:`jaxprune.clicktrain.clicktrain` replacing the config's.
+
+  Returns:
+    A :class:`jaxprune.methods.Method` named ``"clicktrain"`` in ``mode="one_shot"``.
+
+  Raises:
+    ValueError: unknown ``arch``, or as :func:`one_shot_method`.
+
+  Example:
+    >>> m = released_method("vgg16")       # 12 patterns, the released per-layer ratios
+  """
+  if arch not in RELEASED_CIFAR10:
+    raise ValueError(f"arch must be one of {sorted(RELEASED_CIFAR10)}, got {arch!r}")
+  config = {**RELEASED_CIFAR10[arch], **overrides}
+  fixed = {k: config.pop(k) for k in ("one_shot_epoch", "hard_prune_epoch")}
+  base = one_shot_method(**config)
+
+  def make_tx(inner, run: Run):
+    epochs = {
+      k: v if k in overrides else round(v * run.epochs / _RELEASED_EPOCHS) for k, v in fixed.items()
+    }
+    # A short run keeps the order: pick, at least one regularized epoch, then the prune.
+    epochs["hard_prune_epoch"] = max(epochs["hard_prune_epoch"], epochs["one_shot_epoch"] + 1)
+    return clicktrain(
+      inner, steps_per_epoch=run.steps_per_epoch, mode="one_shot", **config, **epochs
+    )
+
+  return dataclasses.replace(base, make_tx=make_tx, config={**base.config, **fixed})

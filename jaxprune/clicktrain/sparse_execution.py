@@ -449,8 +449,9 @@ class SparseExecution(Callback):
   """Trainer hook: switch the pruned convs to the sparse path once the masks are final.
 
   At the first epoch end where ClickTrain's stage is ``"pruned"`` and the pruned weights are
-  exactly zero (one epoch after the stage changes: ClickTrain zeroes them at the first pruned
-  step, so before it the dense and the sparse model would compute different functions), and
+  exactly zero (the epoch end at which the stage changes: the step entering it zeroes them;
+  weights that are not zero there, e.g. re-filled by a transform chained after ClickTrain,
+  would make the dense and the sparse model compute different functions), and
   on a resumed run when the fit starts, it runs :func:`convert_model` on the trainer's model with the masks
   from the optimizer state and installs it (one recompilation). Later epochs do nothing,
   unless the trainer's model was replaced (a PruneTrain reconfiguration rebuilds it dense):
@@ -499,7 +500,7 @@ class SparseExecution(Callback):
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     weight_masks = masks(trainer.opt_state, params)
     if count_refilled(weight_masks, params)[0]:
-      return None  # the stage changed at this epoch end; the first pruned step zeroes them
+      return None  # pruned weights re-filled: the sparse model would compute another function
     model, self.choices = convert_model(
       model,
       weight_masks,

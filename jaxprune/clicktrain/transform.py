@@ -22,16 +22,19 @@ The algorithm runs as a stage machine over epochs (ClickTrain Fig. 4), :class:`S
                    is added to the loss (its gradient to the gradient).
  4    PRUNED       hard prune from ``hard_prune_epoch`` on: the emitted update
                    is ``mask * (p + u) - p``, so pruned weights are exactly 0
-                   after every step; gradients are masked before the inner
-                   optimizer so its moments get nothing there (they only
-                   decay from their values at the prune).
+                   after every step, the step entering the stage (the last
+                   of epoch ``hard_prune_epoch - 1``) included: the stage and
+                   the weights always agree. Gradients are masked before the
+                   inner optimizer so its moments get nothing there (they
+                   only decay from their values at the prune).
 ====  ===========  ==========================================================
 
 ``mode="one_shot"`` follows the authors' released code instead: at the first
 step of ``one_shot_epoch`` the masks are chosen from that one batch's gradient
-(pattern = argmax of Eq. 1 over the four 2x2 blocks containing the centre,
-ties to the first; kernels = the ``ceil(ratio * Cin * Cout)`` lowest Eq. 2
-scores), then REGULARIZE with a fixed λ until ``hard_prune_epoch``, then
+(pattern = argmax of Eq. 1 over the released fixed pool, ties to the first:
+by default the four 2x2 blocks containing the centre, or the first 8 or 12
+patterns of their library with ``one_shot_patterns``; kernels = the
+``ceil(ratio * Cin * Cout)`` lowest Eq. 2 scores), then REGULARIZE with a fixed λ until ``hard_prune_epoch``, then
 PRUNED. The released code also switches to mixup (α = 0.3) after the hard
 prune; that is data-side: use ``jaxprune.data.Loader``'s soft labels.
 
@@ -65,8 +68,11 @@ Reading choices (the paper is silent or garbled; tested):
 * Kernel finalization is "similar" to pattern finalization in the paper; here
   it sums Eq. 2 over the batches that pass the margin test (one cheap add per
   step; no per-step sort).
-* If the finalization ends after ``hard_prune_epoch``, the hard prune happens
-  one epoch after it (at least one epoch of regularization).
+* With the loss-derivative trigger (``pool_start_epoch=None``), if the finalization ends
+  after ``hard_prune_epoch``, the hard prune happens one epoch after it (at least one epoch
+  of regularization), and a run still in warmup at ``hard_prune_epoch`` warns once. A set
+  ``pool_start_epoch`` must leave that epoch: ``hard_prune_epoch > pool_start_epoch +
+  pool_epochs + finalize_epochs`` (else ``ValueError``).
 * Importance work may run every ``importance_every`` steps (default 1) to cut
   overhead; skipped steps neither vote nor add competitive scores.
 * A non-finite step (a NaN / Inf loss, gradient leaf or pruned weight) is skipped by the
@@ -74,7 +80,9 @@ Reading choices (the paper is silent or garbled; tested):
   ``optax.apply_if_finite``: it neither adds competitive scores nor votes nor adds Eq. 2
   scores, so no NaN score ever ranks kernels or patterns, and the loss-margin test compares
   with the last finite loss. In ``one_shot`` mode a non-finite pick batch defers the pick
-  to the next finite step (a pick from NaN scores would prune kernels by index).
+  to the next finite step (a pick from NaN scores would prune kernels by index). Likewise a
+  pool generation or finalization stage none of whose batches fed its scores does not end
+  (nor does the hard prune come) until an epoch that had one; each such epoch end warns.
 
 The read-outs (masks, stage, pattern usage, compression) are in
 :mod:`jaxprune.clicktrain.readouts`.
@@ -98,6 +106,7 @@ from __future__ import annotations
 
 import enum
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -207,6 +216,7 @@ class _Config(NamedTuple):
   margin_rule: str
   group_lasso_coefficient: float
   one_shot_epoch: int | None
+  one_shot_patterns: int
   importance_every: int
   eps: float
 
@@ -277,6 +287,33 @@ def _plan(
   }
 
 
+def _check_layers(plan: _Plan, layers: _Layers, params: PyTree) -> None:
+  """The params' pruned layers are those the state was built for, with the same shapes (a
+  ``ValueError`` naming the first that is not, instead of a bare ``KeyError`` later). A state
+  layer whose param is still there but that the filter no longer chooses (e.g. a PruneTrain
+  reconfiguration left it 3 input channels) is left to the plan, which follows the params."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  w_leaves = [leaf for _, leaf in leaves]
+  for name, layer in plan.items():
+    if name not in layers:
+      raise ValueError(
+        f"params: pruned layer {name!r} is not in the ClickTrain state (built for "
+        f"{sorted(layers)}): params of another structure than tx.init saw"
+      )
+    want, got = layers[name].pattern_mask.shape, np.shape(w_leaves[layer.index])
+    if want != got:
+      raise ValueError(
+        f"params: {name!r} has shape {got}, the ClickTrain state was built for {want}"
+      )
+  paths = {path_string(p) for p, _ in leaves}
+  for name in layers:
+    if name not in paths:
+      raise ValueError(
+        f"params: the ClickTrain state's pruned layer {name!r} is missing from the params "
+        "(params of another structure than tx.init saw)"
+      )
+
+
 def _init_layer(
   leaf: jax.Array, layer: _PrunedLayer, pool_size: int, mode: str
 ) -> ClickTrainLayerState:
@@ -330,6 +367,38 @@ def _all_finite(loss, plan: _Plan, w_leaves, g_leaves) -> jax.Array:
   for layer in plan.values():
     ok = ok & jnp.all(jnp.isfinite(w_leaves[layer.index]))
   return ok
+
+
+def _scored(layers: _Layers, plan: _Plan, stage: Stage) -> jax.Array:
+  """Whether some batch of the current POOL / FINALIZE stage fed its scores: each scored
+  DPPG batch adds +1 per pattern kernel, each counted finalization batch a vote per pattern
+  kernel and Eq. 2 scores (> 0 unless every ``g ⊙ w`` is 0). A stage of only non-finite or
+  skipped batches has all-zero scores, which would choose the pool / masks by index."""
+  ok = jnp.bool_(False)
+  if stage == POOL:
+    pattern = [n for n, layer in plan.items() if layer.kind == "pattern"]
+    if not pattern:  # no pool to choose
+      return jnp.bool_(True)
+    for n in pattern:
+      ok = ok | jnp.any(layers[n].competitive_scores > 0)
+    return ok
+  if not plan:
+    return jnp.bool_(True)
+  for n in plan:
+    ok = ok | jnp.any(layers[n].kernel_score_sum > 0)
+    if layers[n].votes is not None:
+      ok = ok | jnp.any(layers[n].votes > 0)
+  return ok
+
+
+def _warn_when(pred: jax.Array, message: str, epoch: jax.Array) -> None:
+  """A ``RuntimeWarning`` from inside ``jit`` when ``pred`` holds; ``{epoch}`` in
+  ``message`` is filled with ``epoch``. A no-op step otherwise (one scalar ``cond``)."""
+
+  def warn(e):
+    warnings.warn(message.format(epoch=int(e)), RuntimeWarning)
+
+  jax.lax.cond(pred, lambda: jax.debug.callback(warn, epoch), lambda: None)
 
 
 def _pool_step(layers: _Layers, plan: _Plan, w_leaves, g_leaves) -> _Layers:
@@ -393,11 +462,11 @@ def _finalize_masks(layers: _Layers, plan: _Plan) -> _Layers:
   return out
 
 
-def _one_shot_masks(layers: _Layers, plan: _Plan, w_leaves, g_leaves) -> _Layers:
-  """The released code's rule on one batch: centre blocks + lowest Eq. 2."""
+def _one_shot_masks(layers: _Layers, plan: _Plan, w_leaves, g_leaves, num_patterns: int) -> _Layers:
+  """The released code's rule on one batch: best of its fixed pool (Eq. 1) + lowest Eq. 2."""
   out = dict(layers)
-  blocks = _pat.centre_block_patterns()
-  block_ids = jnp.asarray(_pat.library_pattern_ids()[:4])
+  blocks, block_ids = _pat.one_shot_pool(num_patterns)
+  block_ids = jnp.asarray(block_ids)
   for name, layer in plan.items():
     ls = layers[name]
     w, g = w_leaves[layer.index], g_leaves[layer.index]
@@ -525,6 +594,22 @@ def _paper_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock
   else:
     start_pool = clock.epochs_done >= cfg.pool_start_epoch
   to_pool = clock.epoch_end & (stage == WARMUP) & start_pool
+  # Only the data-driven trigger can leave the run in warmup at the hard prune epoch (a set
+  # pool_start_epoch that late is a ValueError in clicktrain()): say so once, or the run
+  # ends dense without a word.
+  _warn_when(
+    clock.epoch_end
+    & (stage == WARMUP)
+    & ~to_pool
+    & (clock.epochs_done == max(cfg.hard_prune_epoch, 1)),
+    "clicktrain: still in warmup after {epoch} epochs (hard_prune_epoch="
+    f"{cfg.hard_prune_epoch}): the loss-derivative trigger (|change of the epoch mean loss| "
+    f"< loss_derivative_threshold={cfg.loss_derivative_threshold}) has not fired, so nothing "
+    "is pruned yet; pool generation starts when it fires and the hard prune comes "
+    "pool_epochs + finalize_epochs + 1 epochs later (set pool_start_epoch for a fixed "
+    "schedule)",
+    clock.epochs_done,
+  )
   to_final = clock.epoch_end & (stage == POOL) & (clock.in_stage >= cfg.pool_epochs)
   to_reg = clock.epoch_end & (stage == FINALIZE) & (clock.in_stage >= cfg.finalize_epochs)
   counted = _pat.loss_margin_ok(state.last_loss, clock.loss, cfg.loss_margin, cfg.margin_rule)
@@ -532,20 +617,34 @@ def _paper_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock
   do_importance = (state.count % cfg.importance_every) == 0
 
   # The finiteness check runs inside the POOL / FINALIZE branches only (one pass over the
-  # gradients), so the other stages do not pay for it.
+  # gradients), so the other stages do not pay for it. A stage that fed no scores (every
+  # batch non-finite or skipped) does not end: it goes on for another epoch, as one_shot
+  # defers its pick, instead of choosing the pool / masks from all-zero scores by index.
   def pool_branch(ls):
     run = do_importance & _all_finite(clock.loss, plan, w, g)
     ls = jax.lax.cond(run, lambda x: _pool_step(x, plan, w, g), lambda x: x, ls)
-    return jax.lax.cond(to_final, lambda x: _select_pools(x, plan, cfg.pool_size), lambda x: x, ls)
+    end = to_final & _scored(ls, plan, POOL)
+    return jax.lax.cond(end, lambda x: _select_pools(x, plan, cfg.pool_size), lambda x: x, ls), end
 
   def finalize_branch(ls):
     run = do_importance & _all_finite(clock.loss, plan, w, g)
     ls = jax.lax.cond(run, lambda x: _finalize_step(x, plan, w, g, counted), lambda x: x, ls)
-    return jax.lax.cond(to_reg, lambda x: _finalize_masks(x, plan), lambda x: x, ls)
+    end = to_reg & _scored(ls, plan, FINALIZE)
+    return jax.lax.cond(end, lambda x: _finalize_masks(x, plan), lambda x: x, ls), end
 
   branch = jnp.where(stage == POOL, 1, jnp.where(stage == FINALIZE, 2, 0))
-  layers = jax.lax.switch(branch, [lambda x: x, pool_branch, finalize_branch], state.layers)
-  return layers, to_pool | to_final | to_reg
+  layers, ended = jax.lax.switch(
+    branch, [lambda x: (x, jnp.bool_(False)), pool_branch, finalize_branch], state.layers
+  )
+  _warn_when(
+    (to_final | to_reg) & ~ended,
+    "clicktrain: no batch of the pool generation / finalization stage ending after "
+    "{epoch} epochs fed its scores (every one non-finite, skipped by importance_every or failing "
+    "the loss-margin test): the stage goes on for another epoch instead of choosing patterns "
+    "and kernels from all-zero scores",
+    clock.epochs_done,
+  )
+  return layers, to_pool | ended
 
 
 def _one_shot_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Clock, w, g):
@@ -557,7 +656,10 @@ def _one_shot_step(cfg: _Config, plan: _Plan, state: ClickTrainState, clock: _Cl
   due = (state.stage == WARMUP) & (state.count >= cfg.one_shot_epoch * cfg.steps_per_epoch)
   pick = jax.lax.cond(due, lambda: _all_finite(clock.loss, plan, w, g), lambda: jnp.bool_(False))
   layers = jax.lax.cond(
-    pick, lambda ls: _one_shot_masks(ls, plan, w, g), lambda ls: ls, state.layers
+    pick,
+    lambda ls: _one_shot_masks(ls, plan, w, g, cfg.one_shot_patterns),
+    lambda ls: ls,
+    state.layers,
   )
   return layers, jnp.where(pick, REGULARIZE, state.stage)
 
@@ -578,6 +680,7 @@ def clicktrain(
   margin_rule: str = "relative",
   group_lasso_coefficient: float = 2.5e-4,
   one_shot_epoch: int | None = None,
+  one_shot_patterns: int = 4,
   layer_filter: Callable[[str, tuple[int, ...]], str | None] | None = None,
   importance_every: int = 1,
   balanced_kernels: bool = False,
@@ -589,15 +692,18 @@ def clicktrain(
       inner: the optimizer (e.g. ``optax.sgd(0.1, momentum=0.9)`` chained with
           weight decay); receives the regularized / masked gradient.
       steps_per_epoch: optimizer steps per epoch (converts the epoch settings).
-      hard_prune_epoch: epoch from whose first step the masks are applied
-          (paper Table 1: 90-98 of 190).
+      hard_prune_epoch: epoch whose every step runs on the pruned weights (paper
+          Table 1: 90-98 of 190): the last step of the epoch before it zeroes them and
+          enters the pruned stage.
       mode: ``"paper"`` (DPPG + adaptive finalization) or ``"one_shot"``
           (the authors' released code).
       kernel_prune_ratio: fraction of kernels removed per layer: one float,
           a sequence (one per pruned layer, in param flatten order) or
           ``fn(path, shape) -> float``.
       pool_start_epoch: paper mode: epoch at which DPPG starts; ``None`` uses
-          the loss-derivative trigger (§4.1).
+          the loss-derivative trigger (§4.1, a ``RuntimeWarning`` if it has not fired by
+          ``hard_prune_epoch``). When set, ``hard_prune_epoch`` must be larger than
+          ``pool_start_epoch + pool_epochs + finalize_epochs``.
       loss_derivative_threshold: the trigger's threshold (0.27 in the paper).
       pool_epochs: epochs of DPPG (stage 2).
       finalize_epochs: epochs of adaptive finalization (stage 3).
@@ -608,10 +714,15 @@ def clicktrain(
       group_lasso_coefficient: λ of the modified group lasso (2.5e-4 in the paper).
       one_shot_epoch: one_shot mode: the epoch whose first batch picks masks (the next
           finite batch if that one's loss or gradient is not finite).
+      one_shot_patterns: one_shot mode: size of the fixed pool each kernel picks its
+          pattern from, 4, 8 or 12 (:func:`jaxprune.clicktrain.patterns.one_shot_pool`: the
+          head of the released library; 4, the centre 2x2 blocks, is the released default,
+          their VGG-16 config uses 12).
       layer_filter: ``fn(path, shape) -> "pattern" | "kernel" | None``;
           default :func:`default_layer_filter`.
       importance_every: run the per-batch importance work every this many
-          steps (1 = every batch, as in the paper).
+          steps (1 = every batch, as in the paper); paper mode: at most the steps of
+          the shorter of the pool and finalization stages.
       balanced_kernels: prune ``ceil(ratio * Cin)`` kernels in every filter instead of
           ranking the whole layer, so every filter keeps the same number of weights: the
           load-balance constraint of the paper's sparse kernels (§5.2); off by default, as
@@ -623,7 +734,8 @@ def clicktrain(
       ``params`` and (paper mode) ``value=loss``.
 
   Raises:
-      ValueError: a bad argument (named in the message).
+      ValueError: a bad argument (named in the message); from ``update``, params whose
+          pruned layers (paths or shapes) are not those ``init`` saw (the first one named).
   """
   if mode not in ("paper", "one_shot"):
     raise ValueError(f"mode must be 'paper' or 'one_shot', got {mode!r}")
@@ -643,6 +755,30 @@ def clicktrain(
     not isinstance(pool_start_epoch, (int, np.integer)) or pool_start_epoch < 0
   ):
     raise ValueError(f"pool_start_epoch must be None or an int >= 0, got {pool_start_epoch!r}")
+  if isinstance(one_shot_patterns, bool) or one_shot_patterns not in _pat.ONE_SHOT_POOL_SIZES:
+    raise ValueError(
+      f"one_shot_patterns must be one of {_pat.ONE_SHOT_POOL_SIZES}, got {one_shot_patterns!r}"
+    )
+  shortest = min(pool_epochs, finalize_epochs) * steps_per_epoch
+  if mode == "paper" and importance_every > shortest:
+    # A stage of fewer steps than importance_every may hold no importance step: all-zero
+    # scores, and the pool / masks would go by index.
+    stage = "pool_epochs" if pool_epochs <= finalize_epochs else "finalize_epochs"
+    raise ValueError(
+      f"importance_every ({importance_every}) must be <= the shortest importance stage, "
+      f"{stage} * steps_per_epoch = {shortest} steps, or that stage may score no batch"
+    )
+  if mode == "paper" and pool_start_epoch is not None:
+    # A fixed schedule is known here: masks final at pool_start + pool + finalize, then at
+    # least one epoch of regularization (§4.4) before the hard prune. A later hard prune
+    # than asked (or a run still in warmup at hard_prune_epoch) is a mis-configuration.
+    final = pool_start_epoch + pool_epochs + finalize_epochs
+    if hard_prune_epoch <= final:
+      raise ValueError(
+        f"hard_prune_epoch ({hard_prune_epoch}) must be > pool_start_epoch + pool_epochs + "
+        f"finalize_epochs ({pool_start_epoch} + {pool_epochs} + {finalize_epochs} = {final}): "
+        "the masks are final only at that epoch and get at least one epoch of regularization"
+      )
   if mode == "one_shot":
     if not isinstance(one_shot_epoch, (int, np.integer)) or one_shot_epoch < 0:
       raise ValueError(
@@ -683,6 +819,7 @@ def clicktrain(
     margin_rule=margin_rule,
     group_lasso_coefficient=group_lasso_coefficient,
     one_shot_epoch=one_shot_epoch,
+    one_shot_patterns=int(one_shot_patterns),
     importance_every=importance_every,
     eps=eps,
   )
@@ -716,6 +853,7 @@ def clicktrain(
     plan = _plan(params, layer_filter, kernel_prune_ratio, mode, ratio_by_name, balanced_kernels)
     loss = jnp.asarray(0.0 if value is None else value, jnp.float32)
     w_leaves = jax.tree.leaves(params)
+    _check_layers(plan, state.layers, params)
     g_leaves, g_def = jax.tree.flatten(updates)
     clock = _clock(cfg, state, loss)
     if mode == "paper":
@@ -731,9 +869,10 @@ def clicktrain(
       grads, state.inner_state, params, value=value, **extra_args
     )
     u_leaves, u_def = jax.tree.flatten(new_updates)
-    u_leaves = _hard_mask(u_leaves, layers, plan, w_leaves, stage == PRUNED)
-
     new_state = _next_state(cfg, state, clock, stage, moved, layers, inner_state)
+    # The step that enters PRUNED already emits the hard mask: a state (and every read-out
+    # of it) that says "pruned" always comes with weights that are zero where the masks prune.
+    u_leaves = _hard_mask(u_leaves, layers, plan, w_leaves, new_state.stage == PRUNED)
     return jax.tree.unflatten(u_def, u_leaves), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -4,6 +4,8 @@
   int32 labels, class names, training mean/std). Names: :func:`available`.
 * :class:`Loader`: seeded, resumable, prefetching batches of float32 normalised images.
 * :mod:`jaxprune.data.augment`: batched NumPy augmentations and the papers' presets.
+* :func:`open_stream` ``("imagenet", ...)``: data sets too large for memory, read batch by batch
+  by worker processes (:mod:`jaxprune.data.imagenet`, the ``imagenet`` extra).
 
 Example:
   >>> from jaxprune import data
@@ -29,7 +31,14 @@ from jaxprune.data.augment import (
 from jaxprune.data.cifar import CIFAR10_CLASSES
 from jaxprune.data.dataset import Dataset, channel_stats
 from jaxprune.data.loader import Loader
-from jaxprune.data.registry import DATA_ENV, available, default_data_dir, load
+from jaxprune.data.registry import (
+  DATA_ENV,
+  available,
+  available_streams,
+  default_data_dir,
+  load,
+  open_stream,
+)
 from jaxprune.data._cache import CACHE_ENV, default_cache_dir
 
 __all__ = [
@@ -49,9 +58,11 @@ __all__ = [
   "augment",
   "available",
   "available_presets",
+  "available_streams",
   "channel_stats",
   "default_cache_dir",
   "default_data_dir",
   "load",
+  "open_stream",
   "preset",
 ]

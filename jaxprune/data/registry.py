@@ -1,7 +1,12 @@
-"""``load(name)``: the data set registry and where each data set is looked for."""
+"""``load(name)``: the data set registry and where each data set is looked for.
+
+Data sets that fit in memory are read whole by :func:`load`; those that do not (ImageNet) are
+opened by :func:`open_stream`, which returns their own loader reading files batch by batch.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +18,7 @@ from jaxprune.data.dataset import Dataset, Splits
 from jaxprune.data.digits import read_digits
 from jaxprune.data.tiny_imagenet import TINY_IMAGENET_CANDIDATES, read_tiny_imagenet
 
-__all__ = ["available", "default_data_dir", "load", "DATA_ENV"]
+__all__ = ["available", "available_streams", "default_data_dir", "load", "open_stream", "DATA_ENV"]
 
 DATA_ENV = "JAXPRUNE_DATA"
 
@@ -37,9 +42,67 @@ _SPECS: dict[str, _Spec] = {
 }
 
 
+class _Stream(NamedTuple):
+  loader: str  # "module:attribute" of the loader class, imported when opened (optional extra)
+  candidates: tuple[str, ...]
+  splits: tuple[str, ...]
+
+
+# Data sets read from disk batch by batch, too large to hold in memory.
+_STREAMS: dict[str, _Stream] = {
+  "imagenet": _Stream(
+    "jaxprune.data.imagenet:ImageNetLoader",
+    ("imagenet", "ILSVRC2012", "ILSVRC/Data/CLS-LOC"),
+    ("train", "val"),
+  ),
+}
+
+
 def available() -> tuple[str, ...]:
   """Names accepted by :func:`load`."""
   return tuple(_SPECS)
+
+
+def available_streams() -> tuple[str, ...]:
+  """Names accepted by :func:`open_stream`."""
+  return tuple(_STREAMS)
+
+
+def open_stream(
+  name: str, *, root: str | os.PathLike | None = None, split: str = "train", **loader_kwargs
+):
+  """Opens a data set too large for memory as its own batch loader.
+
+  ``"imagenet"``: the folder layout ``train/<wnid>/*.JPEG``, ``val/<wnid>/*.JPEG``, read by
+  :class:`jaxprune.data.imagenet.ImageNetLoader` (needs the ``imagenet`` extra, grain).
+
+  Args:
+    name: one of :func:`available_streams`.
+    root: the data set folder, or a folder holding it under a usual name (``imagenet``,
+      ``ILSVRC2012``, ``ILSVRC/Data/CLS-LOC``). Default: :func:`default_data_dir`.
+    split: ``"train"`` or ``"val"``.
+    **loader_kwargs: the loader's keywords (``batch_size``, ``process_index``,
+      ``process_count``, ``num_workers``, ``seed``, ...).
+
+  Returns:
+    The loader.
+
+  Raises:
+    ValueError: unknown name or split.
+    FileNotFoundError: the data cannot be found.
+
+  Example:
+    >>> train = open_stream("imagenet", root="/data", batch_size=256, num_workers=8)
+  """
+  if name not in _STREAMS:
+    raise ValueError(f"unknown streamed data set {name!r}; available: {', '.join(_STREAMS)}")
+  stream = _STREAMS[name]
+  if split not in stream.splits:
+    raise ValueError(f"split must be one of {stream.splits} for {name}, got {split!r}")
+  path = _resolve(name, root, stream.candidates)
+  module, attribute = stream.loader.split(":")
+  loader_class = getattr(importlib.import_module(module), attribute)
+  return loader_class(path, split, **loader_kwargs)
 
 
 def default_data_dir() -> Path:
@@ -108,6 +171,8 @@ def load(
     >>> train.images.shape[1:], train.num_classes
     ((8, 8, 1), 10)
   """
+  if name in _STREAMS:
+    raise ValueError(f"{name} does not fit in memory: open it with open_stream({name!r}, ...)")
   if name not in _SPECS:
     raise ValueError(f"unknown data set name {name!r}; available: {', '.join(_SPECS)}")
   spec = _SPECS[name]

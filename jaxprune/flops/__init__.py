@@ -59,7 +59,12 @@ One module per job, all re-exported here:
 * ``_trace`` (private): the tracing and the jaxpr walker that ``layers`` and ``memory`` share.
 """
 
-from jaxprune.flops.communication import allreduce_bytes
+from jaxprune.flops.communication import (
+  AllReduce,
+  CompiledAllReduces,
+  allreduce_bytes,
+  compiled_allreduces,
+)
 from jaxprune.flops.layers import (
   LayerFlops,
   inference_flops,
@@ -92,5 +97,8 @@ __all__ = [
   "batchnorm_traffic",
   "layer_flops_and_batchnorm_traffic",
   "allreduce_bytes",
+  "compiled_allreduces",
+  "AllReduce",
+  "CompiledAllReduces",
   "param_path",
 ]

@@ -17,7 +17,7 @@ from jaxprune.models.conversions import (
   record_conversion,
   replace_submodule,
 )
-from jaxprune.models.layers import BasicBlock, Bottleneck, ConvBN
+from jaxprune.models.layers import BasicBlock, BlurPool, Bottleneck, ConvBN
 from jaxprune.models.registry import available, create, default_spec, param_count
 from jaxprune.models.resnet import (
   BlockSpec,
@@ -39,6 +39,7 @@ __all__ = [
   "record_conversion",
   "replace_submodule",
   "BasicBlock",
+  "BlurPool",
   "BlockSpec",
   "Bottleneck",
   "ConvBN",

@@ -1,4 +1,4 @@
-"""Building blocks shared by every model: ``ConvBN``, ``BasicBlock``, ``Bottleneck``.
+"""Building blocks shared by every model: ``ConvBN``, ``BasicBlock``, ``Bottleneck``, ``BlurPool``.
 
 All convolutions are ``nnx.Conv`` without bias (BatchNorm follows), NHWC inputs and HWIO
 kernels (``block.conv1.conv.kernel[:, :, c, f]`` is the kernel from input channel ``c`` to
@@ -9,6 +9,11 @@ Residual blocks may have their *branch removed* (PruneTrain §4.2 layer removal)
 has ``conv1 = conv2 (= conv3) = None`` and computes ``relu(shortcut(x))``, which is the value
 of the full block when its branch output is zero. For an identity shortcut this is ``x``
 itself because the block input is already a ReLU output.
+
+``BlurPool`` is anti-aliased downsampling (Zhang, "Making Convolutional Networks Shift-Invariant
+Again", ICML 2019): a fixed binomial low-pass filter per channel, then subsampling. With
+``blurpool=True`` a ``ConvBN`` blurs its input (stride 1) before its strided conv, the form
+SDGP's released ImageNet code uses (ffcv's ``BlurPoolConv2d``).
 """
 
 from __future__ import annotations
@@ -19,17 +24,21 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxprune.models._common import require_positive
 
 __all__ = [
   "BasicBlock",
+  "BlurPool",
   "Bottleneck",
   "ConvBN",
+  "binomial_filter",
   "conv_kernel_init",
   "conv_sharing_variables",
   "global_avg_pool",
+  "kaiming_uniform_relu_init",
   "normal_init",
   "torch_default_init",
 ]
@@ -75,6 +84,14 @@ def torch_default_init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) 
   return (_unit_samples(key, shape, "uniform") / math.sqrt(_fans(shape)[0])).astype(dtype)
 
 
+def kaiming_uniform_relu_init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
+  """He et al. (2015) uniform init with fan_in and the ReLU gain √2: U(-b, b) with
+  b = √2 · √3 / √fan_in = √(6 / fan_in), i.e. PyTorch's ``kaiming_uniform_(w,
+  nonlinearity="relu")``. For an HWIO kernel fan_in = kh·kw·(in / groups)."""
+  bound = math.sqrt(6.0 / _fans(shape)[0])
+  return (_unit_samples(key, shape, "uniform") * bound).astype(dtype)
+
+
 def normal_init(std: float) -> nnx.Initializer:
   """N(0, std²) weights (ClickTrain's VGG classifier uses std 0.01)."""
 
@@ -89,6 +106,77 @@ _BN_MOMENTUM = 0.9
 _BN_EPSILON = 1e-5
 
 
+_BLUR_PADDINGS = ("zeros", "reflect")
+
+
+def binomial_filter(size: int) -> np.ndarray:
+  """The ``size`` x ``size`` binomial low-pass filter of BlurPool, summing to 1: the outer
+  product of row ``size - 1`` of Pascal's triangle with itself (3: [1, 2, 1] ⊗ [1, 2, 1] / 16).
+  """
+  row = np.array([math.comb(size - 1, k) for k in range(size)], np.float64)
+  f = np.outer(row, row)
+  return (f / f.sum()).astype(np.float32)
+
+
+class BlurPool(nnx.Module):
+  """Anti-aliased downsampling: binomial blur of every channel, then keep every ``stride``-th
+  row and column (Zhang 2019, §3.2 "BlurPool"). No parameters: the filter is fixed, and is
+  built for the input's channel count at call time (so pruning channels around it is free).
+
+  Attributes:
+    filter_size: side of the binomial filter (1 to 7; 1 = plain subsampling).
+    stride: subsampling factor (1: blur only, as before a strided conv).
+    padding: ``"zeros"`` (ffcv's and SDGP's form) or ``"reflect"`` (Zhang's default);
+      ``(filter_size - 1) // 2`` before, the rest after, on each spatial axis.
+
+  Example:
+    >>> BlurPool(stride=2)(jnp.ones((1, 8, 8, 4))).shape
+    (1, 4, 4, 4)
+
+  References:
+    Zhang, "Making Convolutional Networks Shift-Invariant Again", ICML 2019.
+    https://arxiv.org/abs/1904.11486
+  """
+
+  def __init__(self, *, filter_size: int = 3, stride: int = 2, padding: str = "zeros"):
+    """Builds the layer.
+
+    Raises:
+      ValueError: ``filter_size`` outside 1..7, ``stride`` < 1 or an unknown ``padding``.
+    """
+    if (
+      isinstance(filter_size, bool) or not isinstance(filter_size, int) or not 1 <= filter_size <= 7
+    ):
+      raise ValueError(f"filter_size must be an int in [1, 7], got {filter_size!r}")
+    require_positive("stride", stride)
+    if padding not in _BLUR_PADDINGS:
+      raise ValueError(f"padding must be one of {_BLUR_PADDINGS}, got {padding!r}")
+    self.filter_size = filter_size
+    self.stride = stride
+    self.padding = padding
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if x.ndim != 4:
+      raise ValueError(f"x must be NHWC (4-D), got shape {x.shape}")
+    channels = x.shape[-1]
+    lo = (self.filter_size - 1) // 2
+    pads = ((lo, self.filter_size - 1 - lo),) * 2
+    if self.padding == "reflect":
+      x = jnp.pad(x, ((0, 0), *pads, (0, 0)), mode="reflect")
+      pads = ((0, 0), (0, 0))
+    # One depthwise (feature_group_count = channels) HWIO filter per channel.
+    f = jnp.asarray(binomial_filter(self.filter_size), x.dtype)
+    kernel = jnp.broadcast_to(f[:, :, None, None], (*f.shape, 1, channels))
+    return jax.lax.conv_general_dilated(
+      x,
+      kernel,
+      (self.stride, self.stride),
+      pads,
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      feature_group_count=channels,
+    )
+
+
 class ConvBN(nnx.Module):
   """Conv (no bias) → BatchNorm → optional ReLU.
 
@@ -96,6 +184,7 @@ class ConvBN(nnx.Module):
     conv: ``nnx.Conv`` with ``use_bias=False``; kernel HWIO at ``conv.kernel``.
     bn: ``nnx.BatchNorm`` over the output channels.
     relu: whether a ReLU follows the BatchNorm.
+    blur: a stride-1 ``BlurPool`` applied to the input before ``conv``, or ``None``.
 
   Example:
     >>> layer = ConvBN(3, 16, kernel_size=3, rngs=nnx.Rngs(0))
@@ -114,6 +203,7 @@ class ConvBN(nnx.Module):
     relu: bool = True,
     bn_scale_init: float = 1.0,
     kernel_init: nnx.Initializer = conv_kernel_init,
+    blurpool: bool = False,
     rngs: nnx.Rngs,
   ):
     """Builds the layer.
@@ -129,6 +219,8 @@ class ConvBN(nnx.Module):
       relu: apply ReLU after BatchNorm.
       bn_scale_init: initial BatchNorm γ (ClickTrain's VGG uses 0.5).
       kernel_init: conv kernel initializer (He normal, fan_out, by default).
+      blurpool: blur the input (3x3 binomial, stride 1, zero padding) before the conv, so a
+        strided conv subsamples a low-passed signal (Zhang 2019; SDGP's ImageNet configs).
       rngs: NNX random streams.
     """
     require_positive("in_features", in_features)
@@ -157,6 +249,7 @@ class ConvBN(nnx.Module):
       rngs=rngs,
     )
     self.relu = relu
+    self.blur = BlurPool(stride=1) if blurpool else None
 
   @property
   def in_features(self) -> int:
@@ -167,16 +260,32 @@ class ConvBN(nnx.Module):
     return self.conv.out_features
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    if self.blur is not None:
+      x = self.blur(x)
     y = self.bn(self.conv(x))
     return jax.nn.relu(y) if self.relu else y
 
 
 def _shortcut(
-  in_features: int, out_features: int, strides: int, projection: bool, rngs: nnx.Rngs
+  in_features: int,
+  out_features: int,
+  strides: int,
+  projection: bool,
+  rngs: nnx.Rngs,
+  blurpool: bool = False,
 ) -> ConvBN | None:
   if projection:
     # He et al. option B: 1x1 conv + BN, no ReLU (the ReLU comes after the sum).
-    return ConvBN(in_features, out_features, 1, strides=strides, padding=0, relu=False, rngs=rngs)
+    return ConvBN(
+      in_features,
+      out_features,
+      1,
+      strides=strides,
+      padding=0,
+      relu=False,
+      blurpool=blurpool and strides > 1,
+      rngs=rngs,
+    )
   if strides != 1 or in_features != out_features:
     raise ValueError(
       "projection=False needs strides == 1 and in_features == out_features, got "
@@ -211,6 +320,7 @@ class _ResidualBlock(nnx.Module):
     widths: Sequence[int] | None = (),
     strides: int = 1,
     projection: bool = False,
+    blurpool: bool = False,
     rngs: nnx.Rngs,
   ):
     """Builds the block.
@@ -222,6 +332,8 @@ class _ResidualBlock(nnx.Module):
         the standard ones; ``None`` removes the branch.
       strides: stride of the block (on the 3x3 conv carrying it, and the projection).
       projection: use a 1x1 conv + BN shortcut; required when the shape changes.
+      blurpool: with ``strides > 1``, blur the input of every strided conv (the one carrying
+        the stride and the projection) first (``ConvBN(blurpool=True)``).
       rngs: NNX random streams.
     """
     require_positive("in_features", in_features)
@@ -229,12 +341,13 @@ class _ResidualBlock(nnx.Module):
     if widths == ():
       widths = self._default_widths(out_features)
     widths = _check_widths(widths, self.num_inner_widths)
-    self.shortcut = _shortcut(in_features, out_features, strides, projection, rngs)
+    blur = blurpool and strides > 1
+    self.shortcut = _shortcut(in_features, out_features, strides, projection, rngs, blur)
     if widths is None:
       for name in self.branch_names:
         setattr(self, name, None)
     else:
-      layers = self._build_branch(in_features, out_features, widths, strides, rngs)
+      layers = self._build_branch(in_features, out_features, widths, strides, rngs, blur)
       for name, layer in zip(self.branch_names, layers, strict=True):
         setattr(self, name, layer)
 
@@ -244,7 +357,12 @@ class _ResidualBlock(nnx.Module):
 
   @staticmethod
   def _build_branch(
-    in_features: int, out_features: int, widths: tuple[int, ...], strides: int, rngs: nnx.Rngs
+    in_features: int,
+    out_features: int,
+    widths: tuple[int, ...],
+    strides: int,
+    rngs: nnx.Rngs,
+    blurpool: bool,
   ) -> list[ConvBN]:
     raise NotImplementedError
 
@@ -288,9 +406,9 @@ class BasicBlock(_ResidualBlock):
     return (out_features,)
 
   @staticmethod
-  def _build_branch(in_features, out_features, widths, strides, rngs):
+  def _build_branch(in_features, out_features, widths, strides, rngs, blurpool):
     return [
-      ConvBN(in_features, widths[0], 3, strides=strides, rngs=rngs),
+      ConvBN(in_features, widths[0], 3, strides=strides, blurpool=blurpool, rngs=rngs),
       ConvBN(widths[0], out_features, 3, relu=False, rngs=rngs),
     ]
 
@@ -322,10 +440,10 @@ class Bottleneck(_ResidualBlock):
     return (max(out_features // 4, 1),) * 2
 
   @staticmethod
-  def _build_branch(in_features, out_features, widths, strides, rngs):
+  def _build_branch(in_features, out_features, widths, strides, rngs, blurpool):
     return [
       ConvBN(in_features, widths[0], 1, rngs=rngs),
-      ConvBN(widths[0], widths[1], 3, strides=strides, rngs=rngs),
+      ConvBN(widths[0], widths[1], 3, strides=strides, blurpool=blurpool, rngs=rngs),
       ConvBN(widths[1], out_features, 1, relu=False, rngs=rngs),
     ]
 

@@ -101,6 +101,9 @@ class ResNetSpec:
     stem_kernel: stem conv kernel size (3 for CIFAR, 7 for ImageNet).
     stem_stride: stem conv stride (1 for CIFAR, 2 for ImageNet).
     stem_pool: 3x3 stride-2 max pool after the stem (ImageNet).
+    blurpool: blur (3x3 binomial, stride 1) the input of every strided conv but the stem —
+      each stage's first 3x3 with a stride and its projection — before the conv (Zhang 2019;
+      where SDGP's released ImageNet code puts it: strided convs with >= 16 input channels).
   """
 
   block: BlockType
@@ -110,6 +113,7 @@ class ResNetSpec:
   stem_kernel: int = 3
   stem_stride: int = 1
   stem_pool: bool = False
+  blurpool: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "stages", tuple(self.stages))
@@ -117,6 +121,8 @@ class ResNetSpec:
       raise ValueError(f"block must be one of {sorted(_BLOCK_CLASSES)}, got {self.block!r}")
     for name in ("stem_width", "in_channels", "stem_kernel", "stem_stride"):
       require_positive(name, getattr(self, name))
+    if not isinstance(self.blurpool, bool):
+      raise ValueError(f"blurpool must be a bool, got {self.blurpool!r}")
     if not self.stages:
       raise ValueError("stages must not be empty")
     num_inner = _BLOCK_CLASSES[self.block].num_inner_widths
@@ -372,6 +378,7 @@ class ResNet(nnx.Module):
             widths=block.widths,
             strides=stage.stride if b == 0 else 1,
             projection=block.projection,
+            blurpool=spec.blurpool,
             rngs=rngs,
           )
         )

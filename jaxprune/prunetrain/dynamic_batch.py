@@ -16,6 +16,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -166,7 +167,9 @@ class DynamicBatch:
 
   def grow(self, trainer: Any) -> int:
     """Asks ``trainer`` for the largest batch whose step fits the budget, with the LR scaled
-    by the same ratio (both from the next epoch); returns that batch size.
+    by the same ratio (both from the next epoch); returns that batch size. Under data
+    parallelism (``trainer.num_devices > 1``) the batch is the global one and grows in steps
+    of ``lcm(granularity, num_devices)``, so it stays a multiple of the device count.
 
     Raises:
       ValueError: no budget was measured.
@@ -174,11 +177,14 @@ class DynamicBatch:
     if self.budget_bytes is None:
       raise ValueError("budget_bytes: call measure_budget before the first reconfiguration")
     batch = trainer.batch_size
+    # Data parallel: the batch is the global one and must stay a multiple of the devices
+    # (the memory probed is one device's, holding its shard).
+    granularity = math.lcm(self.granularity, int(getattr(trainer, "num_devices", 1)))
     new_batch = grow_batch_size(
       lambda size: self._memory(trainer, size),
       batch,
       self.budget_bytes,
-      granularity=self.granularity,
+      granularity=granularity,
       max_batch_size=self.max_batch_size,
     )
     if new_batch > batch:

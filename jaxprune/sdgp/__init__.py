@@ -27,10 +27,13 @@ from jaxprune.sdgp.conv import (
   with_pruned_data_gradient,
 )
 from jaxprune.sdgp.prune import BACKENDS, nm_prune, nm_prune_reference
-from jaxprune.sdgp.preset import method
+from jaxprune.sdgp.preset import PAPER_MODELS, method, paper_method, paper_model
 
 __all__ = [
+  "PAPER_MODELS",
   "method",
+  "paper_method",
+  "paper_model",
   "BACKENDS",
   "MAX_GROUP",
   "METHODS",

@@ -23,8 +23,9 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import nm_math
+from jaxprune.distributed import device_key
 from jaxprune.models.conversions import record_conversion, replace_submodule
-from jaxprune.models.layers import conv_sharing_variables
+from jaxprune.models.layers import conv_sharing_variables, kaiming_uniform_relu_init
 from jaxprune.sdgp.prune import BACKENDS, nm_prune
 
 Array = jax.Array
@@ -291,13 +292,16 @@ def next_layer_key(key_variable: SDGPKey | None) -> Array | None:
   """This call's key of an SDGP layer (``None`` for the deterministic methods).
 
   Splits the layer's :class:`SDGPKey` and advances it: a fresh key per call (= per layer and
-  step), so SDGP draws new masks every iteration.
+  step), so SDGP draws new masks every iteration. Inside a data-parallel step
+  (:func:`jaxprune.distributed.per_device_keys`) the returned key also folds in the device's
+  index, so each device prunes its shard's gradient with its own draw, while the stored key
+  advances as on one device.
   """
   if key_variable is None:
     return None
   state_key, key = jax.random.split(key_variable[...])
   key_variable[...] = state_key
-  return key
+  return device_key(key)
 
 
 class SDGPKey(nnx.Variable):
@@ -409,6 +413,9 @@ class SDGPConversion:
   ``seed`` is an int, or ``(key_impl, key_data)`` for a seed given as a typed key, or
   ``(None, key_data)`` for a raw ``uint32`` key (hashable forms: the record is static).
   ``channel_multiple`` is ``m``: a converted conv's output channels must stay a multiple of it.
+  ``reinit``: re-initialise every converted conv as the authors' released converter does
+  (see :func:`convert_model`); a rebuild re-initialises the fresh model too, whose values the
+  caller then overwrites, so the option never touches trained weights after the first call.
   """
 
   n: int
@@ -417,6 +424,7 @@ class SDGPConversion:
   min_in_channels: int
   seed: int | tuple
   backend: str
+  reinit: bool = False
 
   @property
   def channel_multiple(self) -> int:
@@ -456,11 +464,24 @@ class SDGPConversion:
           )
         targets.append((path, module))
     base_key = self.key()
+    # A stream of its own: the random methods' per-layer keys stay what they were without it.
+    init_base = jax.random.split(base_key)[1]
     for index, (path, conv) in enumerate(targets):
       key = jax.random.fold_in(base_key, index) if method in _RANDOM_METHODS else None
       new = SDGPConv.from_conv(conv, n=n, m=m, method=method, key=key, backend=self.backend)
+      if self.reinit:
+        _reinitialise(new, jax.random.fold_in(init_base, index))
       replace_submodule(model, path, new)
     return record_conversion(model, self)
+
+
+def _reinitialise(conv: nnx.Conv, key: Array) -> None:
+  """The released converter builds each SDGP conv afresh: kernel
+  ``kaiming_uniform_(nonlinearity="relu")``, U(±√(6 / fan_in)), bias zero."""
+  kernel = conv.kernel
+  kernel[...] = kaiming_uniform_relu_init(key, kernel.shape, kernel.dtype)
+  if conv.bias is not None:
+    conv.bias[...] = jnp.zeros(conv.bias.shape, conv.bias.dtype)
 
 
 def _hashable_seed(seed: int | Array) -> int | tuple:
@@ -480,6 +501,7 @@ def convert_model(
   min_in_channels: int = 4,
   seed: int | Array = 0,
   backend: str = "auto",
+  reinit: bool = False,
 ) -> nnx.Module:
   """Swaps every ``nnx.Conv`` with ``>= min_in_channels`` inputs for an ``SDGPConv``, in place.
 
@@ -496,6 +518,11 @@ def convert_model(
     n, m, method, backend: as ``jaxprune.sdgp.nm_prune``.
     min_in_channels: convs with fewer input channels are kept (default 4: skip RGB stems).
     seed: int or key; layer ``i`` (in graph order) gets ``fold_in(key, i)``.
+    reinit: re-initialise every converted conv the way the authors' released converter does
+      (it builds each SDGP conv afresh): kernel U(-b, b) with b = √(6 / fan_in) (PyTorch's
+      ``kaiming_uniform_`` with the ReLU gain; fan_in = kh·kw·in / groups), bias zero; layer
+      ``i`` draws from ``fold_in(split(key)[1], i)``, so a seed reproduces it. Off by default:
+      the converted convs keep their kernels bit for bit (weights are shared).
 
   Returns:
     ``model``, with its convs replaced.
@@ -509,5 +536,9 @@ def convert_model(
     >>> model = convert_model(models.create("sdgp-resnet9", num_classes=10,
     ...                       rngs=nnx.Rngs(0)), n=2, m=4, method="rescaled_magnitude")
   """
-  conversion = SDGPConversion(n, m, method, min_in_channels, _hashable_seed(seed), backend)
+  if not isinstance(reinit, bool):
+    raise ValueError(f"reinit must be a bool, got {reinit!r}")
+  conversion = SDGPConversion(
+    n, m, method, min_in_channels, _hashable_seed(seed), backend, reinit=reinit
+  )
   return conversion(model)

@@ -17,6 +17,10 @@ Example::
                             checkpoint_dir="runs/r32/ckpt")
     history = trainer.fit(loader, test_loader, epochs=182)   # resumes if interrupted
 
+Data parallelism over every device: ``train.Trainer(model, tx, mesh="auto")`` (the loader's
+batch is the global one, split over a mesh axis ``"batch"``; see
+:mod:`jaxprune.train.data_parallel`).
+
 Any Optax transform works in place of ``train.sgd`` (``GradientTransformationExtraArgs``
 receive ``value=loss``); LR scaling needs a ``train.scale_by_lr`` inside it.
 """

@@ -201,7 +201,9 @@ class CheckpointStore:
     # then the checkpoint's own damage, told apart from a template that does not fit it.
     with self._reading(step):
       recorded = ocp.StandardCheckpointHandler().metadata(self._item_path(step, _ARRAYS)).tree
-      sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      # A device this process can address: on several hosts jax.devices()[0] belongs to
+      # process 0 only, and every process reads the whole (replicated) state.
+      sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
       abstract = jax.tree.map(
         lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding), recorded
       )
@@ -230,7 +232,8 @@ class CheckpointStore:
           f"template: shape of {jax.tree_util.keystr(path)} is "
           f"{np.shape(want)} but the checkpoint has {np.shape(value)}"
         )
-      value = jnp.asarray(value, dtype=want.dtype)
+      # Host memory, not a device array: the caller places (or replicates across hosts) it.
+      value = np.asarray(value, dtype=want.dtype)
       if _is_prng_key(like):
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
       return value

@@ -29,24 +29,32 @@ PerExampleLoss = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 class Metrics(NamedTuple):
-  """Device-side running sums; ``count`` is the number of examples."""
+  """Device-side running sums; ``count`` is the number of examples.
+
+  A train step whose loss is not finite adds nothing to the sums and counts in
+  ``nonfinite`` instead (one NaN batch would otherwise make the epoch's mean loss NaN and
+  hide the finite ones); whether its update was applied is the optimizer's business (e.g.
+  ``optax.apply_if_finite`` skips it).
+  """
 
   loss_sum: jax.Array
   correct_sum: jax.Array
   count: jax.Array
+  nonfinite: jax.Array  # train steps with a NaN / Inf loss, left out of the sums
 
   @classmethod
   def zeros(cls) -> "Metrics":
-    return cls(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+    return cls(*(jnp.zeros([], jnp.float32) for _ in cls._fields))
 
   def summary(self) -> dict[str, float]:
-    count = float(self.count)
+    count, nonfinite = float(self.count), int(self.nonfinite)
     if count == 0:
-      return {"loss": float("nan"), "acc": float("nan"), "count": 0}
+      return {"loss": float("nan"), "acc": float("nan"), "count": 0, "nonfinite": nonfinite}
     return {
       "loss": float(self.loss_sum) / count,
       "acc": float(self.correct_sum) / count,
       "count": int(count),
+      "nonfinite": nonfinite,
     }
 
 
@@ -73,6 +81,63 @@ def default_loss(label_smoothing: float = 0.0) -> PerExampleLoss:
   return functools.partial(cross_entropy_per_example, label_smoothing=label_smoothing)
 
 
+def forward_backward(
+  graphdef: nnx.GraphDef,
+  loss_fn: PerExampleLoss,
+  params: Any,
+  rest: Any,
+  images: jax.Array,
+  labels: jax.Array,
+) -> tuple[jax.Array, jax.Array, Any, Any]:
+  """Mean loss over ``images``, logits, the new non-param state and the gradients.
+
+  Shared by the single-device step and the data-parallel one
+  (:mod:`jaxprune.train.data_parallel`), which calls it on each device's shard.
+  """
+
+  def compute_loss(params):
+    model = nnx.merge(graphdef, params, rest)
+    logits = model(images)
+    per_example = loss_fn(logits, labels)
+    _, _, new_rest = nnx.split(model, nnx.Param, ...)
+    return jnp.mean(per_example), (logits, nnx.as_pure(new_rest))
+
+  (loss, (logits, new_rest)), grads = jax.value_and_grad(compute_loss, has_aux=True)(params)
+  return loss, logits, new_rest, grads
+
+
+def apply_optimizer(
+  tx: optax.GradientTransformationExtraArgs, grads: Any, opt_state: Any, params: Any, loss
+) -> tuple[Any, Any]:
+  """``(new_params, new_opt_state)``; as ``nnx.Optimizer.update``, the loss reaches
+  ``GradientTransformationExtraArgs`` as ``value``."""
+  updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def train_sums(
+  loss: jax.Array, logits: jax.Array, labels: jax.Array, finite: jax.Array | None = None
+) -> Metrics:
+  """One batch's contribution to the running :class:`Metrics`.
+
+  ``finite`` (default ``isfinite(loss)``) decides whether the batch counts; a data-parallel
+  step passes the global loss's, so every device makes the same decision.
+  """
+  finite = jnp.isfinite(loss) if finite is None else finite
+  # A select, not a product: 0 · NaN would poison the sums (see Metrics).
+  batch = jnp.where(finite, logits.shape[0], 0).astype(jnp.float32)
+  return Metrics(
+    jnp.where(finite, loss * batch, 0.0),
+    jnp.where(finite, jnp.sum(correct_per_example(logits, labels)), 0.0),
+    batch,
+    (~finite).astype(jnp.float32),
+  )
+
+
+def add_metrics(metrics: Metrics, sums: Metrics) -> Metrics:
+  return Metrics(*(a + b for a, b in zip(metrics, sums)))
+
+
 def _train_step(
   graphdef: nnx.GraphDef,
   tx: optax.GradientTransformationExtraArgs,
@@ -84,27 +149,38 @@ def _train_step(
   images: jax.Array,
   labels: jax.Array,
 ):
-  def compute_loss(params):
-    model = nnx.merge(graphdef, params, rest)
-    logits = model(images)
-    per_example = loss_fn(logits, labels)
-    _, _, new_rest = nnx.split(model, nnx.Param, ...)
-    return jnp.mean(per_example), (logits, nnx.as_pure(new_rest))
+  loss, logits, new_rest, grads = forward_backward(graphdef, loss_fn, params, rest, images, labels)
+  params, opt_state = apply_optimizer(tx, grads, opt_state, params, loss)
+  return params, new_rest, opt_state, add_metrics(metrics, train_sums(loss, logits, labels))
 
-  (loss, (logits, new_rest)), grads = jax.value_and_grad(compute_loss, has_aux=True)(params)
-  # As nnx.Optimizer.update: the loss reaches GradientTransformationExtraArgs as `value`.
-  updates, opt_state = tx.update(grads, opt_state, params, value=loss)
-  params = optax.apply_updates(params, updates)
-  batch = images.shape[0]
-  metrics = Metrics(
-    metrics.loss_sum + loss * batch,
-    metrics.correct_sum + jnp.sum(correct_per_example(logits, labels)),
-    metrics.count + batch,
+
+def eval_sums(
+  graphdef: nnx.GraphDef,
+  loss_fn: PerExampleLoss,
+  flip_tta: bool,
+  params: Any,
+  rest: Any,
+  images: jax.Array,
+  labels: jax.Array,
+  weights: jax.Array,
+) -> Metrics:
+  """One eval batch's contribution to the running :class:`Metrics` (weight 0 = padding)."""
+  model = nnx.merge(graphdef, params, rest)
+  logits = model(images)
+  if flip_tta:
+    # Test-time augmentation of the SDGP/ffcv recipe: average the logits of the image
+    # and its horizontal mirror (NHWC: width is axis 2).
+    logits = 0.5 * (logits + model(images[:, :, ::-1, :]))
+  per_example = loss_fn(logits, labels)
+  return Metrics(
+    jnp.sum(per_example * weights),
+    jnp.sum(correct_per_example(logits, labels) * weights),
+    jnp.sum(weights),
+    jnp.zeros([], jnp.float32),  # eval counts no non-finite train steps
   )
-  return params, new_rest, opt_state, metrics
 
 
-def _eval_step(
+def eval_step(
   graphdef: nnx.GraphDef,
   loss_fn: PerExampleLoss,
   flip_tta: bool,
@@ -114,19 +190,15 @@ def _eval_step(
   images: jax.Array,
   labels: jax.Array,
   weights: jax.Array,
+  *,
+  axis_name: Any = None,
 ) -> Metrics:
-  model = nnx.merge(graphdef, params, rest)
-  logits = model(images)
-  if flip_tta:
-    # Test-time augmentation of the SDGP/ffcv recipe: average the logits of the image
-    # and its horizontal mirror (NHWC: width is axis 2).
-    logits = 0.5 * (logits + model(images[:, :, ::-1, :]))
-  per_example = loss_fn(logits, labels)
-  return Metrics(
-    metrics.loss_sum + jnp.sum(per_example * weights),
-    metrics.correct_sum + jnp.sum(correct_per_example(logits, labels) * weights),
-    metrics.count + jnp.sum(weights),
-  )
+  """``metrics`` plus the batch's sums; with ``axis_name`` (inside a data-parallel step on
+  one shard of the batch) the sums are added up over that axis."""
+  sums = eval_sums(graphdef, loss_fn, flip_tta, params, rest, images, labels, weights)
+  if axis_name is not None:
+    sums = jax.lax.psum(sums, axis_name)
+  return add_metrics(metrics, sums)
 
 
 @functools.lru_cache(maxsize=32)
@@ -170,7 +242,7 @@ class StepFunctions:
       donate_argnums=(0, 1, 2, 3) if donate else (),
     )
     self.evaluate = jax.jit(
-      functools.partial(_eval_step, eval_graphdef, loss_fn, flip_tta),
+      functools.partial(eval_step, eval_graphdef, loss_fn, flip_tta),
       donate_argnums=(2,) if donate else (),
     )
 

@@ -34,8 +34,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxprune import masking, models
-from jaxprune.train import optim
+from jaxprune import distributed, masking, models
+from jaxprune.train import data_parallel, optim
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
 from jaxprune.train.step import (
@@ -191,10 +191,34 @@ class Trainer:
       stored with every checkpoint. Resuming from a checkpoint written with a different
       ``run_config`` raises ``ValueError`` instead of silently continuing another run
       (e.g. a 10-epoch schedule on top of a 3-epoch one).
+    mesh: data parallelism (:mod:`jaxprune.train.data_parallel`). ``None`` (default): one
+      device, the plain jitted step. ``"auto"``: every device (``jax.devices()``, all
+      processes after ``jax.distributed.initialize``) on a mesh axis ``"batch"``. A
+      ``jax.sharding.Mesh`` with a ``"batch"`` axis: that mesh. The loader's batch is then
+      the global batch (on several processes, each process's loader yields its local part
+      of it), split evenly over the devices; params and optimizer state are replicated and
+      the gradients averaged explicitly in the step — sparsely, over the kept entries only,
+      once the optimizer state holds final masks (:func:`jaxprune.masking.find_masks`, e.g.
+      after ClickTrain's hard prune; checked at every epoch start, so also on resume).
+      A batch not divisible by the devices raises ``ValueError``.
+    sync_batchnorm: with a mesh, normalise with the global batch's BatchNorm statistics
+      (moments averaged over the devices inside each BatchNorm). Default ``False``: each
+      device uses its shard's statistics (as PyTorch data parallelism without
+      SyncBatchNorm) and the running statistics are averaged over the devices after each
+      step. Evaluation always uses those (replicated) running statistics.
 
   Example:
     >>> trainer = Trainer(model, sgd(0.1, 0.9, weight_decay=5e-4), label_smoothing=0.1)  # doctest: +SKIP
     >>> history = trainer.fit(train_loader, test_loader, epochs=10)  # doctest: +SKIP
+
+    Data parallel over every device (each loader batch split evenly over them)::
+
+    >>> trainer = Trainer(model, tx, mesh="auto")  # doctest: +SKIP
+    >>> trainer.num_devices  # doctest: +SKIP
+    4
+
+  Raises:
+    ValueError: a bad argument (named in the message), ``sync_batchnorm`` without a mesh.
   """
 
   def __init__(
@@ -215,6 +239,8 @@ class Trainer:
     model_builder: Callable[[Any], nnx.Module] | None = None,
     donate: bool = True,
     run_config: Mapping[str, Any] | None = None,
+    mesh: Any = None,
+    sync_batchnorm: bool = False,
   ):
     if not 0.0 <= label_smoothing < 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
@@ -240,6 +266,10 @@ class Trainer:
     self.progress = _is_tty() if progress is None else progress
     self.model_builder = model_builder
     self.donate = donate
+    self.mesh = data_parallel.resolve_mesh(mesh)
+    if sync_batchnorm and self.mesh is None:
+      raise ValueError("sync_batchnorm=True needs a mesh (data parallelism)")
+    self.sync_batchnorm = bool(sync_batchnorm)
     # Round-trip through JSON so the comparison on resume sees what the checkpoint stores
     # (tuples become lists); unserialisable values fail here, not at the first save.
     try:
@@ -262,14 +292,56 @@ class Trainer:
     self._set_model(model, self.tx.init(nnx.as_pure(nnx.state(model, nnx.Param))))
 
   # ----------------------------------------------------------------- state access
-  def _set_model(self, model: nnx.Module, opt_state: Any) -> None:
+  def _set_model(self, model: nnx.Module, opt_state: Any, indices: Any = None) -> None:
     self._model = model
     train_gd, eval_gd, params, rest = split_model(model)
     self.params, self.rest, self.opt_state = params, rest, opt_state
     self._model_synced = True
-    self._steps = step_functions(
-      train_gd, eval_gd, self.tx, self.loss_fn, flip_tta=self.flip_tta, donate=self.donate
+    if self.mesh is None:
+      self._steps = step_functions(
+        train_gd, eval_gd, self.tx, self.loss_fn, flip_tta=self.flip_tta, donate=self.donate
+      )
+      return
+    # A new structure (PruneTrain's reconfiguration) or new masks: a new step, compiled at
+    # its first call, and the (new) states replicated on every device.
+    self._steps = data_parallel.step_functions(
+      model,
+      self.tx,
+      self.loss_fn,
+      self.mesh,
+      sync_batchnorm=self.sync_batchnorm,
+      flip_tta=self.flip_tta,
+      donate=self.donate,
+      indices=indices,
     )
+    self._replicate()
+
+  def _replicate(self) -> None:
+    """Places params, rest and optimizer state on every device of the mesh (host-side edits
+    between epochs, e.g. an LR scale, may have left some leaves on one device)."""
+    self.params, self.rest, self.opt_state = self._steps.replicate(
+      (self.params, self.rest, self.opt_state)
+    )
+
+  def _sync_reduction(self) -> None:
+    """Data parallelism: reduce only the kept gradient entries once the optimizer state
+    holds final masks (ClickTrain §5.3); index arrays built once per set of masks, the step
+    rebuilt (and recompiled) only when they change."""
+    masks = masking.find_masks(self.opt_state, self.params)
+    indices = distributed.mask_indices(masks) if masks is not None else None
+    if data_parallel.indices_digest(indices) != self._steps.indices_digest:
+      self._set_model(self.model, self.opt_state, indices)
+
+  @property
+  def num_devices(self) -> int:
+    """Devices the global batch is split over (1 without a mesh)."""
+    return 1 if self.mesh is None else int(self.mesh.shape[data_parallel.BATCH_AXIS])
+
+  @property
+  def reduction_indices(self) -> Any:
+    """The index arrays of the data-parallel gradient reduction (``None``: dense, or no
+    mesh)."""
+    return getattr(self._steps, "indices", None)
 
   @property
   def model(self) -> nnx.Module:
@@ -323,6 +395,11 @@ class Trainer:
     """
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
       raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if batch_size % self.num_devices:
+      raise ValueError(
+        f"batch_size {batch_size} is not divisible by the {self.num_devices} devices of the "
+        "data-parallel mesh"
+      )
     self._pending_batch_size = (int(batch_size), scale_lr)
 
   def _apply_pending_batch_size(self, loader: Any) -> None:
@@ -363,8 +440,16 @@ class Trainer:
 
   # ----------------------------------------------------------------- train / eval
   def train_epoch(self, loader: Iterable) -> dict[str, float]:
-    """One pass over ``loader``; returns train loss / acc and throughput."""
+    """One pass over ``loader``; returns train loss / acc and throughput.
+
+    Steps with a non-finite loss are left out of ``train_loss`` / ``train_acc`` and counted
+    in ``nonfinite_steps``, with a ``RuntimeWarning`` (see :class:`~jaxprune.train.Metrics`).
+    """
     metrics = Metrics.zeros()
+    if self.mesh is not None:
+      self._sync_reduction()
+      self._replicate()
+      metrics = self._steps.replicate(metrics)
     due = [c for c in self.callbacks if c.every_steps]
     try:
       total = len(loader)  # type: ignore[arg-type]
@@ -411,10 +496,20 @@ class Trainer:
       raise ValueError(
         "train_loader yielded no batches (batch_size larger than the dataset with drop_last=True?)"
       )
+    if summary["nonfinite"]:
+      warnings.warn(
+        f"epoch {self.epoch + 1}: {summary['nonfinite']} of {steps} train steps had a "
+        "non-finite loss; train_loss / train_acc average the other steps and the record's "
+        "nonfinite_steps counts them (whether their updates were applied is up to the "
+        "optimizer, e.g. optax.apply_if_finite skips them)",
+        RuntimeWarning,
+        stacklevel=3,
+      )
     compute = max(elapsed - data_wait, 1e-9)
     return {
       "train_loss": summary["loss"],
       "train_acc": summary["acc"],
+      "nonfinite_steps": summary["nonfinite"],
       "steps": steps,
       "images_per_s": images_seen / elapsed,
       "step_images_per_s": images_seen / compute,
@@ -427,19 +522,23 @@ class Trainer:
     """Loss and accuracy over ``loader`` in eval mode (BatchNorm running statistics,
     no dropout), with flip TTA if enabled. Short batches are zero-padded and masked."""
     metrics = Metrics.zeros()
+    multiple = 1
+    if self.mesh is not None:
+      self._replicate()
+      metrics = self._steps.replicate(metrics)
+      multiple = self._steps.batch_multiple
     full = None
     for images, labels in loader:
       images, labels = np.asarray(images), np.asarray(labels)
       n = images.shape[0]
-      full = full or n
+      # Data parallel: padded up to a multiple of the devices too (padding rows weigh 0).
+      full = max(full or 0, -(-n // multiple) * multiple)
       weights = np.ones(full, np.float32)
       if n < full:
         pad = full - n
         images = np.concatenate([images, np.zeros((pad, *images.shape[1:]), images.dtype)])
         labels = np.concatenate([labels, np.zeros((pad, *labels.shape[1:]), labels.dtype)])
         weights[n:] = 0
-      elif n > full:
-        full, weights = n, np.ones(n, np.float32)
       metrics = self._steps.evaluate(self.params, self.rest, metrics, images, labels, weights)
     if full is None:
       raise ValueError("test_loader yielded no batches")

@@ -253,3 +253,24 @@ def test_pattern_masks_from_ids_rejects_invalid_ids_instead_of_non_binary_mask(b
   # The last valid id is still accepted and gives a binary 4-of-9 mask (hand count).
   mask = np.asarray(patterns.pattern_masks_from_ids(np.array([math.comb(9, 4) - 1]), 3))
   assert set(np.unique(mask)) <= {0.0, 1.0} and mask.sum() == 4
+
+
+@pytest.mark.parametrize("num_patterns", [4, 8, 12])
+def test_one_shot_pools_from_the_released_library(num_patterns):
+  masks, ids = patterns.one_shot_pool(num_patterns)
+  assert masks.shape == (num_patterns, 3, 3) and ids.shape == (num_patterns,)
+  flat = masks.reshape(num_patterns, 9)
+  assert len({tuple(m) for m in flat}) == num_patterns  # distinct
+  assert set(np.unique(flat)) == {0.0, 1.0}
+  np.testing.assert_array_equal(flat.sum(axis=1), 4)  # each keeps 4 of 9
+  # ids index all_patterns(4, 3), and the pool is the head of the 12-pattern library
+  np.testing.assert_array_equal(patterns.all_patterns(4, 3)[ids], masks)
+  np.testing.assert_array_equal(masks, patterns.library_patterns()[:num_patterns])
+  # 4 is the released default: the four 2x2 blocks around the centre
+  np.testing.assert_array_equal(patterns.one_shot_pool()[0], patterns.centre_block_patterns())
+
+
+@pytest.mark.parametrize("bad", [0, 5, 9, 16, True, "12"])
+def test_one_shot_pool_bad_sizes(bad):
+  with pytest.raises(ValueError, match=r"^num_patterns must be one of \(4, 8, 12\)"):
+    patterns.one_shot_pool(bad)

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,56 @@ def test_loss_derivative_trigger():
     stages.append(int(st.stage))
   assert stages[:7] == [ct.WARMUP] * 7
   assert stages[7] == ct.POOL and int(st.stage_start_epoch) == 4
+
+
+def test_run_still_in_warmup_at_the_hard_prune_epoch_warns_once():
+  # The epoch mean loss rises by 1 every epoch: the loss-derivative trigger never fires and
+  # the run would stay dense past hard_prune_epoch without a word.
+  tx = ct.clicktrain(optax.sgd(0.0), steps_per_epoch=1, hard_prune_epoch=3)
+  p = _params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for i in range(6):
+      _, st = update(_fake_grads(p, i), st, p, value=jnp.float32(i))
+      jax.effects_barrier()
+      if i == 1:
+        assert not caught  # not before the end of epoch hard_prune_epoch - 1
+  messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+  assert len(messages) == 1, messages
+  assert messages[0].startswith("clicktrain: still in warmup after 3 epochs (hard_prune_epoch=3)")
+  assert int(st.stage) == ct.WARMUP
+
+
+def test_importance_every_longer_than_a_stage_raises():
+  # A 2-epoch finalization of 3 steps each (6 steps) with importance_every=7 may score no
+  # batch at all (all-zero scores: masks by index); 6 scores at least one whatever the phase.
+  kwargs = dict(steps_per_epoch=3, hard_prune_epoch=20, pool_epochs=4, finalize_epochs=2)
+  ct.clicktrain(optax.sgd(0.1), importance_every=6, **kwargs)
+  with pytest.raises(
+    ValueError,
+    match=r"importance_every \(7\) must be <= the shortest importance stage, "
+    r"finalize_epochs \* steps_per_epoch = 6 steps",
+  ):
+    ct.clicktrain(optax.sgd(0.1), importance_every=7, **kwargs)
+  # one_shot mode has no per-batch importance work: no limit.
+  ct.clicktrain(optax.sgd(0.1), mode="one_shot", one_shot_epoch=1, importance_every=7, **kwargs)
+
+
+def test_fixed_schedule_that_misses_the_hard_prune_epoch_raises():
+  # Masks final at pool_start + pool + finalize, one epoch of regularization before the hard
+  # prune: hard_prune_epoch = 5 needs pool_start_epoch <= 2 (the boundary schedule prunes at
+  # exactly hard_prune_epoch: test_stage_schedule_fixed_epochs).
+  kwargs = dict(steps_per_epoch=1, hard_prune_epoch=5, pool_epochs=1, finalize_epochs=1)
+  ct.clicktrain(optax.sgd(0.1), pool_start_epoch=2, **kwargs)
+  for start in (3, 7):  # 7: still in warmup at the hard prune epoch
+    with pytest.raises(
+      ValueError,
+      match=rf"hard_prune_epoch \(5\) must be > pool_start_epoch \+ pool_epochs \+ "
+      rf"finalize_epochs \({start} \+ 1 \+ 1 = {start + 2}\)",
+    ):
+      ct.clicktrain(optax.sgd(0.1), pool_start_epoch=start, **kwargs)
 
 
 # One shared paper-mode run (fixed params, fake gradients, identity inner optimizer so
@@ -257,6 +308,57 @@ def test_group_lasso_gradient_matches_autodiff():
   assert float(jnp.abs(penalty_grad["block"]["conv2"]["kernel"]).max()) > 0
 
 
+def test_params_of_another_structure_raise_naming_the_first_stray_or_missing_layer():
+  tx = ct.clicktrain(optax.sgd(0.1, momentum=0.9), steps_per_epoch=1, hard_prune_epoch=3)
+  p = _params()
+  st = tx.init(p)
+  block = dict(p["block"])
+  conv1 = block.pop("conv1")
+  cases = [
+    ({**p, "block": {**block, "conv9": conv1}}, "pruned layer 'block/conv9/kernel' is not in"),
+    ({**p, "block": block}, "pruned layer 'block/conv1/kernel' is missing from the params"),
+    (
+      {**p, "block": {**block, "conv1": {"kernel": jnp.zeros((3, 3, 6, 4))}}},
+      r"'block/conv1/kernel' has shape \(3, 3, 6, 4\), the ClickTrain state was built for "
+      r"\(3, 3, 6, 8\)",
+    ),
+  ]
+  for q, message in cases:
+    with pytest.raises(ValueError, match=message):
+      tx.update(jax.tree.map(jnp.zeros_like, q), st, q, value=jnp.float32(1.0))
+
+
+def test_read_outs_say_pruned_only_once_the_weights_are():
+  # Against the weights themselves: from the step whose state says "pruned" (the last step of
+  # epoch hard_prune_epoch - 1), the weights are zero wherever the masks prune, and
+  # compression() is the weights' own count of total / nonzero conv weights.
+  tx = ct.clicktrain(
+    optax.sgd(0.05, momentum=0.9),
+    steps_per_epoch=2,
+    mode="one_shot",
+    one_shot_epoch=0,
+    hard_prune_epoch=1,
+    kernel_prune_ratio=0.5,
+  )
+  p = _params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  stages = []
+  for i in range(4):
+    u, st = update(_fake_grads(p, i), st, p)
+    p = optax.apply_updates(p, u)
+    stages.append(readouts.stage_name(st))
+    if stages[-1] == "pruned":
+      m = readouts.masks(st, p)
+      for w, keep in zip(jax.tree.leaves(p), jax.tree.leaves(m, is_leaf=lambda x: x is None)):
+        if keep is not None:
+          assert np.all(np.asarray(w)[np.asarray(keep) == 0] == 0.0), i
+      convs = [np.asarray(w) for w in jax.tree.leaves(p) if w.ndim == 4]
+      total, nonzero = sum(w.size for w in convs), sum(np.count_nonzero(w) for w in convs)
+      assert readouts.compression(st, p) == pytest.approx(total / nonzero), i
+  assert stages == ["regularize", "pruned", "pruned", "pruned"]
+
+
 def test_hard_prune_keeps_pruned_weights_exactly_zero():
   spe = 2
   inner = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05, momentum=0.9))
@@ -299,12 +401,21 @@ def test_hard_prune_keeps_pruned_weights_exactly_zero():
   assert masks["stem"]["kernel"] is None
 
 
-def _one_shot_reference(w, g, ratio):
+# The released code's pattern table, transcribed from it (rows top -> bottom); a pool of
+# 4, 8 or 12 is its head.
+_RELEASED_TABLE = (
+  "000/011/011", "000/110/110", "011/011/000", "110/110/000",
+  "000/001/111", "000/111/010", "010/011/010", "010/110/010",
+  "111/010/000", "000/100/111", "111/100/000", "000/101/011",
+)  # fmt: skip
+
+
+def _one_shot_reference(w, g, ratio, num_patterns=4):
   """NumPy re-implementation of the released code's rule on one batch."""
   w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
   blocks = [
     np.array([[c == "1" for c in r] for r in s.split("/")], float)
-    for s in ("000/011/011", "000/110/110", "011/011/000", "110/110/000")
+    for s in _RELEASED_TABLE[:num_patterns]
   ]
   kh, kw, cin, cout = w.shape
   pat = np.zeros((cin, cout), int)
@@ -323,7 +434,8 @@ def _one_shot_reference(w, g, ratio):
   return pat, keep.reshape(cin, cout), np.moveaxis(mask, (2, 3), (0, 1)) * keep.reshape(cin, cout)
 
 
-def test_one_shot_matches_released_rule():
+@pytest.mark.parametrize("num_patterns", [4, 8, 12])
+def test_one_shot_matches_released_rule(num_patterns):
   spe = 2
   tx = ct.clicktrain(
     optax.sgd(0.0),
@@ -331,6 +443,7 @@ def test_one_shot_matches_released_rule():
     hard_prune_epoch=3,
     mode="one_shot",
     one_shot_epoch=1,
+    one_shot_patterns=num_patterns,
     kernel_prune_ratio=0.35,
   )
   p = _params()
@@ -341,10 +454,15 @@ def test_one_shot_matches_released_rule():
     assert int(st.stage) == (ct.WARMUP if i < spe else ct.REGULARIZE)
   g = _fake_grads(p, spe)  # the first batch of epoch 1
   pat, keep, mask = _one_shot_reference(
-    p["block"]["conv1"]["kernel"], g["block"]["conv1"]["kernel"], 0.35
+    p["block"]["conv1"]["kernel"], g["block"]["conv1"]["kernel"], 0.35, num_patterns
   )
   ls = st.layers[CONV1]
-  np.testing.assert_array_equal(ls.pattern_id, patterns.library_pattern_ids()[:4][pat])
+  pool_ids = patterns.one_shot_pool(num_patterns)[1]
+  np.testing.assert_array_equal(ls.pattern_id, pool_ids[pat])
+  # Only pool patterns are used, and a bigger pool is actually used beyond the first four.
+  assert set(np.unique(ls.pattern_id)) <= set(pool_ids.tolist())
+  if num_patterns > 4:
+    assert pat.max() >= 4
   np.testing.assert_array_equal(ls.kernel_keep, keep)
   np.testing.assert_array_equal(readouts.masks(st, p)["block"]["conv1"]["kernel"], mask)
   ks = np.asarray(
@@ -397,6 +515,16 @@ def test_bad_arguments():
     ct.clicktrain(sgd, steps_per_epoch=0, hard_prune_epoch=3)
   with pytest.raises(ValueError, match="one_shot_epoch"):
     ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, mode="one_shot")
+  for bad in (0, 6, 16, True, 4.5):
+    with pytest.raises(ValueError, match=r"^one_shot_patterns must be one of \(4, 8, 12\)"):
+      ct.clicktrain(
+        sgd,
+        steps_per_epoch=1,
+        hard_prune_epoch=3,
+        mode="one_shot",
+        one_shot_epoch=1,
+        one_shot_patterns=bad,
+      )
   with pytest.raises(ValueError, match="hard_prune_epoch"):
     ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=2, mode="one_shot", one_shot_epoch=2)
   with pytest.raises(ValueError, match="kernel_prune_ratio"):
@@ -527,10 +655,26 @@ def test_hard_prune_keeps_pruned_weights_zero_under_non_finite_updates():
   assert np.all(np.asarray(optax.apply_updates(new, u)["conv"]["kernel"])[~mask] == 0.0)
 
 
+def _one_epoch_stages(inner):
+  """Paper mode, 2 steps per epoch: pool = epoch 0, finalization = epoch 1 (pool size 5,
+  ratio 0.5, no hard prune before epoch 10)."""
+  return ct.clicktrain(
+    inner,
+    steps_per_epoch=2,
+    hard_prune_epoch=10,
+    pool_start_epoch=0,
+    pool_epochs=1,
+    finalize_epochs=1,
+    pool_size=5,
+    kernel_prune_ratio=0.5,
+  )
+
+
 def _nonfinite_run(tx, bad_step, kind, steps):
   """Drive ``tx`` on one 3x3x8x8 kernel (params held fixed) with batch ``bad_step``'s gradient
-  (``kind="grad"``) or loss (``kind="loss"``) non-finite; returns the weights, the gradients and
-  the states after every step."""
+  (``kind="grad"``) or loss (``kind="loss"``) non-finite (``bad_step`` an int or a tuple of
+  them); returns the weights, the gradients and the states after every step."""
+  bad = set(bad_step) if isinstance(bad_step, tuple) else {bad_step}
   rng = np.random.default_rng(7)
   w = jnp.asarray(rng.normal(size=(3, 3, 8, 8)), jnp.float32)
   gs = [jnp.asarray(rng.normal(size=(3, 3, 8, 8)), jnp.float32) for _ in range(steps)]
@@ -539,9 +683,9 @@ def _nonfinite_run(tx, bad_step, kind, steps):
   states = []
   for i, g in enumerate(gs):
     loss = jnp.float32(1.0)
-    if i == bad_step and kind == "grad":
+    if i in bad and kind == "grad":
       g = g.at[0, 0, 0, 0].set(jnp.nan).at[1, 1, 2, 3].set(jnp.inf)
-    if i == bad_step and kind == "loss":
+    if i in bad and kind == "loss":
       loss = jnp.float32(jnp.nan)
     _, st = update({"conv": {"kernel": g}}, st, {"conv": {"kernel": w}}, value=loss)
     states.append(st)
@@ -556,21 +700,19 @@ def test_non_finite_step_neither_votes_nor_adds_scores(guarded, kind, bad_step):
   # left out of the DPPG scores, the votes and the summed Eq. 2 scores; the masks come from
   # the finite batches only (before the fix: 64/64 NaN scores, kernels pruned by index).
   inner = optax.sgd(0.1)
-  tx = ct.clicktrain(
-    optax.apply_if_finite(inner, 3) if guarded else inner,
-    steps_per_epoch=2,
-    hard_prune_epoch=10,
-    pool_start_epoch=0,
-    pool_epochs=1,
-    finalize_epochs=1,
-    pool_size=5,
-    kernel_prune_ratio=0.5,
-  )
+  tx = _one_epoch_stages(optax.apply_if_finite(inner, 3) if guarded else inner)
   w, gs, states = _nonfinite_run(tx, bad_step, kind, 4)
-  ls = states[-1].layers["conv/kernel"]
   assert int(states[-1].stage) == ct.REGULARIZE
+  _assert_masks_from(
+    states[-1].layers["conv/kernel"], w, gs, {0, 1} - {bad_step}, {2, 3} - {bad_step}
+  )
+
+
+def _assert_masks_from(ls, w, gs, pool_steps, finalize_steps):
+  """``ls`` holds the pool, votes, scores and masks of DPPG over the batches ``pool_steps`` and
+  finalization over ``finalize_steps`` (pool size 5, ratio 0.5), by NumPy."""
   expect = np.zeros(126, np.int64)
-  for i in {0, 1} - {bad_step}:
+  for i in pool_steps:
     imp = np.moveaxis(np.asarray((gs[i] * w) ** 2), (0, 1), (-2, -1))
     expect += np.bincount(np.asarray(patterns.dppg_candidates(imp)).ravel(), minlength=126)
   np.testing.assert_array_equal(ls.competitive_scores, expect)
@@ -579,7 +721,7 @@ def test_non_finite_step_neither_votes_nor_adds_scores(guarded, kind, bad_step):
   pool_masks = patterns.all_patterns()[pool]
   votes = np.zeros((8, 8, 5), np.int64)
   kscore = np.zeros((8, 8))
-  for i in {2, 3} - {bad_step}:
+  for i in finalize_steps:
     s = np.asarray(importance.pattern_scores(w, gs[i], pool_masks))
     votes += np.eye(5, dtype=np.int64)[s.argmax(-1)]
     kscore += np.asarray(importance.kernel_scores(w, gs[i]))
@@ -588,6 +730,29 @@ def test_non_finite_step_neither_votes_nor_adds_scores(guarded, kind, bad_step):
   np.testing.assert_array_equal(ls.pattern_id, pool[votes.argmax(-1)])
   pruned = sorted(range(64), key=lambda i: (kscore.ravel()[i], i))[:32]
   np.testing.assert_array_equal(np.flatnonzero(~np.asarray(ls.kernel_keep).ravel()), sorted(pruned))
+
+
+@pytest.mark.parametrize("kind", ["grad", "loss"])
+@pytest.mark.parametrize("stage", ["pool", "finalize"])
+def test_stage_without_a_finite_batch_goes_on_instead_of_choosing_by_index(stage, kind):
+  # Every batch of the stage is non-finite: its scores stay all zero, which would pick the
+  # pool / prune kernels by index. The stage goes on for another epoch (with a warning) and
+  # the masks come from the finite batches only.
+  tx = _one_epoch_stages(optax.sgd(0.1))
+  bad = (0, 1) if stage == "pool" else (2, 3)
+  done = 1 if stage == "pool" else 2
+  with pytest.warns(RuntimeWarning, match=f"stage ending after {done} epochs fed its scores"):
+    w, gs, states = _nonfinite_run(tx, bad, kind, 6)
+    jax.effects_barrier()
+  held = states[bad[1]]  # after the bad stage's last step: nothing was chosen
+  assert int(held.stage) == (ct.POOL if stage == "pool" else ct.FINALIZE)
+  assert int(held.stage_start_epoch) == (0 if stage == "pool" else 1)
+  ls = held.layers["conv/kernel"]
+  assert np.all(np.asarray(ls.pattern_id) == -1) and np.all(np.asarray(ls.kernel_keep))
+  assert np.all(np.asarray(ls.pattern_mask) == 1)
+  assert [int(s.stage) for s in states[4:]] == [ct.FINALIZE, ct.REGULARIZE]
+  pool_steps, finalize_steps = ({2, 3}, {4, 5}) if stage == "pool" else ({0, 1}, {4, 5})
+  _assert_masks_from(states[-1].layers["conv/kernel"], w, gs, pool_steps, finalize_steps)
 
 
 @pytest.mark.parametrize("kind", ["grad", "loss"])

@@ -674,6 +674,104 @@ def test_loader_bad_arguments(small_ds):
     loader.restore({"epoch": 1})
 
 
+def test_loader_processes_share_each_global_batch_disjointly(small_ds):
+  def ids(loader):
+    return _ids(list(loader), small_ds)
+
+  single = ids(data.Loader(small_ds, 12, seed=4))
+  for count in (2, 4):
+    shards = [
+      ids(data.Loader(small_ds, 12, seed=4, process_index=i, process_count=count))
+      for i in range(count)
+    ]
+    for step, global_ids in enumerate(single):
+      # Process i holds the i-th slice: together they are the single-process global batch.
+      assert all(len(shard[step]) == 12 // count for shard in shards)
+      np.testing.assert_array_equal(np.concatenate([s[step] for s in shards]), global_ids)
+    seen = np.concatenate([np.concatenate(s) for s in shards])
+    assert len(seen) == len(set(seen.tolist())) == 96  # 8 full batches, each example once
+
+  # drop_last=False: the final partial batch is split too, so every example is seen once.
+  even = data.Dataset.from_arrays(small_ds.images[:102], small_ds.labels[:102], num_classes=4)
+  shards = [
+    np.concatenate(
+      _ids(list(data.Loader(even, 10, drop_last=False, process_index=i, process_count=2)), even)
+    )
+    for i in range(2)
+  ]
+  np.testing.assert_array_equal(np.sort(np.concatenate(shards)), np.arange(102))
+
+
+def test_loader_multi_process_resume_is_exact_from_any_process_state(small_ds):
+  kwargs = dict(seed=1, augment="prunetrain", prefetch=2, num_threads=2, process_count=2)
+  full = list(data.Loader(small_ds, 8, process_index=1, **kwargs))
+  interrupted = data.Loader(small_ds, 8, process_index=0, **kwargs)
+  for _, _ in zip(range(4), interrupted):
+    pass
+  resumed = data.Loader(small_ds, 8, process_index=1, **kwargs)
+  resumed.restore(interrupted.state())  # process 0's snapshot restores process 1 too
+  _assert_same_batches(list(resumed), full[4:])
+  # The position counts global batches: a single-process snapshot lands on the same examples.
+  single = data.Loader(small_ds, 8, seed=1)
+  for _, _ in zip(range(4), single):
+    pass
+  halves = data.Loader(small_ds, 8, seed=1, process_index=1, process_count=2)
+  halves.restore(single.state())
+  rest = data.Loader(small_ds, 8, seed=1).iter_epoch(0, start_step=4)
+  for (x_half, _), global_ids in zip(halves, _ids(rest, small_ds)):
+    np.testing.assert_array_equal(_ids([(x_half, None)], small_ds)[0], global_ids[4:])
+
+
+def test_loader_multi_process_bad_arguments(small_ds):
+  with pytest.raises(ValueError, match="batch_size 9 .*process_count 2"):
+    data.Loader(small_ds, 9, process_index=0, process_count=2)
+  with pytest.raises(ValueError, match="process_index 2 must be below process_count 2"):
+    data.Loader(small_ds, 8, process_index=2, process_count=2)
+  with pytest.raises(ValueError, match="process_count must be at least 1"):
+    data.Loader(small_ds, 8, process_index=0, process_count=0)
+  with pytest.raises(ValueError, match="final batch of 3 examples.*process_count 2"):
+    data.Loader(small_ds, 10, drop_last=False, process_index=0, process_count=2)
+  loader = data.Loader(small_ds, 8, process_index=0, process_count=2)
+  with pytest.raises(ValueError, match="batch_size 7 .*process_count 2"):
+    loader.batch_size = 7
+  assert loader.local_batch_size == 4 and len(next(iter(loader))[0]) == 4
+
+
+def test_loader_second_live_iterator_takes_over_the_position(small_ds):
+  loader = data.Loader(small_ds, 10, seed=2)
+  expected = _ids(list(loader.iter_epoch(0)), small_ds)
+  first = iter(loader)
+  np.testing.assert_array_equal(_ids([next(first)], small_ds)[0], expected[0])
+  second = iter(loader)
+  # The new iterator continues where the position is: no batch is handed out twice.
+  np.testing.assert_array_equal(_ids([next(second)], small_ds)[0], expected[1])
+  with pytest.raises(RuntimeError, match="superseded"):
+    next(first)
+  assert loader.state()["step"] == 2
+  rest = _ids(list(second), small_ds)
+  for got, want in zip(rest, expected[2:], strict=True):
+    np.testing.assert_array_equal(got, want)
+  assert (loader.epoch, loader.step) == (1, 0)
+
+
+@pytest.mark.parametrize("move", ["set_epoch", "restore"])
+def test_loader_set_epoch_or_restore_during_iteration_moves_the_position(small_ds, move):
+  loader = data.Loader(small_ds, 10, seed=2, prefetch=2, num_threads=2)
+  running = iter(loader)
+  next(running)
+  next(running)
+  if move == "set_epoch":
+    loader.set_epoch(3)
+  else:
+    loader.restore({**loader.state(), "epoch": 3, "step": 0})
+  assert (loader.state()["epoch"], loader.state()["step"]) == (3, 0)
+  with pytest.raises(RuntimeError, match="superseded"):
+    next(running)
+  # state() still describes exactly what the next iteration hands out.
+  _assert_same_batches(list(loader), list(loader.iter_epoch(3)))
+  assert (loader.epoch, loader.step) == (4, 0)
+
+
 def test_bench_loader_writes_tables(jpeg_tarball, tmp_path):
   from experiments import bench_loader
 

@@ -16,28 +16,25 @@ def _write_earlier(path, args, dense):
 
 def test_reuse_dense_returns_the_dense_run_of_a_matching_json(tmp_path):
   path = tmp_path / "earlier.json"
-  args = prunetrain_table1._parse(
-    ["--budget", "--penalty-ratio", "0.5", "--skip-dense", "--reuse-dense", str(path)]
-  )
+  args = prunetrain_table1._parse(["--budget", "cpu", "--skip-dense", "--reuse-dense", str(path)])
   dense = {"test_acc": 0.567, "train_time_s": 840.0}
   _write_earlier(path, args, dense)
   assert prunetrain_table1._reused_dense_run(args, "any_name") == dense
 
 
 def test_reuse_dense_default_json_is_the_name_without_suffix(tmp_path, monkeypatch):
-  monkeypatch.setattr(prunetrain_table1, "RESULTS", tmp_path)
   args = prunetrain_table1._parse(
-    ["--budget", "--skip-dense", "--reuse-dense", "--name-suffix", "_sweep"]
+    ["--out", str(tmp_path), "--skip-dense", "--reuse-dense", "--name-suffix", "_sweep"]
   )
   dense = {"test_acc": 0.5}
-  _write_earlier(tmp_path / "prunetrain_table1_resnet32_budget.json", args, dense)
-  run = prunetrain_table1._reused_dense_run(args, "prunetrain_table1_resnet32_budget_sweep")
+  _write_earlier(tmp_path / "table1_cpu_resnet32.json", args, dense)
+  run = prunetrain_table1._reused_dense_run(args, "table1_cpu_resnet32_sweep")
   assert run == dense
 
 
 def test_reuse_dense_rejects_other_dense_settings(tmp_path):
   path = tmp_path / "earlier.json"
-  args = prunetrain_table1._parse(["--budget", "--skip-dense", "--reuse-dense", str(path)])
+  args = prunetrain_table1._parse(["--budget", "cpu", "--skip-dense", "--reuse-dense", str(path)])
   _write_earlier(path, args, {"test_acc": 0.5})
   args.lr = args.lr * 2
   args.milestones = [0.5]
@@ -47,8 +44,8 @@ def test_reuse_dense_rejects_other_dense_settings(tmp_path):
 
 def test_reuse_dense_without_skip_dense_is_an_error(tmp_path):
   with pytest.raises(SystemExit):
-    prunetrain_table1._parse(["--budget", "--reuse-dense", str(tmp_path / "x.json")])
-  args = prunetrain_table1._parse(["--budget"])
+    prunetrain_table1._parse(["--budget", "cpu", "--reuse-dense", str(tmp_path / "x.json")])
+  args = prunetrain_table1._parse(["--budget", "cpu"])
   assert prunetrain_table1._reused_dense_run(args, "any_name") is None
 
 
@@ -85,8 +82,8 @@ def test_train_paired_alternates_epochs_and_swaps_the_order():
 
 def test_paired_is_rejected_with_skip_dense():
   with pytest.raises(SystemExit):
-    prunetrain_table1._parse(["--budget", "--paired", "--skip-dense"])
-  assert prunetrain_table1._parse(["--budget", "--paired"]).paired
+    prunetrain_table1._parse(["--budget", "cpu", "--paired", "--skip-dense"])
+  assert prunetrain_table1._parse(["--budget", "cpu", "--paired"]).paired
 
 
 def test_paired_training_computes_what_separate_runs_compute(tmp_path, monkeypatch):
@@ -101,7 +98,7 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, monkeypat
   monkeypatch.setattr(
     prunetrain_table1.models,
     "create",
-    lambda name, **kw: create("prunetrain-resnet20", width_multiplier=0.25, **kw),
+    lambda name, **kw: create("prunetrain-resnet20", **kw),
   )
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, size=(48, 8, 8, 3), dtype=np.uint8)
@@ -109,10 +106,9 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, monkeypat
   train_set = data.Dataset.from_arrays(images, labels, num_classes=10)
   test_set = data.Dataset.from_arrays(images[:16], labels[:16], num_classes=10)
   # ratio and threshold high enough that channels die in the second epoch's check
-  args = prunetrain_table1._parse(
-    ["--budget", "--epochs", "2", "--batch-size", "16", "--lr", "0.5", "--milestones"]
-    + ["--penalty-ratio", "0.95", "--threshold", "0.3", "--no-dynamic-batch"]
-  )
+  args = prunetrain_table1._parse(["--budget", "cpu", "--no-dynamic-batch"])
+  args.epochs, args.batch_size, args.lr, args.milestones = 2, 16, 0.5, []
+  args.penalty_ratio, args.threshold, args.width = 0.95, 0.3, 0.25
 
   def build(method, sub):
     (tmp_path / sub).mkdir(exist_ok=True)
@@ -132,10 +128,10 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, monkeypat
   pt_history = paired[1].trainer.history
   assert any(r.get("pt_channels_removed", 0) > 0 for r in pt_history), pt_history
   # the paired table: one row per epoch, PruneTrain's epoch time beside dense's
-  monkeypatch.setattr(prunetrain_table1, "RESULTS", tmp_path)
   args.paired = True
   results = {run.method: prunetrain_table1._result(args, run) for run in paired}
-  prunetrain_table1._write("paired", args, results, "cmd")
+  prunetrain_table1._write(tmp_path / "paired", args, results, "cmd")
+  assert (tmp_path / "paired_over_training.png").exists()
   lines = (tmp_path / "paired.md").read_text().splitlines()
   header = lines.index(next(line for line in lines if line.startswith("| epoch | dense epoch")))
   rows = [line.split("|")[1:-1] for line in lines[header + 2 : header + 2 + args.epochs]]

@@ -5,7 +5,7 @@ import argparse
 import pytest
 from flax import nnx
 
-from experiments import sdgp_fig8, sdgp_table1, sdgp_timemodel
+from experiments import _tables, sdgp_fig8, sdgp_table1, sdgp_timemodel
 from jaxprune import models
 
 
@@ -16,19 +16,16 @@ def test_fig8_settings_parse_and_reject():
       sdgp_fig8._parse_settings(bad)
 
 
-def test_budget_overrides_and_lr_scaling():
+def test_sdgp_budgets_scale_the_peak_lr_with_the_batch():
   parser = argparse.ArgumentParser()
-  sdgp_table1.add_budget_arguments(parser)
-  budget = sdgp_table1.resolve_budget(
-    parser.parse_args(
-      ["--budget", "cpu", "--epochs", "150", "--batch-size", "512", "--train-subset", "0"]
-    )
-  )
-  # the paper's recipe comes back when the budget is the paper's
-  assert budget["peak_lr"] == 0.5 and budget["peak_epoch"] == 2.0
-  assert budget["train_subset"] is None
-  full = sdgp_table1.resolve_budget(parser.parse_args(["--budget", "full"]))
-  assert full["width"] == 1.0 and full["epochs"] == 150 and full["batch_size"] == 512
+  sdgp_table1.add_budget_arguments(parser, "sdgp_table1")
+  paper = sdgp_table1.resolve_budget("sdgp_table1", parser.parse_args(["--budget", "paper"]))
+  # the paper's recipe: batch 512, peak 0.5 at epoch 2 of 150, full width and data
+  assert paper["peak_lr"] == 0.5 and paper["peak_epoch"] == 2.0
+  assert paper["width"] == 1.0 and paper["epochs"] == 150 and paper["train_subset"] is None
+  cpu = sdgp_table1.resolve_budget("sdgp_table1", parser.parse_args([]))
+  assert cpu["peak_lr"] == 0.5 * cpu["batch_size"] / 512
+  assert cpu["peak_epoch"] == 0.5  # 2/150 of a short run, floored at half an epoch
 
 
 def test_timemodel_records_every_conv_with_its_shapes():
@@ -50,25 +47,84 @@ def test_timemodel_records_every_conv_with_its_shapes():
 def test_fig8_resume_keeps_earlier_cells_and_trains_only_missing_ones(tmp_path, monkeypatch):
   trained = []
 
-  def fake_train_row(method, n, m, budget, train_set, test_set, args):
+  def fake_train_row(method, n, m, budget, train_set, test_set, args, log_path=None):
     trained.append((method, n, m))
     return {"method": method, "n": n, "m": m, "test_acc": 0.5 + n / (10 * m)}
 
-  monkeypatch.setattr(sdgp_fig8, "RESULTS", tmp_path)
   monkeypatch.setattr(sdgp_table1, "load_data", lambda args, budget: (None, None))
   monkeypatch.setattr(sdgp_table1, "train_row", fake_train_row)
 
-  sdgp_fig8.main(["--budget", "cpu", "--no-dense", "--settings", "1:4,2:8"])
+  out_dir = ["--out", str(tmp_path)]
+  sdgp_fig8.main(["--budget", "cpu", "--no-dense", "--settings", "1:4,2:8", *out_dir])
   assert trained == [("rescaled_magnitude", 1, 4), ("rescaled_magnitude", 2, 8)]
   trained.clear()
-  out = sdgp_fig8.main(["--budget", "cpu", "--no-dense", "--resume", "--settings", "2:8,4:32"])
+  out = sdgp_fig8.main(
+    ["--budget", "cpu", "--no-dense", "--resume", "--settings", "2:8,4:32", *out_dir]
+  )
   assert trained == [("rescaled_magnitude", 4, 32)]  # 2:8 came from the file
   assert sorted((c["n"], c["m"]) for c in out["cells"]) == [(1, 4), (2, 8), (4, 32)]
-  md = (tmp_path / "sdgp_fig8_cpu.md").read_text()
+  md = (tmp_path / "fig8_cpu.md").read_text()
   assert "3 of 3" in md and "--resume" in md
 
   # A file written under another budget is not silently mixed in.
   with pytest.raises(ValueError, match="--resume"):
     sdgp_fig8.main(
-      ["--budget", "full", "--name", "sdgp_fig8_cpu", "--no-dense", "--resume", "--settings", "1:4"]
+      ["--budget", "paper", "--name", "fig8_cpu", "--no-dense", "--resume", "--settings", "1:4"]
+      + out_dir
     )
+
+
+def _cell(method, n, m, accs, epoch_s=10.0):
+  history = [
+    {"epoch": e, "test_acc": a, "epoch_time_s": epoch_s} for e, a in enumerate(accs, start=1)
+  ]
+  return {"method": method, "n": n, "m": m, "history": history}
+
+
+def test_time_to_accuracy_is_first_epoch_at_target_times_projected_epoch():
+  cells = [
+    _cell("dense", 1, 1, [0.5, 0.8, 0.9], epoch_s=10.0),
+    _cell("rescaled_magnitude", 2, 4, [0.4, 0.7, 0.85], epoch_s=99.0),  # own time unused
+    _cell("rescaled_magnitude", 1, 8, [0.3, 0.5, 0.6]),
+  ]
+  out = sdgp_timemodel.time_to_accuracy(cells, {(2, 4): 0.8, (1, 8): 0.7}, target=0.8)
+  by = {(c["n"], c["m"]): c for c in out}
+  assert by[(1, 1)]["epochs"] == 2 and by[(1, 1)]["tta_s"] == 20.0
+  assert by[(2, 4)]["epochs"] == 3 and by[(2, 4)]["tta_s"] == pytest.approx(3 * 10.0 * 0.8)
+  assert by[(1, 8)]["epochs"] is None and by[(1, 8)]["tta_s"] is None
+
+
+def test_time_to_accuracy_needs_a_dense_cell_and_every_projection():
+  sparse = _cell("rescaled_magnitude", 2, 4, [0.9])
+  with pytest.raises(ValueError, match="cells"):
+    sdgp_timemodel.time_to_accuracy([sparse], {(2, 4): 0.8}, target=0.5)
+  with pytest.raises(ValueError, match="step_ratio"):
+    sdgp_timemodel.time_to_accuracy([_cell("dense", 1, 1, [0.9]), sparse], {}, target=0.5)
+
+
+def _kernels(model):
+  return {p: c.kernel[...] for p, c in nnx.iter_modules(model) if isinstance(c, nnx.Conv)}
+
+
+@pytest.mark.parametrize("budget", ["paper", "cpu"])
+def test_table_rows_follow_the_released_init_of_the_budget(budget):
+  chosen = _tables.get_budget("sdgp_table1", budget)
+  assert chosen["init"] == "released"
+
+  def fresh():
+    return models.create("sdgp-resnet9", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=0.125)
+
+  before = _kernels(fresh())
+  # Released: the dense row is a 4:4 conversion and every converted conv is drawn afresh
+  # (all but the stem, whose input gradient nothing needs, so SDGP leaves it unconverted).
+  dense = sdgp_table1.row_method("dense", 2, 4, dict(chosen), 0, "reference").convert(fresh())
+  after = _kernels(dense)
+  assert after.keys() == before.keys()
+  unchanged = [p for p in before if bool((after[p] == before[p]).all())]
+  assert unchanged == [("prep", "conv")]
+  # The library default keeps every kernel bit for bit and leaves the dense row alone.
+  kept = sdgp_table1.row_method("mvue", 2, 4, {**chosen, "init": "model"}, 0, "reference")
+  after = _kernels(kept.convert(fresh()))
+  assert all(bool((after[p] == before[p]).all()) for p in before)
+  with pytest.raises(ValueError, match="init"):
+    sdgp_table1.row_method("dense", 2, 4, {**chosen, "init": "kaiming"}, 0, "reference")

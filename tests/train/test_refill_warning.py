@@ -66,8 +66,8 @@ def test_trainer_warns_when_adamw_after_clicktrain_refills_and_not_with_mask_las
 
 
 def test_trainer_quiet_through_clicktrains_own_hard_prune(one_shot_clicktrain):
-  # ClickTrain alone: at the end of epoch 1 the state says "pruned" while the weights are
-  # still live (masked from the next step on); that must not warn.
+  # ClickTrain alone: from the end of epoch 1 the state says "pruned" and the weights are
+  # masked; that must not warn.
   with warnings.catch_warnings():
     warnings.simplefilter("error", RuntimeWarning)
     trainer = _fit(one_shot_clicktrain())

@@ -440,6 +440,28 @@ def test_fit_learns_and_writes_json_lines(tmp_path):
   assert trainer.history == records
 
 
+def test_nonfinite_step_is_left_out_of_the_epoch_loss_and_counted():
+  # One NaN batch of four: the epoch's train loss / accuracy are those of the three finite
+  # batches (a plain loop over the model), the NaN step is counted and warned about.
+  images, labels = _data(32)
+  images[16] = np.nan  # batch 2 of 4 (no shuffle): BatchNorm spreads it to the whole batch
+  model = _model(dropout=0.0)
+  reference = nnx.clone(model)
+  reference.train()  # batch statistics: the loss does not depend on the running averages
+  losses, correct = [], 0
+  for b in (0, 1, 3):  # lr 0: the params stay the initial ones
+    x, y = jnp.asarray(images[8 * b : 8 * b + 8]), jnp.asarray(labels[8 * b : 8 * b + 8])
+    logits = reference(x)
+    losses.append(float(jt.cross_entropy(logits, y)))
+    correct += int(np.sum(np.argmax(np.asarray(logits), -1) == labels[8 * b : 8 * b + 8]))
+  trainer = jt.Trainer(model, optax.apply_if_finite(optax.sgd(0.0), 5))
+  with pytest.warns(RuntimeWarning, match="epoch 1: 1 of 4 train steps had a non-finite loss"):
+    (record,) = trainer.fit(ArrayLoader(images, labels, 8, shuffle=False), epochs=1)
+  assert record["nonfinite_steps"] == 1
+  np.testing.assert_allclose(record["train_loss"], np.mean(losses), rtol=1e-5)
+  assert record["train_acc"] == pytest.approx(correct / 24)
+
+
 class _BusyLoader(ArrayLoader):
   """Spends ``busy_s`` of CPU (not sleep) producing every batch."""
 

@@ -1,0 +1,84 @@
+"""Table pages: SDGP Table I end to end on a tiny budget and a generated data set (two steps),
+and the ClickTrain page from saved rows: the paper's numbers beside ours, logs linked."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from experiments import _tables, clicktrain_table1, sdgp_table1
+from jaxprune import data
+
+
+@pytest.fixture
+def tiny_cifar(monkeypatch):
+  rng = np.random.default_rng(0)
+
+  def load(name, root=None, split="train"):
+    count = 32 if split == "train" else 16
+    images = rng.integers(0, 256, size=(count, 32, 32, 3), dtype=np.uint8)
+    labels = (np.arange(count) % 10).astype(np.int32)
+    return data.Dataset.from_arrays(images, labels, num_classes=10)
+
+  monkeypatch.setattr(data, "load", load)
+
+
+def _tiny(monkeypatch, table, **settings):
+  budget = {**_tables.BUDGETS[table]["cpu"], **settings}
+  monkeypatch.setitem(_tables.BUDGETS, table, {"paper": budget, "cpu": budget})
+
+
+def _links(page):
+  return re.findall(r"\]\(([^)\s]+)\)", page)
+
+
+def test_sdgp_table1_writes_one_page_with_paper_numbers_and_logs(tmp_path, monkeypatch, tiny_cifar):
+  _tiny(monkeypatch, "sdgp_table1", width=0.0625, epochs=1, batch_size=16)
+  sdgp_table1.main(["--rows", "magnitude", "--out", str(tmp_path)])
+  page = (tmp_path / "table1_cpu.md").read_text()
+  assert "| Mag. 2:4 | 95.2 |" in page
+  for link in _links(page):
+    assert (tmp_path / link).exists(), link
+  saved = json.loads((tmp_path / "table1_cpu.json").read_text())
+  assert [len(r["history"]) for r in saved["rows"]] == [1]
+  assert saved["budget"] == dict(_tables.get_budget("sdgp_table1", "cpu"))
+
+
+def _clicktrain_run(method, acc, compression):
+  run = {"row": "vgg11", "method": method, "test_acc": acc, "compression": compression}
+  run["log"] = f"logs/table1_cpu_vgg11_{method}.jsonl"
+  if method == "clicktrain":
+    run.update(
+      stage="pruned",
+      flops_saved={"training": 0.8, "inference": 0.75},
+      layer_sparsity={"features/1/conv": 0.7},
+      pattern_usage={"3": [[6, 61], [10, 20]]},
+      pool=[6, 61],
+    )
+  return run
+
+
+def test_clicktrain_page_gathers_saved_rows_beside_the_paper(tmp_path):
+  """The page is built from the rows' JSON files (training them is the command's job)."""
+  for method, acc, comp in (("dense", 0.80, 1.0), ("clicktrain", 0.78, 9.0)):
+    run = _clicktrain_run(method, acc, comp)
+    (tmp_path / f"table1_cpu_vgg11_{method}.json").write_text(json.dumps(run))
+  args = clicktrain_table1._parse(["--budget", "cpu"])
+  page = clicktrain_table1._markdown(args, clicktrain_table1._saved_rows(tmp_path, "cpu"), "cmd")
+  rows = {c[0]: c for c in (_cells(line) for line in page.splitlines()) if c[0].startswith("vgg11")}
+  # paper (Table 1, VGG-11): base 92.1%, Δ -0.1, 8.6x, 38.5% / 70.0% FLOPs saved
+  assert rows["vgg11 dense"][1:3] == ["92.1", "80.00"]
+  assert rows["vgg11 ClickTrain"][3:9] == [
+    "-0.1",
+    "-2.00",
+    "8.6x",
+    "9.00x",
+    "38.5% / 70.0%",
+    "80.0% / 75.0%",
+  ]
+  assert "Budget: `cpu`" in page and "6: 10, 61: 20" in page
+
+
+def _cells(line):
+  return [c.strip() for c in line.strip().strip("|").split("|")]

@@ -1,0 +1,254 @@
+"""The table commands' shared plumbing: named budgets, output folders, results pages, links."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from experiments import (
+  _tables,
+  clicktrain_table1,
+  prunetrain_table1,
+  quickstart,
+  sdgp_fig8,
+  sdgp_table1,
+  sdgp_timemodel,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# The paper's recipe per table, read off the papers (ClickTrain §6.1, PruneTrain §5, the ffcv
+# ResNet-9 recipe SDGP ran, SDGP Fig. 10's 94.5% target), written out here independently of
+# experiments/_tables.py.
+PAPER_RECIPES = {
+  "clicktrain_table1": {"epochs": 190, "batch_size": 128, "width": 1.0, "train_subset": None},
+  "prunetrain_table1": {
+    "epochs": 182,
+    "batch_size": 128,
+    "width": 1.0,
+    "penalty_ratio": 0.2,
+    "threshold": 1e-4,
+    "interval": 10,
+    "milestones": (0.5, 0.75),
+  },
+  "sdgp_table1": {"epochs": 150, "batch_size": 512, "width": 1.0, "peak_lr": 0.5},
+  "sdgp_fig8": {"epochs": 150, "batch_size": 512, "width": 1.0, "peak_lr": 0.5},
+  "sdgp_timemodel": {"batch_size": 512, "width": 1.0, "target_acc": 0.945},
+}
+
+
+@pytest.mark.parametrize("table", sorted(PAPER_RECIPES))
+def test_paper_budget_is_the_papers_recipe(table):
+  budget = _tables.get_budget(table, "paper")
+  for key, value in PAPER_RECIPES[table].items():
+    assert budget[key] == value, key
+
+
+@pytest.mark.parametrize("table", sorted(_tables.BUDGETS))
+def test_cpu_budget_is_reduced_over_the_full_training_set(table):
+  paper, cpu = _tables.get_budget(table, "paper"), _tables.get_budget(table, "cpu")
+  assert set(cpu) == set(paper)  # the same knobs, other values
+  assert cpu["width"] < paper["width"]
+  if "epochs" in cpu:
+    assert cpu["epochs"] < paper["epochs"]
+    # reduced width over the full training set, not a subset
+    assert cpu["train_subset"] is None and cpu["test_subset"] is None
+
+
+def test_sdgp_figure_trains_with_table_one_budget():
+  for name in ("paper", "cpu"):
+    assert _tables.get_budget("sdgp_fig8", name) == _tables.get_budget("sdgp_table1", name)
+
+
+def test_unknown_budget_or_table_is_a_value_error_naming_it():
+  with pytest.raises(ValueError, match="'gpu'"):
+    _tables.get_budget("sdgp_table1", "gpu")
+  with pytest.raises(ValueError, match="'nope'"):
+    _tables.get_budget("nope", "cpu")
+
+
+def test_budget_is_read_only():
+  budget = _tables.get_budget("prunetrain_table1", "cpu")
+  with pytest.raises(TypeError):
+    budget["epochs"] = 1
+  assert _tables.get_budget("prunetrain_table1", "cpu")["epochs"] != 1
+
+
+@pytest.mark.parametrize("budget", ["paper", "cpu"])
+def test_every_row_of_a_table_gets_the_same_budget(budget):
+  """The row is a separate argument: parsing with different rows changes nothing else."""
+  ct = [
+    vars(clicktrain_table1._parse(["--budget", budget, "--rows", r]))
+    for r in clicktrain_table1.PAPER
+  ]
+  for args in ct:
+    assert {k: v for k, v in args.items() if k != "rows"} == {
+      k: v for k, v in ct[0].items() if k != "rows"
+    }
+  expected = _tables.get_budget("clicktrain_table1", budget)
+  assert all(args[k] == v for k, v in expected.items() for args in ct)
+  pt = prunetrain_table1._parse(["--budget", budget, "--rows", ",".join(prunetrain_table1.ROWS)])
+  for key, value in _tables.get_budget("prunetrain_table1", budget).items():
+    assert getattr(pt, key) == (list(value) if isinstance(value, tuple) else value)
+  # one argument set for every SDGP row, so every row trains with one budget
+  sd = sdgp_table1._parse(["--budget", budget])
+  assert sdgp_table1.resolve_budget("sdgp_table1", sd) == dict(
+    _tables.get_budget("sdgp_table1", budget)
+  )
+
+
+def test_clicktrain_schedule_depends_on_the_row_only_in_the_paper_budget():
+  cpu = clicktrain_table1._parse(["--budget", "cpu"])
+  schedules = [clicktrain_table1._schedule(cpu, row) for row in clicktrain_table1.PAPER]
+  assert all(s == schedules[0] for s in schedules)
+  paper = clicktrain_table1._parse(["--budget", "paper"])
+  # the paper's hard-prune epoch per row (Table 1's last column)
+  assert [
+    clicktrain_table1._schedule(paper, r)["hard_prune_epoch"] for r in ("resnet32", "vgg11")
+  ] == [
+    98,
+    96,
+  ]
+
+
+def test_bad_budget_name_on_the_command_line_is_rejected():
+  for parse in (clicktrain_table1._parse, prunetrain_table1._parse, sdgp_table1._parse):
+    with pytest.raises(SystemExit):
+      parse(["--budget", "full"])
+
+
+def test_output_goes_to_scratch_unless_published(tmp_path, monkeypatch):
+  monkeypatch.setattr(_tables, "SCRATCH", tmp_path / "runs")
+  monkeypatch.setattr(_tables, "RESULTS", tmp_path / "results")
+  assert _tables.output_dir("sdgp") == tmp_path / "runs" / "sdgp"
+  assert _tables.output_dir("sdgp", publish=True) == tmp_path / "results" / "sdgp"
+  assert _tables.output_dir(None, publish=True) == tmp_path / "results"
+  assert _tables.output_dir("sdgp", publish=True, out=tmp_path / "x") == tmp_path / "x"
+  assert (tmp_path / "runs" / "sdgp").is_dir() and (tmp_path / "x").is_dir()
+  with pytest.raises(ValueError, match="'sgdp'"):
+    _tables.output_dir("sgdp")
+
+
+def test_default_locations_are_the_repository_folders():
+  assert _tables.RESULTS == REPO / "experiments" / "results"
+  assert _tables.SCRATCH == REPO / "runs"
+  ignored = (REPO / ".gitignore").read_text().splitlines()
+  assert "runs/" in ignored
+
+
+@pytest.mark.parametrize(
+  "parse", [clicktrain_table1._parse, prunetrain_table1._parse, sdgp_fig8._parse]
+)
+def test_table_commands_publish_only_when_asked(parse):
+  assert parse([]).publish is False
+  assert parse(["--publish"]).publish is True
+
+
+def test_timemodel_and_quickstart_take_the_output_flags():
+  assert sdgp_timemodel._parse(["--publish"]).publish
+  assert quickstart._parse([]).publish is False
+
+
+def test_quickstart_page_states_command_and_table(tmp_path):
+  rows = [
+    {"method": "dense", "test_acc": 0.9, "compression": 1.0, "train_time_s": 3.0, "epochs": 2},
+    {"method": "clicktrain", "test_acc": 0.8, "compression": 4.0, "train_time_s": 5.0, "epochs": 2},
+  ]
+  page = quickstart.write_page(
+    tmp_path, rows, "python -m experiments.run quickstart", quickstart._parse([])
+  )
+  text = page.read_text()
+  assert "`python -m experiments.run quickstart`" in text and "- Machine:" in text
+  assert "| clicktrain | 80.00% | 4.00x | 5.0 |" in text
+
+
+def _cells(line):
+  return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_results_page_puts_paper_numbers_beside_ours():
+  page = _tables.results_page(
+    "T",
+    command="cmd --budget cpu",
+    budget_name="cpu",
+    budget={"width": 0.5, "epochs": 3, "batch_size": 64, "train_subset": None},
+    machine="m",
+    columns=["acc", "FLOPs"],
+    rows=[("dense", [95.3, None], ["81.0", "100%"]), ("mag", [95.2, "50%"], ["80.5", "60%"])],
+    logs={"dense": "logs/dense.jsonl"},
+    notes=["a note"],
+    date="today",
+  )
+  lines = page.splitlines()
+  table = [line for line in lines if line.startswith("|")]
+  assert _cells(table[0]) == [
+    "row",
+    "acc (paper)",
+    "acc (ours)",
+    "FLOPs (paper)",
+    "FLOPs (ours)",
+    "per-epoch log",
+  ]
+  assert _cells(table[2]) == [
+    "dense",
+    "95.3",
+    "81.0",
+    "—",
+    "100%",
+    "[dense.jsonl](logs/dense.jsonl)",
+  ]
+  assert _cells(table[3]) == ["mag", "95.2", "80.5", "50%", "60%", "—"]
+  assert (
+    "- Budget: `cpu` (width ×0.5, 50,000 training / 10,000 test images, 3 epochs at batch 64)"
+    in page
+  )
+  assert "- Command: `cmd --budget cpu`" in page and "- a note" in page
+
+
+def test_results_page_rejects_rows_that_do_not_fit_the_columns():
+  with pytest.raises(ValueError, match="rows: 'x'"):
+    _tables.results_page(
+      "T",
+      command="c",
+      budget_name="cpu",
+      budget={"width": 1.0, "batch_size": 1},
+      machine="m",
+      columns=["a", "b"],
+      rows=[("x", [1], [1, 2])],
+    )
+
+
+def test_prunetrain_table_page_gathers_rows_written_separately(tmp_path):
+  paper = prunetrain_table1.PAPER
+  for row, acc in (("resnet32", 0.70), ("vgg11", 0.60)):
+    runs = {
+      "dense": {"test_acc": 0.80},
+      "prunetrain": {"test_acc": acc, "train_flops_ratio": 0.5, "inference_flops_ratio": 0.25},
+    }
+    saved = {"paper": paper[f"prunetrain-{row}"], "runs": runs}
+    (tmp_path / f"table1_cpu_{row}.json").write_text(__import__("json").dumps(saved))
+  text = prunetrain_table1.write_table_page(tmp_path, "cpu", "cmd").read_text()
+  rows = {_cells(line)[0]: _cells(line) for line in text.splitlines() if line.startswith("| [")}
+  assert set(rows) == {"[resnet32](table1_cpu_resnet32.md)", "[vgg11](table1_cpu_vgg11.md)"}
+  # Δ acc (paper -1.8, ours -10.00), train FLOPs (paper 47%, ours 50%)
+  assert rows["[resnet32](table1_cpu_resnet32.md)"][3:7] == ["-1.8", "-10.00", "47%", "50%"]
+
+
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _markdown_files():
+  return [REPO / "README.md", *sorted((REPO / "experiments" / "results").rglob("*.md"))]
+
+
+def test_every_relative_link_points_to_an_existing_file():
+  broken = []
+  for page in _markdown_files():
+    for target in _LINK.findall(page.read_text()):
+      if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        continue  # external or in-page
+      path = (page.parent / target.split("#")[0]).resolve()
+      if not path.exists():
+        broken.append(f"{page.relative_to(REPO)} -> {target}")
+  assert not broken, broken
