@@ -1,0 +1,93 @@
+"""The notebooks run top to bottom at their small setting, and each pair of files agrees.
+
+Each notebook in ``notebooks/`` is kept twice: a jupytext percent-format ``.py`` (the
+reviewable source) and the ``.ipynb`` users open, committed without outputs. The execution
+test runs every ``.ipynb`` through ``nbclient`` on an IPython kernel of this interpreter with
+``JAXPRUNE_NOTEBOOK_SMALL=1`` (each notebook's parameter cell picks a tiny setting) and the
+non-interactive Agg backend; a cell that raises fails the test with the cell's traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import jupytext
+import nbclient
+import nbformat
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+KERNEL = "jaxprune-notebook-test"
+
+
+def _cells(notebook) -> list[tuple[str, str]]:
+  return [(cell.cell_type, cell.source.strip()) for cell in notebook.cells]
+
+
+def test_every_notebook_is_paired():
+  sources = sorted((ROOT / "notebooks").glob("*.py"))
+  assert NOTEBOOKS, "no notebooks found"
+  assert [p.stem for p in NOTEBOOKS] == [p.stem for p in sources]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_ipynb_matches_its_py_source(path):
+  """The .ipynb holds the .py's cells (``jupytext --sync notebooks/*.py`` re-pairs them),
+  with no outputs."""
+  ipynb = jupytext.read(path)
+  source = jupytext.read(path.with_suffix(".py"))
+  assert _cells(ipynb) == _cells(source), f"run: jupytext --sync {path.with_suffix('.py')}"
+  for cell in ipynb.cells:
+    if cell.cell_type == "code":
+      assert cell.outputs == [] and cell.execution_count is None, (
+        f"{path.name} is committed with outputs; clear them (jupytext --sync does)"
+      )
+
+
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+  """One JAX compilation cache for the notebooks of this module: they train the same small
+  model with the same methods, and XLA compilation is most of their time on a CPU."""
+  return tmp_path_factory.mktemp("jax-compilation-cache")
+
+
+@pytest.fixture
+def kernel_manager(tmp_path, monkeypatch, compilation_cache):
+  """A kernel of this interpreter (not whatever ``python3`` spec the machine has), whose
+  ``import jaxprune`` finds this checkout, at the notebooks' small setting."""
+  spec_dir = tmp_path / "kernels" / KERNEL
+  spec_dir.mkdir(parents=True)
+  spec = {
+    "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+    "display_name": "jaxprune test",
+    "language": "python",
+  }
+  (spec_dir / "kernel.json").write_text(json.dumps(spec))
+  monkeypatch.setenv("JAXPRUNE_NOTEBOOK_SMALL", "1")
+  monkeypatch.setenv("MPLBACKEND", "Agg")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(compilation_cache))
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+  specs = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
+  return KernelManager(kernel_name=KERNEL, kernel_spec_manager=specs)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_top_to_bottom(path, kernel_manager):
+  notebook = nbformat.read(path, as_version=4)
+  client = nbclient.NotebookClient(
+    notebook,
+    km=kernel_manager,
+    timeout=600,
+    resources={"metadata": {"path": str(path.parent)}},
+  )
+  client.execute()  # raises CellExecutionError naming the failing cell
+  code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+  assert code and all(cell.execution_count is not None for cell in code)
+  errors = [o for cell in code for o in cell.outputs if o.output_type == "error"]
+  assert not errors
