@@ -86,10 +86,11 @@ def test_paired_is_rejected_with_skip_dense():
   assert prunetrain_table1._parse(["--budget", "cpu", "--paired"]).paired
 
 
-def test_paired_training_computes_what_separate_runs_compute(tmp_path, monkeypatch):
-  """Alternating two trainers' epochs must not change either run: same losses, accuracy,
-  reconfigurations and final weights as each run trained alone."""
-  import jax
+@pytest.fixture
+def tiny_rows(monkeypatch):
+  """``(train_set, test_set, make_args)`` for rows trained in seconds: 48 random 8x8 images,
+  ResNet-20 at quarter width whatever the row, 2 epochs, ratio and threshold high enough that
+  channels die in the second epoch's check."""
   import numpy as np
 
   from jaxprune import data, models
@@ -105,10 +106,24 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, monkeypat
   labels = np.arange(48, dtype=np.int32) % 10
   train_set = data.Dataset.from_arrays(images, labels, num_classes=10)
   test_set = data.Dataset.from_arrays(images[:16], labels[:16], num_classes=10)
-  # ratio and threshold high enough that channels die in the second epoch's check
-  args = prunetrain_table1._parse(["--budget", "cpu", "--no-dynamic-batch"])
-  args.epochs, args.batch_size, args.lr, args.milestones = 2, 16, 0.5, []
-  args.penalty_ratio, args.threshold, args.width = 0.95, 0.3, 0.25
+
+  def make_args():
+    args = prunetrain_table1._parse(["--budget", "cpu", "--no-dynamic-batch"])
+    args.epochs, args.batch_size, args.lr, args.milestones = 2, 16, 0.5, []
+    args.penalty_ratio, args.threshold, args.width = 0.95, 0.3, 0.25
+    return args
+
+  return train_set, test_set, make_args
+
+
+def test_paired_training_computes_what_separate_runs_compute(tmp_path, tiny_rows):
+  """Alternating two trainers' epochs must not change either run: same losses, accuracy,
+  reconfigurations and final weights as each run trained alone."""
+  import jax
+  import numpy as np
+
+  train_set, test_set, make_args = tiny_rows
+  args = make_args()
 
   def build(method, sub):
     (tmp_path / sub).mkdir(exist_ok=True)
@@ -141,31 +156,17 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, monkeypat
   assert float(rows[-1][5]) < 1.0  # the second epoch trained the pruned model
 
 
-def test_running_stats_probe_gives_before_and_after_of_one_run(tmp_path, monkeypatch):
+def test_running_stats_probe_gives_before_and_after_of_one_run(tmp_path, tiny_rows):
   """With --recompute-batchnorm the row also records the accuracy with the running statistics
   as training left them, taken before the re-estimation: at epoch 1 it equals a run without
   re-estimation, and re-estimation changes nothing of the training (the same weights)."""
   import jax
   import numpy as np
 
-  from jaxprune import data, models
-
-  create = models.create
-  monkeypatch.setattr(
-    prunetrain_table1.models,
-    "create",
-    lambda name, **kw: create("prunetrain-resnet20", **kw),
-  )
-  rng = np.random.default_rng(1)
-  images = rng.integers(0, 256, size=(48, 8, 8, 3), dtype=np.uint8)
-  labels = np.arange(48, dtype=np.int32) % 10
-  train_set = data.Dataset.from_arrays(images, labels, num_classes=10)
-  test_set = data.Dataset.from_arrays(images[:16], labels[:16], num_classes=10)
+  train_set, test_set, make_args = tiny_rows
 
   def run(recompute):
-    args = prunetrain_table1._parse(["--budget", "cpu", "--no-dynamic-batch"])
-    args.epochs, args.batch_size, args.lr, args.milestones = 2, 16, 0.5, []
-    args.penalty_ratio, args.threshold, args.width = 0.95, 0.3, 0.25
+    args = make_args()
     args.recompute_batchnorm = recompute
     (tmp_path / str(recompute)).mkdir()
     built = prunetrain_table1._build(
