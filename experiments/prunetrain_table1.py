@@ -391,7 +391,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out[row] = _run_row(
       args, f"table1_{args.budget}_{row}{args.name_suffix}", folder, command, train_set, test_set
     )
-    write_table_page(folder, args.budget, command)
+    if not args.name_suffix:  # a probe (named by its suffix) is not a row of the table
+      write_table_page(folder, args.budget, command)
   return out
 
 
