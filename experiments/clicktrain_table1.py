@@ -12,7 +12,8 @@ published; we use ResNet-32's by stage and VGG-11's stretched to 9 layers
 (35, 40, 45, 55, 65, 75, 80, 80, 85%).
 
 ``--budget paper`` is that recipe; ``--budget cpu`` (the default) the reduced one every row
-shares (``experiments/_tables.py``): width ×1/8 over the full training and test sets, 12
+shares (``experiments/_tables.py``): width ×1/4 for the VGGs and ×1/8 for the ResNets (20-41
+MFLOPs per image each) over the full training and test sets, 12
 epochs at batch 128 (LR ×0.1 at 50% / 75%), stages at fixed epochs scaled to the run (warm-up
 1, DPPG 1, finalize 1, regularize until 60% of the run, then hard pruned), pool of 12, and the
 VGG classifier initialised N(0, 0.05) (at reduced width ClickTrain's N(0, 0.01) 3-layer MLP
@@ -143,7 +144,7 @@ def _run(args, row: str, prune: bool, train_set, test_set, folder: Path) -> dict
     f"clicktrain-{row}",
     num_classes=10,
     rngs=nnx.Rngs(args.seed),
-    width_multiplier=args.width,
+    width_multiplier=_tables.row_width(args.width, row),
     **overrides,
   )
   sched = _schedule(args, row)

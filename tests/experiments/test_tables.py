@@ -49,11 +49,42 @@ def test_paper_budget_is_the_papers_recipe(table):
 def test_cpu_budget_is_reduced_over_the_full_training_set(table):
   paper, cpu = _tables.get_budget(table, "paper"), _tables.get_budget(table, "cpu")
   assert set(cpu) == set(paper)  # the same knobs, other values
-  assert cpu["width"] < paper["width"]
+  for family in ("resnet", "vgg"):
+    assert _tables.row_width(cpu["width"], family) < _tables.row_width(paper["width"], family)
   if "epochs" in cpu:
     assert cpu["epochs"] < paper["epochs"]
     # reduced width over the full training set, not a subset
     assert cpu["train_subset"] is None and cpu["test_subset"] is None
+
+
+def test_row_width_is_the_budgets_number_or_the_rows_family():
+  assert _tables.row_width(0.5, "vgg11") == 0.5
+  by_family = {"resnet": 0.125, "vgg": 0.25}
+  assert _tables.row_width(by_family, "vgg13") == 0.25
+  assert _tables.row_width(by_family, "resnet50") == 0.125
+  with pytest.raises(ValueError, match="'mobilenet'"):
+    _tables.row_width(by_family, "mobilenet")
+  line = _tables.describe_budget({"width": by_family, "epochs": 2, "batch_size": 8})
+  assert line.startswith("width resnet ×0.125 / vgg ×0.25, ")
+
+
+def test_clicktrain_cpu_rows_cost_about_the_same():
+  # The per-family widths exist so that every dense row of the cpu table costs about the same
+  # (20-41 MFLOPs per image): checked by tracing the real models.
+  from flax import nnx
+
+  from jaxprune import flops, models
+
+  width = _tables.get_budget("clicktrain_table1", "cpu")["width"]
+  for row in ("vgg11", "vgg13", "resnet32", "resnet50"):
+    model = models.create(
+      f"clicktrain-{row}",
+      num_classes=10,
+      rngs=nnx.Rngs(0),
+      width_multiplier=_tables.row_width(width, row),
+    )
+    mflops = flops.inference_flops(model, (1, 32, 32, 3)) / 1e6
+    assert 15 < mflops < 45, (row, mflops)
 
 
 def test_sdgp_figure_trains_with_table_one_budget():
