@@ -16,7 +16,9 @@ accuracy (flip TTA) is logged after every epoch, which Fig. 10's time-to-accurac
     python -m experiments.run sdgp_table1 --budget cpu [--rows dense,magnitude,...] [--publish]
 
 Writes ``table1_<budget>.{md,json}`` and per-row epoch logs (``logs/``) to ``runs/sdgp/``, or to
-``experiments/results/sdgp/`` with ``--publish``.
+``experiments/results/sdgp/`` with ``--publish``. Rows run separately (``--rows dense``, then
+``--rows random``, ...) share the page: the rows already in the folder's JSON for the same
+budget are kept (each with its own command and date), a row run again replaces its old result.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -174,20 +177,45 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   command = _tables.command_line("sdgp_table1", argv)
   folder = _tables.output_dir("sdgp", args.publish, args.out)
   train_set, test_set = load_data(args, budget)
-  results: list[dict[str, Any]] = []
+  results = saved_rows(folder / name, args.budget, budget, exclude=args.rows)
   for method in args.rows:
     t0 = time.perf_counter()
     log = log_name(name, method, 2, 4)
     (folder / log).parent.mkdir(parents=True, exist_ok=True)
     record = train_row(method, 2, 4, budget, train_set, test_set, args, folder / log)
     record["log"] = log
-    results.append(record)
+    record["command"] = command
+    record["date"] = _tables.utc_now()
+    results = sorted([*results, record], key=lambda r: ROWS.index(r["method"]))
     print(
       f"{method}: test acc {100 * record['test_acc']:.2f}% ({time.perf_counter() - t0:.0f} s)",
       flush=True,
     )
-    _write(folder / name, command, args.budget, budget, results, len(args.rows))
+    _write(folder / name, command, args.budget, budget, results, len(ROWS))
   return {"budget": budget, "rows": results}
+
+
+def saved_rows(
+  stem: Path, budget_name: str, budget: dict[str, Any], exclude: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+  """The rows already written to ``stem.json`` under the same budget, but those in ``exclude``
+  (to be run again). A JSON written under other settings of the budget is not mixed in: its
+  rows would not compare (the call warns and starts the page afresh)."""
+  path = stem.with_suffix(".json")
+  if not path.exists():
+    return []
+  saved = json.loads(path.read_text())
+  same = saved.get("budget_name") == budget_name and saved.get("budget") == json.loads(
+    json.dumps(budget)
+  )
+  if not same:
+    warnings.warn(
+      f"{path}: written under other budget settings; its rows are replaced, not gathered",
+      RuntimeWarning,
+      stacklevel=2,
+    )
+    return []
+  return [r for r in saved.get("rows", []) if r.get("method") not in exclude]
 
 
 def accuracy_standard_error(results: list[dict[str, Any]], test_images: int) -> float:

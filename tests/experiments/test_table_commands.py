@@ -45,6 +45,32 @@ def test_sdgp_table1_writes_one_page_with_paper_numbers_and_logs(tmp_path, monke
   assert saved["budget"] == dict(_tables.get_budget("sdgp_table1", "cpu"))
 
 
+def test_sdgp_table1_rows_run_separately_share_one_page(tmp_path, monkeypatch, tiny_cifar):
+  _tiny(monkeypatch, "sdgp_table1", width=0.0625, epochs=1, batch_size=16)
+  sdgp_table1.main(["--rows", "mvue", "--out", str(tmp_path)])
+  sdgp_table1.main(["--rows", "dense", "--out", str(tmp_path)])
+  saved = json.loads((tmp_path / "table1_cpu.json").read_text())
+  # both rows, in the table's order, each with the command that ran it
+  assert [r["method"] for r in saved["rows"]] == ["dense", "mvue"]
+  assert [r["command"].split()[-3:-2] for r in saved["rows"]] == [["dense"], ["mvue"]]
+  page = (tmp_path / "table1_cpu.md").read_text()
+  assert "Status: 2 of 5 rows done" in page
+  assert "| Dense | 95.3 |" in page and "| MVUE 2:4 (not in paper) | — |" in page
+  # a row run again replaces its old result
+  first_dense = saved["rows"][0]["date"]
+  sdgp_table1.main(["--rows", "dense", "--out", str(tmp_path)])
+  again = json.loads((tmp_path / "table1_cpu.json").read_text())
+  assert [r["method"] for r in again["rows"]] == ["dense", "mvue"]
+  assert again["rows"][1] == saved["rows"][1] and again["rows"][0]["date"] >= first_dense
+  # rows of other budget settings are not mixed in
+  _tiny(monkeypatch, "sdgp_table1", width=0.0625, epochs=1, batch_size=8)
+  with pytest.warns(RuntimeWarning, match="other budget settings"):
+    sdgp_table1.main(["--rows", "dense", "--out", str(tmp_path)])
+  assert [r["method"] for r in json.loads((tmp_path / "table1_cpu.json").read_text())["rows"]] == [
+    "dense"
+  ]
+
+
 def _clicktrain_run(method, acc, compression):
   run = {"row": "vgg11", "method": method, "test_acc": acc, "compression": compression}
   run["log"] = f"logs/table1_cpu_vgg11_{method}.jsonl"
