@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxprune._conv_args import canonical_padding, spatial_pair
 from jaxprune.clicktrain.layout import PatternLayout, to_dense, to_values, transposed_values
 
 __all__ = ["BACKENDS", "canonical_padding", "pattern_conv", "pattern_conv_values"]
@@ -45,34 +46,6 @@ BACKENDS = ("reference", "pallas", "auto", "dense")
 _NHWC = ("NHWC", "HWIO", "NHWC")
 # Patches with the feature axis first: (Cin·kh·kw, N, OH, OW) is Xt without a transpose.
 _PATCHES_T = ("NHWC", "HWIO", "CNHW")
-
-
-def _pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
-  pair = (value, value) if isinstance(value, int) else tuple(value)
-  if len(pair) != 2 or not all(isinstance(v, int) and v >= 1 for v in pair):
-    raise ValueError(f"{name} must be a positive int or a pair of them, got {value!r}")
-  return pair  # type: ignore[return-value]
-
-
-def canonical_padding(padding) -> str | tuple[tuple[int, int], ...]:
-  """``"SAME"`` / ``"VALID"`` (any case), an int, or one int or ``(lo, hi)`` pair per spatial
-  axis (``nnx.Conv``'s forms) → ``"SAME"``, ``"VALID"`` or ``((top, bottom), (left, right))``.
-
-  Raises:
-    ValueError: another string (e.g. ``"CIRCULAR"``), not two spatial axes, or a negative pad.
-  """
-  if isinstance(padding, str):
-    if padding.upper() not in ("SAME", "VALID"):
-      raise ValueError(f"padding must be 'SAME', 'VALID' or explicit pairs, got {padding!r}")
-    return padding.upper()
-  if isinstance(padding, int):
-    padding = (padding, padding)
-  pads = tuple(
-    (int(p), int(p)) if isinstance(p, int) else tuple(int(v) for v in p) for p in padding
-  )
-  if len(pads) != 2 or any(len(p) != 2 or min(p) < 0 for p in pads):
-    raise ValueError(f"padding pairs must be ((top, bottom), (left, right)) >= 0, got {padding!r}")
-  return pads
 
 
 def _patches(x: jax.Array, hw: tuple[int, int], strides, padding, numbers=_NHWC) -> jax.Array:
@@ -236,7 +209,7 @@ def pattern_conv_values(
     raise ValueError(f"x must be NHWC with {cin} channels, got shape {tuple(x.shape)}")
   if tuple(values.shape) != (cout, layout.width):
     raise ValueError(f"values shape {tuple(values.shape)} is not {(cout, layout.width)}")
-  strides = _pair(strides, "strides")
+  strides = spatial_pair(strides, "strides")
   pad = canonical_padding(padding)
   if backend == "dense":
     kernel = to_dense(values, layout)

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import nm_math
+from jaxprune._conv_args import canonical_padding, spatial_pair
 from jaxprune.distributed import device_key
 from jaxprune.models.conversions import record_conversion, replace_submodule
 from jaxprune.models.layers import conv_sharing_variables, kaiming_uniform_relu_init
@@ -32,34 +33,6 @@ Array = jax.Array
 
 _RANDOM_METHODS = ("random", "mvue")
 _NHWC = ("NHWC", "HWIO", "NHWC")
-
-
-def _pair(value, name: str) -> tuple[int, ...]:
-  if isinstance(value, int):
-    return (value, value)
-  value = tuple(int(v) for v in value)
-  if len(value) != 2:
-    raise ValueError(f"{name} must be an int or a pair, got {value!r}")
-  return value
-
-
-def _canonical_padding(padding) -> str | tuple[tuple[int, int], ...]:
-  if isinstance(padding, str):
-    if padding.upper() not in ("SAME", "VALID", "SAME_LOWER"):
-      raise ValueError(f"padding must be 'SAME', 'VALID' or explicit pairs, got {padding!r}")
-    return padding.upper()
-  if isinstance(padding, int):
-    return ((padding, padding), (padding, padding))
-  pads = []
-  for p in padding:
-    if isinstance(p, int):
-      pads.append((p, p))
-    else:
-      lo, hi = p
-      pads.append((int(lo), int(hi)))
-  if len(pads) != 2:
-    raise ValueError(f"padding must have 2 spatial entries, got {padding!r}")
-  return tuple(pads)
 
 
 def _check_out_channels(name: str, channels: int, m) -> None:
@@ -212,10 +185,10 @@ def sdgp_conv(
   if kernel.ndim != 4:
     raise ValueError(f"kernel must be HWIO (4-D), got shape {kernel.shape}")
   conv_fn = _ConvConfig(
-    strides=_pair(strides, "strides"),
-    padding=_canonical_padding(padding),
-    lhs_dilation=_pair(lhs_dilation, "lhs_dilation"),
-    rhs_dilation=_pair(rhs_dilation, "rhs_dilation"),
+    strides=spatial_pair(strides, "strides"),
+    padding=canonical_padding(padding, ("SAME", "VALID", "SAME_LOWER")),
+    lhs_dilation=spatial_pair(lhs_dilation, "lhs_dilation"),
+    rhs_dilation=spatial_pair(rhs_dilation, "rhs_dilation"),
     feature_group_count=int(feature_group_count),
     precision=precision,
   )

@@ -25,10 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["recompute_batch_stats"]
+__all__ = ["batchnorm_layers", "recompute_batch_stats"]
 
 
-def _batchnorms(model: nnx.Module) -> list[nnx.BatchNorm]:
+def batchnorm_layers(model: nnx.Module) -> list[nnx.BatchNorm]:
+  """Every ``nnx.BatchNorm`` of ``model``, in graph order (the data-parallel step averages
+  their running statistics over devices)."""
   return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.BatchNorm)]
 
 
@@ -90,12 +92,12 @@ def recompute_batch_stats(
     or num_batches < 1
   ):
     raise ValueError(f"num_batches must be a positive int or None, got {num_batches!r}")
-  if not _batchnorms(model):
+  if not batchnorm_layers(model):
     return 0
   work = nnx.clone(model)
   work.train()
   # Momentum 0: after one call each running statistic *is* that batch's statistic.
-  for bn in _batchnorms(work):
+  for bn in batchnorm_layers(work):
     bn.momentum = 0.0
   graphdef, stats, rest = nnx.split(work, nnx.BatchStat, ...)
   rest = nnx.as_pure(rest)

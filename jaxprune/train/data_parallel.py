@@ -52,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxprune import distributed
-from jaxprune.train.batchnorm import _batchnorms
+from jaxprune.train.batchnorm import batchnorm_layers
 from jaxprune.train.step import (
   Metrics,
   PerExampleLoss,
@@ -112,7 +112,7 @@ def resolve_mesh(mesh: Mesh | str | None) -> Mesh | None:
 def train_graphdef(model: nnx.Module, axis_name: Any = None) -> nnx.GraphDef:
   """The train-mode graphdef of ``model``; with ``axis_name`` every BatchNorm reduces its
   batch moments over that axis (synchronised statistics). ``model`` is left as it was."""
-  bns = _batchnorms(model) if axis_name is not None else []
+  bns = batchnorm_layers(model) if axis_name is not None else []
   saved = [bn.axis_name for bn in bns]
   try:
     for bn in bns:
