@@ -13,6 +13,11 @@ time-to-accuracy of Fig. 10.
 
 ``--resume`` keeps the cells already in the result file (when it was written with the same
 budget and method) and trains only the missing ones, so a long sweep can run in parts.
+
+Two cells are Table I rows: the dense reference and the 2:4 cell of the Table I methods. When
+``table1_<budget>.json`` in the same folder was written under the same budget, those rows are
+taken from it instead of being trained again (same budget, seed and code: the same run; the
+page says which cells came from Table I); ``--no-table1`` trains them here.
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--no-dense", action="store_true", help="skip the dense reference row")
   parser.add_argument("--name", default=None, help="result file stem")
   parser.add_argument(
+    "--no-table1",
+    action="store_true",
+    help="train the dense and 2:4 cells here instead of taking Table I's rows",
+  )
+  parser.add_argument(
     "--resume",
     action="store_true",
     help="keep the cells already in the result file, train only the rest",
@@ -89,6 +99,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   cells += [(args.method, n, m) for n, m in args.settings]
   results = _previous_cells(folder / name, budget, args.method) if args.resume else []
   done = {(r["method"], r["n"], r["m"]) for r in results}
+  if not args.no_table1:
+    for cell in table1_cells(folder / f"table1_{args.budget}", budget, cells):
+      if (cell["method"], cell["n"], cell["m"]) not in done:
+        results.append(cell)
+        done.add((cell["method"], cell["n"], cell["m"]))
   planned = len(done | set(cells))
   for method, n, m in cells:
     if (method, n, m) in done:
@@ -107,6 +122,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     commands = " ; ".join(dict.fromkeys(r["command"] for r in results))
     _write(folder / name, commands, args.budget, budget, args.method, results, planned)
   return {"budget": budget, "cells": results}
+
+
+def table1_cells(
+  table1_stem: Path, budget: dict[str, Any], cells: Sequence[tuple[str, int, int]]
+) -> list[dict[str, Any]]:
+  """The cells of ``cells`` that Table I's result file (``table1_stem.json``) already holds,
+  trained under the same ``budget``: its dense row as the dense reference, its 2:4 rows as the
+  2:4 cell of their method. Each is marked ``"from": "table1"``; none when the file is missing
+  or was written under another budget."""
+  path = table1_stem.with_suffix(".json")
+  if not path.exists():
+    return []
+  table1 = json.loads(path.read_text())
+  if table1.get("budget") != json.loads(json.dumps(budget)):
+    return []
+  found = []
+  for row in table1.get("rows", []):
+    key = ("dense", 1, 1) if row["method"] == "dense" else (row["method"], row["n"], row["m"])
+    if key in cells:
+      cell = {**row, "n": key[1], "m": key[2], "from": "table1"}
+      cell.setdefault("command", table1.get("command", ""))
+      found.append(cell)
+  return found
 
 
 def _previous_cells(stem: Path, budget: dict[str, Any], method: str) -> list[dict[str, Any]]:
@@ -163,6 +201,13 @@ def _write(
   ]
   if dense:
     lines.append(f"- Dense reference (same budget): {100 * dense[0]['test_acc']:.2f}%")
+  reused = [r for r in results if r.get("from") == "table1"]
+  if reused:
+    names = ", ".join("dense" if r["method"] == "dense" else f"{r['n']}:{r['m']}" for r in reused)
+    lines.append(
+      f"- Taken from Table I (same budget, seed and code, so the same run): {names}; "
+      "`--no-table1` trains them here."
+    )
   lines += [
     "",
     "| m/n \\ m | " + " | ".join(f"m={m}" for m in group_sizes) + " |",

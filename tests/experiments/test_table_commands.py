@@ -7,15 +7,15 @@ import re
 import numpy as np
 import pytest
 
-from experiments import _tables, clicktrain_table1, sdgp_table1
+from experiments import _tables, clicktrain_table1, sdgp_fig8, sdgp_table1
 from jaxprune import data
 
 
 @pytest.fixture
 def tiny_cifar(monkeypatch):
-  rng = np.random.default_rng(0)
-
   def load(name, root=None, split="train"):
+    # the same images on every call, as from the real archive
+    rng = np.random.default_rng(0 if split == "train" else 1)
     count = 32 if split == "train" else 16
     images = rng.integers(0, 256, size=(count, 32, 32, 3), dtype=np.uint8)
     labels = (np.arange(count) % 10).astype(np.int32)
@@ -69,6 +69,45 @@ def test_sdgp_table1_rows_run_separately_share_one_page(tmp_path, monkeypatch, t
   assert [r["method"] for r in json.loads((tmp_path / "table1_cpu.json").read_text())["rows"]] == [
     "dense"
   ]
+
+
+def test_sdgp_fig8_takes_table1s_dense_and_2_4_rows_which_equal_a_fresh_run(
+  tmp_path, monkeypatch, tiny_cifar
+):
+  _tiny(monkeypatch, "sdgp_table1", width=0.0625, epochs=1, batch_size=16)
+  _tiny(monkeypatch, "sdgp_fig8", width=0.0625, epochs=1, batch_size=16)
+  sdgp_table1.main(["--rows", "dense,rescaled_magnitude", "--out", str(tmp_path)])
+  rows = {r["method"]: r for r in json.loads((tmp_path / "table1_cpu.json").read_text())["rows"]}
+  fresh = sdgp_fig8.main(
+    ["--settings", "2:4", "--no-table1", "--name", "fresh", "--out", str(tmp_path)]
+  )["cells"]
+  # the claim that makes the reuse honest: the same budget and seed train the same run
+  assert [c["test_acc"] for c in fresh] == [
+    rows["dense"]["test_acc"],
+    rows["rescaled_magnitude"]["test_acc"],
+  ]
+  assert [c["final_train_loss"] for c in fresh] == [
+    rows["dense"]["final_train_loss"],
+    rows["rescaled_magnitude"]["final_train_loss"],
+  ]
+  trained = []
+  real_train_row = sdgp_table1.train_row
+  monkeypatch.setattr(
+    sdgp_table1,
+    "train_row",
+    lambda method, n, m, *a, **k: trained.append((n, m)) or real_train_row(method, n, m, *a, **k),
+  )
+  cells = sdgp_fig8.main(["--settings", "1:4,2:4", "--out", str(tmp_path)])["cells"]
+  assert trained == [(1, 4)]  # dense and 2:4 came from Table I
+  assert {(c["method"], c["n"], c["m"]): c.get("from") for c in cells} == {
+    ("dense", 1, 1): "table1",
+    ("rescaled_magnitude", 2, 4): "table1",
+    ("rescaled_magnitude", 1, 4): None,
+  }
+  page = (tmp_path / "fig8_cpu.md").read_text()
+  assert "Taken from Table I" in page and "3 of 3 runs done" in page
+  for link in _links(page):
+    assert (tmp_path / link).exists(), link
 
 
 def _clicktrain_run(method, acc, compression):
