@@ -27,6 +27,9 @@ from jaxprune.train import Callback, recompute_batch_stats
 
 __all__ = ["PruneTrainCallback", "model_costs"]
 
+# PruneTrain Fig. 11 models the all-reduce of 4 GPUs.
+_PAPER_DEVICES = 4
+
 
 def model_costs(
   model: nnx.Module, image_shape: Sequence[int], *, num_devices: int = 4
@@ -83,7 +86,9 @@ class PruneTrainCallback(Callback):
     dynamic_batch: grow the batch after a reconfiguration.
     granularity: batch growth step (paper: 32).
     max_batch_size: cap on the batch size (e.g. the training-set size).
-    num_devices: devices of the ring all-reduce cost model (paper Fig. 11 uses 4 GPUs).
+    num_devices: devices of the ring all-reduce cost model; None (the default) takes the
+      trainer's data-parallel devices (``Trainer.num_devices``) when it runs on more than one,
+      and the paper's 4 GPUs (Fig. 11) on one device, where a real run sends nothing.
     channel_multiple: passed to :func:`reconfigure` (round kept channel counts up).
     min_flops_saving: install a reconfiguration only when it cuts the inference FLOPs by at
       least this fraction (0 = whenever a channel died, as in the paper).  Each installed
@@ -125,7 +130,7 @@ class PruneTrainCallback(Callback):
     dynamic_batch: bool = True,
     granularity: int = 32,
     max_batch_size: Optional[int] = None,
-    num_devices: int = 4,
+    num_devices: Optional[int] = None,
     channel_multiple: int = 1,
     min_flops_saving: float = 0.0,
     recompute_batchnorm: int = 0,
@@ -136,8 +141,10 @@ class PruneTrainCallback(Callback):
       raise ValueError(f"min_flops_saving must be in [0, 1), got {min_flops_saving!r}")
     if not isinstance(every_epochs, int) or every_epochs < 1:
       raise ValueError(f"every_epochs must be a positive int, got {every_epochs!r}")
-    if num_devices < 1:
-      raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    if num_devices is not None and (
+      isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1
+    ):
+      raise ValueError(f"num_devices must be None or a positive int, got {num_devices!r}")
     if (
       isinstance(recompute_batchnorm, bool)
       or not isinstance(recompute_batchnorm, int)
@@ -179,15 +186,24 @@ class PruneTrainCallback(Callback):
       "dense_allreduce_bytes": 0.0,
     }
 
-  def _reconfigure(self, model: nnx.Module, opt_state: Any) -> tuple[nnx.Module, Any, Any]:
+  def _devices(self, trainer: Any) -> int:
+    """The devices of the all-reduce cost model (see ``num_devices``)."""
+    if self.num_devices is not None:
+      return self.num_devices
+    running_on = int(getattr(trainer, "num_devices", 1))
+    return running_on if running_on > 1 else _PAPER_DEVICES
+
+  def _reconfigure(
+    self, model: nnx.Module, opt_state: Any, num_devices: int = 4
+  ) -> tuple[nnx.Module, Any, Any]:
     """:func:`reconfigure` with the report's FLOPs filled in from :func:`model_costs`."""
     new_model, new_opt_state, report = self._reconfigure_model(model, opt_state)
     old = self._state["costs"]
     if old is None:  # called before any epoch was accounted
-      old = model_costs(model, self.image_shape, num_devices=self.num_devices)
+      old = model_costs(model, self.image_shape, num_devices=num_devices)
     new = old
     if report.changed:
-      new = model_costs(new_model, self.image_shape, num_devices=self.num_devices)
+      new = model_costs(new_model, self.image_shape, num_devices=num_devices)
     self._new_costs = new
     report = dataclasses.replace(
       report,
@@ -246,7 +262,9 @@ class PruneTrainCallback(Callback):
       return record
     if self.batch_policy is not None:
       self.batch_policy.measure_budget(trainer)  # the dense step's memory, measured once
-    new_model, new_opt_state, report = self._reconfigure(trainer.model, trainer.opt_state)
+    new_model, new_opt_state, report = self._reconfigure(
+      trainer.model, trainer.opt_state, self._devices(trainer)
+    )
     self.reports.append(report)
     if not self._worth(report):
       record["pt_reconfigured"] = False
@@ -274,7 +292,9 @@ class PruneTrainCallback(Callback):
     """Adds the epoch just trained to the running cost totals; returns its record entries."""
     state = self._state
     if state["costs"] is None:
-      state["costs"] = model_costs(trainer.model, self.image_shape, num_devices=self.num_devices)
+      state["costs"] = model_costs(
+        trainer.model, self.image_shape, num_devices=self._devices(trainer)
+      )
       state["dense_costs"] = dict(state["costs"])
     if state["batch_size"] is None:
       state["batch_size"] = int(trainer.reference_batch_size)

@@ -167,6 +167,44 @@ def test_callback_reconfigures_inside_the_trainer():
   assert second["lr_scale"] == pytest.approx(new_batch / 16)
 
 
+class _Devices:
+  def __init__(self, num_devices):
+    self.num_devices = num_devices
+
+
+@pytest.mark.parametrize(
+  ("argument", "running_on", "modelled"), [(None, 1, 4), (None, 8, 8), (2, 1, 2), (2, 8, 2)]
+)
+def test_allreduce_model_uses_the_trainers_devices_unless_told(argument, running_on, modelled):
+  callback = pt.PruneTrainCallback(num_devices=argument)
+  assert callback._devices(_Devices(running_on)) == modelled
+
+
+@pytest.mark.parametrize(("argument", "modelled"), [(None, 4), (2, 2)])
+def test_epoch_allreduce_bytes_are_the_ring_model_of_the_modelled_devices(argument, modelled):
+  from jaxprune import flops
+
+  model = _small_resnet()
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  callback = pt.PruneTrainCallback(
+    every_epochs=5, image_shape=(8, 8, 3), dynamic_batch=False, num_devices=argument
+  )
+  trainer = train.Trainer(
+    model, pt.with_group_lasso(train.sgd(0.0)), callbacks=[callback], progress=False
+  )
+  (record,) = trainer.fit(_loader(0), None, epochs=1)
+  # one device, 4 steps of 16: the ring all-reduce each device would send, per step
+  expected = 4 * flops.allreduce_bytes(params, modelled)
+  assert record["pt_epoch_allreduce_bytes"] == pytest.approx(expected)
+  assert expected > 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_num_devices_bad_value_raises(bad):
+  with pytest.raises(ValueError, match="num_devices"):
+    pt.PruneTrainCallback(num_devices=bad)
+
+
 def test_min_flops_saving_skips_small_reconfigurations():
   def dead_channel_model():  # one dead stream channel: a small FLOP saving
     model = _small_resnet()
@@ -206,7 +244,10 @@ def test_callback_refuses_to_reconfigure_a_diverged_model():
   trainer = train.Trainer(
     model, pt.with_group_lasso(train.sgd(0.0)), callbacks=[callback], progress=False
   )
-  with pytest.raises(ValueError, match="non-finite weights in "):
+  with (
+    pytest.raises(ValueError, match="non-finite weights in "),
+    pytest.warns(RuntimeWarning, match="4 of 4 train steps had a non-finite loss"),
+  ):
     trainer.fit(_loader(0), None, epochs=1)
   assert trainer.model is model and callback.reports == []
 
@@ -248,7 +289,7 @@ def _numpy_stem_stats(model, batches):
   means, variances = [], []
   for images, _ in batches:
     x = np.pad(np.asarray(images, np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
-    n, h, w = images.shape[0], images.shape[1], images.shape[2]
+    h, w = images.shape[1], images.shape[2]
     out = sum(
       np.einsum("nhwc,cf->nhwf", x[:, i : i + h, j : j + w], kernel[i, j])
       for i in range(3)
