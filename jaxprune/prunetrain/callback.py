@@ -194,7 +194,7 @@ class PruneTrainCallback(Callback):
     return running_on if running_on > 1 else _PAPER_DEVICES
 
   def _reconfigure(
-    self, model: nnx.Module, opt_state: Any, num_devices: int = 4
+    self, model: nnx.Module, opt_state: Any, num_devices: int
   ) -> tuple[nnx.Module, Any, Any]:
     """:func:`reconfigure` with the report's FLOPs filled in from :func:`model_costs`."""
     new_model, new_opt_state, report = self._reconfigure_model(model, opt_state)
