@@ -178,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   folder = _tables.output_dir("sdgp", args.publish, args.out)
   train_set, test_set = load_data(args, budget)
   results = saved_rows(folder / name, args.budget, budget, exclude=args.rows)
+  trained: list[dict[str, Any]] = []
   for method in args.rows:
     t0 = time.perf_counter()
     log = log_name(name, method, 2, 4)
@@ -186,7 +187,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     record["log"] = log
     record["command"] = command
     record["date"] = _tables.utc_now()
-    results = sorted([*results, record], key=lambda r: ROWS.index(r["method"]))
+    trained.append(record)
+    # Read the page again before writing: another invocation (``--rows random`` beside
+    # ``--rows magnitude``) may have added its row since this one started.
+    others = saved_rows(folder / name, args.budget, budget, exclude=[r["method"] for r in trained])
+    results = sorted([*others, *trained], key=lambda r: ROWS.index(r["method"]))
     print(
       f"{method}: test acc {100 * record['test_acc']:.2f}% ({time.perf_counter() - t0:.0f} s)",
       flush=True,

@@ -1,6 +1,7 @@
 """SDGP experiment plumbing: argument parsing, budgets, the conv-layer recorder, Fig. 8 layout."""
 
 import argparse
+import json
 
 import pytest
 from flax import nnx
@@ -72,6 +73,31 @@ def test_fig8_resume_keeps_earlier_cells_and_trains_only_missing_ones(tmp_path, 
       ["--budget", "paper", "--name", "fig8_cpu", "--no-dense", "--resume", "--settings", "1:4"]
       + out_dir
     )
+
+
+def test_table1_rows_run_at_the_same_time_both_reach_the_page(tmp_path, monkeypatch):
+  # ``--rows random`` and ``--rows magnitude`` launched side by side each read the page when they
+  # start; the one that finishes last must not drop the row the other wrote meanwhile.
+  out_dir = ["--budget", "cpu", "--out", str(tmp_path)]
+
+  def fake_train_row(method, n, m, budget, train_set, test_set, args, log_path=None):
+    if method == "random":  # while this row trains, the other invocation finishes its row
+      sdgp_table1.main(["--rows", "magnitude", *out_dir])
+    return {
+      "method": method,
+      "n": n,
+      "m": m,
+      "test_acc": 0.5,
+      "final_train_loss": 1.0,
+      "train_time_s": 60.0,
+    }
+
+  monkeypatch.setattr(sdgp_table1, "load_data", lambda args, budget: (None, None))
+  monkeypatch.setattr(sdgp_table1, "train_row", fake_train_row)
+  sdgp_table1.main(["--rows", "random", *out_dir])
+  saved = json.loads((tmp_path / "table1_cpu.json").read_text())
+  assert [r["method"] for r in saved["rows"]] == ["random", "magnitude"]
+  assert "Status: 2 of 5 rows done" in (tmp_path / "table1_cpu.md").read_text()
 
 
 def _cell(method, n, m, accs, epoch_s=10.0):
