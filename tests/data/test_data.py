@@ -4,7 +4,6 @@ per-image reference loops fed the same random draws) and the Loader's epoch/resu
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import tarfile
 from pathlib import Path
