@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shlex
 import sys
@@ -289,6 +290,17 @@ def command_line(name: str, argv: Sequence[str] | None) -> str:
 def utc_now() -> str:
   """The date and time a page states, in UTC."""
   return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def saved_result(stem: Path, budget: Mapping[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+  """What an earlier run wrote to ``stem.json`` (``None`` when nothing) and whether it ran under
+  ``budget``. The budget is compared as JSON, the form it was saved in, so a tuple in the preset
+  matches the list it became on disk."""
+  path = Path(stem).with_suffix(".json")
+  if not path.exists():
+    return None, False
+  saved = json.loads(path.read_text())
+  return saved, saved.get("budget") == json.loads(json.dumps(dict(budget)))
 
 
 def _cell(value: Any) -> str:

@@ -131,11 +131,8 @@ def table1_cells(
   trained under the same ``budget``: its dense row as the dense reference, its 2:4 rows as the
   2:4 cell of their method. Each is marked ``"from": "table1"``; none when the file is missing
   or was written under another budget."""
-  path = table1_stem.with_suffix(".json")
-  if not path.exists():
-    return []
-  table1 = json.loads(path.read_text())
-  if table1.get("budget") != json.loads(json.dumps(budget)):
+  table1, same_budget = _tables.saved_result(table1_stem, budget)
+  if not same_budget:
     return []
   found = []
   for row in table1.get("rows", []):
@@ -149,13 +146,12 @@ def table1_cells(
 
 def _previous_cells(stem: Path, budget: dict[str, Any], method: str) -> list[dict[str, Any]]:
   """Cells of an earlier run with the same budget and method (``--resume``), else none."""
-  path = stem.with_suffix(".json")
-  if not path.exists():
+  previous, same_budget = _tables.saved_result(stem, budget)
+  if previous is None:
     return []
-  previous = json.loads(path.read_text())
-  if previous.get("budget") != budget:
+  if not same_budget:
     raise ValueError(
-      f"--resume: {path.name} was written with budget {previous.get('budget')}, not {budget}"
+      f"--resume: {stem.name}.json was written with budget {previous.get('budget')}, not {budget}"
     )
   cells = [c for c in previous["cells"] if c["method"] in ("dense", method)]
   for cell in cells:

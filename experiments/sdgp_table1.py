@@ -206,16 +206,12 @@ def saved_rows(
   """The rows already written to ``stem.json`` under the same budget, but those in ``exclude``
   (to be run again). A JSON written under other settings of the budget is not mixed in: its
   rows would not compare (the call warns and starts the page afresh)."""
-  path = stem.with_suffix(".json")
-  if not path.exists():
+  saved, same_budget = _tables.saved_result(stem, budget)
+  if saved is None:
     return []
-  saved = json.loads(path.read_text())
-  same = saved.get("budget_name") == budget_name and saved.get("budget") == json.loads(
-    json.dumps(budget)
-  )
-  if not same:
+  if not (same_budget and saved.get("budget_name") == budget_name):
     warnings.warn(
-      f"{path}: written under other budget settings; its rows are replaced, not gathered",
+      f"{stem}.json: written under other budget settings; its rows are replaced, not gathered",
       RuntimeWarning,
       stacklevel=2,
     )

@@ -1,5 +1,6 @@
 """The table commands' shared plumbing: named budgets, output folders, results pages, links."""
 
+import json
 import re
 from pathlib import Path
 
@@ -196,6 +197,15 @@ def test_quickstart_page_states_command_and_table(tmp_path):
 
 def _cells(line):
   return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_saved_result_compares_the_budget_in_the_form_it_was_saved(tmp_path):
+  budget = {"epochs": 10, "width": 0.125, "milestones": (5, 8)}
+  assert _tables.saved_result(tmp_path / "t", budget) == (None, False)
+  (tmp_path / "t.json").write_text(json.dumps({"budget": budget, "rows": [1]}))
+  saved, same = _tables.saved_result(tmp_path / "t", budget)
+  assert same and saved["rows"] == [1]  # the tuple came back as a list and still matches
+  assert not _tables.saved_result(tmp_path / "t", {**budget, "epochs": 11})[1]
 
 
 def test_results_page_puts_paper_numbers_beside_ours():
