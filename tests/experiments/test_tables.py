@@ -262,15 +262,23 @@ def test_results_page_rejects_rows_that_do_not_fit_the_columns():
 
 def test_prunetrain_table_page_gathers_rows_written_separately(tmp_path):
   paper = prunetrain_table1.PAPER
-  for row, acc in (("resnet32", 0.70), ("vgg11", 0.60)):
+  budget = dict(_tables.get_budget("prunetrain_table1", "cpu"))
+  stale = {**budget, "penalty_ratio": budget["penalty_ratio"] + 0.05}
+  for row, acc, args in (
+    ("resnet32", 0.70, budget),
+    ("vgg11", 0.60, budget),
+    ("vgg13", 0.5, stale),
+  ):
     runs = {
       "dense": {"test_acc": 0.80},
       "prunetrain": {"test_acc": acc, "train_flops_ratio": 0.5, "inference_flops_ratio": 0.25},
     }
-    saved = {"paper": paper[f"prunetrain-{row}"], "runs": runs}
-    (tmp_path / f"table1_cpu_{row}.json").write_text(__import__("json").dumps(saved))
-  text = prunetrain_table1.write_table_page(tmp_path, "cpu", "cmd").read_text()
+    saved = {"paper": paper[f"prunetrain-{row}"], "runs": runs, "args": {"seed": 0, **args}}
+    (tmp_path / f"table1_cpu_{row}.json").write_text(json.dumps(saved))
+  with pytest.warns(RuntimeWarning, match="table1_cpu_vgg13.json.*penalty_ratio"):
+    text = prunetrain_table1.write_table_page(tmp_path, "cpu", "cmd").read_text()
   rows = {_cells(line)[0]: _cells(line) for line in text.splitlines() if line.startswith("| [")}
+  # the row run under another penalty ratio is left off
   assert set(rows) == {"[resnet32](table1_cpu_resnet32.md)", "[vgg11](table1_cpu_vgg11.md)"}
   # Δ acc (paper -1.8, ours -10.00), train FLOPs (paper 47%, ours 50%)
   assert rows["[resnet32](table1_cpu_resnet32.md)"][3:7] == ["-1.8", "-10.00", "47%", "50%"]
