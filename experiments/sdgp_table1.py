@@ -196,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       f"{method}: test acc {100 * record['test_acc']:.2f}% ({time.perf_counter() - t0:.0f} s)",
       flush=True,
     )
-    _write(folder / name, command, args.budget, budget, results, len(ROWS))
+    # The rows of one page may come from several invocations: the page names each command.
+    commands = " ; ".join(dict.fromkeys(r.get("command", command) for r in results))
+    _write(folder / name, commands, args.budget, budget, results, len(ROWS))
   return {"budget": budget, "rows": results}
 
 

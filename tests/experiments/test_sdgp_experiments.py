@@ -97,7 +97,9 @@ def test_table1_rows_run_at_the_same_time_both_reach_the_page(tmp_path, monkeypa
   sdgp_table1.main(["--rows", "random", *out_dir])
   saved = json.loads((tmp_path / "table1_cpu.json").read_text())
   assert [r["method"] for r in saved["rows"]] == ["random", "magnitude"]
-  assert "Status: 2 of 5 rows done" in (tmp_path / "table1_cpu.md").read_text()
+  page = (tmp_path / "table1_cpu.md").read_text()
+  assert "Status: 2 of 5 rows done" in page
+  assert "--rows random" in page and "--rows magnitude" in page  # each row's command
 
 
 def _cell(method, n, m, accs, epoch_s=10.0):
