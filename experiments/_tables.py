@@ -293,15 +293,26 @@ def utc_now() -> str:
   return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
+def as_saved(budget: Mapping[str, Any]) -> dict[str, Any]:
+  """``budget`` in the form a result's JSON holds it (tuples become lists), for comparing a
+  preset with what an earlier run saved."""
+  return json.loads(json.dumps(dict(budget)))
+
+
 def saved_result(stem: Path, budget: Mapping[str, Any]) -> tuple[dict[str, Any] | None, bool]:
   """What an earlier run wrote to ``stem.json`` (``None`` when nothing) and whether it ran under
-  ``budget``. The budget is compared as JSON, the form it was saved in, so a tuple in the preset
-  matches the list it became on disk."""
+  ``budget`` (compared with :func:`as_saved`)."""
   path = Path(stem).with_suffix(".json")
   if not path.exists():
     return None, False
   saved = json.loads(path.read_text())
-  return saved, saved.get("budget") == json.loads(json.dumps(dict(budget)))
+  return saved, saved.get("budget") == as_saved(budget)
+
+
+def joined_commands(records: Sequence[Mapping[str, Any]]) -> str:
+  """The distinct ``command`` of ``records`` in order, joined by `` ; ``: the line a page shows
+  when its rows were gathered from several invocations."""
+  return " ; ".join(dict.fromkeys(r["command"] for r in records))
 
 
 def _cell(value: Any) -> str:

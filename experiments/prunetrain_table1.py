@@ -429,7 +429,7 @@ def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]
 def write_table_page(folder: Path, budget_name: str, command: str) -> Path:
   """``table1_<budget>.md``: every row of this budget in ``folder`` beside the paper's
   Table 1 (the rows' JSON files are the source, so rows run separately share one page)."""
-  budget = json.loads(json.dumps(dict(_tables.get_budget("prunetrain_table1", budget_name))))
+  budget = _tables.as_saved(_tables.get_budget("prunetrain_table1", budget_name))
   rows, logs = [], {}
   for row in ROWS:
     path = folder / f"table1_{budget_name}_{row}.json"

@@ -119,8 +119,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       f"({time.perf_counter() - t0:.0f} s)",
       flush=True,
     )
-    commands = " ; ".join(dict.fromkeys(r["command"] for r in results))
-    _write(folder / name, commands, args.budget, budget, args.method, results, planned)
+    _write(
+      folder / name,
+      _tables.joined_commands(results),
+      args.budget,
+      budget,
+      args.method,
+      results,
+      planned,
+    )
   return {"budget": budget, "cells": results}
 
 

@@ -197,8 +197,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       flush=True,
     )
     # The rows of one page may come from several invocations: the page names each command.
-    commands = " ; ".join(dict.fromkeys(r.get("command", command) for r in results))
-    _write(folder / name, commands, args.budget, budget, results, len(ROWS))
+    _write(folder / name, _tables.joined_commands(results), args.budget, budget, results, len(ROWS))
   return {"budget": budget, "rows": results}
 
 
