@@ -177,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   command = _tables.command_line("sdgp_table1", argv)
   folder = _tables.output_dir("sdgp", args.publish, args.out)
   train_set, test_set = load_data(args, budget)
+  # Warn once, before training, if the page holds rows of other budget settings.
   results = saved_rows(folder / name, args.budget, budget, exclude=args.rows)
   trained: list[dict[str, Any]] = []
   for method in args.rows:
@@ -190,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     trained.append(record)
     # Read the page again before writing: another invocation (``--rows random`` beside
     # ``--rows magnitude``) may have added its row since this one started.
-    others = saved_rows(folder / name, args.budget, budget, exclude=[r["method"] for r in trained])
+    others = saved_rows(
+      folder / name, args.budget, budget, exclude=[r["method"] for r in trained], warn=False
+    )
     results = sorted([*others, *trained], key=lambda r: ROWS.index(r["method"]))
     print(
       f"{method}: test acc {100 * record['test_acc']:.2f}% ({time.perf_counter() - t0:.0f} s)",
@@ -202,20 +205,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def saved_rows(
-  stem: Path, budget_name: str, budget: dict[str, Any], exclude: Sequence[str] = ()
+  stem: Path,
+  budget_name: str,
+  budget: dict[str, Any],
+  exclude: Sequence[str] = (),
+  *,
+  warn: bool = True,
 ) -> list[dict[str, Any]]:
   """The rows already written to ``stem.json`` under the same budget, but those in ``exclude``
   (to be run again). A JSON written under other settings of the budget is not mixed in: its
-  rows would not compare (the call warns and starts the page afresh)."""
+  rows would not compare (the call warns, unless ``warn`` is false, and starts the page
+  afresh)."""
   saved, same_budget = _tables.saved_result(stem, budget)
   if saved is None:
     return []
   if not (same_budget and saved.get("budget_name") == budget_name):
-    warnings.warn(
-      f"{stem}.json: written under other budget settings; its rows are replaced, not gathered",
-      RuntimeWarning,
-      stacklevel=2,
-    )
+    if warn:
+      warnings.warn(
+        f"{stem}.json: written under other budget settings; its rows are replaced, not gathered",
+        RuntimeWarning,
+        stacklevel=2,
+      )
     return []
   return [r for r in saved.get("rows", []) if r.get("method") not in exclude]
 

@@ -156,3 +156,25 @@ def test_table_rows_follow_the_released_init_of_the_budget(budget):
   assert all(bool((after[p] == before[p]).all()) for p in before)
   with pytest.raises(ValueError, match="init"):
     sdgp_table1.row_method("dense", 2, 4, {**chosen, "init": "kaiming"}, 0, "reference")
+
+
+def test_table1_page_of_other_budget_settings_warns_once_and_is_replaced(tmp_path, monkeypatch):
+  def fake_train_row(method, n, m, budget, train_set, test_set, args, log_path=None):
+    return {
+      "method": method,
+      "n": n,
+      "m": m,
+      "test_acc": 0.5,
+      "final_train_loss": 1.0,
+      "train_time_s": 60.0,
+    }
+
+  monkeypatch.setattr(sdgp_table1, "load_data", lambda args, budget: (None, None))
+  monkeypatch.setattr(sdgp_table1, "train_row", fake_train_row)
+  stale = {"budget_name": "cpu", "budget": {"epochs": 1}, "rows": [{"method": "dense"}]}
+  (tmp_path / "table1_cpu.json").write_text(json.dumps(stale))
+  with pytest.warns(RuntimeWarning, match="other budget settings") as caught:
+    sdgp_table1.main(["--budget", "cpu", "--rows", "random", "--out", str(tmp_path)])
+  assert len([w for w in caught if "other budget settings" in str(w.message)]) == 1
+  saved = json.loads((tmp_path / "table1_cpu.json").read_text())
+  assert [r["method"] for r in saved["rows"]] == ["random"]  # the stale dense row is gone
