@@ -75,6 +75,18 @@ def test_fig8_resume_keeps_earlier_cells_and_trains_only_missing_ones(tmp_path, 
     )
 
 
+def _table1_row(method, n, m):
+  """What ``train_row`` returns, as far as the Table I page reads it."""
+  return {
+    "method": method,
+    "n": n,
+    "m": m,
+    "test_acc": 0.5,
+    "final_train_loss": 1.0,
+    "train_time_s": 60.0,
+  }
+
+
 def test_table1_rows_run_at_the_same_time_both_reach_the_page(tmp_path, monkeypatch):
   # ``--rows random`` and ``--rows magnitude`` launched side by side each read the page when they
   # start; the one that finishes last must not drop the row the other wrote meanwhile.
@@ -83,14 +95,7 @@ def test_table1_rows_run_at_the_same_time_both_reach_the_page(tmp_path, monkeypa
   def fake_train_row(method, n, m, budget, train_set, test_set, args, log_path=None):
     if method == "random":  # while this row trains, the other invocation finishes its row
       sdgp_table1.main(["--rows", "magnitude", *out_dir])
-    return {
-      "method": method,
-      "n": n,
-      "m": m,
-      "test_acc": 0.5,
-      "final_train_loss": 1.0,
-      "train_time_s": 60.0,
-    }
+    return _table1_row(method, n, m)
 
   monkeypatch.setattr(sdgp_table1, "load_data", lambda args, budget: (None, None))
   monkeypatch.setattr(sdgp_table1, "train_row", fake_train_row)
@@ -159,18 +164,10 @@ def test_table_rows_follow_the_released_init_of_the_budget(budget):
 
 
 def test_table1_page_of_other_budget_settings_warns_once_and_is_replaced(tmp_path, monkeypatch):
-  def fake_train_row(method, n, m, budget, train_set, test_set, args, log_path=None):
-    return {
-      "method": method,
-      "n": n,
-      "m": m,
-      "test_acc": 0.5,
-      "final_train_loss": 1.0,
-      "train_time_s": 60.0,
-    }
-
   monkeypatch.setattr(sdgp_table1, "load_data", lambda args, budget: (None, None))
-  monkeypatch.setattr(sdgp_table1, "train_row", fake_train_row)
+  monkeypatch.setattr(
+    sdgp_table1, "train_row", lambda method, n, m, *_, **__: _table1_row(method, n, m)
+  )
   stale = {"budget_name": "cpu", "budget": {"epochs": 1}, "rows": [{"method": "dense"}]}
   (tmp_path / "table1_cpu.json").write_text(json.dumps(stale))
   with pytest.warns(RuntimeWarning, match="other budget settings") as caught:
