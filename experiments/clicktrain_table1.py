@@ -125,7 +125,9 @@ def _schedule(args, row: str) -> dict[str, Any]:
   }
 
 
-def _run(args, row: str, prune: bool, train_set, test_set, folder: Path) -> dict[str, Any]:
+def _run(
+  args, row: str, prune: bool, train_set, test_set, folder: Path, command: str
+) -> dict[str, Any]:
   label = "clicktrain" if prune else "dense"
   stem = f"table1_{args.budget}_{row}_{label}"
   loader = data.Loader(
@@ -185,6 +187,7 @@ def _run(args, row: str, prune: bool, train_set, test_set, folder: Path) -> dict
     "test_acc": history[-1]["test_acc"],
     "compression": flops.compression_ratio(trainer.params),
     "wall_time_s": history[-1]["wall_time_s"],
+    "command": command,
     "log": f"logs/{stem}.jsonl",
     "history": history,
   }
@@ -259,6 +262,8 @@ def _plots(result: dict[str, Any], stem: Path) -> None:
 
 
 def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str) -> str:
+  """The table page of ``results`` (row -> method -> run). Rows run by separate invocations
+  share the page, so it names each run's command (``command`` for a run that has none)."""
   rows, logs = [], {}
   for row, res in results.items():
     paper = PAPER.get(row)
@@ -288,9 +293,10 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
       rows.append((label, theirs, ours))
       if "log" in run:
         logs[label] = run["log"]
+  runs = [run for res in results.values() for run in res.values()]
   page = _tables.results_page(
     "ClickTrain Table 1 — CIFAR-10, dense vs ClickTrain",
-    command=command,
+    command=_tables.joined_commands([{"command": command, **run} for run in runs]) or command,
     budget_name=args.budget,
     budget=_tables.get_budget("clicktrain_table1", args.budget),
     machine=machine_description(),
@@ -380,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   for row in rows:
     results[row] = {}
     for prune in (True,) if args.skip_dense else (False, True):
-      res = _run(args, row, prune, train_set, test_set, folder)
+      res = _run(args, row, prune, train_set, test_set, folder, command)
       results[row]["clicktrain" if prune else "dense"] = res
       out.write_text(_markdown(args, _saved_rows(folder, args.budget), command))
       print(

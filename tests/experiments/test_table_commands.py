@@ -145,5 +145,19 @@ def test_clicktrain_page_gathers_saved_rows_beside_the_paper(tmp_path):
   assert "Budget: `cpu`" in page and "6: 10, 61: 20" in page
 
 
+def test_clicktrain_page_names_the_command_of_each_saved_run(tmp_path):
+  """Rows run by separate invocations share the page: it lists each distinct command once,
+  and a run saved without one is credited to this invocation."""
+  commands = {"dense": "run --rows vgg11", "clicktrain": "run --rows vgg11 --skip-dense"}
+  for method, acc, comp in (("dense", 0.80, 1.0), ("clicktrain", 0.78, 9.0)):
+    run = {**_clicktrain_run(method, acc, comp), "command": commands[method]}
+    (tmp_path / f"table1_cpu_vgg11_{method}.json").write_text(json.dumps(run))
+  resnet = {**_clicktrain_run("dense", 0.79, 1.0), "row": "resnet32"}
+  (tmp_path / "table1_cpu_resnet32_dense.json").write_text(json.dumps(resnet))
+  args = clicktrain_table1._parse(["--budget", "cpu"])
+  page = clicktrain_table1._markdown(args, clicktrain_table1._saved_rows(tmp_path, "cpu"), "cmd")
+  assert "- Command: `cmd ; run --rows vgg11 ; run --rows vgg11 --skip-dense`" in page
+
+
 def _cells(line):
   return [c.strip() for c in line.strip().strip("|").split("|")]

@@ -274,6 +274,8 @@ def test_prunetrain_table_page_gathers_rows_written_separately(tmp_path):
       "prunetrain": {"test_acc": acc, "train_flops_ratio": 0.5, "inference_flops_ratio": 0.25},
     }
     saved = {"paper": paper[f"prunetrain-{row}"], "runs": runs, "args": {"seed": 0, **args}}
+    if row != "vgg11":  # a row saved without its command takes this invocation's
+      saved["command"] = f"run --rows {row}"
     (tmp_path / f"table1_cpu_{row}.json").write_text(json.dumps(saved))
   with pytest.warns(RuntimeWarning, match="table1_cpu_vgg13.json.*penalty_ratio"):
     text = prunetrain_table1.write_table_page(tmp_path, "cpu", "cmd").read_text()
@@ -282,6 +284,8 @@ def test_prunetrain_table_page_gathers_rows_written_separately(tmp_path):
   assert set(rows) == {"[resnet32](table1_cpu_resnet32.md)", "[vgg11](table1_cpu_vgg11.md)"}
   # Δ acc (paper -1.8, ours -10.00), train FLOPs (paper 47%, ours 50%)
   assert rows["[resnet32](table1_cpu_resnet32.md)"][3:7] == ["-1.8", "-10.00", "47%", "50%"]
+  # the page names the command of each row it shows (not the left-off one's)
+  assert "- Command: `run --rows resnet32 ; cmd`" in text
 
 
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
