@@ -309,10 +309,13 @@ def saved_result(stem: Path, budget: Mapping[str, Any]) -> tuple[dict[str, Any] 
   return saved, saved.get("budget") == as_saved(budget)
 
 
-def joined_commands(records: Sequence[Mapping[str, Any]]) -> str:
+def joined_commands(records: Sequence[Mapping[str, Any]], default: str | None = None) -> str:
   """The distinct ``command`` of ``records`` in order, joined by `` ; ``: the line a page shows
-  when its rows were gathered from several invocations."""
-  return " ; ".join(dict.fromkeys(r["command"] for r in records))
+  when its rows were gathered from several invocations. With ``default`` (the current
+  invocation's command), a record saved without a command is credited to it, and no records
+  give ``default``; without it every record must have one."""
+  commands = (r["command"] if default is None else r.get("command", default) for r in records)
+  return " ; ".join(dict.fromkeys(commands)) or (default or "")
 
 
 def _cell(value: Any) -> str:

@@ -296,7 +296,7 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
   runs = [run for res in results.values() for run in res.values()]
   page = _tables.results_page(
     "ClickTrain Table 1 — CIFAR-10, dense vs ClickTrain",
-    command=_tables.joined_commands([{"command": command, **run} for run in runs]) or command,
+    command=_tables.joined_commands(runs, default=command),
     budget_name=args.budget,
     budget=_tables.get_budget("clicktrain_table1", args.budget),
     machine=machine_description(),

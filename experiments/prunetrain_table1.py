@@ -431,7 +431,7 @@ def write_table_page(folder: Path, budget_name: str, command: str) -> Path:
   Table 1 (the rows' JSON files are the source, so rows run separately share one page, which
   names each row's command; ``command`` for a row saved without one)."""
   budget = _tables.as_saved(_tables.get_budget("prunetrain_table1", budget_name))
-  rows, logs, commands = [], {}, []
+  rows, logs, shown = [], {}, []
   for row in ROWS:
     path = folder / f"table1_{budget_name}_{row}.json"
     if not path.exists():
@@ -448,7 +448,7 @@ def write_table_page(folder: Path, budget_name: str, command: str) -> Path:
         stacklevel=2,
       )
       continue
-    commands.append({"command": saved.get("command", command)})
+    shown.append(saved)
     paper, runs = saved["paper"], saved["runs"]
     dense, pruned = runs.get("dense"), runs.get("prunetrain")
     ours = [None, None, None, None]
@@ -476,7 +476,7 @@ def write_table_page(folder: Path, budget_name: str, command: str) -> Path:
     logs[label] = f"logs/{path.stem}/prunetrain.jsonl"
   page = _tables.results_page(
     "PruneTrain Table 1 — CIFAR-10, dense vs PruneTrain",
-    command=_tables.joined_commands(commands) or command,
+    command=_tables.joined_commands(shown, default=command),
     budget_name=budget_name,
     budget=_tables.get_budget("prunetrain_table1", budget_name),
     machine=machine_description(),

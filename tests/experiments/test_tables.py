@@ -305,3 +305,12 @@ def test_every_relative_link_points_to_an_existing_file():
       if not path.exists():
         broken.append(f"{page.relative_to(REPO)} -> {target}")
   assert not broken, broken
+
+
+def test_joined_commands_lists_each_command_once_and_credits_unsaved_ones_to_the_default():
+  records = [{"command": "a"}, {}, {"command": "b"}, {"command": "a"}]
+  assert _tables.joined_commands(records, default="now") == "a ; now ; b"
+  assert _tables.joined_commands([], default="now") == "now"
+  assert _tables.joined_commands(records[2:]) == "b ; a"
+  with pytest.raises(KeyError):  # without a default every record names its command
+    _tables.joined_commands(records)
