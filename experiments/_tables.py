@@ -243,6 +243,50 @@ def add_output_arguments(parser: argparse.ArgumentParser, where: str) -> None:
   parser.add_argument("--out", default=None, help="write to this folder instead")
 
 
+def add_resume_argument(parser: argparse.ArgumentParser) -> None:
+  """``--resume``: continue each training of the command from its latest epoch checkpoint.
+
+  Runs that take longer than one sitting (a ResNet-50 or VGG-13 row on 2 CPU cores, a paper
+  budget on a GPU with a time limit per command) are run in parts: every table run
+  checkpoints after each epoch (:func:`checkpoint_dir`), and the same command with
+  ``--resume`` goes on from there, exactly as if it had not stopped.
+  """
+  parser.add_argument(
+    "--resume",
+    action="store_true",
+    help="continue each run from its latest epoch checkpoint (runs/checkpoints/, written "
+    "after every epoch); without it a run starts afresh and replaces them",
+  )
+
+
+def checkpoint_dir(paper: str, stem: str, out: str | os.PathLike | None = None) -> Path:
+  """Where a table run writes its epoch checkpoints: ``runs/checkpoints/<paper>/<stem>``
+  (scratch, also for a ``--publish`` run, so they never land beside the results), or
+  ``<out>/checkpoints/<stem>`` for a run with ``--out``."""
+  if paper not in PAPERS:
+    raise ValueError(f"paper: unknown {paper!r}; choose from {PAPERS}")
+  base = Path(out) / "checkpoints" if out is not None else SCRATCH / "checkpoints" / paper
+  return base / stem
+
+
+def start_or_resume(trainer: Any, train_loader: Any, resume: bool) -> bool:
+  """Before a table run's first ``fit``: with ``resume``, restore the trainer's latest
+  checkpoint. Returns whether one was restored.
+
+  The run's ``fit`` calls then pass ``resume=False, overwrite=True``: a restored run goes on
+  writing its own checkpoints, a fresh one first deletes what an earlier run left there.
+  """
+  if not resume:
+    return False
+  restored = trainer.restore_checkpoint(train_loader)
+  where = trainer.store.directory if trainer.store is not None else None
+  if restored:
+    print(f"resumed at epoch {trainer.epoch} from {where}", flush=True)
+  else:
+    print(f"--resume: no checkpoint in {where}; starting afresh", flush=True)
+  return restored
+
+
 def add_table_arguments(parser: argparse.ArgumentParser, table: str) -> None:
   """``--budget``, ``--publish``, ``--out``, ``--seed`` and ``--root``: the arguments every
   table command takes (flags that every experiment needs, such as multi-host start-up, belong

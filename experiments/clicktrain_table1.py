@@ -26,12 +26,16 @@ of the final pattern pool (usage counts) and per-layer sparsity; the table page
 ``table1_<budget>.md`` gathers every row of the budget present in the folder beside the
 paper's Table 1. All go to ``runs/clicktrain/``, or ``experiments/results/clicktrain/`` with
 ``--publish``.
+
+A row too long for one sitting runs in parts: every run checkpoints after each epoch
+(``runs/checkpoints/``), and the same command with ``--resume`` continues it exactly.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -98,6 +102,7 @@ def _parse(argv):
   )
   p.add_argument("--mode", default="paper", choices=["paper", "one_shot"])
   p.add_argument("--skip-dense", action="store_true")
+  _tables.add_resume_argument(p)
   a = p.parse_args(argv)
   # The budget's settings become attributes, as the page states them.
   for key, value in _tables.get_budget("clicktrain_table1", a.budget).items():
@@ -166,12 +171,25 @@ def _run(
   else:
     tx, metrics = inner, {"compression": lambda t: flops.compression_ratio(t.params)}
   (folder / "logs").mkdir(parents=True, exist_ok=True)
+  checkpoints = _tables.checkpoint_dir("clicktrain", stem, args.out)
+  budget = _tables.get_budget("clicktrain_table1", args.budget)
   trainer = train.Trainer(
-    model, tx, metrics=metrics, log_path=folder / "logs" / f"{stem}.jsonl", progress=False
+    model,
+    tx,
+    metrics=metrics,
+    log_path=folder / "logs" / f"{stem}.jsonl",
+    progress=False,
+    checkpoint_dir=checkpoints,
+    # A resume under other settings is refused, not mixed in.
+    run_config={"row": row, "method": label, "mode": args.mode, "seed": args.seed, **budget},
   )
+  _tables.start_or_resume(trainer, loader, args.resume)
   if prune and args.mode == "one_shot":
     # The released code switches to mixup (α = 0.3) after the hard prune.
-    trainer.fit(loader, test_loader, epochs=sched["hard_prune_epoch"])
+    if trainer.epoch < sched["hard_prune_epoch"]:
+      trainer.fit(
+        loader, test_loader, epochs=sched["hard_prune_epoch"], resume=False, overwrite=True
+      )
     loader = data.Loader(
       train_set,
       args.batch_size,
@@ -180,7 +198,7 @@ def _run(
       augment="clicktrain-mixup",
       drop_last=True,
     )
-  history = trainer.fit(loader, test_loader, epochs=args.epochs)
+  history = trainer.fit(loader, test_loader, epochs=args.epochs, resume=False, overwrite=True)
   result = {
     "row": row,
     "method": label,
@@ -207,6 +225,7 @@ def _run(
     )
     _plots(result, folder / stem)
   (folder / f"{stem}.json").write_text(json.dumps(result, indent=2, default=float))
+  shutil.rmtree(checkpoints, ignore_errors=True)  # the run is saved; nothing to resume
   return result
 
 

@@ -27,7 +27,10 @@ Each row writes ``table1_<budget>_<row>.{md,json}`` (the per-epoch channels / FL
 and the plot ``table1_<budget>_<row>_over_training.png``) and its runs' epoch logs
 (``logs/``); the table page ``table1_<budget>.md`` gathers every row present in the folder
 beside the paper's Table 1.  All go to ``runs/prunetrain/``, or to
-``experiments/results/prunetrain/`` with ``--publish``.
+``experiments/results/prunetrain/`` with ``--publish``.  A row too long for one sitting runs
+in parts: each run checkpoints after every epoch (``runs/checkpoints/``) and the same command
+with ``--resume`` continues it exactly (a row whose dense run is already saved goes on with
+``--skip-dense --reuse-dense --resume``).
 
 ``--proximal`` applies the group lasso as a proximal step (``with_group_lasso(...,
 proximal=True)``: groups reach exact zero, so the paper's 1e-4 threshold applies);
@@ -58,6 +61,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import time
 import warnings
 from collections.abc import Sequence
@@ -104,6 +108,7 @@ PAPER = {
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="prunetrain_table1", description=__doc__.splitlines()[0])
   _tables.add_table_arguments(parser, "prunetrain_table1")
+  _tables.add_resume_argument(parser)
   parser.add_argument(
     "--rows",
     default="resnet32",
@@ -226,9 +231,13 @@ class _Run:
 
   def advance(self, epochs: int) -> None:
     """Train until ``epochs`` epochs are complete, adding the wall and steal time taken."""
+    if self.trainer.epoch >= epochs:  # resumed past it (``--paired``: the other run stopped first)
+      return
     steal_start = host_steal_seconds()
     start = time.perf_counter()
-    self.trainer.fit(self.train_loader, self.test_loader, epochs=epochs, resume=False)
+    self.trainer.fit(
+      self.train_loader, self.test_loader, epochs=epochs, resume=False, overwrite=True
+    )
     self.wall_s += time.perf_counter() - start
     steal = steal_since(steal_start)
     self.steal_s = None if steal is None or self.steal_s is None else self.steal_s + steal
@@ -258,7 +267,15 @@ class _RunningStatsEval(train.Callback):
     return {"test_acc_running_stats": acc}
 
 
-def _build(args: argparse.Namespace, method: str, train_set, test_set, log_dir: Path) -> _Run:
+def _build(
+  args: argparse.Namespace,
+  method: str,
+  train_set,
+  test_set,
+  log_dir: Path,
+  checkpoint_dir: Path | None = None,
+) -> _Run:
+  """One method's run, restored from ``checkpoint_dir`` under ``--resume``."""
   train_loader = data.Loader(
     train_set, args.batch_size, shuffle=True, seed=args.seed, augment="prunetrain", drop_last=True
   )
@@ -302,8 +319,19 @@ def _build(args: argparse.Namespace, method: str, train_set, test_set, log_dir: 
     callbacks=callbacks,
     progress=False,
     log_path=log_dir / f"{method}.jsonl",
+    checkpoint_dir=checkpoint_dir,
+    # A resume under other settings is refused, not mixed in.
+    run_config={
+      "method": method,
+      **{k: getattr(args, k) for k in _DENSE_SETTINGS},
+      **config,
+    },
   )
-  return _Run(method, trainer, train_loader, test_loader, callback, dense_costs, image_shape)
+  built = _Run(method, trainer, train_loader, test_loader, callback, dense_costs, image_shape)
+  if checkpoint_dir is not None and _tables.start_or_resume(trainer, train_loader, args.resume):
+    # Wall time of the earlier parts as the trainer kept it; their steal time is unknown.
+    built.wall_s, built.steal_s = trainer.history[-1]["wall_time_s"], None
+  return built
 
 
 def _train_paired(runs: Sequence[_Run], epochs: int) -> None:
@@ -413,17 +441,27 @@ def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]
     flush=True,
   )
   if args.paired:
-    paired = [_build(args, method, train_set, test_set, log_dir) for method in names]
+    paired = [
+      _build(args, method, train_set, test_set, log_dir, _checkpoints(args, name, method))
+      for method in names
+    ]
     _train_paired(paired, args.epochs)
     for run in paired:
       runs[run.method] = _result(args, run)
     _write(folder / name, args, runs, command)
+    for method in names:
+      shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)
   for method in [] if args.paired else names:
-    run = _build(args, method, train_set, test_set, log_dir)
+    run = _build(args, method, train_set, test_set, log_dir, _checkpoints(args, name, method))
     run.advance(args.epochs)
     runs[method] = _result(args, run)
     _write(folder / name, args, runs, command)
+    shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)  # saved: nothing to resume
   return runs
+
+
+def _checkpoints(args: argparse.Namespace, name: str, method: str) -> Path:
+  return _tables.checkpoint_dir("prunetrain", f"{name}/{method}", args.out)
 
 
 def write_table_page(folder: Path, budget_name: str, command: str) -> Path:

@@ -182,3 +182,49 @@ def test_running_stats_probe_gives_before_and_after_of_one_run(tmp_path, tiny_ro
   assert stale[0] == plain.history[0]["test_acc"]
   for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(probed.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_resumed_run_computes_what_an_uninterrupted_one_computes(tmp_path, tiny_rows):
+  """``--resume``: a PruneTrain run stopped after the epoch that reconfigured the network and
+  continued by a new build trains exactly what one uninterrupted run trains (the smaller
+  model, the callback's state and the loader position come from the checkpoint); a run
+  without ``--resume`` replaces those checkpoints, and one under other settings is refused."""
+  import jax
+  import numpy as np
+
+  train_set, test_set, make_args = tiny_rows
+  checkpoints = tmp_path / "ckpt"
+
+  def build(sub, resume=False, ckpt=checkpoints, **changes):
+    args = make_args()
+    args.epochs, args.resume = 3, resume
+    for key, value in changes.items():
+      setattr(args, key, value)
+    (tmp_path / sub).mkdir(exist_ok=True)
+    return prunetrain_table1._build(args, "prunetrain", train_set, test_set, tmp_path / sub, ckpt)
+
+  straight = build("straight", ckpt=None)
+  straight.advance(3)
+  first = build("parts")
+  first.advance(2)
+  assert any(r.get("pt_channels_removed", 0) > 0 for r in first.trainer.history)
+  with pytest.raises(ValueError, match="lr"):
+    build("other", resume=True, lr=0.25)
+  resumed = build("parts", resume=True)
+  assert resumed.trainer.epoch == 2 and resumed.steal_s is None
+  assert resumed.wall_s == resumed.trainer.history[-1]["wall_time_s"] > 0
+  resumed.advance(3)
+  keys = ("train_loss", "test_acc", "steps", "batch_size", "pt_channels_removed")
+  assert [[r.get(k) for k in keys] for r in resumed.trainer.history] == [
+    [r.get(k) for k in keys] for r in straight.trainer.history
+  ]
+  assert resumed.trainer.model.spec == straight.trainer.model.spec
+  for a, b in zip(
+    jax.tree.leaves(resumed.trainer.params), jax.tree.leaves(straight.trainer.params)
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Without --resume the run starts at epoch 0 and its checkpoints replace the earlier ones.
+  fresh = build("fresh")
+  assert fresh.trainer.epoch == 0
+  fresh.advance(1)
+  assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["1"]

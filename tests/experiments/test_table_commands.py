@@ -161,3 +161,45 @@ def test_clicktrain_page_names_the_command_of_each_saved_run(tmp_path):
 
 def _cells(line):
   return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+class _Stopped(Exception):
+  """Stands for a command killed between epochs."""
+
+
+def test_clicktrain_row_resumed_after_its_hard_prune_equals_the_uninterrupted_run(
+  tmp_path, monkeypatch, tiny_cifar
+):
+  """``--resume``: a ClickTrain run stopped after the epoch of its hard prune and continued by
+  the same command with ``--resume`` saves what one uninterrupted run saves (the stage, masks
+  and pattern pool come from the checkpoint); the finished run removes its checkpoints."""
+  from jaxprune import train
+
+  _tiny(monkeypatch, "clicktrain_table1", width={"resnet": 0.0625}, epochs=5, batch_size=16)
+  argv = ["--rows", "resnet18", "--skip-dense"]
+  straight = clicktrain_table1.main([*argv, "--out", str(tmp_path / "a")])["resnet18"]
+
+  fit = train.Trainer.fit
+
+  def stop_after_epoch_4(self, *args, epochs, **kwargs):
+    fit(self, *args, epochs=min(epochs, 4), **kwargs)
+    raise _Stopped
+
+  monkeypatch.setattr(train.Trainer, "fit", stop_after_epoch_4)
+  with pytest.raises(_Stopped):
+    clicktrain_table1.main([*argv, "--out", str(tmp_path / "b")])
+  monkeypatch.setattr(train.Trainer, "fit", fit)
+  checkpoints = tmp_path / "b" / "checkpoints" / "table1_cpu_resnet18_clicktrain"
+  assert "4" in {p.name for p in checkpoints.iterdir()}
+  resumed = clicktrain_table1.main([*argv, "--out", str(tmp_path / "b"), "--resume"])["resnet18"]
+
+  assert straight["clicktrain"]["stage"] == resumed["clicktrain"]["stage"] == "pruned"
+  for key in ("test_acc", "compression", "layer_sparsity", "pool", "pattern_usage"):
+    assert resumed["clicktrain"][key] == straight["clicktrain"][key], key
+  saved = [
+    json.loads((tmp_path / part / "table1_cpu_resnet18_clicktrain.json").read_text())
+    for part in ("a", "b")
+  ]
+  losses = [[r["train_loss"] for r in run["history"]] for run in saved]
+  assert losses[0] == losses[1] and len(losses[0]) == 5
+  assert not checkpoints.exists()

@@ -314,3 +314,12 @@ def test_joined_commands_lists_each_command_once_and_credits_unsaved_ones_to_the
   assert _tables.joined_commands(records[2:]) == "b ; a"
   with pytest.raises(KeyError):  # without a default every record names its command
     _tables.joined_commands(records)
+
+
+def test_checkpoints_go_to_the_scratch_folder_or_under_out_never_to_the_results(tmp_path):
+  folder = _tables.checkpoint_dir("clicktrain", "table1_cpu_vgg11_dense")
+  assert folder == _tables.SCRATCH / "checkpoints" / "clicktrain" / "table1_cpu_vgg11_dense"
+  assert _tables.RESULTS not in folder.parents
+  assert _tables.checkpoint_dir("sdgp", "x", out=tmp_path) == tmp_path / "checkpoints" / "x"
+  with pytest.raises(ValueError, match="paper"):
+    _tables.checkpoint_dir("resnet", "x")
