@@ -338,9 +338,16 @@ def utc_now() -> str:
 
 
 def as_saved(budget: Mapping[str, Any]) -> dict[str, Any]:
-  """``budget`` in the form a result's JSON holds it (tuples become lists), for comparing a
-  preset with what an earlier run saved."""
-  return json.loads(json.dumps(dict(budget)))
+  """``budget`` in the form a result's JSON holds it (tuples become lists, read-only mappings
+  such as a per-family ``width`` plain dicts), for comparing a preset with what an earlier run
+  saved."""
+  return json.loads(json.dumps(dict(budget), default=_plain_mapping))
+
+
+def _plain_mapping(value: Any) -> dict[str, Any]:
+  if isinstance(value, Mapping):
+    return dict(value)
+  raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 def saved_result(stem: Path, budget: Mapping[str, Any]) -> tuple[dict[str, Any] | None, bool]:

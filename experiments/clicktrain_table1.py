@@ -172,7 +172,7 @@ def _run(
     tx, metrics = inner, {"compression": lambda t: flops.compression_ratio(t.params)}
   (folder / "logs").mkdir(parents=True, exist_ok=True)
   checkpoints = _tables.checkpoint_dir("clicktrain", stem, args.out)
-  budget = _tables.get_budget("clicktrain_table1", args.budget)
+  budget = _tables.as_saved(_tables.get_budget("clicktrain_table1", args.budget))
   trainer = train.Trainer(
     model,
     tx,

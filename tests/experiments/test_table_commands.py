@@ -3,6 +3,7 @@ and the ClickTrain page from saved rows: the paper's numbers beside ours, logs l
 
 import json
 import re
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -175,7 +176,9 @@ def test_clicktrain_row_resumed_after_its_hard_prune_equals_the_uninterrupted_ru
   and pattern pool come from the checkpoint); the finished run removes its checkpoints."""
   from jaxprune import train
 
-  _tiny(monkeypatch, "clicktrain_table1", width={"resnet": 0.0625}, epochs=5, batch_size=16)
+  # read-only, as the presets hold a per-family width
+  width = MappingProxyType({"resnet": 0.0625})
+  _tiny(monkeypatch, "clicktrain_table1", width=width, epochs=5, batch_size=16)
   argv = ["--rows", "resnet18", "--skip-dense"]
   straight = clicktrain_table1.main([*argv, "--out", str(tmp_path / "a")])["resnet18"]
 

@@ -208,6 +208,19 @@ def test_saved_result_compares_the_budget_in_the_form_it_was_saved(tmp_path):
   assert not _tables.saved_result(tmp_path / "t", {**budget, "epochs": 11})[1]
 
 
+def test_every_preset_has_a_saved_form_that_json_round_trips():
+  # The presets are read-only (a per-family width too); runs store them in JSON and in
+  # checkpoints' run_config, which must compare equal after a round trip.
+  for table, budgets in _tables.BUDGETS.items():
+    for name in budgets:
+      saved = _tables.as_saved(_tables.get_budget(table, name))
+      assert json.loads(json.dumps(saved)) == saved, (table, name)
+  width = _tables.as_saved(_tables.get_budget("clicktrain_table1", "cpu"))["width"]
+  assert width == {"resnet": 0.125, "vgg": 0.25}
+  with pytest.raises(TypeError, match="set"):
+    _tables.as_saved({"rows": {"a"}})
+
+
 def test_results_page_puts_paper_numbers_beside_ours():
   page = _tables.results_page(
     "T",
