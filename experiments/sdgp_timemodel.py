@@ -304,9 +304,9 @@ def _write_markdown(
     f"- Command: `{command}`",
     f"- Date: {date}",
     (
-      f"- Machine: {machine_description()} (2 cores shared with other jobs; each time is the "
-      f"minimum over {args.repeats} round-robin rounds of all conv jobs ({args.step_rounds} "
-      "for the train steps), which still carries the noise of a shared machine)"
+      f"- Machine: {machine_description()} (each time is the minimum over {args.repeats} "
+      f"round-robin rounds of all conv jobs ({args.step_rounds} for the train steps), which "
+      "damps but does not remove the noise of other jobs on the machine)"
     ),
     (
       f"- Budget: `{args.budget}`: width ×{args.width}, batch {args.batch_size}, 32×32 inputs (the "
