@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprune.models._common import require_positive
+from jaxprune.models.conv import conv_general_dilated
 
 __all__ = [
   "BasicBlock",
@@ -239,6 +240,9 @@ class ConvBN(nnx.Module):
       padding=((padding, padding), (padding, padding)),
       use_bias=False,
       kernel_init=kernel_init,
+      # The weight gradient as a patch matmul on CPU (models/conv.py: XLA:CPU's own
+      # recomputes a ResNet stage's residual stream for every layer's weight gradient).
+      conv_general_dilated=conv_general_dilated,
       rngs=rngs,
     )
     self.bn = nnx.BatchNorm(
