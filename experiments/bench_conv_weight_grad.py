@@ -6,8 +6,8 @@ backward, SGD with momentum and weight decay) of the same models with every conv
 set back to ``lax.conv_general_dilated``. The two variants alternate, ``--repeats`` times
 each, and each row reports the median. Inference MFLOPs per image say what the step should
 cost: PruneTrain's ResNet-50 has 1.6x ResNet-32's FLOPs, but with lax's weight gradients it
-stepped over 10x slower on 2 cores (every bottleneck's first 1x1 conv reads the residual
-stream, whose elementwise chain XLA:CPU recomputes in each weight gradient's transpose).
+stepped 8.7x slower on 2 cores (every bottleneck's first 1x1 conv reads the residual stream,
+whose elementwise chain XLA:CPU recomputes in each weight gradient's transpose).
 
     python -m experiments.run bench_conv_weight_grad [--publish]
 """

@@ -7,9 +7,9 @@ duplicates those producers into every such fusion. In a bottleneck ResNet the fi
 conv of every block reads the residual stream, which is a chain of elementwise ops
 (BatchNorm, add, ReLU of every earlier block of the stage): each of these weight gradients
 recomputes the stage up to its block, through a strided transpose. The cost grows with the
-square of the stage's depth; a 2-core training step of PruneTrain's ResNet-50 (8 bottleneck
-blocks per stage) took over 10x ResNet-32's for 1.6x its FLOPs
-(``results/benchmarks/conv_weight_grad.md``).
+square of the stage's depth: on 2 cores a training step of PruneTrain's ResNet-50 (8
+bottleneck blocks per stage) took 8.7x ResNet-32's for 1.6x its FLOPs, and 3.4x less with
+the matmul (``experiments/results/benchmarks/conv_weight_grad.md``).
 
 A 1x1 convolution is a matmul over channels, and so is its weight gradient:
 ``dW = xᵀ · dY`` contracted over batch and space, which ``dot_general`` reads in place. The
