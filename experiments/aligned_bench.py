@@ -1,0 +1,344 @@
+"""ClickTrain's pruned stage on the device at hand: aligned vs fine-grained vs dense masked.
+
+After the hard prune every pruned conv is either the dense convolution with its masked kernel
+(what training does without a sparse path), the paper's fine-grained pattern-sparse
+convolution (:func:`jaxprune.clicktrain.pattern_conv.pattern_conv`), or the aligned layout
+(:mod:`jaxprune.clicktrain.aligned`: filters in ``G`` groups share each kept input channel's
+pattern; channel gather, static slices, one matrix product per group). This times, on the
+default device, at ClickTrain's per-layer kernel-prune ratios (ResNet-32 55/65/75% by stage,
+VGG-11 35-85%; a library pattern per kept (group, channel)):
+
+* per layer, the forward pass plus both gradients (one jitted ``jax.vjp``) of every distinct
+  pruned 3x3 layer of ``clicktrain-vgg11`` and ``clicktrain-resnet32`` (CIFAR, batch 128) and
+  of the four 3x3 layers of an ImageNet ResNet-50's stages (batch 64), fp32 and bf16, for the
+  dense masked conv, the aligned conv at each ``G``, the aligned conv at ``G = 1`` with its
+  kept channels already contiguous (no channel gather: the gather's cost), and with
+  ``--fine`` the fine-grained conv;
+* the whole train step (forward, backward, SGD with the masks kept) of both CIFAR models with
+  every pruned conv dense-masked, aligned at each ``G``, and (``--fine``) fine-grained.
+
+Times are medians of ``--repeats`` jitted calls after a warm-up, ``block_until_ready`` after
+each; every ratio compares two functions timed in the same run. Rows are printed and saved
+as they are measured (``--out``/``aligned_bench.json`` and ``.md``), so a run cut short keeps
+what it measured::
+
+    python -m experiments.run aligned_bench --publish          # the full table
+    python -m experiments.run aligned_bench --small            # minutes on a 2-core CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+
+from experiments import _tables
+from experiments._machine import machine_description
+from experiments.clicktrain_table1 import kernel_ratio_fn
+from experiments.pattern_conv_bench import clicktrain_like_mask
+from jaxprune import flops, masking, models, train
+from jaxprune.clicktrain import patterns
+from jaxprune.clicktrain.aligned_conv import aligned_conv, convert_aligned
+from jaxprune.clicktrain.aligned_layout import aligned_mask, build_aligned_layout
+from jaxprune.clicktrain.layout import build_layout, to_values
+from jaxprune.clicktrain.pattern_conv import pattern_conv_values
+from jaxprune.clicktrain.sparse_execution import convert_model, default_backend, median_call_ms
+from jaxprune.clicktrain.transform import default_layer_filter
+from jaxprune.train.step import Metrics, split_model, step_functions
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+# The 3x3 convs of an ImageNet ResNet-50's four stages: (H, C), stride 1, batch 64.
+_RESNET50_3X3 = ((56, 64), (28, 128), (14, 256), (7, 512))
+
+
+def aligned_random_mask(
+  shape: Sequence[int], ratio: float, groups: int, rng: np.random.Generator, *, contiguous=False
+) -> np.ndarray:
+  """An aligned ClickTrain-like mask: per filter group, ``ceil(ratio·Cin)`` input channels
+  pruned, a library pattern (3x3; the single tap of 1x1) shared by the group elsewhere.
+
+  ``contiguous``: the kept channels are the first ones, ordered by pattern, so the aligned
+  conv needs no channel gather (what folding the order into the previous layer would give).
+  """
+  kh, kw, cin, cout = shape
+  library = patterns.library_patterns() if (kh, kw) == (3, 3) else np.ones((1, kh, kw))
+  kept = cin - math.ceil(ratio * cin)
+  taps = np.zeros((groups, cin, kh, kw), np.float32)
+  for g in range(groups):
+    chosen = rng.integers(0, len(library), kept)
+    if contiguous:
+      taps[g, :kept] = library[np.sort(chosen)]
+    else:
+      taps[g, rng.permutation(cin)[:kept]] = library[chosen]
+  return aligned_mask(taps, cout)
+
+
+def _vjp_all(conv: Callable) -> Callable:
+  """``(x, w, cot) -> (y, dx, dw)``: forward and both gradients, jitted."""
+
+  def run(x, w, cot):
+    y, vjp = jax.vjp(conv, x, w)
+    return (y, *vjp(cot))
+
+  return jax.jit(run)
+
+
+def _layers(args) -> list[dict[str, Any]]:
+  """The distinct pruned layers: kernel, input shape, strides, padding, ratio."""
+  layers, seen = [], set()
+  for name in args.models:
+    model = models.create(
+      f"clicktrain-{name}", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width
+    )
+    ratio_of = kernel_ratio_fn(name)
+    shape = (args.batch, 32, 32, 3)
+    for layer in flops.layer_flops(model, shape):
+      if layer.kind != "conv" or layer.param_path is None:
+        continue
+      path = "/".join(map(str, layer.param_path))
+      if default_layer_filter(path, tuple(layer.param_shape)) != "pattern":
+        continue
+      ratio = ratio_of(path, tuple(layer.param_shape))
+      key = (tuple(layer.param_shape), tuple(layer.input_shape), tuple(layer.strides), ratio)
+      if key in seen:
+        continue
+      seen.add(key)
+      layers.append(
+        {
+          "layer": f"{name}/{path.removesuffix('/kernel')}",
+          "kernel": tuple(layer.param_shape),
+          "input": tuple(layer.input_shape),
+          "strides": tuple(layer.strides),
+          "padding": tuple(tuple(p) for p in layer.padding),
+          "ratio": ratio,
+        }
+      )
+  if args.imagenet:
+    for h, c in _RESNET50_3X3:
+      c = max(int(c * args.width), 4)
+      layers.append(
+        {
+          "layer": f"resnet50/{h}x{h}x{c}",
+          "kernel": (3, 3, c, c),
+          "input": (args.imagenet_batch, h, h, c),
+          "strides": (1, 1),
+          "padding": ((1, 1), (1, 1)),
+          "ratio": 0.65,
+        }
+      )
+  return layers
+
+
+def bench_layer(spec: dict[str, Any], dtype: str, args, rng) -> dict[str, Any]:
+  """One layer, one dtype: ms of forward + both gradients per variant."""
+  kshape, strides, padding = spec["kernel"], spec["strides"], spec["padding"]
+  dt = _DTYPES[dtype]
+  x = jnp.asarray(rng.normal(size=spec["input"]), dt)
+  w = jnp.asarray(rng.normal(size=kshape) * 0.1, dt)
+
+  def dense(mask):
+    m = jnp.asarray(mask, dt)
+    return lambda x, w: lax.conv_general_dilated(
+      x, w * m, strides, padding, dimension_numbers=_NHWC
+    )
+
+  out_shape = jax.eval_shape(dense(np.ones(kshape)), x, w).shape
+  cot = jnp.asarray(rng.normal(size=out_shape), dt)
+  row = {**spec, "dtype": dtype, "ms": {}}
+  mask1 = aligned_random_mask(kshape, spec["ratio"], 1, rng)
+  row["compression"] = float(np.prod(kshape) / mask1.sum())
+  row["ms"]["dense"] = median_call_ms(_vjp_all(dense(mask1)), x, w, cot, repeats=args.repeats)
+  variants = [(f"aligned G={g}", g, False) for g in args.groups] + [("G=1 no gather", 1, True)]
+  for label, g, contiguous in variants:
+    if kshape[3] % g:
+      continue
+    mask = (
+      mask1
+      if (g == 1 and not contiguous)
+      else aligned_random_mask(kshape, spec["ratio"], g, rng, contiguous=contiguous)
+    )
+    layout = build_aligned_layout(mask, g)
+
+    def conv(x, w, layout=layout):
+      return aligned_conv(x, w, layout, strides=strides, padding=padding)
+
+    row["ms"][label] = median_call_ms(_vjp_all(conv), x, w, cot, repeats=args.repeats)
+  if args.fine:
+    fmask = clicktrain_like_mask(kshape, spec["ratio"], rng)
+    layout = build_layout(fmask, nnz_per_kernel=None)
+    backend = default_backend()
+
+    def fine(x, v):
+      return pattern_conv_values(x, v, layout, strides=strides, padding=padding, backend=backend)
+
+    v = to_values(w, layout)
+    row["ms"][f"fine-grained ({backend})"] = median_call_ms(
+      _vjp_all(fine), x, v, cot, repeats=args.repeats
+    )
+  return row
+
+
+def _model_masks(model: nnx.Module, name: str, groups: int, rng, *, fine: bool = False) -> Any:
+  """Masks for every pruned 3x3 conv of ``model`` (None elsewhere), aligned or fine-grained."""
+  ratio_of = kernel_ratio_fn(name)
+  params = nnx.state(model, nnx.Param)
+
+  def leaf_mask(path, leaf):
+    p = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    shape = tuple(leaf.shape)
+    if default_layer_filter(p, shape) != "pattern":
+      return None
+    ratio = ratio_of(p, shape)
+    if fine:
+      return jnp.asarray(clicktrain_like_mask(shape, ratio, rng))
+    return jnp.asarray(aligned_random_mask(shape, ratio, groups, rng))
+
+  return jax.tree_util.tree_map_with_path(leaf_mask, nnx.as_pure(params))
+
+
+def bench_step(name: str, variant: str, args, rng) -> float:
+  """ms per train step of ``clicktrain-<name>`` with its pruned convs run as ``variant``."""
+  model = models.create(
+    f"clicktrain-{name}", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width
+  )
+  fine = variant.startswith("fine")
+  groups = int(variant.split("=")[1]) if variant.startswith("aligned") else 1
+  masks = _model_masks(model, name, groups, rng, fine=fine)
+  nnx.update(model, masking.apply_masks(nnx.as_pure(nnx.state(model, nnx.Param)), masks))
+  if variant.startswith("aligned"):
+    convert_aligned(model, masks, groups)
+  elif fine:
+    convert_model(model, masks, threshold=0.0)
+  tx = optax.chain(train.sgd(0.05, 0.9, weight_decay=5e-4), masking.mask(masks))
+  train_def, eval_def, params, rest = split_model(model)
+  steps = step_functions(train_def, eval_def, tx, train.step.default_loss())
+  state = [params, rest, tx.init(params), Metrics.zeros()]
+  x = jnp.asarray(rng.normal(size=(args.batch, 32, 32, 3)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 10, args.batch), jnp.int32)
+
+  def step():
+    state[:] = steps.train(*state, x, y)
+    return state[0]
+
+  return median_call_ms(step, repeats=args.repeats)
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+  lines = [
+    "# ClickTrain's pruned stage: aligned vs fine-grained vs dense masked",
+    "",
+    f"Command: `{result['command']}`  ",
+    f"Date: {result['date']}  ",
+    f"Machine: {result['machine']}  ",
+    f"Median of {result['repeats']} jitted calls after a warm-up; ratio = time / dense masked "
+    "in the same run (below 1: faster than dense).",
+    "",
+  ]
+  if result["steps"]:
+    lines += ["## Whole train step (forward, backward, SGD), fp32", ""]
+    lines += ["| model | variant | ms / step | vs dense |", "|---|---|---:|---:|"]
+    for r in result["steps"]:
+      lines.append(
+        f"| {r['model']} | {r['variant']} | {r['ms']:.2f} | {r['ms'] / r['dense_ms']:.2f}× |"
+      )
+    lines.append("")
+  if result["layers"]:
+    variants = sorted({k for r in result["layers"] for k in r["ms"] if k != "dense"})
+    lines += [
+      "## Per layer: forward + data gradient + weight gradient",
+      "",
+      "| layer | kernel | input | dtype | compression | dense ms | " + " | ".join(variants) + " |",
+      "|---|---|---|---|---:|---:|" + "---:|" * len(variants),
+    ]
+    for r in result["layers"]:
+      cells = [
+        f"{r['ms'][v]:.2f} ({r['ms'][v] / r['ms']['dense']:.2f}×)" if v in r["ms"] else "–"
+        for v in variants
+      ]
+      lines.append(
+        f"| `{r['layer']}` | {'×'.join(map(str, r['kernel']))} | "
+        f"{'×'.join(map(str, r['input']))} | {r['dtype']} | {r['compression']:.1f}× | "
+        f"{r['ms']['dense']:.2f} | " + " | ".join(cells) + " |"
+      )
+    lines.append("")
+  return "\n".join(lines)
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="aligned_bench", description=__doc__.split("\n")[0])
+  parser.add_argument("--models", nargs="+", default=["vgg11", "resnet32"])
+  parser.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4])
+  parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(_DTYPES))
+  parser.add_argument("--batch", type=int, default=128)
+  parser.add_argument("--imagenet-batch", type=int, default=64)
+  parser.add_argument("--width", type=float, default=1.0)
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--no-imagenet", dest="imagenet", action="store_false")
+  parser.add_argument("--fine", action="store_true", help="also time the fine-grained path")
+  parser.add_argument("--skip", nargs="*", default=[], choices=["steps", "layers"])
+  parser.add_argument("--small", action="store_true", help="quarter width, batch 16, 3 repeats")
+  parser.add_argument("--seed", type=int, default=0)
+  _tables.add_output_arguments(parser, "benchmarks/")
+  args = parser.parse_args(argv)
+  if args.small:
+    args.width, args.batch, args.imagenet_batch, args.repeats = 0.25, 16, 4, 3
+  if min(args.groups) < 1:
+    parser.error("--groups must be >= 1")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = _parse(argv)
+  out = _tables.output_dir("benchmarks", args.publish, args.out)
+  rng = np.random.default_rng(args.seed)
+  result: dict[str, Any] = {
+    "command": "python -m experiments.run aligned_bench "
+    + " ".join(sys.argv[2:] if argv is None else argv),
+    "date": datetime.date.today().isoformat(),
+    "machine": machine_description(),
+    "repeats": args.repeats,
+    "steps": [],
+    "layers": [],
+  }
+  suffix = "_small" if args.small else ""
+
+  def save():
+    (out / f"aligned_bench{suffix}.json").write_text(json.dumps(result, indent=1))
+    (out / f"aligned_bench{suffix}.md").write_text(to_markdown(result))
+
+  if "steps" not in args.skip:
+    for name in args.models:
+      variants = ["dense"] + [f"aligned G={g}" for g in args.groups]
+      variants += ["fine-grained"] if args.fine else []
+      dense_ms = None
+      for variant in variants:
+        ms = bench_step(name, variant, args, rng)
+        dense_ms = ms if variant == "dense" else dense_ms
+        result["steps"].append(
+          {"model": f"clicktrain-{name}", "variant": variant, "ms": ms, "dense_ms": dense_ms}
+        )
+        print(f"step {name} {variant}: {ms:.2f} ms ({ms / dense_ms:.2f}x)", flush=True)
+        save()
+  if "layers" not in args.skip:
+    for dtype in args.dtypes:
+      for spec in _layers(args):
+        row = bench_layer(spec, dtype, args, rng)
+        result["layers"].append(row)
+        ratios = ", ".join(f"{k} {v / row['ms']['dense']:.2f}x" for k, v in row["ms"].items())
+        print(f"{row['layer']} {dtype}: dense {row['ms']['dense']:.2f} ms; {ratios}", flush=True)
+        save()
+  save()
+  print(to_markdown(result))
+  return result

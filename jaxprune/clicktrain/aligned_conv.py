@@ -1,0 +1,312 @@
+"""Group-shared ("aligned") pattern-sparse convolution: static slices and one matrix product.
+
+The paper's fine-grained patterns (a 4-of-9 pattern per kernel, ClickTrain §4) give every
+filter its own sparse row, which a GPU runs as an irregular SpMM well below cuDNN's speed. On
+an aligned layout (:mod:`jaxprune.clicktrain.aligned_layout`: filters in groups sharing each
+kept input channel's pattern) the kept channels of each group are gathered in pattern order,
+so each pattern's channels are contiguous; each tap of a pattern is a static spatial slice of
+the padded input; the slices are concatenated along channels and multiplied by the packed
+kept weights in one dense matrix product, batched over the groups:
+
+    Y_g[(n, h, w), f] = Σ_r X_cols[(n, h, w), r] · W_g[r, f],   r = (pattern, tap, channel)
+
+a contraction of ``4 · kept`` instead of ``9 · Cin``. The kernel stays the dense HWIO
+parameter: the packed weights are gathered from it on every call (weights are far fewer than
+activations), so its gradient is the scattered packed gradient, zero at pruned positions. The
+data and weight gradients are autodiff's transposes of the slices and products; the channel
+gather's transpose is written as a gather too (no scatter).
+
+Beyond the paper, after the 1×N block pattern (Lin et al., 2021) and column-vector-wise
+sparsity (Tan et al., 2022): group the filters that agree, then share. Measured cost against
+cuDNN and XLA:CPU: ``experiments/results/benchmarks/`` (``aligned_bench``).
+
+Example::
+
+  layout = build_aligned_layout(mask, filter_groups=2)     # mask: HWIO 0/1, shared per group
+  y = aligned_conv(x, kernel, layout, strides=1, padding="SAME")   # == conv(x, kernel * mask)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxprune._conv_args import canonical_padding, spatial_pair
+from jaxprune.clicktrain.aligned_layout import AlignedGroup, AlignedLayout, build_aligned_layout
+from jaxprune.models import replace_submodule
+from jaxprune.models.layers import conv_sharing_variables
+from jaxprune.paths import flatten_with_paths
+
+__all__ = ["AlignedConv", "AlignedConvFn", "aligned_conv", "convert_aligned"]
+
+
+def _inverse_positions(channels: tuple[int, ...], cin: int) -> np.ndarray:
+  """``(D, cin)``: each channel's ``d``-th position in ``channels``, or ``len(channels)`` (a
+  zero column) where it occurs fewer than ``d + 1`` times; ``D``: the most any occurs."""
+  positions: list[list[int]] = [[] for _ in range(cin)]
+  for k, c in enumerate(channels):
+    positions[c].append(k)
+  depth = max(1, max(len(p) for p in positions))
+  inverse = np.full((depth, cin), len(channels), np.int32)
+  for c, ks in enumerate(positions):
+    inverse[: len(ks), c] = ks
+  return inverse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _select_channels(x: jax.Array, channels: tuple[int, ...], cin: int) -> jax.Array:
+  del cin
+  return jnp.take(x, jnp.asarray(channels, jnp.int32), axis=3)
+
+
+def _select_channels_fwd(x, channels, cin):
+  return _select_channels(x, channels, cin), None
+
+
+def _select_channels_bwd(channels, cin, residual, g):
+  # A gather's transpose is a scatter-add; with the positions fixed it is a gather from the
+  # cotangent padded with a zero column (one gather per repeat of a channel across groups).
+  del residual
+  padded = jnp.concatenate([g, jnp.zeros((*g.shape[:3], 1), g.dtype)], axis=3)
+  inverse = _inverse_positions(channels, cin)
+  dx = jnp.take(padded, jnp.asarray(inverse[0]), axis=3)
+  for row in inverse[1:]:
+    dx = dx + jnp.take(padded, jnp.asarray(row), axis=3)
+  return (dx,)
+
+
+_select_channels.defvjp(_select_channels_fwd, _select_channels_bwd)
+
+
+def _take_channels(x: jax.Array, channels: tuple[int, ...]) -> jax.Array:
+  """``x[..., channels]``: a static slice when the channels are one increasing run."""
+  if channels == tuple(range(channels[0], channels[0] + len(channels))):
+    if len(channels) == x.shape[3]:
+      return x
+    return lax.slice_in_dim(x, channels[0], channels[0] + len(channels), axis=3)
+  return _select_channels(x, channels, x.shape[3])
+
+
+def _columns(xg: jax.Array, groups: Sequence[AlignedGroup], out_hw, strides) -> jax.Array:
+  """Im2col columns ``(N, OH, OW, Σ contraction)`` of ``groups`` from ``xg`` (the groups'
+  channels side by side, padded): static slices, one concat."""
+  n = xg.shape[0]
+  (oh, ow), (sh, sw) = out_hw, strides
+  cols, start = [], 0
+  for group in groups:
+    for taps, chans in group.blocks:
+      for i, j in taps:
+        limit = (n, i + (oh - 1) * sh + 1, j + (ow - 1) * sw + 1, start + len(chans))
+        cols.append(lax.slice(xg, (0, i, j, start), limit, (1, sh, sw, 1)))
+      start += len(chans)
+  return cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=3)
+
+
+def _packed_weights(kernel: jax.Array, group: AlignedGroup) -> jax.Array:
+  """The group's ``(contraction, F_g)`` kept weights, rows in the columns' order."""
+  rows = [(i, j, c) for taps, chans in group.blocks for i, j in taps for c in chans]
+  i, j, c = (np.asarray(v, np.int32) for v in zip(*rows))
+  f = np.asarray(group.filters, np.int32)
+  if f.size == kernel.shape[3] and (f == np.arange(f.size)).all():
+    return kernel[i, j, c, :]
+  return kernel[i[:, None], j[:, None], c[:, None], f[None, :]]
+
+
+def _group_products(x, kernel, groups, pads, out_hw, strides, precision, preferred):
+  """``(N, OH, OW, Σ F_g)`` of ``groups`` of one contraction size: one channel gather, one
+  concat of static slices, one matrix product batched over the groups."""
+  xg = _take_channels(x, tuple(c for g in groups for c in g.channels))
+  xg = jnp.pad(xg, ((0, 0), *pads, (0, 0)))
+  cols = _columns(xg, groups, out_hw, strides)
+  cols = cols.reshape(-1, len(groups), groups[0].contraction)
+  weights = jnp.stack([_packed_weights(kernel, g) for g in groups]).astype(cols.dtype)
+  y = jnp.einsum(
+    "mgr,grf->mgf", cols, weights, precision=precision, preferred_element_type=preferred
+  )
+  return y.reshape(x.shape[0], *out_hw, -1)
+
+
+def aligned_conv(
+  x: jax.Array,
+  kernel: jax.Array,
+  layout: AlignedLayout,
+  *,
+  strides: int | Sequence[int] = 1,
+  padding: Any = "SAME",
+  precision: Any = None,
+  preferred_element_type: Any = None,
+) -> jax.Array:
+  """``conv(x, kernel * layout.mask())`` (NHWC × HWIO) as slices + one GEMM per group.
+
+  Args:
+    x: ``(N, H, W, Cin)`` input.
+    kernel: ``(kh, kw, Cin, Cout)`` dense kernel; weights outside the layout are ignored (and
+      get a zero gradient).
+    layout: from :func:`~jaxprune.clicktrain.aligned_layout.build_aligned_layout`.
+    strides: an int or ``(sh, sw)``.
+    padding: ``"SAME"``, ``"VALID"`` or explicit ``((top, bottom), (left, right))``.
+    precision, preferred_element_type: passed to the matrix products.
+
+  Returns:
+    ``(N, OH, OW, Cout)``. A pruned weight is absent rather than a multiplying zero: a
+    non-finite input reaches only the outputs that read it through a kept weight.
+
+  Raises:
+    ValueError: shapes that do not match the layout, or bad strides / padding.
+  """
+  kh, kw, cin, cout = layout.kernel_shape
+  if tuple(kernel.shape) != tuple(layout.kernel_shape):
+    raise ValueError(f"kernel shape {tuple(kernel.shape)} != layout's {layout.kernel_shape}")
+  if x.ndim != 4 or x.shape[3] != cin:
+    raise ValueError(f"x must be (N, H, W, {cin}), got {tuple(x.shape)}")
+  strides = spatial_pair(strides, "strides")
+  padding = canonical_padding(padding)
+  if isinstance(padding, str):
+    padding = tuple(lax.padtype_to_pads(x.shape[1:3], (kh, kw), strides, padding))
+  (pt, pb), (pl, pr) = padding
+  out_hw = (
+    (x.shape[1] + pt + pb - kh) // strides[0] + 1,
+    (x.shape[2] + pl + pr - kw) // strides[1] + 1,
+  )
+  if min(out_hw) < 1:
+    raise ValueError(f"x {tuple(x.shape)} is smaller than the kernel after padding {padding}")
+  kept = [g for g in layout.groups if g.blocks]
+  # Groups of one contraction size (the same number of channels kept in each: the usual
+  # case) run as one batched product, others as one product each.
+  batches = [kept] if len({g.contraction for g in kept}) == 1 else [[g] for g in kept]
+  parts, order = [], []
+  for batch in batches if kept else []:
+    parts.append(
+      _group_products(x, kernel, batch, padding, out_hw, strides, precision, preferred_element_type)
+    )
+    order += [f for g in batch for f in g.filters]
+  pruned = [f for g in layout.groups if not g.blocks for f in g.filters]
+  if pruned:  # groups with every channel pruned output zeros
+    dtype = preferred_element_type or jnp.result_type(x.dtype, kernel.dtype)
+    parts.append(jnp.zeros((x.shape[0], *out_hw, len(pruned)), dtype))
+    order += pruned
+  y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=3)
+  if tuple(order) != tuple(range(cout)):  # filters produced out of order: permute back once
+    y = jnp.take(y, jnp.asarray(np.argsort(order), jnp.int32), axis=3)
+  return y
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignedConvFn:
+  """:func:`aligned_conv` with ``lax.conv_general_dilated``'s signature (hashable).
+
+  What an ``nnx.Conv``'s ``conv_general_dilated`` attribute can hold: the layer keeps its
+  Variables and its call, and only the convolution changes.
+  """
+
+  layout: AlignedLayout
+
+  def __call__(
+    self,
+    lhs,
+    rhs,
+    window_strides,
+    padding,
+    lhs_dilation=None,
+    rhs_dilation=None,
+    dimension_numbers=None,
+    feature_group_count=1,
+    precision=None,
+    preferred_element_type=None,
+    **unused,
+  ):
+    del dimension_numbers, unused  # nnx.Conv: always NHWC × HWIO
+    for name, value in (("lhs_dilation", lhs_dilation), ("rhs_dilation", rhs_dilation)):
+      if value is not None and tuple(np.broadcast_to(value, (2,))) != (1, 1):
+        raise ValueError(f"{name} {value!r} is not supported by the aligned convolution")
+    if feature_group_count != 1:
+      raise ValueError("feature_group_count: grouped convolutions are not supported")
+    return aligned_conv(
+      lhs,
+      rhs,
+      self.layout,
+      strides=tuple(window_strides),
+      padding=padding,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+    )
+
+
+class AlignedConv(nnx.Conv):
+  """``nnx.Conv`` whose convolution is :class:`AlignedConvFn` on a fixed layout.
+
+  Holds the very ``kernel`` / ``bias`` Variables of the conv it replaces, so the parameter
+  tree, the optimizer state and checkpoints are the same before and after the switch; the
+  function is that conv's with its pruned weights at zero.
+  """
+
+  @classmethod
+  def from_conv(cls, conv: nnx.Conv, layout: AlignedLayout, *, name: str = "conv") -> AlignedConv:
+    """An ``AlignedConv`` sharing ``conv``'s Variables, running on ``layout``.
+
+    Raises:
+      ValueError: a layout of another kernel shape, or a conv the aligned path cannot run
+        (grouped, dilated, circular padding, its own mask).
+    """
+    if isinstance(conv, AlignedConv):
+      raise ValueError(f"{name}: conv is already an AlignedConv")
+    if tuple(layout.kernel_shape) != tuple(conv.kernel.shape):
+      raise ValueError(
+        f"{name}: layout kernel shape {layout.kernel_shape} != conv kernel {conv.kernel.shape}"
+      )
+    if conv.feature_group_count != 1 or conv.mask is not None or len(conv.kernel_size) != 2:
+      raise ValueError(f"{name}: only plain 2-D convolutions can run the aligned path")
+    for attr in ("input_dilation", "kernel_dilation"):
+      value = getattr(conv, attr)
+      if value not in (None, 1) and tuple(np.broadcast_to(value, (2,))) != (1, 1):
+        raise ValueError(f"{name}: {attr} {value!r} is not supported by the aligned path")
+    try:
+      canonical_padding(conv.padding)
+    except ValueError as err:
+      raise ValueError(f"{name}: {err}") from None
+    return conv_sharing_variables(cls, conv, conv_general_dilated=AlignedConvFn(layout))
+
+  @property
+  def layout(self) -> AlignedLayout:
+    return self.conv_general_dilated.layout
+
+
+def convert_aligned(model: nnx.Module, weight_masks: Any, filter_groups: Any = 1) -> nnx.Module:
+  """Switches every masked conv of ``model`` to :class:`AlignedConv`, in place.
+
+  Args:
+    model: an NNX model (mutated in place and returned).
+    weight_masks: a pytree like ``nnx.state(model, nnx.Param)`` with a 0/1 mask for every
+      pruned conv kernel and ``None`` elsewhere.
+    filter_groups: as :func:`group_filters`, for every layer (an int), or a mapping from the
+      conv's ``"/"``-joined path to its groups.
+
+  Raises:
+    ValueError: a mask that is not shared within the groups (the layer is named).
+  """
+  masks = {path: np.asarray(m) for path, m in flatten_with_paths(weight_masks)}
+  swaps = []
+  for path, module in nnx.iter_modules(model):
+    if not isinstance(module, nnx.Conv):
+      continue
+    mask = masks.get(tuple(path) + ("kernel",))
+    if mask is None:
+      continue
+    name = "/".join(map(str, path))
+    groups = filter_groups.get(name, 1) if isinstance(filter_groups, dict) else filter_groups
+    try:
+      layout = build_aligned_layout(mask, groups)
+    except ValueError as err:
+      raise ValueError(f"weight_masks: {name}: {err}") from None
+    swaps.append((tuple(path), AlignedConv.from_conv(module, layout, name=name)))
+  for path, new in swaps:
+    replace_submodule(model, path, new)
+  return model
