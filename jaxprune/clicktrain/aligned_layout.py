@@ -9,8 +9,6 @@ sets; :mod:`jaxprune.clicktrain.aligned_conv` runs the convolution on it. ``docs
 
 Example:
   >>> import numpy as np
-
-from jaxprune.clicktrain.layout import _as_binary_mask
   >>> taps = np.zeros((2, 3, 3, 3)); taps[:, 0, 1, :] = 1; taps[:, 0, 0, 1] = 1  # channel 0
   >>> layout = build_aligned_layout(aligned_mask(taps, 4), filter_groups=2)
   >>> [g.filters for g in layout.groups], layout.nnz
@@ -24,6 +22,8 @@ import operator
 from typing import Any
 
 import numpy as np
+
+from jaxprune.clicktrain.layout import _as_binary_mask
 
 __all__ = [
   "AlignedGroup",
