@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxprune import masking
 from jaxprune._states import as_pure, find_states
-from jaxprune.clicktrain.transform import PRUNED, STAGE_NAMES, ClickTrainState, full_mask
+from jaxprune.clicktrain.state import PRUNED, STAGE_NAMES, ClickTrainState, full_mask
 from jaxprune.paths import path_string
 
 __all__ = [

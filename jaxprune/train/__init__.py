@@ -54,7 +54,8 @@ from jaxprune.train.step import (
   step_functions,
   train_step_memory,
 )
-from jaxprune.train.trainer import Callback, Trainer, fit
+from jaxprune.train.callbacks import Callback
+from jaxprune.train.trainer import Trainer, fit
 
 __all__ = [
   "recompute_batch_stats",

@@ -1,7 +1,8 @@
 """The released one-shot configs (``clicktrain.released_method``): VGG-16 picks from 12 patterns.
 
 What ``one_shot_patterns=12`` does to the masks is tested against a NumPy re-implementation of
-the released rule in test_transform.py; here, that the preset passes the released config on.
+the released rule in test_transform_one_shot.py; here, that the preset passes the released config
+on.
 """
 
 import functools

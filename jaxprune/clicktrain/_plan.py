@@ -1,0 +1,160 @@
+"""Which param leaves ClickTrain prunes, and how: the static per-layer plan of one step.
+
+The plan is a pure function of the :class:`~jaxprune.clicktrain.config.Config` and the param
+tree's paths and shapes (fixed under ``jit``), rebuilt at every ``init`` and ``update``, so a
+model whose structure changed (PruneTrain's reconfiguration) gets a plan of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprune.clicktrain import patterns as _pat
+from jaxprune.clicktrain.config import Config, check_ratio
+from jaxprune.clicktrain.state import PATTERN_SIZE, ClickTrainLayerState
+from jaxprune.paths import path_string
+
+__all__ = ["Layers", "Plan", "PrunedLayer", "check_layers", "init_layer", "make_plan"]
+
+PyTree = Any
+
+
+class PrunedLayer(NamedTuple):
+  """The static plan of one pruned param leaf (host side, fixed by the param shapes)."""
+
+  index: int  # position among the flattened param leaves
+  kind: str  # "pattern" or "kernel"
+  ratio: float  # kernel-prune ratio
+  size: int  # kernel side (0 for kernel-only)
+  per_filter: bool = False  # prune the same number of kernels in every filter (§5.2)
+
+
+Plan = dict[str, PrunedLayer]
+Layers = dict[str, ClickTrainLayerState]
+
+
+def _chosen(cfg: Config, leaves) -> list[tuple[str, int, str, int]]:
+  """``(name, leaf index, kind, kernel side)`` of every leaf ``cfg.layer_filter`` prunes."""
+  chosen = []
+  for i, (path, leaf) in enumerate(leaves):
+    name = path_string(path)
+    kind = cfg.layer_filter(name, tuple(np.shape(leaf)))
+    if kind is None:
+      continue
+    if kind not in ("pattern", "kernel"):
+      raise ValueError(f"layer_filter must return 'pattern', 'kernel' or None, got {kind!r}")
+    if np.ndim(leaf) != 4:
+      raise ValueError(f"layer_filter chose {name!r} of shape {np.shape(leaf)}: not 4-D")
+    kh, kw = np.shape(leaf)[:2]
+    if kind == "pattern" and (kh != kw or kh * kh < PATTERN_SIZE or kh < 2):
+      raise ValueError(
+        f"pattern pruning needs a square kernel of side >= 2: {name!r} {np.shape(leaf)}"
+      )
+    if kind == "pattern" and cfg.mode == "one_shot" and kh != 3:
+      raise ValueError(f"mode='one_shot' uses 3x3 centre patterns; {name!r} is {kh}x{kw}")
+    chosen.append((name, i, kind, kh))
+  return chosen
+
+
+def _ratios(
+  cfg: Config, chosen, leaves, ratio_by_name: Mapping[str, float] | None
+) -> list[float]:
+  """One kernel-prune ratio per chosen layer, from ``cfg.kernel_prune_ratio``."""
+  spec = cfg.kernel_prune_ratio
+  if isinstance(spec, float):
+    return [spec] * len(chosen)
+  if callable(spec):
+    return [
+      check_ratio(spec(name, tuple(np.shape(leaves[i][1]))), name) for name, i, _, _ in chosen
+    ]
+  names = [c[0] for c in chosen]
+  ratios = list(spec)
+  if len(ratios) != len(chosen) and ratio_by_name and all(n in ratio_by_name for n in names):
+    # A reconfiguration (PruneTrain) removed layers since the sequence was matched to the
+    # params: each remaining layer keeps the ratio it was given by name.
+    ratios = [ratio_by_name[n] for n in names]
+  if len(ratios) != len(chosen):
+    raise ValueError(
+      f"kernel_prune_ratio has {len(ratios)} entries for {len(chosen)} pruned layers: {names}"
+    )
+  return ratios
+
+
+def make_plan(
+  cfg: Config, params: PyTree, ratio_by_name: Mapping[str, float] | None = None
+) -> Plan:
+  """The pruned layers of ``params``, in param flatten order.
+
+  Args:
+    cfg: the transform's settings (layer filter, ratios, mode, ``balanced_kernels``).
+    params: the param tree (arrays or shape structs).
+    ratio_by_name: the ratios a ``kernel_prune_ratio`` sequence was matched to at ``init``,
+      by layer name; used only when the params have fewer pruned layers than the sequence.
+
+  Returns:
+    ``{path: PrunedLayer}``.
+
+  Raises:
+    ValueError: ``layer_filter`` returned something else than ``"pattern"``, ``"kernel"`` or
+      ``None``, or chose a leaf that cannot be pruned so; a ratio sequence of another length
+      than the pruned layers; a ratio (from the callable) that is not in ``[0, 1]``.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  chosen = _chosen(cfg, leaves)
+  ratios = _ratios(cfg, chosen, leaves, ratio_by_name)
+  return {
+    name: PrunedLayer(i, kind, r, kh if kind == "pattern" else 0, cfg.balanced_kernels)
+    for (name, i, kind, kh), r in zip(chosen, ratios)
+  }
+
+
+def check_layers(plan: Plan, layers: Layers, params: PyTree) -> None:
+  """The params' pruned layers are those the state was built for, with the same shapes (a
+  ``ValueError`` naming the first that is not, instead of a bare ``KeyError`` later). A state
+  layer whose param is still there but that the filter no longer chooses (e.g. a PruneTrain
+  reconfiguration left it 3 input channels) is left to the plan, which follows the params."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  w_leaves = [leaf for _, leaf in leaves]
+  for name, layer in plan.items():
+    if name not in layers:
+      raise ValueError(
+        f"params: pruned layer {name!r} is not in the ClickTrain state (built for "
+        f"{sorted(layers)}): params of another structure than tx.init saw"
+      )
+    want, got = layers[name].pattern_mask.shape, np.shape(w_leaves[layer.index])
+    if want != got:
+      raise ValueError(
+        f"params: {name!r} has shape {got}, the ClickTrain state was built for {want}"
+      )
+  paths = {path_string(p) for p, _ in leaves}
+  for name in layers:
+    if name not in paths:
+      raise ValueError(
+        f"params: the ClickTrain state's pruned layer {name!r} is missing from the params "
+        "(params of another structure than tx.init saw)"
+      )
+
+
+def init_layer(
+  leaf: jax.Array, layer: PrunedLayer, pool_size: int, mode: str
+) -> ClickTrainLayerState:
+  """The state of one pruned layer before any step: no scores, no pool, nothing pruned."""
+  _, _, cin, cout = leaf.shape
+  n_pool = pool_size if (layer.kind == "pattern" and mode == "paper") else 0
+  n_pat = _pat.num_patterns(PATTERN_SIZE, layer.size) if n_pool else 0
+  # Fields a layer does not use are None (empty pytree nodes; orbax cannot store
+  # zero-size arrays).
+  return ClickTrainLayerState(
+    competitive_scores=jnp.zeros((n_pat,), jnp.int32) if n_pool else None,
+    pool=jnp.zeros((n_pool,), jnp.int32) if n_pool else None,
+    votes=jnp.zeros((cin, cout, n_pool), jnp.int32) if n_pool else None,
+    kernel_score_sum=jnp.zeros((cin, cout), jnp.float32),
+    pattern_id=jnp.full((cin, cout), -1, jnp.int32),
+    kernel_keep=jnp.ones((cin, cout), bool),
+    pattern_mask=jnp.ones(leaf.shape, leaf.dtype),
+  )

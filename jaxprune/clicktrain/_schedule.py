@@ -1,0 +1,175 @@
+"""ClickTrain's stage machine (ClickTrain Fig. 4): where a step sits in the epoch schedule,
+which stage functions it runs, and the state it leaves.
+
+Transitions happen at epoch ends, inside ``jit``: the stage, step and loss statistics live in
+the state, and the importance work and mask choice of a stage run under one ``lax.switch`` /
+``lax.cond``, so a stage neither computes nor copies what it does not use.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxprune.clicktrain import _stages
+from jaxprune.clicktrain import patterns as _pat
+from jaxprune.clicktrain._plan import Plan
+from jaxprune.clicktrain.config import Config
+from jaxprune.clicktrain.state import (
+  FINALIZE,
+  POOL,
+  REGULARIZE,
+  WARMUP,
+  ClickTrainState,
+)
+
+__all__ = ["Clock", "next_state", "one_shot_step", "paper_step", "step_clock"]
+
+
+class Clock(NamedTuple):
+  """Where a step sits in the epoch schedule (all traced scalars)."""
+
+  done: jax.Array  # steps done after this one
+  epoch_end: jax.Array  # this step ends an epoch
+  epochs_done: jax.Array
+  loss_sum: jax.Array  # the epoch's loss sum including this step
+  mean: jax.Array  # the epoch's mean loss (meaningful at its end)
+  in_stage: jax.Array  # epochs spent in the current stage
+  loss: jax.Array  # this step's loss (0 when none is given)
+
+
+def step_clock(cfg: Config, state: ClickTrainState, loss) -> Clock:
+  """The :class:`Clock` of the step that takes ``state`` on with ``loss``."""
+  done = state.count + 1
+  spe = cfg.steps_per_epoch
+  epochs_done = done // spe
+  loss_sum = state.epoch_loss_sum + loss
+  return Clock(
+    done=done,
+    epoch_end=(done % spe) == 0,
+    epochs_done=epochs_done,
+    loss_sum=loss_sum,
+    mean=loss_sum / spe,
+    in_stage=epochs_done - state.stage_start_epoch,
+    loss=loss,
+  )
+
+
+def next_state(
+  cfg: Config, state: ClickTrainState, clock: Clock, stage, moved, layers, inner_state
+) -> ClickTrainState:
+  """The state after this step: stage + 1 where a transition (or the hard prune, from
+  ``hard_prune_epoch`` at the end of REGULARIZE) ends this step; the epoch's loss bookkeeping."""
+  to_pruned = clock.epoch_end & (stage == REGULARIZE) & (clock.epochs_done >= cfg.hard_prune_epoch)
+  moved = moved | to_pruned
+  return ClickTrainState(
+    count=clock.done,
+    stage=stage + moved.astype(jnp.int32),
+    stage_start_epoch=jnp.where(moved, clock.epochs_done, state.stage_start_epoch),
+    epoch_loss_sum=jnp.where(clock.epoch_end, 0.0, clock.loss_sum),
+    prev_epoch_loss=jnp.where(clock.epoch_end, clock.mean, state.prev_epoch_loss),
+    # A non-finite loss is no reference for the next batch's margin test (§4.3).
+    last_loss=jnp.where(jnp.isfinite(clock.loss), clock.loss, state.last_loss),
+    layers=layers,
+    inner_state=inner_state,
+  )
+
+
+def warn_when(pred: jax.Array, message: str, epoch: jax.Array) -> None:
+  """A ``RuntimeWarning`` from inside ``jit`` when ``pred`` holds; ``{epoch}`` in
+  ``message`` is filled with ``epoch``. A no-op step otherwise (one scalar ``cond``)."""
+
+  def warn(e):
+    warnings.warn(message.format(epoch=int(e)), RuntimeWarning)
+
+  jax.lax.cond(pred, lambda: jax.debug.callback(warn, epoch), lambda: None)
+
+
+def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w, g):
+  """Paper mode, stages 2 and 3: the per-batch importance work, then (at the stage's last
+  step) pool selection / finalization, in ONE ``lax.switch`` on the stage.
+
+  Returns the new per-layer states and whether this step ends WARMUP, POOL or FINALIZE.
+  """
+  stage = state.stage
+  if cfg.pool_start_epoch is None:  # §4.1's loss-derivative trigger
+    start_pool = (~jnp.isnan(state.prev_epoch_loss)) & (
+      jnp.abs(clock.mean - state.prev_epoch_loss) < cfg.loss_derivative_threshold
+    )
+  else:
+    start_pool = clock.epochs_done >= cfg.pool_start_epoch
+  to_pool = clock.epoch_end & (stage == WARMUP) & start_pool
+  # Only the data-driven trigger can leave the run in warmup at the hard prune epoch (a set
+  # pool_start_epoch that late is a ValueError in clicktrain()): say so once, or the run
+  # ends dense without a word.
+  warn_when(
+    clock.epoch_end
+    & (stage == WARMUP)
+    & ~to_pool
+    & (clock.epochs_done == max(cfg.hard_prune_epoch, 1)),
+    "clicktrain: still in warmup after {epoch} epochs (hard_prune_epoch="
+    f"{cfg.hard_prune_epoch}): the loss-derivative trigger (|change of the epoch mean loss| "
+    f"< loss_derivative_threshold={cfg.loss_derivative_threshold}) has not fired, so nothing "
+    "is pruned yet; pool generation starts when it fires and the hard prune comes "
+    "pool_epochs + finalize_epochs + 1 epochs later (set pool_start_epoch for a fixed "
+    "schedule)",
+    clock.epochs_done,
+  )
+  to_final = clock.epoch_end & (stage == POOL) & (clock.in_stage >= cfg.pool_epochs)
+  to_reg = clock.epoch_end & (stage == FINALIZE) & (clock.in_stage >= cfg.finalize_epochs)
+  counted = _pat.loss_margin_ok(state.last_loss, clock.loss, cfg.loss_margin, cfg.margin_rule)
+  counted = counted | jnp.isnan(state.last_loss)
+  do_importance = (state.count % cfg.importance_every) == 0
+
+  # The finiteness check runs inside the POOL / FINALIZE branches only (one pass over the
+  # gradients), so the other stages do not pay for it. A stage that fed no scores (every
+  # batch non-finite or skipped) does not end: it goes on for another epoch, as one_shot
+  # defers its pick, instead of choosing the pool / masks from all-zero scores by index.
+  def pool_branch(ls):
+    run = do_importance & _stages.all_finite(clock.loss, plan, w, g)
+    ls = jax.lax.cond(run, lambda x: _stages.pool_step(x, plan, w, g), lambda x: x, ls)
+    end = to_final & _stages.scored(ls, plan, POOL)
+    ls = jax.lax.cond(end, lambda x: _stages.select_pools(x, plan, cfg.pool_size), lambda x: x, ls)
+    return ls, end
+
+  def finalize_branch(ls):
+    run = do_importance & _stages.all_finite(clock.loss, plan, w, g)
+    ls = jax.lax.cond(run, lambda x: _stages.finalize_step(x, plan, w, g, counted), lambda x: x, ls)
+    end = to_reg & _stages.scored(ls, plan, FINALIZE)
+    return jax.lax.cond(end, lambda x: _stages.finalize_masks(x, plan), lambda x: x, ls), end
+
+  branch = jnp.where(stage == POOL, 1, jnp.where(stage == FINALIZE, 2, 0))
+  layers, ended = jax.lax.switch(
+    branch, [lambda x: (x, jnp.bool_(False)), pool_branch, finalize_branch], state.layers
+  )
+  warn_when(
+    (to_final | to_reg) & ~ended,
+    "clicktrain: no batch of the pool generation / finalization stage ending after "
+    "{epoch} epochs fed its scores (every one non-finite, skipped by importance_every or failing "
+    "the loss-margin test): the stage goes on for another epoch instead of choosing patterns "
+    "and kernels from all-zero scores",
+    clock.epochs_done,
+  )
+  return layers, to_pool | ended
+
+
+def one_shot_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w, g):
+  """One-shot mode: masks from the first batch of ``one_shot_epoch``, straight to REGULARIZE.
+  A non-finite batch defers the pick to the next finite one (NaN scores must not pick).
+
+  Returns the new per-layer states and the stage.
+  """
+  due = (state.stage == WARMUP) & (state.count >= cfg.one_shot_epoch * cfg.steps_per_epoch)
+  pick = jax.lax.cond(
+    due, lambda: _stages.all_finite(clock.loss, plan, w, g), lambda: jnp.bool_(False)
+  )
+  layers = jax.lax.cond(
+    pick,
+    lambda ls: _stages.one_shot_masks(ls, plan, w, g, cfg.one_shot_patterns),
+    lambda ls: ls,
+    state.layers,
+  )
+  return layers, jnp.where(pick, REGULARIZE, state.stage)

@@ -1,0 +1,217 @@
+"""ClickTrain's stage functions: pure functions of the plan, the param / gradient leaves and the
+per-layer states, one per piece of work of the stage machine (ClickTrain §4.2-4.4).
+
+Each takes what it reads explicitly and returns new per-layer states (or leaves); none reads
+anything from an enclosing scope. :mod:`jaxprune.clicktrain._schedule` decides which run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxprune.clicktrain import importance as _imp
+from jaxprune.clicktrain import patterns as _pat
+from jaxprune.clicktrain._plan import Layers, Plan
+from jaxprune.clicktrain.state import (
+  POOL,
+  PRUNED,
+  REGULARIZE,
+  ClickTrainLayerState,
+  Stage,
+  full_mask,
+)
+
+__all__ = [
+  "all_finite",
+  "finalize_masks",
+  "finalize_step",
+  "group_lasso_grad",
+  "hard_mask",
+  "modify_grads",
+  "one_shot_masks",
+  "pool_step",
+  "scored",
+  "select_pools",
+]
+
+
+def _as_kernels(x: jax.Array) -> jax.Array:
+  """HWIO -> (Cin, Cout, kh, kw)."""
+  return jnp.moveaxis(x, (0, 1), (-2, -1))
+
+
+
+
+def group_lasso_grad(w: jax.Array, ls: ClickTrainLayerState, eps: float) -> jax.Array:
+  """d/dW Σ_kernels [sqrt(‖W⊙¬P‖²+ε) + sqrt(‖W⊙¬K‖²+ε)] (ClickTrain §4.4)."""
+  z = w * (1 - ls.pattern_mask)
+  gz = z * jax.lax.rsqrt(jnp.sum(z * z, axis=(0, 1), keepdims=True) + eps)
+  u = w * (~ls.kernel_keep).astype(w.dtype)
+  gu = u * jax.lax.rsqrt(jnp.sum(u * u, axis=(0, 1), keepdims=True) + eps)
+  return gz + gu
+
+
+def all_finite(loss, plan: Plan, w_leaves, g_leaves) -> jax.Array:
+  """Whether a step may feed the importance bookkeeping: the loss, every gradient leaf (what
+  ``optax.apply_if_finite`` checks) and the pruned weights are finite. Scores from a NaN
+  step would stay NaN in the sums for good and rank kernels by index."""
+  ok = jnp.isfinite(loss)
+  for g in g_leaves:
+    ok = ok & jnp.all(jnp.isfinite(g))
+  for layer in plan.values():
+    ok = ok & jnp.all(jnp.isfinite(w_leaves[layer.index]))
+  return ok
+
+
+def scored(layers: Layers, plan: Plan, stage: Stage) -> jax.Array:
+  """Whether some batch of the current POOL / FINALIZE stage fed its scores: each scored
+  DPPG batch adds +1 per pattern kernel, each counted finalization batch a vote per pattern
+  kernel and Eq. 2 scores (> 0 unless every ``g ⊙ w`` is 0). A stage of only non-finite or
+  skipped batches has all-zero scores, which would choose the pool / masks by index."""
+  ok = jnp.bool_(False)
+  if stage == POOL:
+    pattern = [n for n, layer in plan.items() if layer.kind == "pattern"]
+    if not pattern:  # no pool to choose
+      return jnp.bool_(True)
+    for n in pattern:
+      ok = ok | jnp.any(layers[n].competitive_scores > 0)
+    return ok
+  if not plan:
+    return jnp.bool_(True)
+  for n in plan:
+    ok = ok | jnp.any(layers[n].kernel_score_sum > 0)
+    if layers[n].votes is not None:
+      ok = ok | jnp.any(layers[n].votes > 0)
+  return ok
+
+
+def pool_step(layers: Layers, plan: Plan, w_leaves, g_leaves) -> Layers:
+  """DPPG steps 1-5 for one batch: +1 competitive score per kernel's candidate (§4.2)."""
+  out = dict(layers)
+  for name, layer in plan.items():
+    if layer.kind != "pattern":
+      continue
+    imp = _imp.weight_importance(w_leaves[layer.index], g_leaves[layer.index])
+    cand = _pat.dppg_candidates(_as_kernels(imp))
+    ls = layers[name]
+    out[name] = ls._replace(
+      competitive_scores=_pat.accumulate_competitive_scores(ls.competitive_scores, cand)
+    )
+  return out
+
+
+def finalize_step(layers: Layers, plan: Plan, w_leaves, g_leaves, counted) -> Layers:
+  """One batch of adaptive finalization (§4.3): pattern votes (Eq. 1) and summed Eq. 2
+  kernel scores, both only when the batch passes the loss-margin test (``counted``)."""
+  out = dict(layers)
+  for name, layer in plan.items():
+    ls = layers[name]
+    w, g = w_leaves[layer.index], g_leaves[layer.index]
+    ks = ls.kernel_score_sum + jnp.where(counted, _imp.kernel_scores(w, g), 0.0)
+    votes = ls.votes
+    if layer.kind == "pattern":
+      pool_masks = _pat.pattern_masks_from_ids(ls.pool, layer.size)
+      votes = _pat.vote(votes, _imp.pattern_scores(w, g, pool_masks), counted)
+    out[name] = ls._replace(kernel_score_sum=ks, votes=votes)
+  return out
+
+
+def select_pools(layers: Layers, plan: Plan, pool_size: int) -> Layers:
+  """End of DPPG: one global pool per kernel size (DPPG step 6)."""
+  out = dict(layers)
+  for size in sorted({layer.size for layer in plan.values() if layer.kind == "pattern"}):
+    names = [n for n, layer in plan.items() if layer.kind == "pattern" and layer.size == size]
+    total = sum(layers[n].competitive_scores for n in names)
+    pool = _pat.select_pool(total, min(pool_size, total.shape[0]))
+    for n in names:
+      out[n] = layers[n]._replace(pool=pool)
+  return out
+
+
+def finalize_masks(layers: Layers, plan: Plan) -> Layers:
+  """End of §4.3: pattern = most voted pool pattern, kernels = lowest summed Eq. 2."""
+  out = dict(layers)
+  for name, layer in plan.items():
+    ls = layers[name]
+    keep = _pat.kernel_keep_mask(ls.kernel_score_sum, layer.ratio, per_filter=layer.per_filter)
+    if layer.kind == "pattern":
+      best = _pat.finalize_patterns(ls.votes)  # pool position per kernel
+      pid = ls.pool[best]
+      pmask = _pat.pattern_mask(
+        best, _pat.pattern_masks_from_ids(ls.pool, layer.size), dtype=ls.pattern_mask.dtype
+      )
+      out[name] = ls._replace(pattern_id=pid, kernel_keep=keep, pattern_mask=pmask)
+    else:
+      out[name] = ls._replace(kernel_keep=keep)
+  return out
+
+
+def one_shot_masks(layers: Layers, plan: Plan, w_leaves, g_leaves, num_patterns: int) -> Layers:
+  """The released code's rule on one batch: best of its fixed pool (Eq. 1) + lowest Eq. 2."""
+  out = dict(layers)
+  blocks, block_ids = _pat.one_shot_pool(num_patterns)
+  block_ids = jnp.asarray(block_ids)
+  for name, layer in plan.items():
+    ls = layers[name]
+    w, g = w_leaves[layer.index], g_leaves[layer.index]
+    scores = _imp.kernel_scores(w, g)
+    keep = _pat.kernel_keep_mask(scores, layer.ratio, per_filter=layer.per_filter)
+    if layer.kind == "pattern":
+      best = jnp.argmax(_imp.pattern_scores(w, g, blocks), axis=-1)  # ties -> first
+      pmask = _pat.pattern_mask(best, blocks, dtype=ls.pattern_mask.dtype)
+      out[name] = ls._replace(pattern_id=block_ids[best], kernel_keep=keep, pattern_mask=pmask)
+    else:
+      out[name] = ls._replace(kernel_keep=keep)
+  return out
+
+
+def _map_pruned(fn, pred, plan: Plan, leaves) -> list:
+  """``leaves`` with the pruned layers' entries replaced by ``fn({name: leaf})`` under one
+  ``lax.cond`` on ``pred`` (the other stages neither compute nor copy them)."""
+  leaves = list(leaves)
+  chosen = {name: leaves[layer.index] for name, layer in plan.items()}
+  chosen = jax.lax.cond(pred, fn, lambda x: x, chosen)
+  for name, layer in plan.items():
+    leaves[layer.index] = chosen[name]
+  return leaves
+
+
+def modify_grads(
+  g_leaves, layers: Layers, plan: Plan, w_leaves, stage, coefficient: float, eps: float
+) -> list:
+  """The gradient the inner optimizer sees: ``+ λ ∂(modified group lasso)`` while
+  regularizing (§4.4), masked once pruned (so the inner moments get nothing there)."""
+  regularizing = stage == REGULARIZE
+  pruned = stage == PRUNED
+
+  def reg_and_mask(gs):
+    out = {}
+    for name, layer in plan.items():
+      ls, g, w = layers[name], gs[name], w_leaves[layer.index]
+      reg = group_lasso_grad(w, ls, eps) * (coefficient * regularizing.astype(w.dtype))
+      keep = (full_mask(ls) != 0) | ~pruned
+      # A select, not a product: a NaN gradient at a pruned position must not reach the
+      # inner optimizer's moments (0 · NaN = NaN).
+      out[name] = jnp.where(keep, g + reg.astype(g.dtype), jnp.zeros((), g.dtype))
+    return out
+
+  return _map_pruned(reg_and_mask, regularizing | pruned, plan, g_leaves)
+
+
+def hard_mask(u_leaves, layers: Layers, plan: Plan, w_leaves, pruned) -> list:
+  """Hard prune: emit ``mask ⊙ (p + u) − p`` so that ``p + update`` is exactly 0 where pruned.
+
+  Written as a select, not a product: a kept entry passes ``u`` bit for bit, and a pruned one
+  gets ``−p`` whatever ``u`` holds (``0 · NaN`` would turn a pruned weight into NaN).
+  """
+
+  def hard(us):
+    out = {}
+    for name, layer in plan.items():
+      p = w_leaves[layer.index]
+      keep = full_mask(layers[name]) != 0
+      out[name] = jnp.where(keep, us[name], -p.astype(us[name].dtype))
+    return out
+
+  return _map_pruned(hard, pruned, plan, u_leaves)

@@ -1,0 +1,201 @@
+"""The validated settings of one :func:`jaxprune.clicktrain.clicktrain` transform.
+
+Every argument of ``clicktrain()`` except the inner optimizer becomes one field of the frozen
+:class:`Config`, checked once when it is built; the transform reads nothing else. A new option
+is one more field here (with its check in :meth:`Config.__post_init__`) and one more keyword
+of ``clicktrain()``, which passes its keywords on by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxprune.clicktrain import patterns as _pat
+from jaxprune.clicktrain.state import PATTERN_SIZE
+
+__all__ = ["Config", "LayerFilter", "RatioSpec", "check_ratio", "default_layer_filter"]
+
+LayerFilter = Callable[[str, tuple[int, ...]], "str | None"]
+# One float for every layer, one per pruned layer (param flatten order), or fn(path, shape).
+RatioSpec = float | tuple[float, ...] | Callable[[str, tuple[int, ...]], float]
+
+
+def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
+  """ClickTrain's layer choice, as in the authors' released code (every conv but the stem and
+  the 1x1 shortcuts).
+
+  Args:
+    path: the param's path, keys joined by ``/``.
+    shape: the param's shape (HWIO for a conv kernel).
+
+  Returns:
+    ``"pattern"`` (patterns + kernel pruning) for a square ``k x k`` kernel, ``k > 1``, with
+    more than 3 input channels; ``"kernel"`` (connectivity pruning only) for other such convs
+    and 1x1 convs not on a ``shortcut`` / ``downsample`` path; ``None`` (left dense) for the
+    rest: non-4-D params, the stem (3 input channels) and 1x1 shortcut convs.
+  """
+  if len(shape) != 4:
+    return None
+  kh, kw, cin, _ = shape
+  if cin <= 3:  # the stem reads the image
+    return None
+  if kh == kw == 1:
+    return None if "shortcut" in path or "downsample" in path else "kernel"
+  return "pattern" if kh == kw else "kernel"
+
+
+def check_ratio(r: Any, name: str | None = None) -> float:
+  """A kernel prune ratio as a float in ``[0, 1]``.
+
+  Args:
+    r: the ratio.
+    name: the pruned layer it is for (``None``: one ratio for all), named in the message.
+
+  Returns:
+    ``float(r)``.
+
+  Raises:
+    ValueError: a bool (an int subclass: True would prune every kernel) or a value outside
+      ``[0, 1]``.
+  """
+  where = "" if name is None else f" for {name!r}"
+  if isinstance(r, (bool, np.bool_)):
+    raise ValueError(f"kernel_prune_ratio{where} must be a number in [0, 1], got {r}")
+  if not 0.0 <= float(r) <= 1.0:
+    raise ValueError(f"kernel_prune_ratio{where} must be in [0, 1], got {r}")
+  return float(r)
+
+
+def _check_int(name: str, v: Any, lo: int) -> None:
+  if not isinstance(v, (int, np.integer)) or v < lo:
+    raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The schedule, coefficients and layer choice of one ``clicktrain()`` (see its Args).
+
+  Built and validated once; ``kernel_prune_ratio`` is normalised to a float, a tuple of floats
+  or a callable, ``layer_filter`` to a function (the default when ``None`` is given).
+
+  Raises:
+    ValueError: a bad field, named in the message (the checks of ``clicktrain()``).
+  """
+
+  steps_per_epoch: int
+  hard_prune_epoch: int
+  mode: str
+  kernel_prune_ratio: RatioSpec
+  pool_start_epoch: int | None
+  loss_derivative_threshold: float
+  pool_epochs: int
+  finalize_epochs: int
+  pool_size: int
+  loss_margin: float
+  margin_rule: str
+  group_lasso_coefficient: float
+  one_shot_epoch: int | None
+  one_shot_patterns: int
+  layer_filter: LayerFilter | None
+  importance_every: int
+  balanced_kernels: bool
+  eps: float
+
+  def __post_init__(self):
+    if self.mode not in ("paper", "one_shot"):
+      raise ValueError(f"mode must be 'paper' or 'one_shot', got {self.mode!r}")
+    if not isinstance(self.balanced_kernels, bool):
+      raise ValueError(f"balanced_kernels must be a bool, got {self.balanced_kernels!r}")
+    _check_int("steps_per_epoch", self.steps_per_epoch, 1)
+    _check_int("hard_prune_epoch", self.hard_prune_epoch, 0)
+    _check_int("pool_epochs", self.pool_epochs, 1)
+    _check_int("finalize_epochs", self.finalize_epochs, 1)
+    _check_int("pool_size", self.pool_size, 1)
+    _check_int("importance_every", self.importance_every, 1)
+    if self.pool_start_epoch is not None and (
+      not isinstance(self.pool_start_epoch, (int, np.integer)) or self.pool_start_epoch < 0
+    ):
+      raise ValueError(
+        f"pool_start_epoch must be None or an int >= 0, got {self.pool_start_epoch!r}"
+      )
+    if (
+      isinstance(self.one_shot_patterns, bool)
+      or self.one_shot_patterns not in _pat.ONE_SHOT_POOL_SIZES
+    ):
+      raise ValueError(
+        f"one_shot_patterns must be one of {_pat.ONE_SHOT_POOL_SIZES}, "
+        f"got {self.one_shot_patterns!r}"
+      )
+    if self.mode == "paper":
+      self._check_paper_schedule()
+    else:
+      self._check_one_shot_schedule()
+    for name in ("loss_derivative_threshold", "loss_margin", "group_lasso_coefficient", "eps"):
+      v = getattr(self, name)
+      if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if self.margin_rule not in ("relative", "literal"):
+      raise ValueError(f"margin_rule must be 'relative' or 'literal', got {self.margin_rule!r}")
+    if self.pool_size > _pat.num_patterns(PATTERN_SIZE, 3):
+      raise ValueError(f"pool_size must be <= 126, got {self.pool_size}")
+    # Normalised once, so the transform reads plain values.
+    set_ = object.__setattr__  # frozen: __post_init__ is the one place that may write
+    set_(self, "kernel_prune_ratio", _normalise_ratio(self.kernel_prune_ratio))
+    set_(self, "steps_per_epoch", int(self.steps_per_epoch))
+    set_(self, "one_shot_patterns", int(self.one_shot_patterns))
+    if self.layer_filter is None:
+      set_(self, "layer_filter", default_layer_filter)
+
+  def _check_paper_schedule(self) -> None:
+    shortest = min(self.pool_epochs, self.finalize_epochs) * self.steps_per_epoch
+    if self.importance_every > shortest:
+      # A stage of fewer steps than importance_every may hold no importance step: all-zero
+      # scores, and the pool / masks would go by index.
+      stage = "pool_epochs" if self.pool_epochs <= self.finalize_epochs else "finalize_epochs"
+      raise ValueError(
+        f"importance_every ({self.importance_every}) must be <= the shortest importance "
+        f"stage, {stage} * steps_per_epoch = {shortest} steps, or that stage may score no batch"
+      )
+    if self.pool_start_epoch is not None:
+      # A fixed schedule is known here: masks final at pool_start + pool + finalize, then at
+      # least one epoch of regularization (§4.4) before the hard prune. A later hard prune
+      # than asked (or a run still in warmup at hard_prune_epoch) is a mis-configuration.
+      final = self.pool_start_epoch + self.pool_epochs + self.finalize_epochs
+      if self.hard_prune_epoch <= final:
+        raise ValueError(
+          f"hard_prune_epoch ({self.hard_prune_epoch}) must be > pool_start_epoch + "
+          f"pool_epochs + finalize_epochs ({self.pool_start_epoch} + {self.pool_epochs} + "
+          f"{self.finalize_epochs} = {final}): the masks are final only at that epoch and get "
+          "at least one epoch of regularization"
+        )
+
+  def _check_one_shot_schedule(self) -> None:
+    if not isinstance(self.one_shot_epoch, (int, np.integer)) or self.one_shot_epoch < 0:
+      raise ValueError(
+        f"one_shot_epoch must be an int >= 0 in mode 'one_shot', got {self.one_shot_epoch!r}"
+      )
+    if self.hard_prune_epoch <= self.one_shot_epoch:
+      raise ValueError(
+        f"hard_prune_epoch ({self.hard_prune_epoch}) must come after one_shot_epoch "
+        f"({self.one_shot_epoch})"
+      )
+
+
+def _normalise_ratio(spec: Any) -> RatioSpec:
+  """One float, a tuple of floats (each checked), or the callable as given (its values are
+  checked per layer when the plan asks it)."""
+  if isinstance(spec, (int, float, np.bool_, np.integer, np.floating)):
+    return check_ratio(spec)
+  if callable(spec):
+    return spec
+  if not isinstance(spec, Sequence) and not isinstance(spec, np.ndarray):
+    raise ValueError(
+      "kernel_prune_ratio must be a number, a sequence of numbers (one per pruned layer) or "
+      f"fn(path, shape) -> number, got {spec!r}"
+    )
+  return tuple(check_ratio(r) for r in spec)

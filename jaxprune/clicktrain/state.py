@@ -1,0 +1,72 @@
+"""The state of :func:`jaxprune.clicktrain.clicktrain`: its stages and the per-layer masks and
+scores (ClickTrain Fig. 4, §4.1-4.4).
+
+Checkpoints and PruneTrain's reconfiguration read these types by field: their field names and
+order are part of the checkpoint format.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import jax
+import optax
+
+__all__ = [
+  "FINALIZE",
+  "PATTERN_SIZE",
+  "POOL",
+  "PRUNED",
+  "REGULARIZE",
+  "STAGE_NAMES",
+  "WARMUP",
+  "ClickTrainLayerState",
+  "ClickTrainState",
+  "Stage",
+  "full_mask",
+]
+
+PATTERN_SIZE = 4  # weights kept per kernel (ClickTrain keeps 4 of 9)
+
+
+class Stage(enum.IntEnum):
+  """ClickTrain's stages, in order (the state's ``stage`` holds the int)."""
+
+  WARMUP = 0  # dense training (§4.1)
+  POOL = 1  # DPPG (§4.2)
+  FINALIZE = 2  # pattern / kernel votes (§4.3)
+  REGULARIZE = 3  # modified group lasso (§4.4)
+  PRUNED = 4  # hard prune, masks kept
+
+
+WARMUP, POOL, FINALIZE, REGULARIZE, PRUNED = Stage
+STAGE_NAMES = tuple(s.name.lower() for s in Stage)
+
+
+class ClickTrainLayerState(NamedTuple):
+  """Per pruned layer. DPPG / vote fields are None where unused (1x1 layers, one_shot)."""
+
+  competitive_scores: jax.Array | None  # (C(k*k, 4),) int32, DPPG step 4-5
+  pool: jax.Array | None  # (N,) int32 ids into all_patterns(4, k)
+  votes: jax.Array | None  # (Cin, Cout, N) int32, §4.3
+  kernel_score_sum: jax.Array  # (Cin, Cout) float32, Eq. 2 summed
+  pattern_id: jax.Array  # (Cin, Cout) int32 id into all_patterns(4, k); -1 = none
+  kernel_keep: jax.Array  # (Cin, Cout) bool
+  pattern_mask: jax.Array  # (kh, kw, Cin, Cout) P (ones before it is final)
+
+
+class ClickTrainState(NamedTuple):
+  count: jax.Array  # steps done
+  stage: jax.Array  # Stage.WARMUP .. Stage.PRUNED
+  stage_start_epoch: jax.Array  # epoch at which the current stage began
+  epoch_loss_sum: jax.Array  # loss summed over the current epoch
+  prev_epoch_loss: jax.Array  # mean loss of the last finished epoch (nan: none)
+  last_loss: jax.Array  # previous batch loss (nan: none)
+  layers: dict[str, ClickTrainLayerState]  # keyed by jaxprune.paths.path_string
+  inner_state: optax.OptState
+
+
+def full_mask(ls: ClickTrainLayerState) -> jax.Array:
+  """The weight mask ``P ⊙ K`` of one layer (HWIO; ones where nothing is pruned yet)."""
+  return ls.pattern_mask * ls.kernel_keep.astype(ls.pattern_mask.dtype)

@@ -1,0 +1,228 @@
+"""The ClickTrain transform's schedule and arguments: layer choice, stage transitions, the
+loss-derivative trigger, schedule checks, per-layer ratios, bad arguments."""
+
+import dataclasses
+import inspect
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxprune.clicktrain import importance
+from jaxprune.clicktrain import transform as ct
+from jaxprune.clicktrain.config import Config
+
+
+def test_default_layer_filter(kit):
+  st = ct.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3).init(kit.params())
+  assert set(st.layers) == {kit.CONV1, kit.CONV2}  # no stem, no 1x1 shortcut, no dense
+  assert st.layers[kit.CONV1].votes.shape == (6, 8, 12)
+  assert st.layers[kit.CONV2].votes is None  # 1x1: kernel pruning only
+
+
+def test_stage_schedule_fixed_epochs(kit):
+  spe = 3
+  tx = ct.clicktrain(
+    optax.sgd(0.0),
+    steps_per_epoch=spe,
+    hard_prune_epoch=6,
+    pool_start_epoch=2,
+    pool_epochs=1,
+    finalize_epochs=2,
+  )
+  p = kit.params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  stages = []
+  for i in range(8 * spe):
+    stages.append(int(st.stage))
+    _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))
+  per_epoch = [stages[e * spe : (e + 1) * spe] for e in range(8)]
+  assert all(len(set(s)) == 1 for s in per_epoch)  # transitions only at epoch ends
+  assert [s[0] for s in per_epoch] == [
+    ct.WARMUP,
+    ct.WARMUP,
+    ct.POOL,
+    ct.FINALIZE,
+    ct.FINALIZE,
+    ct.REGULARIZE,
+    ct.PRUNED,
+    ct.PRUNED,
+  ]
+
+
+def test_loss_derivative_trigger(kit):
+  spe = 2
+  tx = ct.clicktrain(optax.sgd(0.0), steps_per_epoch=spe, hard_prune_epoch=50)
+  p = kit.params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  # epoch means: 3.0, 2.0 (Δ=1.0), 1.6 (Δ=0.4), 1.4 (Δ=0.2 < 0.27 -> pool from epoch 4)
+  losses = [3.1, 2.9, 2.2, 1.8, 1.5, 1.7, 1.2, 1.6, 1.0, 1.0]
+  stages = []
+  for i, l in enumerate(losses):
+    _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(l))
+    stages.append(int(st.stage))
+  assert stages[:7] == [ct.WARMUP] * 7
+  assert stages[7] == ct.POOL and int(st.stage_start_epoch) == 4
+
+
+def test_run_still_in_warmup_at_the_hard_prune_epoch_warns_once(kit):
+  # The epoch mean loss rises by 1 every epoch: the loss-derivative trigger never fires and
+  # the run would stay dense past hard_prune_epoch without a word.
+  tx = ct.clicktrain(optax.sgd(0.0), steps_per_epoch=1, hard_prune_epoch=3)
+  p = kit.params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for i in range(6):
+      _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(i))
+      jax.effects_barrier()
+      if i == 1:
+        assert not caught  # not before the end of epoch hard_prune_epoch - 1
+  messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+  assert len(messages) == 1, messages
+  assert messages[0].startswith("clicktrain: still in warmup after 3 epochs (hard_prune_epoch=3)")
+  assert int(st.stage) == ct.WARMUP
+
+
+def test_importance_every_longer_than_a_stage_raises():
+  # A 2-epoch finalization of 3 steps each (6 steps) with importance_every=7 may score no
+  # batch at all (all-zero scores: masks by index); 6 scores at least one whatever the phase.
+  kwargs = dict(steps_per_epoch=3, hard_prune_epoch=20, pool_epochs=4, finalize_epochs=2)
+  ct.clicktrain(optax.sgd(0.1), importance_every=6, **kwargs)
+  with pytest.raises(
+    ValueError,
+    match=r"importance_every \(7\) must be <= the shortest importance stage, "
+    r"finalize_epochs \* steps_per_epoch = 6 steps",
+  ):
+    ct.clicktrain(optax.sgd(0.1), importance_every=7, **kwargs)
+  # one_shot mode has no per-batch importance work: no limit.
+  ct.clicktrain(optax.sgd(0.1), mode="one_shot", one_shot_epoch=1, importance_every=7, **kwargs)
+
+
+def test_fixed_schedule_that_misses_the_hard_prune_epoch_raises():
+  # Masks final at pool_start + pool + finalize, one epoch of regularization before the hard
+  # prune: hard_prune_epoch = 5 needs pool_start_epoch <= 2 (the boundary schedule prunes at
+  # exactly hard_prune_epoch: test_stage_schedule_fixed_epochs).
+  kwargs = dict(steps_per_epoch=1, hard_prune_epoch=5, pool_epochs=1, finalize_epochs=1)
+  ct.clicktrain(optax.sgd(0.1), pool_start_epoch=2, **kwargs)
+  for start in (3, 7):  # 7: still in warmup at the hard prune epoch
+    with pytest.raises(
+      ValueError,
+      match=rf"hard_prune_epoch \(5\) must be > pool_start_epoch \+ pool_epochs \+ "
+      rf"finalize_epochs \({start} \+ 1 \+ 1 = {start + 2}\)",
+    ):
+      ct.clicktrain(optax.sgd(0.1), pool_start_epoch=start, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["paper", "one_shot"])
+def test_per_layer_ratio_callable_and_errors(mode, kit):
+  # The callable is asked once per pruned layer with its path and shape, and each layer then
+  # prunes ceil(ratio(path, shape) · Cin · Cout) kernels.
+  table = {kit.CONV1: 0.3, kit.CONV2: 0.7}
+  calls = set()
+
+  def ratio(path, shape):
+    calls.add((path, tuple(shape)))
+    return table[path]
+
+  schedule = (
+    dict(pool_start_epoch=0, pool_epochs=1, finalize_epochs=1, pool_size=5)
+    if mode == "paper"
+    else dict(one_shot_epoch=0)
+  )
+  tx = ct.clicktrain(
+    optax.identity(),
+    steps_per_epoch=1,
+    hard_prune_epoch=5,
+    mode=mode,
+    kernel_prune_ratio=ratio,
+    **schedule,
+  )
+  p = kit.params()
+  st = tx.init(p)
+  assert set(st.layers) == {kit.CONV1, kit.CONV2}
+  assert calls == {(kit.CONV1, (3, 3, 6, 8)), (kit.CONV2, (1, 1, 8, 8))}
+  for i in range(2 if mode == "paper" else 1):
+    _, st = tx.update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))
+  assert int(st.stage) == ct.REGULARIZE
+  for name, (cin, cout) in ((kit.CONV1, (6, 8)), (kit.CONV2, (8, 8))):
+    pruned = int((~np.asarray(st.layers[name].kernel_keep)).sum())
+    assert pruned == math.ceil(table[name] * cin * cout) == {kit.CONV1: 15, kit.CONV2: 45}[name]
+  with pytest.raises(ValueError, match="kernel_prune_ratio"):
+    ct.clicktrain(
+      optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=[0.5]
+    ).init(kit.params())
+  with pytest.raises(ValueError, match="kernel_prune_ratio"):
+    ct.clicktrain(
+      optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=[0.5, 1.5]
+    ).init(kit.params())
+
+
+def test_bad_arguments(kit):
+  sgd = optax.sgd(0.1)
+  with pytest.raises(ValueError, match="mode"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, mode="admm")
+  with pytest.raises(ValueError, match="steps_per_epoch"):
+    ct.clicktrain(sgd, steps_per_epoch=0, hard_prune_epoch=3)
+  with pytest.raises(ValueError, match="one_shot_epoch"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, mode="one_shot")
+  for bad in (0, 6, 16, True, 4.5):
+    with pytest.raises(ValueError, match=r"^one_shot_patterns must be one of \(4, 8, 12\)"):
+      ct.clicktrain(
+        sgd,
+        steps_per_epoch=1,
+        hard_prune_epoch=3,
+        mode="one_shot",
+        one_shot_epoch=1,
+        one_shot_patterns=bad,
+      )
+  with pytest.raises(ValueError, match="hard_prune_epoch"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=2, mode="one_shot", one_shot_epoch=2)
+  with pytest.raises(ValueError, match="kernel_prune_ratio"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=-0.1)
+  with pytest.raises(ValueError, match="group_lasso"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, group_lasso_coefficient=-1.0)
+  with pytest.raises(ValueError, match="margin_rule"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, margin_rule="x")
+  with pytest.raises(ValueError, match="pool_size"):
+    ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3, pool_size=0)
+  with pytest.raises(ValueError, match="layer_filter"):
+    ct.clicktrain(
+      sgd, steps_per_epoch=1, hard_prune_epoch=3, layer_filter=lambda path, shape: "yes"
+    ).init(kit.params())
+  tx = ct.clicktrain(sgd, steps_per_epoch=1, hard_prune_epoch=3)
+  p = kit.params()
+  with pytest.raises(ValueError, match="loss"):
+    tx.update(p, tx.init(p), p)
+  with pytest.raises(ValueError, match="params"):
+    tx.update(p, tx.init(p), value=1.0)
+
+
+@pytest.mark.parametrize(
+  "ratio",
+  [True, [True, 0.5], lambda path, shape: True],
+  ids=["scalar", "sequence", "callable"],
+)
+def test_bool_kernel_prune_ratio_is_rejected_not_pruning_every_kernel(ratio, kit):
+  with pytest.raises(ValueError, match="kernel_prune_ratio"):
+    ct.clicktrain(
+      optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=ratio
+    ).init(kit.params())
+
+
+def test_every_keyword_lands_in_the_validated_config():
+  # clicktrain() hands its keywords to Config by name: a keyword without a field (or a field
+  # without a keyword) would be a setting that is never validated or never settable.
+  defaults = {k: p.default for k, p in inspect.signature(ct.clicktrain).parameters.items()}
+  del defaults["inner"]
+  assert set(defaults) == {f.name for f in dataclasses.fields(Config)}
+  cfg = Config(**{**defaults, "steps_per_epoch": 2, "hard_prune_epoch": 3})
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.pool_size = 8
