@@ -19,7 +19,15 @@ from jaxprune.clicktrain.config import Config, check_ratio
 from jaxprune.clicktrain.state import PATTERN_SIZE, ClickTrainLayerState
 from jaxprune.paths import path_string
 
-__all__ = ["Layers", "Plan", "PrunedLayer", "check_layers", "init_layer", "make_plan"]
+__all__ = [
+  "Layers",
+  "Plan",
+  "PrunedLayer",
+  "check_filter_groups",
+  "check_layers",
+  "init_layer",
+  "make_plan",
+]
 
 PyTree = Any
 
@@ -32,6 +40,7 @@ class PrunedLayer(NamedTuple):
   ratio: float  # kernel-prune ratio
   size: int  # kernel side (0 for kernel-only)
   per_filter: bool = False  # prune the same number of kernels in every filter (§5.2)
+  groups: int = 0  # aligned mode: filter groups sharing patterns (0: per kernel, the paper)
 
 
 Plan = dict[str, PrunedLayer]
@@ -61,9 +70,7 @@ def _chosen(cfg: Config, leaves) -> list[tuple[str, int, str, int]]:
   return chosen
 
 
-def _ratios(
-  cfg: Config, chosen, leaves, ratio_by_name: Mapping[str, float] | None
-) -> list[float]:
+def _ratios(cfg: Config, chosen, leaves, ratio_by_name: Mapping[str, float] | None) -> list[float]:
   """One kernel-prune ratio per chosen layer, from ``cfg.kernel_prune_ratio``."""
   spec = cfg.kernel_prune_ratio
   if isinstance(spec, float):
@@ -107,10 +114,27 @@ def make_plan(
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   chosen = _chosen(cfg, leaves)
   ratios = _ratios(cfg, chosen, leaves, ratio_by_name)
+  groups = cfg.filter_groups or 0
   return {
-    name: PrunedLayer(i, kind, r, kh if kind == "pattern" else 0, cfg.balanced_kernels)
+    name: PrunedLayer(i, kind, r, kh if kind == "pattern" else 0, cfg.balanced_kernels, groups)
     for (name, i, kind, kh), r in zip(chosen, ratios)
   }
+
+
+def check_filter_groups(plan: Plan, params: PyTree) -> None:
+  """Aligned mode: ``filter_groups`` divides the filters of every pruned layer (``init``).
+
+  Raises:
+    ValueError: the first layer whose output channels it does not divide, named.
+  """
+  leaves = jax.tree.leaves(params)
+  for name, layer in plan.items():
+    cout = np.shape(leaves[layer.index])[3]
+    if layer.groups and cout % layer.groups:
+      raise ValueError(
+        f"filter_groups ({layer.groups}) must divide the {cout} filters of every pruned "
+        f"layer; {name!r} has {cout}"
+      )
 
 
 def check_layers(plan: Plan, layers: Layers, params: PyTree) -> None:

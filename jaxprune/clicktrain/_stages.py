@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxprune.clicktrain import importance as _imp
 from jaxprune.clicktrain import patterns as _pat
+from jaxprune.clicktrain._groups import group_ids, group_sum, lift
 from jaxprune.clicktrain._plan import Layers, Plan
 from jaxprune.clicktrain.state import (
   POOL,
@@ -41,15 +43,31 @@ def _as_kernels(x: jax.Array) -> jax.Array:
   return jnp.moveaxis(x, (0, 1), (-2, -1))
 
 
+def group_lasso_grad(
+  w: jax.Array, ls: ClickTrainLayerState, eps: float, groups: int = 0
+) -> jax.Array:
+  """d/dW Σ_kernels [sqrt(‖W⊙¬P‖²+ε) + sqrt(‖W⊙¬K‖²+ε)] (ClickTrain §4.4).
 
-
-def group_lasso_grad(w: jax.Array, ls: ClickTrainLayerState, eps: float) -> jax.Array:
-  """d/dW Σ_kernels [sqrt(‖W⊙¬P‖²+ε) + sqrt(‖W⊙¬K‖²+ε)] (ClickTrain §4.4)."""
+  With ``groups`` (aligned mode) a "kernel" is a (filter group, input channel) pair: the
+  squared norms are summed over the group's filters before the square root.
+  """
   z = w * (1 - ls.pattern_mask)
-  gz = z * jax.lax.rsqrt(jnp.sum(z * z, axis=(0, 1), keepdims=True) + eps)
+  gz = z * jax.lax.rsqrt(lift(jnp.sum(z * z, axis=(0, 1), keepdims=True), groups) + eps)
   u = w * (~ls.kernel_keep).astype(w.dtype)
-  gu = u * jax.lax.rsqrt(jnp.sum(u * u, axis=(0, 1), keepdims=True) + eps)
+  gu = u * jax.lax.rsqrt(lift(jnp.sum(u * u, axis=(0, 1), keepdims=True), groups) + eps)
   return gz + gu
+
+
+def _kernel_keep(scores: jax.Array, layer) -> jax.Array:
+  """Adaptive kernel finalization (Eq. 2 scores, lowest pruned) at the layer's granularity:
+  per kernel, or (aligned mode) per (group, input channel) with the same number pruned in
+  every group, so the groups run as one batched product (the §5.2 load balance, lifted)."""
+  if not layer.groups:
+    return _pat.kernel_keep_mask(scores, layer.ratio, per_filter=layer.per_filter)
+  ids = group_ids(scores.shape[1], layer.groups)
+  first = np.searchsorted(ids, np.arange(ids[-1] + 1))  # scores are equal within a group
+  keep = _pat.kernel_keep_mask(scores[:, first], layer.ratio, per_filter=True)
+  return jnp.take(keep, jnp.asarray(ids), axis=1)
 
 
 def all_finite(loss, plan: Plan, w_leaves, g_leaves) -> jax.Array:
@@ -93,6 +111,8 @@ def pool_step(layers: Layers, plan: Plan, w_leaves, g_leaves) -> Layers:
     if layer.kind != "pattern":
       continue
     imp = _imp.weight_importance(w_leaves[layer.index], g_leaves[layer.index])
+    if layer.groups:  # one candidate per (group, input channel), from the summed importance
+      imp = group_sum(imp, layer.groups)
     cand = _pat.dppg_candidates(_as_kernels(imp))
     ls = layers[name]
     out[name] = ls._replace(
@@ -108,11 +128,12 @@ def finalize_step(layers: Layers, plan: Plan, w_leaves, g_leaves, counted) -> La
   for name, layer in plan.items():
     ls = layers[name]
     w, g = w_leaves[layer.index], g_leaves[layer.index]
-    ks = ls.kernel_score_sum + jnp.where(counted, _imp.kernel_scores(w, g), 0.0)
+    ks = ls.kernel_score_sum + jnp.where(counted, lift(_imp.kernel_scores(w, g), layer.groups), 0.0)
     votes = ls.votes
     if layer.kind == "pattern":
       pool_masks = _pat.pattern_masks_from_ids(ls.pool, layer.size)
-      votes = _pat.vote(votes, _imp.pattern_scores(w, g, pool_masks), counted)
+      scores = lift(_imp.pattern_scores(w, g, pool_masks), layer.groups, axis=1)
+      votes = _pat.vote(votes, scores, counted)
     out[name] = ls._replace(kernel_score_sum=ks, votes=votes)
   return out
 
@@ -134,7 +155,7 @@ def finalize_masks(layers: Layers, plan: Plan) -> Layers:
   out = dict(layers)
   for name, layer in plan.items():
     ls = layers[name]
-    keep = _pat.kernel_keep_mask(ls.kernel_score_sum, layer.ratio, per_filter=layer.per_filter)
+    keep = _kernel_keep(ls.kernel_score_sum, layer)
     if layer.kind == "pattern":
       best = _pat.finalize_patterns(ls.votes)  # pool position per kernel
       pid = ls.pool[best]
@@ -155,10 +176,10 @@ def one_shot_masks(layers: Layers, plan: Plan, w_leaves, g_leaves, num_patterns:
   for name, layer in plan.items():
     ls = layers[name]
     w, g = w_leaves[layer.index], g_leaves[layer.index]
-    scores = _imp.kernel_scores(w, g)
-    keep = _pat.kernel_keep_mask(scores, layer.ratio, per_filter=layer.per_filter)
+    keep = _kernel_keep(lift(_imp.kernel_scores(w, g), layer.groups), layer)
     if layer.kind == "pattern":
-      best = jnp.argmax(_imp.pattern_scores(w, g, blocks), axis=-1)  # ties -> first
+      scores = lift(_imp.pattern_scores(w, g, blocks), layer.groups, axis=1)
+      best = jnp.argmax(scores, axis=-1)  # ties -> first
       pmask = _pat.pattern_mask(best, blocks, dtype=ls.pattern_mask.dtype)
       out[name] = ls._replace(pattern_id=block_ids[best], kernel_keep=keep, pattern_mask=pmask)
     else:
@@ -189,7 +210,9 @@ def modify_grads(
     out = {}
     for name, layer in plan.items():
       ls, g, w = layers[name], gs[name], w_leaves[layer.index]
-      reg = group_lasso_grad(w, ls, eps) * (coefficient * regularizing.astype(w.dtype))
+      reg = group_lasso_grad(w, ls, eps, layer.groups) * (
+        coefficient * regularizing.astype(w.dtype)
+      )
       keep = (full_mask(ls) != 0) | ~pruned
       # A select, not a product: a NaN gradient at a pruned position must not reach the
       # inner optimizer's moments (0 · NaN = NaN).

@@ -104,6 +104,7 @@ class Config:
   layer_filter: LayerFilter | None
   importance_every: int
   balanced_kernels: bool
+  filter_groups: int | None
   eps: float
 
   def __post_init__(self):
@@ -111,6 +112,10 @@ class Config:
       raise ValueError(f"mode must be 'paper' or 'one_shot', got {self.mode!r}")
     if not isinstance(self.balanced_kernels, bool):
       raise ValueError(f"balanced_kernels must be a bool, got {self.balanced_kernels!r}")
+    if self.filter_groups is not None:
+      _check_int("filter_groups", self.filter_groups, 1)
+      if isinstance(self.filter_groups, bool):
+        raise ValueError(f"filter_groups must be an int >= 1, got {self.filter_groups!r}")
     _check_int("steps_per_epoch", self.steps_per_epoch, 1)
     _check_int("hard_prune_epoch", self.hard_prune_epoch, 0)
     _check_int("pool_epochs", self.pool_epochs, 1)

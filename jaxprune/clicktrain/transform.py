@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxprune.clicktrain import _schedule, _stages
-from jaxprune.clicktrain._plan import check_layers, init_layer, make_plan
+from jaxprune.clicktrain._plan import check_filter_groups, check_layers, init_layer, make_plan
 from jaxprune.clicktrain.config import Config, default_layer_filter
 from jaxprune.clicktrain.state import (
   FINALIZE,
@@ -81,6 +81,7 @@ def clicktrain(
   layer_filter: Callable[[str, tuple[int, ...]], str | None] | None = None,
   importance_every: int = 1,
   balanced_kernels: bool = False,
+  filter_groups: int | None = None,
   eps: float = 1e-8,
 ) -> optax.GradientTransformationExtraArgs:
   """ClickTrain pattern + connectivity pruning around an inner optimizer.
@@ -124,6 +125,14 @@ def clicktrain(
           ranking the whole layer, so every filter keeps the same number of weights: the
           load-balance constraint of the paper's sparse kernels (§5.2); off by default, as
           in the released code.
+      filter_groups: beyond the paper, the *aligned* mode: the filters of every pruned
+          layer form this many groups of consecutive output channels (it must divide them;
+          1 = all filters one group), and within a group each input channel is pruned or
+          keeps one pattern shared by the group's filters. Every per-kernel quantity (Eq. 1,
+          Eq. 2, DPPG importance, votes, group-lasso norms) is summed over the group, and each
+          group prunes ``ceil(ratio * Cin)`` channels. The pruned layers then run as dense
+          matrix products (:class:`~jaxprune.clicktrain.aligned_conv.AlignedConv`).
+          ``None`` (default): the paper's per-kernel patterns.
       eps: ε inside the group-lasso square roots.
 
   Returns:
@@ -144,6 +153,7 @@ def clicktrain(
 
   def init_fn(params):
     plan = make_plan(cfg, params, ratio_by_name)
+    check_filter_groups(plan, params)
     if isinstance(cfg.kernel_prune_ratio, tuple) and len(plan) == len(cfg.kernel_prune_ratio):
       ratio_by_name.update((name, layer.ratio) for name, layer in plan.items())
     leaves = jax.tree.leaves(params)
