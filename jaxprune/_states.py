@@ -12,7 +12,9 @@ from typing import Any
 
 import jax
 
-__all__ = ["as_pure", "find_states"]
+from jaxprune.paths import path_string
+
+__all__ = ["as_pure", "find_states", "named_leaves"]
 
 
 def as_pure(tree: Any) -> Any:
@@ -31,6 +33,16 @@ def as_pure(tree: Any) -> Any:
     for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
   )
   return nnx.as_pure(tree) if has_variables or isinstance(tree, nnx.State) else tree
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+  """``{path_string: leaf}`` of :func:`as_pure` ``(tree)``, ``None`` leaves kept.
+
+  The same parameter gets the same name in an NNX ``State`` (pure or of Variables) and in a
+  plain dict, so trees of those different containers can be matched leaf by leaf.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(as_pure(tree), is_leaf=lambda x: x is None)[0]
+  return {path_string(p): leaf for p, leaf in flat}
 
 
 def find_states(opt_state: Any, state_type: type | tuple[type, ...]) -> list[Any]:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxprune._states import named_leaves
 from jaxprune.paths import path_string
 
 __all__ = [
@@ -108,10 +109,31 @@ def _check_indices(idx: np.ndarray, size: int) -> None:
     raise ValueError("indices: must be strictly increasing (sorted, no duplicates)")
 
 
+def _index_leaves(tree: PyTree, indices: PyTree | None) -> list[Any]:
+  """The leaf of ``indices`` for each leaf of ``tree``, in ``tree``'s flatten order.
+
+  Matched by parameter path, not by container: either may be an NNX ``State`` (of Variables
+  or ``nnx.as_pure``) or a plain dict, as masks and params are elsewhere in the library.
+
+  Raises:
+    ValueError: ``indices`` does not name the same leaves as ``tree``.
+  """
+  names = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  if indices is None:
+    return [None] * len(names)
+  got = named_leaves(indices)
+  if set(got) != set(names):
+    missing, extra = sorted(set(names) - set(got)), sorted(set(got) - set(names))
+    raise ValueError(
+      f"indices: structure does not match the tree (missing {missing[:3]}, unexpected {extra[:3]})"
+    )
+  return [got[name] for name in names]
+
+
 def _reduce_tree(grads: PyTree, indices: PyTree | None, axis_name, op) -> PyTree:
   keyed, treedef = jax.tree_util.tree_flatten_with_path(grads)
   g_leaves = [g for _, g in keyed]
-  i_leaves = [None] * len(g_leaves) if indices is None else treedef.flatten_up_to(indices)
+  i_leaves = _index_leaves(grads, indices)
   for g, idx in zip(g_leaves, i_leaves):
     if idx is not None and int(np.shape(idx)[0]) > int(np.size(g)):
       raise ValueError(f"indices: {np.shape(idx)[0]} indices for a leaf of {np.size(g)} entries")
@@ -134,8 +156,9 @@ def sparse_psum(grads: PyTree, indices: PyTree | None, axis_name: Any) -> PyTree
 
   Args:
       grads: pytree of per-device gradients.
-      indices: pytree from :func:`mask_indices` matching ``grads`` (``None``
-          leaves are reduced densely), or ``None`` for a fully dense reduction.
+      indices: pytree from :func:`mask_indices` with the leaves of ``grads``, matched by
+          parameter path (an NNX ``State`` and a plain dict pair up; ``None`` leaves are
+          reduced densely), or ``None`` for a fully dense reduction.
           Each leaf: sorted, unique flat positions in ``[0, size)``. Host (NumPy /
           concrete) indices are checked; traced indices cannot be, and out-of-range
           ones are then dropped and unsorted or duplicate ones give undefined results.
@@ -145,8 +168,9 @@ def sparse_psum(grads: PyTree, indices: PyTree | None, axis_name: Any) -> PyTree
       The reduced pytree; entries outside ``indices`` are zero.
 
   Raises:
-      ValueError: host-side ``indices`` that are not 1-D integer arrays of sorted,
-          unique positions within their leaf.
+      ValueError: ``indices`` that do not name the leaves of ``grads``; host-side
+          ``indices`` that are not 1-D integer arrays of sorted, unique positions within
+          their leaf.
   """
   return _reduce_tree(grads, indices, axis_name, jax.lax.psum)
 
@@ -157,15 +181,25 @@ def sparse_pmean(grads: PyTree, indices: PyTree | None, axis_name: Any) -> PyTre
 
 
 def reduced_elements(params: PyTree, indices: PyTree | None = None) -> tuple[int, int]:
-  """Elements sent per all-reduce: ``(sparse, dense)``, for volume accounting."""
-  sizes = [int(np.size(p)) for p in jax.tree.leaves(params)]
-  dense = sum(sizes)
-  if indices is None:
-    return dense, dense
-  p_leaves, treedef = jax.tree.flatten(params)
-  i_leaves = treedef.flatten_up_to(indices)
+  """Elements sent per all-reduce: ``(sparse, dense)``, for volume accounting.
+
+  Args:
+      params: the parameter (or gradient) pytree: an NNX ``State`` as ``nnx.state(...)`` or
+          ``nnx.as_pure(...)`` return it, or a plain dict.
+      indices: :func:`mask_indices` of the masks, in any of those containers (matched to
+          ``params`` by parameter path), or ``None`` for a dense reduction.
+
+  Returns:
+      ``(sparse, dense)``: the kept entries (every entry of a ``None`` leaf) and all entries.
+
+  Raises:
+      ValueError: ``indices`` does not name the same leaves as ``params``.
+  """
+  p_leaves = jax.tree.leaves(params)
+  dense = sum(int(np.size(p)) for p in p_leaves)
   sparse = sum(
-    int(np.size(p)) if i is None else int(np.shape(i)[0]) for p, i in zip(p_leaves, i_leaves)
+    int(np.size(p)) if i is None else int(np.shape(i)[0])
+    for p, i in zip(p_leaves, _index_leaves(params, indices))
   )
   return sparse, dense
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxprune._states import as_pure, find_states
+from jaxprune._states import as_pure, find_states, named_leaves as _named_leaves
 from jaxprune.paths import path_string
 
 __all__ = [
@@ -69,12 +69,6 @@ class MaskState(NamedTuple):
 
 
 # ------------------------------------------------------------------ validation
-def _named_leaves(tree: PyTree) -> dict[str, Any]:
-  """``{path_string: leaf}`` with ``None`` leaves kept."""
-  flat = jax.tree_util.tree_flatten_with_path(as_pure(tree), is_leaf=lambda x: x is None)[0]
-  return {path_string(p): leaf for p, leaf in flat}
-
-
 def _check_values(name: str, masks: PyTree) -> None:
   """Finite and binary, where the values are known (skipped under tracing)."""
   for path, m in _named_leaves(masks).items():

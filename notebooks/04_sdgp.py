@@ -147,14 +147,22 @@ print("|---|---|---:|---:|---:|")
 for nm, method, bias, variance in rows:
   print(f"| {nm} | {method} | {bias:.3f} | {variance:.3f} | {(variance / DRAWS) ** 0.5:.3f} |")
 
-fig, (ax_bias, ax_var) = plt.subplots(1, 2, figsize=(10, 3))
-labels_ = [f"{r[1]}\n{r[0]}" for r in rows]
-ax_bias.bar(labels_, [r[2] for r in rows], color="tab:blue")
-ax_bias.set(title="relative bias", ylabel="‖E[P] − G‖ / ‖G‖")
-ax_var.bar(labels_, [r[3] for r in rows], color="tab:orange")
-ax_var.set(title="relative variance", ylabel="E‖P − E[P]‖² / ‖G‖²")
-for ax in (ax_bias, ax_var):
-  ax.tick_params(axis="x", labelsize=6)
+# One row per method, one bar per n:m: horizontal bars keep the long method names readable.
+methods_ = list(sdgp.METHODS)
+settings_ = list(dict.fromkeys(nm for nm, *_ in rows))
+y = np.arange(len(methods_))
+height = 0.8 / len(settings_)
+fig, (ax_bias, ax_var) = plt.subplots(1, 2, figsize=(10, 3), sharey=True)
+for k, nm in enumerate(settings_):
+  by_method = {method: (bias, variance) for nm_, method, bias, variance in rows if nm_ == nm}
+  offset = (k - (len(settings_) - 1) / 2) * height
+  ax_bias.barh(y + offset, [by_method[m][0] for m in methods_], height, label=nm)
+  ax_var.barh(y + offset, [by_method[m][1] for m in methods_], height, label=nm)
+ax_bias.set_yticks(y, methods_)
+ax_bias.invert_yaxis()  # the first method on top (the axes are shared)
+ax_bias.set(title="relative bias", xlabel="‖E[P] − G‖ / ‖G‖")
+ax_var.set(title="relative variance", xlabel="E‖P − E[P]‖² / ‖G‖²")
+ax_var.legend(title="n:m")
 fig.tight_layout()
 plt.show()
 
@@ -207,5 +215,6 @@ plt.bar(x + 0.2, [s[1] for s in speedups], 0.4, label="from measured conv parts"
 plt.xticks(x, [f"{n}:{m}" for n, m in settings])
 plt.ylabel("projected speed-up (x)")
 plt.title("SDGP time model: only dX gets faster")
-plt.legend()
+plt.ylim(0, 1.3 * max(max(s) for s in speedups))  # room above the bars for the legend
+plt.legend(loc="upper left", ncol=2)
 plt.show()

@@ -1,7 +1,13 @@
-"""CIFAR-10 (JPEG folder/tarball or official pickles) and CIFAR-100 (official pickles)."""
+"""CIFAR-10 (JPEG folder/tarball or official pickles) and CIFAR-100 (official pickles).
+
+The pickles are read by an unpickler that resolves only what those files hold (dicts, lists,
+bytes, strings, numbers, NumPy arrays): a file that names any other class or function, the way
+a crafted pickle runs code, is refused before anything is called.
+"""
 
 from __future__ import annotations
 
+import io
 import pickle
 import posixpath
 from pathlib import Path
@@ -44,11 +50,65 @@ def _siblings_prefix(tree: FileTree, required: tuple[str, ...]) -> str | None:
   return None
 
 
+class _RefusedGlobal(pickle.UnpicklingError):
+  """A pickle names a global that CIFAR's files do not hold."""
+
+
+def _latin1_encode(text: str, encoding: str) -> bytes:
+  # Python 3 writes bytes into protocol-2 pickles as ``_codecs.encode(text, "latin1")``.
+  if encoding not in ("latin1", "latin-1"):
+    raise _RefusedGlobal(f"_codecs.encode with encoding {encoding!r}")
+  return text.encode("latin-1")
+
+
+# The functions NumPy pickles arrays and scalars through, from the running NumPy: a pickle
+# names them under NumPy 1's ``numpy.core`` or NumPy 2's ``numpy._core``, and neither module
+# needs importing.
+_NUMPY_FUNCTIONS = (
+  ("multiarray", "_reconstruct", np.zeros(1).__reduce__()[0]),  # ndarray, protocols 0-4
+  ("numeric", "_frombuffer", np.zeros(1).__reduce_ex__(5)[0]),  # ndarray, protocol 5
+  ("multiarray", "scalar", np.int64(0).__reduce__()[0]),  # NumPy scalars
+)
+# (module, name) -> the object. Only what CIFAR's pickles (Python 2 cPickle: dicts, lists,
+# bytes, strings, numbers and NumPy arrays) and Python 3 re-pickles of them name; every
+# callable here builds data and runs nothing else.
+_ALLOWED_GLOBALS: dict[tuple[str, str], object] = {
+  **{(m, "bytes"): bytes for m in ("builtins", "__builtin__")},
+  **{(m, "bytearray"): bytearray for m in ("builtins", "__builtin__")},
+  ("_codecs", "encode"): _latin1_encode,
+  ("numpy", "ndarray"): np.ndarray,
+  ("numpy", "dtype"): np.dtype,
+  **{
+    (f"{core}.{module}", name): function
+    for core in ("numpy.core", "numpy._core")
+    for module, name, function in _NUMPY_FUNCTIONS
+  },
+}
+
+
+class _CifarUnpickler(pickle.Unpickler):
+  """Resolves only :data:`_ALLOWED_GLOBALS`: a pickle that names any other class or function
+  (the way a crafted ``__reduce__`` runs code) fails when the name is read, before any call,
+  as ``torch.load(weights_only=True)`` restricts checkpoints."""
+
+  def find_class(self, module: str, name: str) -> object:
+    try:
+      return _ALLOWED_GLOBALS[(module, name)]
+    except KeyError:
+      raise _RefusedGlobal(f"{module}.{name}") from None
+
+
 def _load_pickle(tree: FileTree, name: str) -> dict[str, object]:
-  # The official files are Python 2 pickles: bytes keys and strings, latin-1 safe.
-  # Like any pickle, only load files from a source you trust.
+  # The official files are Python 2 pickles: bytes keys and strings, latin-1 safe. They are
+  # read with an unpickler restricted to what they hold, so a file cannot run code.
   try:
-    obj = pickle.loads(bytes(tree.read(name)), encoding="bytes")
+    obj = _CifarUnpickler(io.BytesIO(bytes(tree.read(name))), encoding="bytes").load()
+  except _RefusedGlobal as err:
+    raise ValueError(
+      f"{tree.description}: {name} refers to {err}, which a CIFAR pickle does not hold; it "
+      "was not called and the file is not loaded (only dicts, lists, bytes, strings, numbers "
+      "and NumPy arrays are read)"
+    ) from None
   except (
     pickle.UnpicklingError,
     EOFError,
@@ -186,10 +246,11 @@ def read_cifar10(path: Path, cache_dir: Path) -> Splits:
   ``[prefix/]{train,test}/<class>/NNNN.jpg`` with the ten official class folders; the images
   are ordered by class index, then NNNN, decoded once and cached under ``cache_dir``.
   Pickle layout: ``[prefix/]data_batch_1..5``, ``test_batch`` (``batches.meta`` optional),
-  in the official order.
+  in the official order, read without running code (see the module docstring).
 
   Raises:
-    ValueError: neither layout is found, or the one found is incomplete or corrupt.
+    ValueError: neither layout is found, or the one found is incomplete or corrupt, or a
+      pickle names a class or function that CIFAR's files do not hold (it is not called).
   """
   tree = open_tree(path)
   cache_file = _cache.cache_path(cache_dir, "cifar10", tree.fingerprint())
@@ -221,7 +282,8 @@ def read_cifar100(path: Path, label_mode: str = "fine") -> Splits:
     label_mode: ``"fine"`` (100 classes) or ``"coarse"`` (20 superclasses).
 
   Raises:
-    ValueError: unknown ``label_mode``, files missing or corrupt.
+    ValueError: unknown ``label_mode``, files missing or corrupt, or a pickle that names a
+      class or function CIFAR's files do not hold (read without running code, as CIFAR-10's).
   """
   if label_mode not in ("fine", "coarse"):
     raise ValueError(f"label_mode must be 'fine' or 'coarse', got {label_mode!r}")

@@ -38,11 +38,13 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from jaxprune.data._spawn import GUARD_ADVICE, unguarded_main_script
 
 try:
   import cloudpickle
@@ -250,6 +252,23 @@ def _check_int(value: object, name: str, low: int) -> int:
   return int(value)
 
 
+def _explain_worker_death(loader: Iterable, num_workers: int) -> Iterator:
+  """``loader``'s items (in batch order: grain reads its workers round-robin); grain's bare
+  "Worker process was terminated" becomes an error that says what to check and do."""
+  try:
+    yield from loader
+  except RuntimeError as error:
+    if not num_workers or "terminated" not in str(error):
+      raise
+    raise RuntimeError(
+      f"a worker process of ImageNetLoader(num_workers={num_workers}) died; its traceback is "
+      "printed above this one. If it ends in 'An attempt has been made to start a new process "
+      "before the current process has finished its bootstrapping phase', the worker re-ran "
+      f"the main script and reached the loader again: {GUARD_ADVICE}. Otherwise (out of "
+      "memory, a crash while decoding), num_workers=0 shows the error in this process."
+    ) from error
+
+
 class ImageNetLoader:
   """Batches of one split of an ImageNet-layout folder, for one process of a data-parallel run.
 
@@ -278,7 +297,10 @@ class ImageNetLoader:
     num_workers: decoding processes (0: decode in this process). Each is spawned anew every
       epoch and imports grain, and JAX with it (seconds), and each batch is copied once between
       processes: they pay where cores are free (on a busy 2-core machine 0 was fastest, see
-      ``experiments/results/benchmarks/imagenet_loader_throughput.md``).
+      ``experiments/results/benchmarks/imagenet_loader_throughput.md``). Workers are
+      spawned and re-run the main script first, so a script must build and iterate the
+      loader under ``if __name__ == "__main__":``; one without that guard is refused before
+      any worker starts.
     prefetch: batches each worker keeps ready.
     mean, std: per-channel normalisation in [0, 1] units (ImageNet's by default).
 
@@ -287,6 +309,8 @@ class ImageNetLoader:
 
   Raises:
     ValueError: a bad argument (named); see :meth:`ImageFolder.scan` for the folder.
+    RuntimeError: when iterated with ``num_workers``: the main script has no
+      ``__main__`` guard, or a worker died (the error says what to check and do).
   """
 
   def __init__(
@@ -392,6 +416,16 @@ class ImageNetLoader:
     if len(batches) == 0:
       return
     if self.num_workers:
+      script = unguarded_main_script()
+      if script is not None:
+        # Checked before any worker starts: each would re-run the whole script (a training
+        # run included) before failing with only "Worker process was terminated".
+        raise RuntimeError(
+          f"ImageNetLoader(num_workers={self.num_workers}) spawns worker processes, which "
+          f"re-run the main script {script} on start; it has no "
+          f'`if __name__ == "__main__":` guard, so each worker would run it again and die: '
+          f"{GUARD_ADVICE}"
+        )
       if not flags.FLAGS.is_parsed():
         # grain's worker processes read absl flags (their defaults here); outside an absl app
         # nothing parses them, and reading unparsed flags raises.
@@ -409,7 +443,7 @@ class ImageNetLoader:
       worker_count=self.num_workers,
       worker_buffer_size=self.prefetch,
     )
-    for images, labels in loader:  # in batch order: grain reads its workers round-robin
+    for images, labels in _explain_worker_death(loader, self.num_workers):
       yield (images.astype(np.float32) / np.float32(255.0) - self.mean) / self.std, labels
 
   def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -70,9 +70,18 @@ def with_group_lasso(
   * ``proximal=True`` (an extension, not in the paper): ``inner`` sees the loss gradient
     only and the new parameters are group-soft-thresholded,
     ``p ← shrink(p + u, η·λ)`` (:func:`jaxprune.prunetrain.group_lasso.group_shrink`), η the step's
-    learning rate.  Groups reach *exactly* zero, so a reconfiguration with the paper's
-    1e-4 threshold removes only channels that carry nothing, and it happens within a
-    short run.  η is ``learning_rate`` when given, else the LR that ``inner``'s
+    learning rate.  A group whose norm after the step is at most η·λ becomes *exactly* zero,
+    so a reconfiguration with the paper's 1e-4 threshold removes only channels that carry
+    nothing.  Whether groups get there within a short run depends on λ: a zero group still
+    receives loss gradients, so it stays at zero only while η·λ exceeds what ``inner``
+    adds to it.  Measured on the digits with the quickstart's recipe (PruneTrain's ResNet-20
+    at half width, batch 64, SGD momentum 0.9, triangular LR peaking at 0.1 a fifth into
+    the run, weight decay 5e-4, no reconfiguration; seeds 0–2): ``penalty_ratio=0.99`` left
+    2–4 of the 224 channels exactly zero after 6 epochs and 26–38 after 15 (training
+    accuracy 96–97 %), none between 0 and 1e-4; at 0.9 no group came near zero in 6 epochs
+    (smallest output-group max|w| 0.15–0.16) nor in 15 (0.09, seed 0), at 0.95 none in 6
+    (0.11), and at 0.999 every group went to zero and the model to chance.  η is
+    ``learning_rate`` when given, else the LR that ``inner``'s
     :func:`jaxprune.train.scale_by_lr` just applied (schedule and the dynamic mini-batch's
     linear scaling included: build ``inner`` with :func:`jaxprune.train.sgd`).  Momentum
     does not amplify the proximal step, so a given shrink speed needs a λ about
@@ -102,8 +111,9 @@ def with_group_lasso(
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     optimizer.update(model, grads, value=loss)
 
-    # exact zeros; the step size comes from train.sgd's scale_by_lr
-    tx = with_group_lasso(train.sgd(schedule, momentum=0.9), penalty_ratio=0.9, proximal=True)
+    # groups at exactly zero within a few epochs (the ratio the measurement above needed);
+    # the step size comes from train.sgd's scale_by_lr
+    tx = with_group_lasso(train.sgd(schedule, momentum=0.9), penalty_ratio=0.99, proximal=True)
   """
   if learning_rate is not None and not proximal:
     raise ValueError("learning_rate is the proximal step size: pass it with proximal=True")

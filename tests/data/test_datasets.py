@@ -5,7 +5,9 @@ fake tarball, and balanced subsets."""
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import struct
 import tarfile
 from pathlib import Path
 
@@ -354,6 +356,71 @@ def test_corrupt_pickles(tmp_path):
   (folder / "data_batch_3").unlink()
   with pytest.raises(ValueError, match="incomplete CIFAR-10 pickles"):
     data.load("cifar10", root=folder, cache_dir=tmp_path / "cache")
+
+
+class _CallsOnLoad:
+  """Unpickles as ``function(*args)``: what a crafted pickle makes ``pickle.loads`` run."""
+
+  def __init__(self, function, *args):
+    self.function, self.args = function, args
+
+  def __reduce__(self):
+    return self.function, self.args
+
+
+@pytest.mark.parametrize("member", ["data_batch_2", "batches.meta"])
+def test_crafted_pickle_is_refused_without_calling_its_function(tmp_path, member):
+  """A pickle whose ``__reduce__`` names a function (here ``os.mkdir`` in a batch, ``exec``
+  in the meta file) is refused with an error naming the function, and the function never
+  runs: the folder it would create does not exist afterwards."""
+  _write_cifar10_pickles(tmp_path)
+  folder = tmp_path / "cifar-10-batches-py"
+  marker = tmp_path / "was-called"
+  if member == "data_batch_2":
+    payload = {b"data": _CallsOnLoad(os.mkdir, str(marker)), b"labels": [0]}
+    named = "mkdir"
+  else:
+    payload = {b"label_names": _CallsOnLoad(exec, f"import os; os.mkdir({str(marker)!r})")}
+    named = "exec"
+  _dump(folder / member, payload)
+  with pytest.raises(ValueError, match=rf"{member} refers to \S*\.{named}.*not called"):
+    data.load("cifar10", root=folder, cache_dir=tmp_path / "cache")
+  assert not marker.exists()
+
+
+class _Python2Pickler(pickle._Pickler):
+  """Writes ``bytes`` as Python 2 ``str`` (``SHORT_BINSTRING`` / ``BINSTRING``), as the
+  official CIFAR files (Python 2 ``cPickle``) hold their keys, names and pixels."""
+
+  dispatch = dict(pickle._Pickler.dispatch)
+
+  def _save_str8(self, obj):
+    if len(obj) < 256:
+      self.write(pickle.SHORT_BINSTRING + bytes([len(obj)]) + obj)
+    else:
+      self.write(pickle.BINSTRING + struct.pack("<i", len(obj)) + obj)
+    self.memoize(obj)
+
+  dispatch[bytes] = _save_str8
+
+
+def test_official_python2_pickle_format_still_loads(tmp_path):
+  """The restricted reader takes what the official files hold: Python 2 strings and arrays
+  rebuilt through NumPy 1's ``numpy.core.multiarray._reconstruct``."""
+  train_images, train_labels, test_images, test_labels = _write_cifar10_pickles(tmp_path)
+  folder = tmp_path / "cifar-10-batches-py"
+  for i in range(1, 6):
+    batch = slice(4 * (i - 1), 4 * i)
+    buffer = io.BytesIO()
+    _Python2Pickler(buffer, protocol=2).dump(
+      _official_batch(train_images[batch], train_labels[batch])
+    )
+    raw = buffer.getvalue().replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    assert b"numpy.core.multiarray\n_reconstruct" in raw and b"_codecs" not in raw
+    (folder / f"data_batch_{i}").write_bytes(raw)
+  train = data.load("cifar10", root=folder, cache_dir=tmp_path / "cache")
+  np.testing.assert_array_equal(train.images, train_images)
+  np.testing.assert_array_equal(train.labels, train_labels)
 
 
 def test_dataset_validation():

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -202,3 +207,109 @@ def test_worker_processes_give_the_same_batches(folder):
   assert len(serial) == len(parallel) == 3
   for x, y in zip(serial, parallel):
     np.testing.assert_array_equal(x, y)
+
+
+# A script that iterates a loader with worker processes; {guard} is how it guards that.
+_WORKER_SCRIPT = """
+import pathlib
+from jaxprune.data.imagenet import ImageNetLoader
+
+with open({runs!r}, "a") as runs:  # one line per execution of this script's top level
+  runs.write("ran\\n")
+
+
+def main():
+  loader = ImageNetLoader({root!r}, "train", batch_size=4, image_size=8, num_workers=1)
+  print("batches", sum(1 for _ in loader))
+
+{guard}
+"""
+
+
+def _run_worker_script(tmp_path, folder, guard):
+  runs = tmp_path / "runs.txt"
+  script = tmp_path / "train_script.py"
+  script.write_text(_WORKER_SCRIPT.format(runs=str(runs), root=str(folder), guard=guard))
+  # This checkout's jaxprune, whatever the interpreter has installed.
+  root = str(Path(__file__).resolve().parents[2])
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+  proc = subprocess.run(
+    [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+  )
+  return proc, runs.read_text().count("ran") if runs.exists() else 0
+
+
+def test_script_without_main_guard_is_told_what_to_do_before_workers_start(folder, tmp_path):
+  """Workers are spawned and re-run the main script: without an ``if __name__ ==
+  "__main__":`` guard each would run the whole script again and die. The loader says so,
+  naming the script, before any worker starts (the script's top level ran once)."""
+  proc, runs = _run_worker_script(tmp_path, folder, guard="main()")
+  assert proc.returncode != 0
+  assert "RuntimeError" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr
+  assert "train_script.py" in proc.stderr and "num_workers=0" in proc.stderr
+  assert "Worker process was terminated" not in proc.stderr
+  assert runs == 1
+
+
+def test_unguarded_main_detection(tmp_path, monkeypatch):
+  """Which main modules spawned workers would re-run without a guard: a script file or a
+  ``python -m`` module lacking the guard; not a guarded one, an interactive session (no
+  file) or a package's ``__main__`` (multiprocessing does not re-run those)."""
+  import types
+
+  from jaxprune.data import _spawn
+
+  def main_module(source, spec_name=None, has_file=True):
+    module = types.ModuleType("__main__")
+    if has_file:
+      path = tmp_path / f"script{len(list(tmp_path.iterdir()))}.py"
+      path.write_text(source)
+      module.__file__ = str(path)
+    module.__spec__ = types.SimpleNamespace(name=spec_name) if spec_name else None
+    monkeypatch.setitem(sys.modules, "__main__", module)
+    return module
+
+  unguarded = "import x\nx.run()\n"
+  for guard in ('if __name__ == "__main__":\n  x.run()\n', "if '__main__' == __name__: pass\n"):
+    main_module("import x\n" + guard)
+    assert _spawn.unguarded_main_script() is None
+  module = main_module(unguarded)
+  assert _spawn.unguarded_main_script() == module.__file__
+  module = main_module(unguarded, spec_name="mypackage.train")
+  assert _spawn.unguarded_main_script() == module.__file__
+  main_module(unguarded, spec_name="mypackage.__main__")
+  assert _spawn.unguarded_main_script() is None
+  main_module(unguarded, has_file=False)
+  assert _spawn.unguarded_main_script() is None
+
+
+def test_worker_death_is_explained(folder, monkeypatch):
+  """When a worker dies anyway (a guarded script that still runs the loader on import, a
+  crash in decoding), grain's bare "Worker process was terminated" becomes an error that
+  names the loader and says what to check and what to do."""
+
+  class DeadWorkers:
+    def __init__(self, **kwargs):
+      del kwargs
+
+    def __iter__(self):
+      raise RuntimeError("Worker process was terminated unexpectedly with exit code 1.")
+
+  monkeypatch.setattr(imagenet.grain, "DataLoader", DeadWorkers)
+  loader = ImageNetLoader(folder, "train", batch_size=4, num_workers=2)
+  with pytest.raises(RuntimeError, match="worker process .* died") as info:
+    next(iter(loader))
+  message = str(info.value)
+  assert 'if __name__ == "__main__":' in message and "num_workers=0" in message
+  assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.slow
+def test_guarded_script_that_still_runs_the_loader_on_import_gets_the_explanation(
+  folder, tmp_path
+):
+  """End to end: the guard is there but the loader runs before it; the spawned worker re-runs
+  it and dies, and the parent's error explains that instead of grain's bare message."""
+  proc, _ = _run_worker_script(tmp_path, folder, guard='main()\nif __name__ == "__main__":\n  pass')
+  assert proc.returncode != 0
+  assert "worker process" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr

@@ -77,9 +77,41 @@ def kernel_manager(tmp_path, monkeypatch, compilation_cache):
   return KernelManager(kernel_name=KERNEL, kernel_spec_manager=specs)
 
 
+# Run after a notebook's own cells, in its kernel: on the Agg backend ``plt.show()`` leaves
+# every figure open, so each can be drawn and its tick labels measured.
+_CHECK_TICK_LABELS = """
+import matplotlib.pyplot as _plt
+
+
+def _overlapping_tick_labels():
+  found = []
+  for number in _plt.get_fignums():
+    figure = _plt.figure(number)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    for ax in figure.axes:
+      for axis in (ax.xaxis, ax.yaxis):
+        labels = [t for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        for i in range(len(labels)):
+          for j in range(i + 1, len(labels)):
+            if boxes[i].overlaps(boxes[j]):
+              found.append(f"figure {number} {ax.get_title()!r}: "
+                           f"{labels[i].get_text()!r} overlaps {labels[j].get_text()!r}")
+  return found
+
+
+assert _plt.get_fignums(), "no figure left open to check"
+_overlaps = _overlapping_tick_labels()
+assert not _overlaps, "overlapping tick labels: " + "; ".join(_overlaps)
+"""
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, kernel_manager):
+  """Every cell runs without error, and no figure has tick labels drawn over each other."""
   notebook = nbformat.read(path, as_version=4)
+  notebook.cells.append(nbformat.v4.new_code_cell(_CHECK_TICK_LABELS))
   client = nbclient.NotebookClient(
     notebook,
     km=kernel_manager,

@@ -108,6 +108,48 @@ def test_reduced_elements_counts_kept_entries():
   assert distributed.reduced_elements(params) == (43, 43)
 
 
+def test_reduced_elements_accepts_nnx_state_and_pure_state():
+  """Params and indices as ``nnx.state``, ``nnx.as_pure`` or plain dicts, in any pairing,
+  count the same entries: the kept ones of the mask, every entry of an unmasked leaf."""
+  from flax import nnx
+
+  model = nnx.Conv(2, 3, (3, 3), rngs=nnx.Rngs(0))  # kernel 3*3*2*3 = 54 entries, bias 3
+  state = nnx.state(model, nnx.Param)
+  params_forms = (state, nnx.as_pure(state), nnx.as_pure(state).to_pure_dict())
+  kernel_mask = np.zeros((3, 3, 2, 3), bool)
+  kernel_mask[:, :, 1, 2] = True  # one 3x3 kernel kept: 9 entries
+  masks = {"kernel": kernel_mask, "bias": None}
+  index_forms = (distributed.mask_indices(masks), distributed.mask_indices(nnx.State(masks)))
+  for params in params_forms:
+    assert distributed.reduced_elements(params) == (57, 57)
+    for idx in index_forms:
+      assert distributed.reduced_elements(params, idx) == (9 + 3, 54 + 3)
+  with pytest.raises(ValueError, match=r"indices: .*missing \['bias'\]"):
+    distributed.reduced_elements(state, {"kernel": index_forms[0]["kernel"]})
+
+
+def test_sparse_psum_pairs_nnx_state_gradients_with_dict_indices():
+  """Gradients as an NNX ``State`` and indices built from a plain dict of masks (or the other
+  way round) reduce the same entries as the masked dense sum (one device: the sum is the
+  gradient itself)."""
+  import jax
+  from flax import nnx
+
+  model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  grads = nnx.as_pure(nnx.state(model, nnx.Param))
+  mask = np.random.default_rng(0).random((4, 3)) < 0.5
+  expected = {"kernel": np.asarray(grads["kernel"]) * mask, "bias": np.asarray(grads["bias"])}
+  for idx, g in (
+    (distributed.mask_indices({"kernel": mask, "bias": None}), grads),
+    (distributed.mask_indices(nnx.State({"kernel": mask, "bias": None})), grads.to_pure_dict()),
+  ):
+    out = jax.pmap(lambda g: distributed.sparse_psum(g, idx, "i"), axis_name="i")(
+      jax.tree.map(lambda x: x[None], g)
+    )
+    for name in ("kernel", "bias"):
+      np.testing.assert_array_equal(np.asarray(out[name])[0], expected[name])
+
+
 def test_too_many_indices_is_rejected():
   import jax
 
