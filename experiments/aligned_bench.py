@@ -208,8 +208,9 @@ def _model_masks(model: nnx.Module, name: str, groups: int, rng, *, fine: bool =
   return jax.tree_util.tree_map_with_path(leaf_mask, nnx.as_pure(params))
 
 
-def bench_step(name: str, variant: str, args, rng) -> float:
-  """ms per train step of ``clicktrain-<name>`` with its pruned convs run as ``variant``."""
+def bench_step(name: str, variant: str, args, rng) -> tuple[float, float]:
+  """ms per train step of ``clicktrain-<name>`` with its pruned convs run as ``variant``, and
+  the compression of the pruned layers (their weights / kept weights)."""
   model = models.create(
     f"clicktrain-{name}", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width
   )
@@ -232,7 +233,9 @@ def bench_step(name: str, variant: str, args, rng) -> float:
     state[:] = steps.train(*state, x, y)
     return state[0]
 
-  return median_call_ms(step, repeats=args.repeats)
+  kept = [np.asarray(m) for m in jax.tree.leaves(masks)]
+  compression = sum(m.size for m in kept) / sum(float(m.sum()) for m in kept)
+  return median_call_ms(step, repeats=args.repeats), compression
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -248,10 +251,14 @@ def to_markdown(result: dict[str, Any]) -> str:
   ]
   if result["steps"]:
     lines += ["## Whole train step (forward, backward, SGD), fp32", ""]
-    lines += ["| model | variant | ms / step | vs dense |", "|---|---|---:|---:|"]
+    lines += [
+      "| model | variant | pruned layers' compression | ms / step | vs dense |",
+      "|---|---|---:|---:|---:|",
+    ]
     for r in result["steps"]:
       lines.append(
-        f"| {r['model']} | {r['variant']} | {r['ms']:.2f} | {r['ms'] / r['dense_ms']:.2f}× |"
+        f"| {r['model']} | {r['variant']} | {r['compression']:.1f}× | {r['ms']:.2f} | "
+        f"{r['ms'] / r['dense_ms']:.2f}× |"
       )
     lines.append("")
   if result["layers"]:
@@ -288,6 +295,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--no-imagenet", dest="imagenet", action="store_false")
   parser.add_argument("--fine", action="store_true", help="also time the fine-grained path")
   parser.add_argument("--skip", nargs="*", default=[], choices=["steps", "layers"])
+  parser.add_argument("--layers", type=int, default=None, help="time only the first N layers")
   parser.add_argument("--small", action="store_true", help="quarter width, batch 16, 3 repeats")
   parser.add_argument("--seed", type=int, default=0)
   _tables.add_output_arguments(parser, "benchmarks/")
@@ -324,16 +332,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       variants += ["fine-grained"] if args.fine else []
       dense_ms = None
       for variant in variants:
-        ms = bench_step(name, variant, args, rng)
+        ms, compression = bench_step(name, variant, args, rng)
         dense_ms = ms if variant == "dense" else dense_ms
         result["steps"].append(
-          {"model": f"clicktrain-{name}", "variant": variant, "ms": ms, "dense_ms": dense_ms}
+          {
+            "model": f"clicktrain-{name}",
+            "variant": variant,
+            "compression": compression,
+            "ms": ms,
+            "dense_ms": dense_ms,
+          }
         )
         print(f"step {name} {variant}: {ms:.2f} ms ({ms / dense_ms:.2f}x)", flush=True)
         save()
   if "layers" not in args.skip:
     for dtype in args.dtypes:
-      for spec in _layers(args):
+      for spec in _layers(args)[: args.layers]:
         row = bench_layer(spec, dtype, args, rng)
         result["layers"].append(row)
         ratios = ", ".join(f"{k} {v / row['ms']['dense']:.2f}x" for k, v in row["ms"].items())
