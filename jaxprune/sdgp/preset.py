@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxprune import models
-from jaxprune.methods import Method
+from jaxprune.method_api import Method
 from jaxprune.sdgp.conv import convert_model
 from pallas_kernels import nm_math
 
