@@ -207,6 +207,9 @@ def test_convert_model_twice_raises_instead_of_keeping_first_setting():
 # ----------------------------------------------------------------------------------------
 
 
+KEY_X = jax.random.normal(KEY, (2, 8, 8, 3))
+
+
 def test_settings_are_checked_once_and_passed_down_as_they_are(monkeypatch):
   from pallas_kernels import nm_math
 
@@ -215,10 +218,11 @@ def test_settings_are_checked_once_and_passed_down_as_they_are(monkeypatch):
   monkeypatch.setattr(nm_math, "validate_settings", lambda *a: (calls.append(a), check(*a)))
   method = sdgp.method(n=1, m=4, method="mvue", seed=3)
   model = method.convert(_TinyNet(nnx.Rngs(0)))
-  _grads(model, jax.random.normal(KEY, (2, 8, 8, 3)))  # forward and backward, jitted
-  assert calls == [(1, 4, "mvue")]
   settings = method.convert.settings
   assert all(model.blocks[i].settings is settings for i in range(2))
+  # Forward and backward, traced afresh (a function of its own: no cached trace).
+  nnx.jit(lambda mdl, x: nnx.grad(lambda mdl: (mdl(x) ** 2).sum())(mdl))(model, KEY_X)
+  assert calls == [(1, 4, "mvue")]
 
 
 def test_settings_bad_arguments_and_frozen():
