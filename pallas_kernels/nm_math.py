@@ -17,6 +17,8 @@ import jax.numpy as jnp
 Array = jax.Array
 
 METHODS = ("random", "magnitude", "rescaled_magnitude", "mvue")
+# The methods that draw random numbers (they need a PRNG key).
+RANDOM_METHODS = ("random", "mvue")
 
 # SDGP §III-B: ε added to the kept L1 norm before rescaling; the authors' code adds 1e-4
 # after the sum.
@@ -28,27 +30,37 @@ MAX_GROUP = 32
 _CANONICAL_NAN_BITS = 0x7FC00000
 
 
-def validate(shape: Sequence[int], dtype, n, m, method: str, key) -> None:
-  """Raises ``ValueError`` naming the bad argument of ``nm_prune``."""
+def validate_settings(n, m, method: str) -> None:
+  """Raises ``ValueError`` naming the bad one of ``n``, ``m``, ``method`` (no tensor needed)."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
   if not isinstance(m, int) or isinstance(m, bool) or m < 1 or m > MAX_GROUP:
     raise ValueError(f"m must be an int in [1, {MAX_GROUP}], got {m!r}")
   if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > m:
     raise ValueError(f"n must be an int with 1 <= n <= m={m}, got {n!r}")
-  if len(shape) < 1 or shape[-1] % m != 0:
-    raise ValueError(f"x: last axis ({shape[-1] if shape else 'none'}) must be divisible by m={m}")
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"x must have a floating dtype, got {dtype}")
   if method == "mvue" and m % n != 0:
     raise ValueError(
       f"n: method 'mvue' needs m divisible by n (n independent unbiased 1:(m/n) "
       f"draws per group), got n={n}, m={m}"
     )
+
+
+def validate_key(method: str, key) -> None:
+  """Raises ``ValueError`` when ``method`` draws random numbers and ``key`` is ``None``."""
+  if method in RANDOM_METHODS and key is None:
+    raise ValueError(f"key is required for method {method!r}")
+
+
+def validate(shape: Sequence[int], dtype, n, m, method: str, key) -> None:
+  """Raises ``ValueError`` naming the bad argument of ``nm_prune``."""
+  validate_settings(n, m, method)
+  if len(shape) < 1 or shape[-1] % m != 0:
+    raise ValueError(f"x: last axis ({shape[-1] if shape else 'none'}) must be divisible by m={m}")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"x must have a floating dtype, got {dtype}")
   if method == "rescaled_magnitude" and len(shape) < 2:
     raise ValueError("x: method 'rescaled_magnitude' needs at least 2 axes (sample, ..., channel)")
-  if method in ("random", "mvue") and key is None:
-    raise ValueError(f"key is required for method {method!r}")
+  validate_key(method, key)
 
 
 def uniform_shape(shape: Sequence[int], n: int, m: int, method: str) -> tuple[int, ...] | None:

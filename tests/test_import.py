@@ -1,7 +1,9 @@
-"""Tests for ``import jaxprune``: heavy optional dependencies load only when used."""
+"""Tests for ``import jaxprune``: heavy optional dependencies load only when used; the import
+floors (paper packages side by side, ``methods`` above them, no circle)."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import subprocess
 import sys
@@ -38,3 +40,57 @@ def test_import_jaxprune_leaves_orbax_and_matplotlib_out_until_used(tmp_path):
     check=False,
   )
   assert result.returncode == 0, result.stderr
+
+
+_PAPERS = {"clicktrain", "prunetrain", "sdgp"}
+
+
+def _unit_imports() -> dict[str, set[str]]:
+  """Which unit of ``jaxprune`` (a subpackage or top-level module) imports which, read from
+  the source: every ``import`` statement, those inside functions included."""
+  package = _REPO_ROOT / "jaxprune"
+  units = {p.stem for p in package.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+  units.discard("__init__")
+  graph: dict[str, set[str]] = {unit: set() for unit in units}
+  for path in package.rglob("*.py"):
+    parts = path.relative_to(package).with_suffix("").parts
+    if parts == ("__init__",):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        names = [f"{node.module}.{alias.name}" for alias in node.names]
+      else:
+        continue
+      for name in names:
+        target = name.split(".")
+        if target[0] == "jaxprune" and len(target) > 1 and target[1] in units:
+          graph[parts[0]].add(target[1])
+  for unit in graph:
+    graph[unit].discard(unit)
+  return graph
+
+
+def test_paper_packages_stand_side_by_side_below_methods():
+  graph = _unit_imports()
+  assert set(graph) >= _PAPERS | {"methods"}
+  for paper in _PAPERS:
+    assert not graph[paper] & (_PAPERS - {paper}), (paper, graph[paper])
+  importers = {unit for unit, targets in graph.items() if targets & (_PAPERS | {"methods"})}
+  assert importers == {"methods"}, importers
+
+
+def test_no_import_circle():
+  graph = _unit_imports()
+  done: set[str] = set()
+
+  def visit(unit, stack):
+    assert unit not in stack, " -> ".join([*stack, unit])
+    if unit not in done:
+      for target in sorted(graph[unit]):
+        visit(target, [*stack, unit])
+      done.add(unit)
+
+  for unit in sorted(graph):
+    visit(unit, [])

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from jaxprune.clicktrain.transform import clicktrain
-from jaxprune.methods import Method, Run, split_config
+from jaxprune.method_api import Method, Run, split_config
 
 __all__ = ["RELEASED_CIFAR10", "method", "one_shot_method", "released_method"]
 

@@ -3,8 +3,9 @@
 ClickTrain keys its per-layer state by the kernel's parameter path, in ``(Cin, Cout)``-shaped
 (or HWIO-shaped) arrays that are not parameter-shaped trees, so PruneTrain's surgery cannot
 find them by shape. This slicer, registered with
-:func:`jaxprune.prunetrain.register_state_slicer`, slices them with the kept input / output
-channels of their kernel and drops the layers removed with their residual branch: the masks
+:func:`jaxprune.state_slicing.register_state_slicer` (the shared registry: ClickTrain does not
+import PruneTrain), slices them with the kept input / output channels of their kernel and
+drops the layers removed with their residual branch: the masks
 (pattern, kernel), the finalization votes and Eq. 2 score sums follow their kernels. The
 pattern pool and its competitive scores are per pattern, not per channel, and are kept. The
 wrapped optimizer's state is sliced like any other optimizer state.
@@ -20,7 +21,7 @@ References:
 from __future__ import annotations
 
 from jaxprune.clicktrain.transform import ClickTrainLayerState, ClickTrainState
-from jaxprune.prunetrain.slicing import ChannelSlices, register_state_slicer
+from jaxprune.state_slicing import ChannelSlices, register_state_slicer
 
 __all__ = ["slice_state"]
 
@@ -44,7 +45,7 @@ def slice_state(state: ClickTrainState, slices: ChannelSlices) -> ClickTrainStat
 
   Args:
     state: a :class:`~jaxprune.clicktrain.ClickTrainState`.
-    slices: the reconfiguration's :class:`~jaxprune.prunetrain.ChannelSlices`.
+    slices: the reconfiguration's :class:`~jaxprune.state_slicing.ChannelSlices`.
 
   Returns:
     The sliced state (stage, counters and pattern pools unchanged).

@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 from flax import nnx
 
-from jaxprune import flops, sdgp
+from jaxprune import flops
 from jaxprune.clicktrain.readouts import masks, stage_name
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
 from jaxprune.clicktrain.pattern_conv import (
@@ -52,8 +52,13 @@ from jaxprune.clicktrain.pattern_conv import (
   pattern_conv_values,
 )
 from jaxprune.masking import count_refilled
-from jaxprune.models import replace_submodule
-from jaxprune.models.layers import conv_sharing_variables
+from jaxprune.models import (
+  PluggableConv,
+  base_function,
+  conv_sharing_variables,
+  replace_submodule,
+  with_base,
+)
 from jaxprune.paths import flatten_with_paths
 from jaxprune.train import Callback
 
@@ -124,44 +129,35 @@ def _check_convertible(conv: nnx.Conv, name: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _SDGPSettings:
-  n: int
-  m: int
-  method: str
-  backend: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _PatternConvFn:
-  """``(x, kernel) -> pattern_conv(...)`` as a hashable function (SDGP wraps it)."""
+class _PatternConvFunction:
+  """:func:`pattern_conv` on a fixed layout as a conv function of the shared protocol
+  (:mod:`jaxprune.models.pluggable_conv`): the innermost function of a ``PatternConv``, under
+  any wrapper its conv had (e.g. SDGP's pruned data gradient)."""
 
   holder: _StaticLayout
-  strides: int | tuple[int, ...]
-  padding: Any
   backend: str
 
-  def __call__(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
+  def __call__(self, lhs, rhs, window_strides, padding, **geometry) -> jax.Array:
+    # Dilation, groups and layout are checked once, when the conv is converted
+    # (`_check_convertible`); pattern_conv is NHWC × HWIO without them.
+    del geometry
     return pattern_conv(
-      x,
-      kernel,
-      self.holder.layout,
-      strides=self.strides,
-      padding=self.padding,
-      backend=self.backend,
+      lhs, rhs, self.holder.layout, strides=window_strides, padding=padding, backend=self.backend
     )
 
 
-class PatternConv(nnx.Conv):
+class PatternConv(PluggableConv):
   """``nnx.Conv`` whose kernel is pattern-sparse on a fixed layout (ClickTrain §5.2).
 
   Same parameters (``kernel``, ``bias``: the very Variables of the conv it replaces) and the
   same function as that conv with its pruned weights at zero; the convolution runs
   :func:`~jaxprune.clicktrain.pattern_conv.pattern_conv` with ``backend``.
 
-  Converted from a :class:`jaxprune.sdgp.SDGPConv`, it keeps SDGP's backward pass (and the
-  layer's key Variable): the weight gradient comes from the dense output gradient, the data
-  gradient from the N:M-pruned one, both through the sparse path
-  (:func:`jaxprune.sdgp.with_pruned_data_gradient`).
+  The sparse convolution replaces the innermost conv function of the conv it comes from
+  (:func:`jaxprune.models.with_base`) and keeps every wrapper around it, with the layer's
+  key Variable: converted from an SDGP conv, it keeps SDGP's backward pass (the weight
+  gradient from the dense output gradient, the data gradient from the N:M-pruned one, both
+  through the sparse path) without this package knowing SDGP.
 
   Build it with :meth:`from_conv`; :func:`convert_model` does it for a whole model.
   """
@@ -185,46 +181,18 @@ class PatternConv(nnx.Conv):
       raise ValueError(
         f"{name}: layout kernel shape {layout.kernel_shape} != conv kernel {conv.kernel.shape}"
       )
-    new = conv_sharing_variables(cls, conv)
-    new.sparse_layout = _StaticLayout(layout)
-    new.backend = backend
-    new.sdgp = None
-    if isinstance(conv, sdgp.SDGPConv):
-      new.sdgp = _SDGPSettings(conv.n, conv.m, conv.method, conv.conv_general_dilated.backend)
-      new.sdgp_key = conv.sdgp_key  # the same Variable: state paths and key stream unchanged
-    return new
+    sparse = _PatternConvFunction(_StaticLayout(layout), backend)
+    return conv_sharing_variables(
+      cls, conv, conv_general_dilated=with_base(conv.conv_general_dilated, sparse)
+    )
 
   @property
   def layout(self) -> PatternLayout:
-    return self.sparse_layout.layout
+    return base_function(self.conv_general_dilated).holder.layout
 
-  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
-    del out_sharding
-    kernel = self.kernel[...]
-    bias = self.bias[...] if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-    strides = self.strides if isinstance(self.strides, int) else tuple(self.strides)
-    conv_fn = _PatternConvFn(
-      self.sparse_layout, strides, _conv_padding(self, "PatternConv"), self.backend
-    )
-    if self.sdgp is None:
-      y = conv_fn(inputs, kernel)
-    else:
-      y = sdgp.with_pruned_data_gradient(
-        conv_fn,
-        inputs,
-        kernel,
-        n=self.sdgp.n,
-        m=self.sdgp.m,
-        method=self.sdgp.method,
-        key=sdgp.next_layer_key(self.sdgp_key),
-        backend=self.sdgp.backend,
-      )
-    if self.preferred_element_type is not None:
-      y = y.astype(self.preferred_element_type)
-    if bias is not None:
-      y = y + bias.astype(y.dtype)
-    return y
+  @property
+  def backend(self) -> str:
+    return base_function(self.conv_general_dilated).backend
 
 
 def median_call_ms(fn, *args, repeats: int) -> float:

@@ -7,6 +7,9 @@ Models own their rebuild: every spec has ``layer_widths()`` / ``with_widths(widt
 removed_blocks=...)`` (widths keyed by the layer's attribute path), and ``rebuild(model, spec)``
 builds a model of the same class from a new spec, re-applying the conversions recorded on the
 old one (``record_conversion``).
+
+Convolution wrappers share one protocol (``pluggable_conv``): a ``PluggableConv`` runs a pluggable
+conv function, composed by wrapping, with an explicit per-call key.
 """
 
 from jaxprune.models.conversions import (
@@ -18,6 +21,16 @@ from jaxprune.models.conversions import (
   replace_submodule,
 )
 from jaxprune.models.layers import BasicBlock, BlurPool, Bottleneck, ConvBN
+from jaxprune.models.pluggable_conv import (
+  BoundConv,
+  ConvFunction,
+  ConvKey,
+  PluggableConv,
+  base_function,
+  conv_sharing_variables,
+  next_call_key,
+  with_base,
+)
 from jaxprune.models.registry import available, create, default_spec, param_count
 from jaxprune.models.resnet import (
   BlockSpec,
@@ -38,6 +51,14 @@ __all__ = [
   "rebuild",
   "record_conversion",
   "replace_submodule",
+  "BoundConv",
+  "ConvFunction",
+  "ConvKey",
+  "PluggableConv",
+  "base_function",
+  "conv_sharing_variables",
+  "next_call_key",
+  "with_base",
   "BasicBlock",
   "BlurPool",
   "BlockSpec",

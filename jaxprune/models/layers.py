@@ -29,6 +29,7 @@ from flax import nnx
 
 from jaxprune.models._common import require_positive
 from jaxprune.models.conv import conv_general_dilated
+from jaxprune.models.pluggable_conv import conv_sharing_variables
 
 __all__ = [
   "BasicBlock",
@@ -455,38 +456,3 @@ class Bottleneck(_ResidualBlock):
 def global_avg_pool(x: jax.Array) -> jax.Array:
   """Mean over the spatial axes of an NHWC tensor → ``(N, C)``."""
   return jnp.mean(x, axis=(1, 2))
-
-
-def conv_sharing_variables(cls: type, conv: nnx.Conv, **kwargs) -> nnx.Conv:
-  """An instance of ``cls`` (an ``nnx.Conv`` subclass) with ``conv``'s settings that holds
-  ``conv``'s very ``kernel`` / ``bias`` Variables: what a converter puts in a conv's place so
-  the parameter tree, the optimizer state and checkpoints stay the same.
-
-  ``kwargs`` go to ``cls``'s constructor (its own settings, e.g. SDGP's ``n`` and ``m``).
-  """
-  zeros = nnx.initializers.zeros
-  new = cls(
-    conv.in_features,
-    conv.out_features,
-    conv.kernel_size,
-    conv.strides,
-    rngs=nnx.Rngs(0),
-    padding=conv.padding,
-    input_dilation=conv.input_dilation,
-    kernel_dilation=conv.kernel_dilation,
-    feature_group_count=conv.feature_group_count,
-    use_bias=conv.use_bias,
-    mask=conv.mask,
-    dtype=conv.dtype,
-    param_dtype=conv.param_dtype,
-    precision=conv.precision,
-    promote_dtype=conv.promote_dtype,
-    preferred_element_type=conv.preferred_element_type,
-    # Zero init: the fresh params are replaced by the shared Variables just below.
-    kernel_init=zeros,
-    bias_init=zeros,
-    **kwargs,
-  )
-  new.kernel = conv.kernel
-  new.bias = conv.bias
-  return new

@@ -8,8 +8,9 @@ The pieces:
 * :mod:`~jaxprune.prunetrain.graph` — the channel graph (who writes and reads each channel).
 * :mod:`~jaxprune.prunetrain.surgery` — :func:`reconfigure`: remove dead channels and layers,
   rebuild the model smaller (§4.2).
-* :mod:`~jaxprune.prunetrain.slicing` — slice the model and every per-parameter optimizer
-  state with the same kept indices; :func:`register_state_slicer` for states of other methods.
+* :class:`ChannelSlices`, :func:`register_state_slicer` — re-exported from the shared
+  :mod:`jaxprune.state_slicing`: slice the model and every per-parameter optimizer state with
+  the same kept indices (other methods register their states' slicers there).
 * :mod:`~jaxprune.prunetrain.dynamic_batch` — the dynamic mini-batch (§4.3): grow the batch
   into the memory a reconfiguration freed, LR scaled by the same ratio.
 * :mod:`~jaxprune.prunetrain.callback` — :class:`PruneTrainCallback`: reconfiguration every k
@@ -52,7 +53,7 @@ from jaxprune.prunetrain.group_lasso import (
   set_coefficient_once,
 )
 from jaxprune.prunetrain.optimizer import PruneTrainState, with_group_lasso
-from jaxprune.prunetrain.slicing import (
+from jaxprune.state_slicing import (
   ChannelSlices,
   StateSlicer,
   register_state_slicer,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxprune.methods import Method, Run, split_config
+from jaxprune.method_api import Method, Run, split_config
 from jaxprune.prunetrain.callback import PruneTrainCallback
 from jaxprune.prunetrain.optimizer import with_group_lasso
 

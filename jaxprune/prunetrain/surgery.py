@@ -18,8 +18,8 @@ on the host, outside ``jit``:
 4. Kernels, BatchNorm scale / bias / running stats, the readers' input channels (the
    classifier included), every parameter-shaped optimizer-state leaf (momentum, Adam
    moments, ...) and every optimizer state with a registered slicer (ClickTrain's masks and
-   scores; :func:`jaxprune.prunetrain.register_state_slicer`) are sliced with the same index
-   arrays (:mod:`jaxprune.prunetrain.slicing`). The model's spec gives its smaller self
+   scores; :func:`jaxprune.state_slicing.register_state_slicer`) are sliced with the same index
+   arrays (:mod:`jaxprune.state_slicing`). The model's spec gives its smaller self
    (``spec.with_widths``) and :func:`jaxprune.models.rebuild` builds it, re-applying the
    conversions the model carries (an SDGP-converted model stays converted, keys included).
 
@@ -70,7 +70,7 @@ from jaxprune.prunetrain.graph import (
   _build_graph,
   live_channels,
 )
-from jaxprune.prunetrain.slicing import ChannelSlices
+from jaxprune.state_slicing import ChannelSlices
 
 __all__ = ["ReconfigureReport", "reconfigure", "rounded_width"]
 

@@ -2,7 +2,9 @@
 
 ``nm_prune`` prunes a gradient tensor, ``sdgp_conv`` is a convolution whose input gradient is
 computed from the N:M-pruned output gradient, ``SDGPConv`` is its Flax NNX module and
-``convert_model`` swaps the convolutions of an existing model.
+``convert_model`` swaps the convolutions of an existing model. ``SDGPSettings`` holds the N:M
+settings (checked once, passed down as they are); ``PrunedDataGradient`` is SDGP's backward as
+a wrapper of the shared conv-function protocol (``jaxprune.models.PluggableConv``).
 
 Example:
   >>> from jaxprune import sdgp
@@ -18,6 +20,7 @@ References:
 
 from pallas_kernels.nm_math import MAX_GROUP, METHODS, RESCALE_EPS
 from jaxprune.sdgp.conv import (
+  PrunedDataGradient,
   SDGPConv,
   SDGPConversion,
   SDGPKey,
@@ -26,7 +29,7 @@ from jaxprune.sdgp.conv import (
   sdgp_conv,
   with_pruned_data_gradient,
 )
-from jaxprune.sdgp.prune import BACKENDS, nm_prune, nm_prune_reference
+from jaxprune.sdgp.prune import BACKENDS, SDGPSettings, nm_prune, nm_prune_reference
 from jaxprune.sdgp.preset import PAPER_MODELS, method, paper_method, paper_model
 
 __all__ = [
@@ -38,9 +41,11 @@ __all__ = [
   "MAX_GROUP",
   "METHODS",
   "RESCALE_EPS",
+  "PrunedDataGradient",
   "SDGPConv",
   "SDGPConversion",
   "SDGPKey",
+  "SDGPSettings",
   "convert_model",
   "nm_prune",
   "nm_prune_reference",

@@ -11,8 +11,6 @@ References:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -24,68 +22,45 @@ from flax import nnx
 
 from pallas_kernels import nm_math
 from jaxprune._conv_args import canonical_padding, spatial_pair
-from jaxprune.distributed import device_key
 from jaxprune.models.conversions import record_conversion, replace_submodule
-from jaxprune.models.layers import conv_sharing_variables, kaiming_uniform_relu_init
-from jaxprune.sdgp.prune import BACKENDS, nm_prune
+from jaxprune.models.layers import kaiming_uniform_relu_init
+from jaxprune.models.pluggable_conv import (
+  BoundConv,
+  ConvFunction,
+  ConvKey,
+  PluggableConv,
+  conv_sharing_variables,
+  next_call_key,
+)
+from jaxprune.sdgp.prune import SDGPSettings
 
 Array = jax.Array
 
-_RANDOM_METHODS = ("random", "mvue")
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
+# This call's key of an SDGP layer: split from its SDGPKey and advanced (the shared rule of
+# conv layers that draw per call, data-parallel device folding included).
+next_layer_key = next_call_key
 
-def _check_out_channels(name: str, channels: int, m) -> None:
+
+def _check_out_channels(name: str, channels: int, m: int) -> None:
   # Groups run over output channels (the dX conv's reduction axis), so they must tile it.
-  if isinstance(m, int) and m >= 1 and channels % m != 0:
+  if channels % m != 0:
     raise ValueError(f"{name}: {channels} output channels are not divisible by m={m}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _ConvConfig:
-  """Static (hashable) settings of one dense convolution: the conv function SDGP wraps."""
-
-  strides: tuple[int, ...]
-  padding: str | tuple[tuple[int, int], ...]
-  lhs_dilation: tuple[int, ...]
-  rhs_dilation: tuple[int, ...]
-  feature_group_count: int
-  precision: object
-
-  def __call__(self, x: Array, kernel: Array) -> Array:
-    return jax.lax.conv_general_dilated(
-      x,
-      kernel,
-      self.strides,
-      self.padding,
-      lhs_dilation=self.lhs_dilation,
-      rhs_dilation=self.rhs_dilation,
-      dimension_numbers=_NHWC,
-      feature_group_count=self.feature_group_count,
-      precision=self.precision,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pruning:
-  """Static (hashable) N:M settings of the data-gradient pruning."""
-
-  n: int
-  m: int
-  method: str
-  backend: str
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sdgp_apply(pruning: _Pruning, conv_fn, x: Array, kernel: Array, key: Array | None) -> Array:
+def _sdgp_apply(
+  settings: SDGPSettings, conv_fn, x: Array, kernel: Array, key: Array | None
+) -> Array:
   return conv_fn(x, kernel)
 
 
-def _sdgp_apply_fwd(pruning, conv_fn, x, kernel, key):
+def _sdgp_apply_fwd(settings, conv_fn, x, kernel, key):
   return conv_fn(x, kernel), (x, kernel, key)
 
 
-def _sdgp_apply_bwd(pruning, conv_fn, residuals, cotangent):
+def _sdgp_apply_bwd(settings, conv_fn, residuals, cotangent):
   x, kernel, key = residuals
   # dW from the dense output gradient (SDGP §III-A: dL/dO is copied before pruning).
   _, weight_vjp = jax.vjp(lambda w: conv_fn(x, w), kernel)
@@ -94,15 +69,44 @@ def _sdgp_apply_bwd(pruning, conv_fn, residuals, cotangent):
   # The barrier keeps XLA from fusing (and so recomputing) the cotangent's producers into
   # the pruning pass: the cotangent is materialised once for the dW conv anyway.
   cotangent = jax.lax.optimization_barrier(cotangent)
-  pruned = nm_prune(
-    cotangent, pruning.n, pruning.m, pruning.method, key=key, backend=pruning.backend
-  )
+  pruned = settings.prune(cotangent, key)
   _, input_vjp = jax.vjp(lambda x_: conv_fn(x_, kernel), x)
   (d_x,) = input_vjp(pruned)
   return d_x, d_kernel, None
 
 
 _sdgp_apply.defvjp(_sdgp_apply_fwd, _sdgp_apply_bwd)
+
+
+def _apply(settings: SDGPSettings, conv_fn, x: Array, kernel: Array, key: Array | None) -> Array:
+  """The checks of one call (the settings were checked when created), then the custom VJP."""
+  _check_out_channels("kernel", kernel.shape[-1], settings.m)
+  nm_math.validate_key(settings.method, key)
+  return _sdgp_apply(settings, conv_fn, x, kernel, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrunedDataGradient:
+  """SDGP's backward pass around a conv function (:mod:`jaxprune.models.pluggable_conv`).
+
+  A wrapper of the shared conv-function protocol: the forward pass is ``inner``'s; the VJP
+  returns ``dW`` from ``inner``'s own VJP of the dense output gradient and ``dX`` from its VJP
+  of the N:M-pruned one. Swapping ``inner`` (``jaxprune.models.with_base``) keeps the pruning:
+  a sparse ``inner`` computes its sparse data gradient from the pruned output gradient.
+
+  Attributes:
+    settings: the N:M settings.
+    inner: the wrapped conv function (default: ``lax.conv_general_dilated``).
+  """
+
+  settings: SDGPSettings
+  inner: ConvFunction = jax.lax.conv_general_dilated
+
+  def __call__(self, lhs: Array, rhs: Array, window_strides, padding, *, key=None, **geometry):
+    """``inner(lhs, rhs, window_strides, padding, **geometry)`` with SDGP's VJP; ``key``:
+    the call's PRNG key, required for the random methods."""
+    conv_fn = BoundConv.bind(self.inner, window_strides, padding, **geometry)
+    return _apply(self.settings, conv_fn, lhs, rhs, key)
 
 
 def with_pruned_data_gradient(
@@ -122,6 +126,7 @@ def with_pruned_data_gradient(
   from its VJP of ``nm_prune(dO, n, m, method, key=key)``. ``conv_fn`` keeps its own
   backward: a sparse convolution (``jaxprune.clicktrain.pattern_conv``) then computes its
   sparse data gradient from the N:M-pruned output gradient, so the two methods compose.
+  (A layer composes through :class:`PrunedDataGradient` instead.)
 
   Args:
     conv_fn: a hashable callable ``(x, kernel) -> y`` (e.g. a frozen dataclass); its last
@@ -132,11 +137,7 @@ def with_pruned_data_gradient(
   Returns:
     ``conv_fn(x, kernel)``.
   """
-  _check_out_channels("kernel", kernel.shape[-1], m)
-  nm_math.validate((1, kernel.shape[-1]), jnp.float32, n, m, method, key)
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  return _sdgp_apply(_Pruning(n, m, method, backend), conv_fn, x, kernel, key)
+  return _apply(SDGPSettings(n, m, method, backend), conv_fn, x, kernel, key)
 
 
 def sdgp_conv(
@@ -184,16 +185,17 @@ def sdgp_conv(
     raise ValueError(f"x must be NHWC (4-D), got shape {x.shape}")
   if kernel.ndim != 4:
     raise ValueError(f"kernel must be HWIO (4-D), got shape {kernel.shape}")
-  conv_fn = _ConvConfig(
-    strides=spatial_pair(strides, "strides"),
-    padding=canonical_padding(padding, ("SAME", "VALID", "SAME_LOWER")),
+  return PrunedDataGradient(SDGPSettings(n, m, method, backend))(
+    x,
+    kernel,
+    spatial_pair(strides, "strides"),
+    canonical_padding(padding, ("SAME", "VALID", "SAME_LOWER")),
     lhs_dilation=spatial_pair(lhs_dilation, "lhs_dilation"),
     rhs_dilation=spatial_pair(rhs_dilation, "rhs_dilation"),
+    dimension_numbers=_NHWC,
     feature_group_count=int(feature_group_count),
     precision=precision,
-  )
-  return with_pruned_data_gradient(
-    conv_fn, x, kernel, n=n, m=m, method=method, key=key, backend=backend
+    key=key,
   )
 
 
@@ -201,83 +203,8 @@ def sdgp_conv(
 # Flax NNX module and model converter
 # ---------------------------------------------------------------------------------------
 
-# The key of the SDGPConv currently running; read by `_SDGPConvFunction` while nnx.Conv's
-# __call__ runs (synchronously, at trace time), so SDGPConv reuses nnx.Conv's call logic
-# (padding modes, masks, dtype promotion) unchanged.
-_ACTIVE_KEY: contextvars.ContextVar = contextvars.ContextVar("sdgp_active_key", default=None)
 
-
-@contextlib.contextmanager
-def _active_key(key):
-  token = _ACTIVE_KEY.set(key)
-  try:
-    yield
-  finally:
-    _ACTIVE_KEY.reset(token)
-
-
-@dataclasses.dataclass(frozen=True)
-class _SDGPConvFunction:
-  """Drop-in for ``lax.conv_general_dilated`` inside ``nnx.Conv`` (a static attribute)."""
-
-  n: int
-  m: int
-  method: str
-  backend: str
-
-  def __call__(
-    self,
-    inputs,
-    kernel,
-    window_strides,
-    padding,
-    lhs_dilation=None,
-    rhs_dilation=None,
-    dimension_numbers=None,
-    feature_group_count=1,
-    precision=None,
-    out_sharding=None,
-    preferred_element_type=None,
-  ):
-    if inputs.ndim != 4:
-      raise ValueError(f"SDGPConv supports 2-D convolutions only, got input {inputs.shape}")
-    y = sdgp_conv(
-      inputs,
-      kernel,
-      n=self.n,
-      m=self.m,
-      method=self.method,
-      strides=window_strides,
-      padding=padding,
-      lhs_dilation=lhs_dilation or (1, 1),
-      rhs_dilation=rhs_dilation or (1, 1),
-      feature_group_count=feature_group_count,
-      precision=precision,
-      key=_ACTIVE_KEY.get(),
-      backend=self.backend,
-    )
-    if preferred_element_type is not None:
-      y = y.astype(preferred_element_type)
-    return y
-
-
-def next_layer_key(key_variable: SDGPKey | None) -> Array | None:
-  """This call's key of an SDGP layer (``None`` for the deterministic methods).
-
-  Splits the layer's :class:`SDGPKey` and advances it: a fresh key per call (= per layer and
-  step), so SDGP draws new masks every iteration. Inside a data-parallel step
-  (:func:`jaxprune.distributed.per_device_keys`) the returned key also folds in the device's
-  index, so each device prunes its shard's gradient with its own draw, while the stored key
-  advances as on one device.
-  """
-  if key_variable is None:
-    return None
-  state_key, key = jax.random.split(key_variable[...])
-  key_variable[...] = state_key
-  return device_key(key)
-
-
-class SDGPKey(nnx.Variable):
+class SDGPKey(ConvKey):
   """PRNG key of an ``SDGPConv`` with a random method; advanced on every call.
 
   Not an ``nnx.Param``: a train step must carry it like BatchNorm statistics (``nnx.jit``
@@ -285,19 +212,20 @@ class SDGPKey(nnx.Variable):
   """
 
 
-class SDGPConv(nnx.Conv):
+class SDGPConv(PluggableConv):
   """``nnx.Conv`` whose input gradient uses the N:M-pruned output gradient (SDGP).
 
   Same parameters (``kernel``, ``bias``) and forward as ``nnx.Conv``; only the VJP w.r.t.
-  the input changes (see ``sdgp_conv``). For ``"random"`` / ``"mvue"`` the layer holds an
-  ``SDGPKey`` variable ``sdgp_key`` that is split on every call, so every layer and step
-  draws fresh masks inside a jitted train step.
+  the input changes (see ``sdgp_conv``). Its convolution is a :class:`PrunedDataGradient`
+  (a :class:`jaxprune.models.PluggableConv` conv function). For ``"random"`` / ``"mvue"``
+  the layer holds an ``SDGPKey`` variable ``sdgp_key`` that is split on every call and passed
+  to the convolution, so every layer and step draws fresh masks inside a jitted train step.
 
   Example:
     >>> conv = SDGPConv(64, 128, (3, 3), n=2, m=4, method="rescaled_magnitude",
     ...                 rngs=nnx.Rngs(0))
     >>> sdgp = SDGPConv.from_conv(nnx.Conv(64, 128, (3, 3), rngs=nnx.Rngs(0)),
-    ...                           n=2, m=4, method="mvue", key=jax.random.key(1))
+    ...                           SDGPSettings(2, 4, "mvue"), key=jax.random.key(1))
   """
 
   def __init__(
@@ -307,11 +235,12 @@ class SDGPConv(nnx.Conv):
     kernel_size,
     strides=1,
     *,
-    n: int,
-    m: int,
-    method: str,
-    key: Array | None = None,
+    n: int | None = None,
+    m: int | None = None,
+    method: str | None = None,
     backend: str = "auto",
+    settings: SDGPSettings | None = None,
+    key: Array | None = None,
     rngs: nnx.Rngs,
     **conv_kwargs,
   ):
@@ -320,60 +249,63 @@ class SDGPConv(nnx.Conv):
     Args:
       in_features, out_features, kernel_size, strides: as ``nnx.Conv``.
       n, m, method, backend: as ``jaxprune.sdgp.nm_prune``; ``m`` divides out_features.
+      settings: the same as one :class:`SDGPSettings`, instead of ``n``, ``m``, ``method``
+        and ``backend``.
       key: seed key of the random methods; default ``rngs.sdgp()`` (falls back to
         ``rngs.default``).
       rngs: ``nnx.Rngs`` for the parameters.
       **conv_kwargs: forwarded to ``nnx.Conv``.
     """
-    _check_out_channels("out_features", out_features, m)
-    nm_math.validate((1, out_features), jnp.float32, n, m, method, key=0)
-    if backend not in BACKENDS:
-      raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if settings is None:
+      settings = SDGPSettings(n, m, method, backend)
+    elif (n, m, method) != (None, None, None):
+      raise ValueError("settings: give either settings or n, m and method, not both")
+    _check_out_channels("out_features", out_features, settings.m)
     if "conv_general_dilated" in conv_kwargs:
       raise ValueError("conv_general_dilated: SDGPConv sets its own convolution")
-    padding = conv_kwargs.get("padding", "SAME")
-    if isinstance(padding, str) and padding.upper() in ("CIRCULAR", "REFLECT", "CAUSAL"):
-      raise ValueError(f"padding {padding!r} is not supported by SDGPConv")
     super().__init__(
       in_features,
       out_features,
       kernel_size,
       strides,
-      conv_general_dilated=_SDGPConvFunction(n, m, method, backend),
+      conv_general_dilated=PrunedDataGradient(settings),
       rngs=rngs,
       **conv_kwargs,
     )
-    self.n = n
-    self.m = m
-    self.method = method
-    if method in _RANDOM_METHODS:
+    if settings.uses_key:
       if key is None:
         key = rngs.sdgp() if "sdgp" in rngs else rngs.default()
       self.sdgp_key = SDGPKey(key)
     else:
       self.sdgp_key = nnx.data(None)
 
+  @property
+  def settings(self) -> SDGPSettings:
+    """The layer's N:M settings."""
+    return self.conv_general_dilated.settings
+
+  @property
+  def n(self) -> int:
+    return self.settings.n
+
+  @property
+  def m(self) -> int:
+    return self.settings.m
+
+  @property
+  def method(self) -> str:
+    return self.settings.method
+
   @classmethod
   def from_conv(
-    cls,
-    conv: nnx.Conv,
-    *,
-    n: int,
-    m: int,
-    method: str,
-    key: Array | None = None,
-    backend: str = "auto",
+    cls, conv: nnx.Conv, settings: SDGPSettings, *, key: Array | None = None
   ) -> SDGPConv:
     """An ``SDGPConv`` sharing ``conv``'s ``kernel`` / ``bias`` Variables and settings."""
     if isinstance(conv, SDGPConv):
       raise ValueError("conv is already an SDGPConv")
-    if method in _RANDOM_METHODS and key is None:
-      raise ValueError(f"key is required for method {method!r}")
-    return conv_sharing_variables(cls, conv, n=n, m=m, method=method, key=key, backend=backend)
-
-  def __call__(self, inputs: Array, out_sharding=None) -> Array:
-    with _active_key(next_layer_key(self.sdgp_key)):
-      return super().__call__(inputs, out_sharding=out_sharding)
+    if settings.uses_key and key is None:
+      raise ValueError(f"key is required for method {settings.method!r}")
+    return conv_sharing_variables(cls, conv, settings=settings, key=key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,27 +313,33 @@ class SDGPConversion:
   """:func:`convert_model`'s settings, recorded on the converted model
   (:func:`jaxprune.models.record_conversion`), so that :func:`jaxprune.models.rebuild` — and
   through it PruneTrain's reconfiguration and the trainer's resume — converts the rebuilt
-  model the same way.
+  model the same way. Created (and checked) once: the preset's ``convert`` is this object.
 
-  ``seed`` is an int, or ``(key_impl, key_data)`` for a seed given as a typed key, or
-  ``(None, key_data)`` for a raw ``uint32`` key (hashable forms: the record is static).
-  ``channel_multiple`` is ``m``: a converted conv's output channels must stay a multiple of it.
-  ``reinit``: re-initialise every converted conv as the authors' released converter does
-  (see :func:`convert_model`); a rebuild re-initialises the fresh model too, whose values the
+  ``settings`` are the N:M settings every converted conv gets. ``seed`` is an int or a key;
+  it is stored as an int, ``(key_impl, key_data)`` for a typed key, or ``(None, key_data)``
+  for a raw ``uint32`` key (hashable forms: the record is static). ``channel_multiple`` is
+  ``m``: a converted conv's output channels must stay a multiple of it. ``reinit``:
+  re-initialise every converted conv as the authors' released converter does (see
+  :func:`convert_model`); a rebuild re-initialises the fresh model too, whose values the
   caller then overwrites, so the option never touches trained weights after the first call.
+
+  Raises:
+    ValueError: ``reinit`` is not a bool.
   """
 
-  n: int
-  m: int
-  method: str
-  min_in_channels: int
-  seed: int | tuple
-  backend: str
+  settings: SDGPSettings
+  min_in_channels: int = 4
+  seed: int | tuple | Array = 0
   reinit: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.reinit, bool):
+      raise ValueError(f"reinit must be a bool, got {self.reinit!r}")
+    object.__setattr__(self, "seed", _hashable_seed(self.seed))
 
   @property
   def channel_multiple(self) -> int:
-    return self.m
+    return self.settings.m
 
   def key(self) -> Array:
     if isinstance(self.seed, int):
@@ -412,8 +350,7 @@ class SDGPConversion:
 
   def __call__(self, model: nnx.Module) -> nnx.Module:
     """Converts ``model`` in place (see :func:`convert_model`) and records ``self`` on it."""
-    n, m, method = self.n, self.m, self.method
-    nm_math.validate((1, m), jnp.float32, n, m, method, key=0)
+    n, m = self.settings.n, self.settings.m
     targets = []
     for path, module in nnx.iter_modules(model):
       # Converting twice would skip the SDGPConvs and silently keep the first N:M setting.
@@ -423,11 +360,7 @@ class SDGPConversion:
           f"SDGPConv with n={module.n}, m={module.m}); build a fresh model to convert it with "
           f"n={n}, m={m}"
         )
-      if (
-        isinstance(module, nnx.Conv)
-        and not isinstance(module, SDGPConv)
-        and module.in_features >= self.min_in_channels
-      ):
+      if isinstance(module, nnx.Conv) and module.in_features >= self.min_in_channels:
         if not path:
           raise ValueError("model: pass a model containing convs, not a conv itself")
         if module.out_features % m != 0:
@@ -440,8 +373,8 @@ class SDGPConversion:
     # A stream of its own: the random methods' per-layer keys stay what they were without it.
     init_base = jax.random.split(base_key)[1]
     for index, (path, conv) in enumerate(targets):
-      key = jax.random.fold_in(base_key, index) if method in _RANDOM_METHODS else None
-      new = SDGPConv.from_conv(conv, n=n, m=m, method=method, key=key, backend=self.backend)
+      key = jax.random.fold_in(base_key, index) if self.settings.uses_key else None
+      new = SDGPConv.from_conv(conv, self.settings, key=key)
       if self.reinit:
         _reinitialise(new, jax.random.fold_in(init_base, index))
       replace_submodule(model, path, new)
@@ -457,7 +390,9 @@ def _reinitialise(conv: nnx.Conv, key: Array) -> None:
     conv.bias[...] = jnp.zeros(conv.bias.shape, conv.bias.dtype)
 
 
-def _hashable_seed(seed: int | Array) -> int | tuple:
+def _hashable_seed(seed: int | tuple | Array) -> int | tuple:
+  if isinstance(seed, tuple):  # already in the stored form
+    return seed
   if isinstance(seed, (int, np.integer)):
     return int(seed)
   if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
@@ -509,9 +444,5 @@ def convert_model(
     >>> model = convert_model(models.create("sdgp-resnet9", num_classes=10,
     ...                       rngs=nnx.Rngs(0)), n=2, m=4, method="rescaled_magnitude")
   """
-  if not isinstance(reinit, bool):
-    raise ValueError(f"reinit must be a bool, got {reinit!r}")
-  conversion = SDGPConversion(
-    n, m, method, min_in_channels, _hashable_seed(seed), backend, reinit=reinit
-  )
-  return conversion(model)
+  settings = SDGPSettings(n, m, method, backend)
+  return SDGPConversion(settings, min_in_channels, seed, reinit)(model)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxprune import models
-from jaxprune.methods import Method
-from jaxprune.sdgp.conv import convert_model
+from jaxprune.method_api import Method
+from jaxprune.sdgp.conv import SDGPConversion
+from jaxprune.sdgp.prune import SDGPSettings
 from pallas_kernels import nm_math
 
 __all__ = ["PAPER_MODELS", "method", "paper_method", "paper_model"]
@@ -39,8 +39,9 @@ def method(
 ) -> Method:
   """SDGP (N:M pruning of each conv's output data gradient) as a method.
 
-  ``convert(model)`` is :func:`jaxprune.sdgp.convert_model`; the optimizer is the user's,
-  unchanged (the weight gradient stays dense). The default is the paper's best, rescaled
+  ``convert`` is one :class:`jaxprune.sdgp.SDGPConversion` (what
+  :func:`jaxprune.sdgp.convert_model` applies), built and checked here; the optimizer is the
+  user's, unchanged (the weight gradient stays dense). The default is the paper's best, rescaled
   magnitude 2:4 (Table I).
 
   Args:
@@ -54,15 +55,14 @@ def method(
     A :class:`jaxprune.methods.Method` named ``"sdgp"``.
 
   Raises:
-    ValueError: bad ``n``, ``m`` or ``method`` (checked here, before any model is seen).
+    ValueError: bad ``n``, ``m``, ``method``, ``backend`` or ``reinit`` (checked here, before
+      any model is seen).
 
   Example:
     >>> from jaxprune import sdgp
     >>> m = sdgp.method(n=2, m=4, method="mvue")
   """
-  nm_math.validate((1, m), jnp.float32, n, m, method, key=0)
-  if not isinstance(reinit, bool):
-    raise ValueError(f"reinit must be a bool, got {reinit!r}")
+  conversion = SDGPConversion(SDGPSettings(n, m, method, backend), min_in_channels, seed, reinit)
   config = {
     "n": n,
     "m": m,
@@ -72,11 +72,7 @@ def method(
     "backend": backend,
     "reinit": reinit,
   }
-
-  def convert(model):
-    return convert_model(model, **config)
-
-  return Method(name="sdgp", convert=convert, config=config)
+  return Method(name="sdgp", convert=conversion, config=config)
 
 
 def _check_dataset(dataset: str) -> None:

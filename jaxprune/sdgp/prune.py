@@ -1,4 +1,5 @@
-"""N:M pruning of a data gradient (SDGP Algorithm 1, §III-B) with backend dispatch.
+"""N:M pruning of a data gradient (SDGP Algorithm 1, §III-B) with backend dispatch, and
+:class:`SDGPSettings`, the one home of SDGP's N:M settings.
 
 References:
   McDanel, Dinh and Magallanes, "Accelerating DNN Training with Structured Data Gradient
@@ -10,6 +11,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -206,9 +208,56 @@ def nm_prune(
   """
   x = jnp.asarray(x)
   nm_math.validate(x.shape, x.dtype, n, m, method, key)
+  _check_backend(backend)
+  return _nm_prune_jit(x, key, n=n, m=m, method=method, backend=backend)
+
+
+def _check_backend(backend: str) -> None:
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  return _nm_prune_jit(x, key, n=n, m=m, method=method, backend=backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class SDGPSettings:
+  """SDGP's N:M settings, validated once when created, then passed down as they are.
+
+  Hashable: the static argument of SDGP's custom VJP and part of its layers' and conversion
+  record's static attributes, from the preset down to the backward pass.
+
+  Attributes:
+    n, m, method, backend: as in :func:`nm_prune` (keep ``n`` of every ``m`` consecutive
+      entries of the last axis, selected by ``method``).
+
+  Raises:
+    ValueError: a bad ``n``, ``m``, ``method`` or ``backend`` (named in the message).
+
+  Example:
+    >>> settings = SDGPSettings(n=2, m=4, method="mvue")
+    >>> settings.uses_key
+    True
+  """
+
+  n: int
+  m: int
+  method: str
+  backend: str = "auto"
+
+  def __post_init__(self):
+    nm_math.validate_settings(self.n, self.m, self.method)
+    _check_backend(self.backend)
+
+  @property
+  def uses_key(self) -> bool:
+    """Whether ``method`` draws random numbers (``"random"``, ``"mvue"``): it needs a key."""
+    return self.method in nm_math.RANDOM_METHODS
+
+  def prune(self, x: Array, key: Array | None) -> Array:
+    """``nm_prune(x, n, m, method, key=key, backend=backend)``, the settings not checked again.
+
+    The caller guarantees the rest of :func:`nm_prune`'s contract: a floating ``x`` of at
+    least 2 axes whose last axis is divisible by ``m``, and a key when :attr:`uses_key`.
+    """
+    return _nm_prune_jit(x, key, n=self.n, m=self.m, method=self.method, backend=self.backend)
 
 
 @functools.partial(jax.jit, static_argnames=("n", "m", "method", "backend"))

@@ -200,3 +200,44 @@ def test_convert_model_twice_raises_instead_of_keeping_first_setting():
   # The first setting is intact (every SDGPConv still n=2).
   convs = [c for _, c in nnx.iter_modules(model) if isinstance(c, sdgp.SDGPConv)]
   assert convs and all(c.n == 2 for c in convs)
+
+
+# ----------------------------------------------------------------------------------------
+# SDGPSettings: one frozen object from the preset to the backward pass
+# ----------------------------------------------------------------------------------------
+
+
+KEY_X = jax.random.normal(KEY, (2, 8, 8, 3))
+
+
+def test_settings_are_checked_once_and_passed_down_as_they_are(monkeypatch):
+  from pallas_kernels import nm_math
+
+  calls = []
+  check = nm_math.validate_settings
+  monkeypatch.setattr(nm_math, "validate_settings", lambda *a: (calls.append(a), check(*a)))
+  method = sdgp.method(n=1, m=4, method="mvue", seed=3)
+  model = method.convert(_TinyNet(nnx.Rngs(0)))
+  settings = method.convert.settings
+  assert all(model.blocks[i].settings is settings for i in range(2))
+  # Forward and backward, traced afresh (a function of its own: no cached trace).
+  nnx.jit(lambda mdl, x: nnx.grad(lambda mdl: (mdl(x) ** 2).sum())(mdl))(model, KEY_X)
+  assert calls == [(1, 4, "mvue")]
+
+
+def test_settings_bad_arguments_and_frozen():
+  with pytest.raises(ValueError, match=r"^n must be an int with 1 <= n <= m=2, got 3"):
+    sdgp.SDGPSettings(n=3, m=2, method="magnitude")
+  with pytest.raises(ValueError, match=r"^n: method 'mvue' needs m divisible by n"):
+    sdgp.SDGPSettings(n=3, m=4, method="mvue")
+  with pytest.raises(ValueError, match=r"^backend must be one of .*, got 'cuda'"):
+    sdgp.SDGPSettings(n=2, m=4, method="magnitude", backend="cuda")
+  with pytest.raises(ValueError, match=r"^backend must be one of .*, got 'cuda'"):
+    sdgp.method(backend="cuda")  # before any model is seen
+  settings = sdgp.SDGPSettings(n=2, m=4, method="random")
+  assert settings.uses_key and not sdgp.SDGPSettings(2, 4, "magnitude").uses_key
+  assert hash(settings) == hash(sdgp.SDGPSettings(2, 4, "random", "auto"))
+  with pytest.raises(AttributeError):
+    settings.n = 1
+  with pytest.raises(ValueError, match="^settings: give either settings or n, m and method"):
+    sdgp.SDGPConv(8, 8, (3, 3), n=2, settings=settings, rngs=nnx.Rngs(0))

@@ -1,6 +1,8 @@
-"""Slicing every piece of state a reconfiguration touches with the same kept-index arrays.
+"""Slicing every piece of state a channel surgery touches with the same kept-index arrays.
 
-PruneTrain (§4.2) keeps the momentums of the remaining channels "as is": after a
+Shared by the methods, below them: PruneTrain's reconfiguration (§4.2) slices with it, and a
+method whose optimizer state holds per-parameter arrays registers its slicer here without
+importing PruneTrain. PruneTrain keeps the momentums of the remaining channels "as is": after a
 reconfiguration, every per-parameter statistic must be sliced exactly like its parameter.
 :class:`ChannelSlices` holds the kept input / output channel indices of every sliced layer and
 applies them to
@@ -37,7 +39,7 @@ _STATE_SLICERS: dict[type, StateSlicer] = {}
 
 
 def register_state_slicer(state_type: type, slicer: StateSlicer) -> None:
-  """Teaches :func:`jaxprune.prunetrain.reconfigure` to slice an optimizer state type.
+  """Teaches a channel surgery (:func:`jaxprune.prunetrain.reconfigure`) to slice a state type.
 
   Use it for a state that holds per-parameter arrays in another layout than the params
   (param-shaped sub-trees are found and sliced without registration).
@@ -96,7 +98,8 @@ def _take(array: Any, in_index: Index, out_index: Index, in_axis: int, out_axis:
 class ChannelSlices:
   """The kept channels of one reconfiguration, and how to apply them to any state.
 
-  Built by :func:`jaxprune.prunetrain.reconfigure`; registered state slicers receive it.
+  Built by a channel surgery (:func:`jaxprune.prunetrain.reconfigure`); registered state
+  slicers receive it.
 
   Args:
     layer_index: layer path (attribute path tuple, e.g. ``("stages", 0, 1, "conv1")``) ->
