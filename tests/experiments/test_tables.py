@@ -130,20 +130,6 @@ def test_every_row_of_a_table_gets_the_same_budget(budget):
   )
 
 
-def test_clicktrain_schedule_depends_on_the_row_only_in_the_paper_budget():
-  cpu = clicktrain_table1._parse(["--budget", "cpu"])
-  schedules = [clicktrain_table1._schedule(cpu, row) for row in clicktrain_table1.PAPER]
-  assert all(s == schedules[0] for s in schedules)
-  paper = clicktrain_table1._parse(["--budget", "paper"])
-  # the paper's hard-prune epoch per row (Table 1's last column)
-  assert [
-    clicktrain_table1._schedule(paper, r)["hard_prune_epoch"] for r in ("resnet32", "vgg11")
-  ] == [
-    98,
-    96,
-  ]
-
-
 def test_bad_budget_name_on_the_command_line_is_rejected():
   for parse in (clicktrain_table1._parse, prunetrain_table1._parse, sdgp_table1._parse):
     with pytest.raises(SystemExit):
