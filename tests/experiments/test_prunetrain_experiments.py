@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import prunetrain_speed, prunetrain_table1
+from experiments import _prunetrain_pages, prunetrain_speed, prunetrain_table1
 
 
 def _write_earlier(path, args, dense):
@@ -145,7 +145,8 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, tiny_rows
   # the paired table: one row per epoch, PruneTrain's epoch time beside dense's
   args.paired = True
   results = {run.method: prunetrain_table1._result(args, run) for run in paired}
-  prunetrain_table1._write(tmp_path / "paired", args, results, "cmd")
+  paper = prunetrain_table1.PAPER[args.model]
+  _prunetrain_pages.row_page(tmp_path / "paired", args, results, "cmd", paper)
   assert (tmp_path / "paired_over_training.png").exists()
   lines = (tmp_path / "paired.md").read_text().splitlines()
   header = lines.index(next(line for line in lines if line.startswith("| epoch | dense epoch")))
