@@ -61,7 +61,7 @@ def table_page(folder: Path, budget_name: str, command: str, rows: Sequence[str]
         ours,
       )
     )
-    logs[label] = f"logs/{path.stem}/prunetrain.jsonl"
+    logs[label] = f"logs/{path.stem}_prunetrain.jsonl"
   page = _tables.results_page(
     "PruneTrain Table 1 — CIFAR-10, dense vs PruneTrain",
     command=_tables.joined_commands(shown, default=command),
@@ -290,7 +290,7 @@ def row_page(
   lines += [
     "",
     "Per-epoch logs: "
-    + ", ".join(f"[{m}](logs/{stem.name}/{m}.jsonl)" for m in runs if m in ("dense", "prunetrain")),
+    + ", ".join(f"[{m}](logs/{stem.name}_{m}.jsonl)" for m in runs if m in ("dense", "prunetrain")),
   ]
   stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

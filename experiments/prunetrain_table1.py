@@ -25,9 +25,10 @@ the first LR drop, so the budget uses 0.55 (λ 0.8× that, each group's shrinkag
 
 Each row writes ``table1_<budget>_<row>.{md,json}`` (the per-epoch channels / FLOPs table
 and the plot ``table1_<budget>_<row>_over_training.png``) and its runs' epoch logs
-(``logs/``); the table page ``table1_<budget>.md`` gathers every row present in the folder
-beside the paper's Table 1.  All go to ``runs/prunetrain/``, or to
-``experiments/results/prunetrain/`` with ``--publish``.  A row too long for one sitting runs
+(``logs/table1_<budget>_<row>_<method>.jsonl``); the table page ``table1_<budget>.md``
+gathers every row present in the folder beside the paper's Table 1.  All go to
+``runs/prunetrain/``, or to ``experiments/results/prunetrain/`` with ``--publish``; a probe
+(``--name-suffix``) to ``probes/`` there.  A row too long for one sitting runs
 in parts: each run checkpoints after every epoch (``runs/checkpoints/``) and the same command
 with ``--resume`` continues it exactly (a row whose dense run is already saved goes on with
 ``--skip-dense --reuse-dense --resume``).
@@ -154,7 +155,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     "the same host load (the wall-time comparison of a shared machine)",
   )
   parser.add_argument(
-    "--name-suffix", default="", help="appended to the row's file names (probes, not rows)"
+    "--name-suffix",
+    default="",
+    help="appended to the row's file names: a probe, not a row, written to probes/",
   )
   args = parser.parse_args(argv)
   rows = [r for r in args.rows.split(",") if r]
@@ -271,10 +274,11 @@ def _build(
   method: str,
   train_set,
   test_set,
-  log_dir: Path,
+  log_stem: Path,
   checkpoint_dir: Path | None = None,
 ) -> _Run:
-  """One method's run, restored from ``checkpoint_dir`` under ``--resume``."""
+  """One method's run, logging each epoch to ``<log_stem>_<method>.jsonl``, restored from
+  ``checkpoint_dir`` under ``--resume``."""
   train_loader = data.Loader(
     train_set, args.batch_size, shuffle=True, seed=args.seed, augment="prunetrain", drop_last=True
   )
@@ -317,7 +321,7 @@ def _build(
     chosen.make_tx(tx, run),
     callbacks=callbacks,
     progress=False,
-    log_path=log_dir / f"{method}.jsonl",
+    log_path=f"{log_stem}_{method}.jsonl",
     checkpoint_dir=checkpoint_dir,
     # A resume under other settings is refused, not mixed in.
     run_config={
@@ -434,8 +438,10 @@ def write_table_page(folder: Path, budget_name: str, command: str) -> Path:
 
 def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]:
   reused = _reused_dense_run(args, name, folder)
-  log_dir = folder / "logs" / name
-  log_dir.mkdir(parents=True, exist_ok=True)
+  # A probe (named by its --name-suffix) is not a row of the table: its files go to probes/.
+  folder = _tables.probes_dir(folder) if args.name_suffix else folder
+  log_stem = folder / "logs" / name
+  log_stem.parent.mkdir(parents=True, exist_ok=True)
   runs = {}
   if reused is not None:
     runs["dense"] = reused
@@ -447,7 +453,7 @@ def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]
   )
   if args.paired:
     paired = [
-      _build(args, method, train_set, test_set, log_dir, _checkpoints(args, name, method))
+      _build(args, method, train_set, test_set, log_stem, _checkpoints(args, name, method))
       for method in names
     ]
     _train_paired(paired, args.epochs)
@@ -457,7 +463,7 @@ def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]
     for method in names:
       shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)
   for method in [] if args.paired else names:
-    run = _build(args, method, train_set, test_set, log_dir, _checkpoints(args, name, method))
+    run = _build(args, method, train_set, test_set, log_stem, _checkpoints(args, name, method))
     run.advance(args.epochs)
     runs[method] = _result(args, run)
     _prunetrain_pages.row_page(folder / name, args, runs, command, PAPER[args.model])
