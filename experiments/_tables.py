@@ -8,7 +8,10 @@ reached 81.4% in 10 epochs and 68 minutes on such a machine,
 ``results/benchmarks/cifar10_resnet20_dense.md``).
 
 Runs write to ``runs/<paper>/`` (git-ignored) unless ``--publish`` is given, which writes to
-``experiments/results/<paper>/``, the pages the repository links.
+``experiments/results/<paper>/``, the pages the repository links. Names follow one scheme:
+pages ``<table>_<budget>[_<row>].md`` (JSON beside them), per-epoch logs
+``logs/<table>_<budget>_<row>_<method>.jsonl``, and runs that are not rows of a table (probes)
+under ``probes/`` (:func:`probes_dir`).
 
     parser = argparse.ArgumentParser()
     add_table_arguments(parser, "sdgp_table1")
@@ -324,6 +327,14 @@ def output_dir(
   folder = Path(out) if out is not None else base / (paper or "")
   folder.mkdir(parents=True, exist_ok=True)
   return folder
+
+
+def probes_dir(folder: str | os.PathLike) -> Path:
+  """``<folder>/probes/`` (created): where a run that is not a row of its table writes (a probe,
+  a measurement beside the table), so that a paper's folder holds its tables' pages only."""
+  probes = Path(folder) / "probes"
+  probes.mkdir(parents=True, exist_ok=True)
+  return probes
 
 
 def command_line(name: str, argv: Sequence[str] | None) -> str:

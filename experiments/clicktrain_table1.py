@@ -44,10 +44,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-import jaxprune
 from experiments import _tables
 from experiments._machine import machine_description
-from jaxprune import data, flops, models, train
+from jaxprune import data, flops, methods, models, train
 from jaxprune.clicktrain import patterns, readouts
 
 # Paper Table 1, CIFAR-10, first ClickTrain row per model:
@@ -110,24 +109,45 @@ def _parse(argv):
   return a
 
 
-def _schedule(args, row: str) -> dict[str, Any]:
+def _stage_epochs(args, row: str) -> dict[str, Any]:
+  """The stage epochs this table sets for ``row`` in ``args.mode``.
+
+  The ``cpu`` budget fixes every stage (one epoch each of warm-up, pool generation and
+  finalization, the hard prune at ``hard_prune_fraction`` of the run); the ``paper`` budget
+  sets the pool and finalization lengths and each Table 1 row's hard-prune epoch. What is left
+  out comes from the preset (:func:`jaxprune.clicktrain.method`): the hard prune at half the
+  run for a row the paper does not list, the one-shot mask pick 30/190 of the run before it,
+  and §4.1's loss-derivative trigger for the pool.
+  """
   if args.hard_prune_fraction is not None:
     hard = max(4, round(args.hard_prune_fraction * args.epochs))
+    if args.mode == "one_shot":
+      return {"hard_prune_epoch": hard, "one_shot_epoch": 1}
     return {
       "pool_start_epoch": 1,
       "pool_epochs": args.pool_epochs,
       "finalize_epochs": args.finalize_epochs,
       "hard_prune_epoch": hard,
-      "one_shot_epoch": 1,
     }
-  hard = PAPER[row][5] if row in PAPER else round(0.5 * args.epochs)
-  return {
-    "pool_start_epoch": None,
-    "pool_epochs": args.pool_epochs,
-    "finalize_epochs": args.finalize_epochs,
-    "hard_prune_epoch": hard,
-    "one_shot_epoch": hard - 30,
-  }
+  epochs = {"hard_prune_epoch": PAPER[row][5]} if row in PAPER else {}
+  if args.mode == "one_shot":
+    return epochs
+  return {"pool_epochs": args.pool_epochs, "finalize_epochs": args.finalize_epochs, **epochs}
+
+
+def _method(args, row: str) -> methods.Method:
+  """ClickTrain for ``row``: the registered preset with this table's ratios and stage epochs."""
+  return methods.get(
+    "clicktrain",
+    mode=args.mode,
+    kernel_prune_ratio=kernel_ratio_fn(row),
+    **_stage_epochs(args, row),
+  )
+
+
+def _pruned_at(run: dict[str, Any]) -> int | None:
+  """The epoch after which a saved run's stage first read ``pruned`` (its hard prune)."""
+  return next((r["epoch"] for r in run.get("history", ()) if r.get("stage") == "pruned"), None)
 
 
 def _run(
@@ -154,16 +174,8 @@ def _run(
     width_multiplier=_tables.row_width(args.width, row),
     **overrides,
   )
-  sched = _schedule(args, row)
   if prune:
-    kw = dict(sched)
-    if args.mode == "paper":
-      kw.pop("one_shot_epoch")
-    else:
-      kw = {"hard_prune_epoch": kw["hard_prune_epoch"], "one_shot_epoch": kw["one_shot_epoch"]}
-    tx = jaxprune.clicktrain.clicktrain(
-      inner, steps_per_epoch=spe, mode=args.mode, kernel_prune_ratio=kernel_ratio_fn(row), **kw
-    )
+    tx = _method(args, row).make_tx(inner, methods.Run.from_loader(loader, epochs=args.epochs))
     metrics = {
       "stage": lambda t: readouts.stage_name(t.opt_state),
       "compression": lambda t: flops.compression_ratio(t.params),
@@ -185,11 +197,10 @@ def _run(
   )
   _tables.start_or_resume(trainer, loader, args.resume)
   if prune and args.mode == "one_shot":
-    # The released code switches to mixup (α = 0.3) after the hard prune.
-    if trainer.epoch < sched["hard_prune_epoch"]:
-      trainer.fit(
-        loader, test_loader, epochs=sched["hard_prune_epoch"], resume=False, overwrite=True
-      )
+    # The released code switches to mixup (α = 0.3) after the hard prune: train up to the
+    # epoch whose end finds the stage pruned (the preset placed it), then mixup batches.
+    while trainer.epoch < args.epochs and readouts.stage_name(trainer.opt_state) != "pruned":
+      trainer.fit(loader, test_loader, epochs=trainer.epoch + 1, resume=False, overwrite=True)
     loader = data.Loader(
       train_set,
       args.batch_size,
@@ -359,7 +370,7 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
         "",
         (
           f"- final stage: {clk['stage']}; hard prune at epoch "
-          f"{_schedule(args, row)['hard_prune_epoch']}; pool (ids into `all_patterns(4, 3)`, "
+          f"{_pruned_at(clk) or '—'}; pool (ids into `all_patterns(4, 3)`, "
           f"most competitive first): {clk['pool']}"
         ),
         "- patterns used by kept kernels (id: count): "

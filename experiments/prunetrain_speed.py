@@ -12,8 +12,8 @@ same batch size.  The measured time ratio is put beside the training-FLOP ratio
     python -m experiments.run prunetrain_speed [--model prunetrain-resnet32] [--keep 0.75 0.5 0.25] \
         [--run runs/prunetrain/table1_cpu_resnet32.json] [--publish]
 
-Writes ``runs/prunetrain/prunetrain_speed{--name-suffix}.{md,json}``, or to
-``experiments/results/prunetrain/`` with ``--publish``.
+Writes ``runs/prunetrain/probes/speed{--name-suffix}.{md,json}``, or to
+``experiments/results/prunetrain/probes/`` with ``--publish``.
 """
 
 from __future__ import annotations
@@ -283,11 +283,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _write(result: dict[str, Any], args: argparse.Namespace) -> None:
-  folder = _tables.output_dir("prunetrain", args.publish)
+  # A measurement beside the table, not a row of it: the probes' folder.
+  folder = _tables.probes_dir(_tables.output_dir("prunetrain", args.publish))
   date = _tables.utc_now()
   machine = machine_description()
   result = {**result, "date": date, "machine": machine}
-  name = f"prunetrain_speed{args.name_suffix}"
+  name = f"speed{args.name_suffix}"
   (folder / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
   (folder / f"{name}.md").write_text("\n".join(_markdown(result, args)) + "\n")
 

@@ -25,9 +25,10 @@ the first LR drop, so the budget uses 0.55 (λ 0.8× that, each group's shrinkag
 
 Each row writes ``table1_<budget>_<row>.{md,json}`` (the per-epoch channels / FLOPs table
 and the plot ``table1_<budget>_<row>_over_training.png``) and its runs' epoch logs
-(``logs/``); the table page ``table1_<budget>.md`` gathers every row present in the folder
-beside the paper's Table 1.  All go to ``runs/prunetrain/``, or to
-``experiments/results/prunetrain/`` with ``--publish``.  A row too long for one sitting runs
+(``logs/table1_<budget>_<row>_<method>.jsonl``); the table page ``table1_<budget>.md``
+gathers every row present in the folder beside the paper's Table 1.  All go to
+``runs/prunetrain/``, or to ``experiments/results/prunetrain/`` with ``--publish``; a probe
+(``--name-suffix``) to ``probes/`` there.  A row too long for one sitting runs
 in parts: each run checkpoints after every epoch (``runs/checkpoints/``) and the same command
 with ``--resume`` continues it exactly (a row whose dense run is already saved goes on with
 ``--skip-dense --reuse-dense --resume``).
@@ -63,15 +64,14 @@ import dataclasses
 import json
 import shutil
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from flax import nnx
 
-from experiments import _tables
-from experiments._machine import host_steal_seconds, machine_description, steal_since
+from experiments import _prunetrain_pages, _tables
+from experiments._machine import host_steal_seconds, steal_since
 from jaxprune import data, methods, models, train
 from jaxprune import prunetrain as pt
 
@@ -155,7 +155,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     "the same host load (the wall-time comparison of a shared machine)",
   )
   parser.add_argument(
-    "--name-suffix", default="", help="appended to the row's file names (probes, not rows)"
+    "--name-suffix",
+    default="",
+    help="appended to the row's file names: a probe, not a row, written to probes/",
   )
   args = parser.parse_args(argv)
   rows = [r for r in args.rows.split(",") if r]
@@ -272,10 +274,11 @@ def _build(
   method: str,
   train_set,
   test_set,
-  log_dir: Path,
+  log_stem: Path,
   checkpoint_dir: Path | None = None,
 ) -> _Run:
-  """One method's run, restored from ``checkpoint_dir`` under ``--resume``."""
+  """One method's run, logging each epoch to ``<log_stem>_<method>.jsonl``, restored from
+  ``checkpoint_dir`` under ``--resume``."""
   train_loader = data.Loader(
     train_set, args.batch_size, shuffle=True, seed=args.seed, augment="prunetrain", drop_last=True
   )
@@ -318,7 +321,7 @@ def _build(
     chosen.make_tx(tx, run),
     callbacks=callbacks,
     progress=False,
-    log_path=log_dir / f"{method}.jsonl",
+    log_path=f"{log_stem}_{method}.jsonl",
     checkpoint_dir=checkpoint_dir,
     # A resume under other settings is refused, not mixed in.
     run_config={
@@ -427,10 +430,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   return out
 
 
+def write_table_page(folder: Path, budget_name: str, command: str) -> Path:
+  """``table1_<budget>.md`` in ``folder``: every row of :data:`ROWS` saved there under the
+  budget, beside the paper's Table 1 (:func:`experiments._prunetrain_pages.table_page`)."""
+  return _prunetrain_pages.table_page(folder, budget_name, command, ROWS)
+
+
 def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]:
   reused = _reused_dense_run(args, name, folder)
-  log_dir = folder / "logs" / name
-  log_dir.mkdir(parents=True, exist_ok=True)
+  # A probe (named by its --name-suffix) is not a row of the table: its files go to probes/.
+  folder = _tables.probes_dir(folder) if args.name_suffix else folder
+  log_stem = folder / "logs" / name
+  log_stem.parent.mkdir(parents=True, exist_ok=True)
   runs = {}
   if reused is not None:
     runs["dense"] = reused
@@ -442,341 +453,26 @@ def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]
   )
   if args.paired:
     paired = [
-      _build(args, method, train_set, test_set, log_dir, _checkpoints(args, name, method))
+      _build(args, method, train_set, test_set, log_stem, _checkpoints(args, name, method))
       for method in names
     ]
     _train_paired(paired, args.epochs)
     for run in paired:
       runs[run.method] = _result(args, run)
-    _write(folder / name, args, runs, command)
+    _prunetrain_pages.row_page(folder / name, args, runs, command, PAPER[args.model])
     for method in names:
       shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)
   for method in [] if args.paired else names:
-    run = _build(args, method, train_set, test_set, log_dir, _checkpoints(args, name, method))
+    run = _build(args, method, train_set, test_set, log_stem, _checkpoints(args, name, method))
     run.advance(args.epochs)
     runs[method] = _result(args, run)
-    _write(folder / name, args, runs, command)
+    _prunetrain_pages.row_page(folder / name, args, runs, command, PAPER[args.model])
     shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)  # saved: nothing to resume
   return runs
 
 
 def _checkpoints(args: argparse.Namespace, name: str, method: str) -> Path:
   return _tables.checkpoint_dir("prunetrain", f"{name}/{method}", args.out)
-
-
-def write_table_page(folder: Path, budget_name: str, command: str) -> Path:
-  """``table1_<budget>.md``: every row of this budget in ``folder`` beside the paper's
-  Table 1 (the rows' JSON files are the source, so rows run separately share one page, which
-  names each row's command; ``command`` for a row saved without one)."""
-  budget = _tables.as_saved(_tables.get_budget("prunetrain_table1", budget_name))
-  rows, logs, shown = [], {}, []
-  for row in ROWS:
-    path = folder / f"table1_{budget_name}_{row}.json"
-    if not path.exists():
-      continue
-    saved = json.loads(path.read_text())
-    ran_with = {key: saved["args"].get(key) for key in budget}
-    if ran_with != budget:
-      # A row run before the budget changed would not compare with the others.
-      different = sorted(k for k in budget if ran_with[k] != budget[k])
-      warnings.warn(
-        f"{path.name}: run with other budget settings ({', '.join(different)}); left off the "
-        "table page until it is run again",
-        RuntimeWarning,
-        stacklevel=2,
-      )
-      continue
-    shown.append(saved)
-    paper, runs = saved["paper"], saved["runs"]
-    dense, pruned = runs.get("dense"), runs.get("prunetrain")
-    ours = [None, None, None, None]
-    if pruned:
-      delta = 100 * (pruned["test_acc"] - dense["test_acc"]) if dense else None
-      ours = [
-        f"{100 * dense['test_acc']:.2f}" if dense else None,
-        None if delta is None else f"{delta:+.2f}",
-        f"{100 * pruned['train_flops_ratio']:.0f}%",
-        f"{100 * pruned['inference_flops_ratio']:.0f}%",
-      ]
-    label = f"[{row}]({path.stem}.md)"
-    rows.append(
-      (
-        label,
-        [
-          None,
-          f"{paper['acc_delta']:+.1f}",
-          f"{100 * paper['train_flops']:.0f}%",
-          f"{100 * paper['inference_flops']:.0f}%",
-        ],
-        ours,
-      )
-    )
-    logs[label] = f"logs/{path.stem}/prunetrain.jsonl"
-  page = _tables.results_page(
-    "PruneTrain Table 1 — CIFAR-10, dense vs PruneTrain",
-    command=_tables.joined_commands(shown, default=command),
-    budget_name=budget_name,
-    budget=_tables.get_budget("prunetrain_table1", budget_name),
-    machine=machine_description(),
-    columns=["dense acc (%)", "Δ acc (points)", "train FLOPs", "inference FLOPs"],
-    rows=rows,
-    logs=logs,
-    notes=[
-      (
-        "FLOPs are PruneTrain's as a fraction of the dense run's (training: the whole run; "
-        "inference: the final model). The paper's accuracy is after 182 epochs at full width."
-      ),
-      (
-        "Each row links its page: per-epoch test accuracy, batch size, inference FLOPs, params "
-        "and channels removed, and the channels / FLOPs-over-training plot."
-      ),
-    ],
-  )
-  out = folder / f"table1_{budget_name}.md"
-  out.write_text(page)
-  return out
-
-
-def _named_runs(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list[tuple[str, Any]]:
-  """``[("PruneTrain", pt_run), ("dense", dense)]``, without dense when it was not run."""
-  return [(name, run) for name, run in (("PruneTrain", pt_run), ("dense", dense)) if run]
-
-
-def _runs_row(
-  title: str, named: Sequence[tuple[str, Any]], values: Sequence[float], suffix: str = ""
-) -> str:
-  """``| title PruneTrain / dense | a / b |``: one value (seconds) per run of ``named``."""
-  label = " / ".join(name for name, _ in named)
-  return f"| {title} {label} | {' / '.join(f'{v:.0f}' for v in values)}{suffix} |"
-
-
-def _cpu_time_rows(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list[str]:
-  """Table rows for the process CPU time and the host's steal time (runs that logged them)."""
-  named = _named_runs(pt_run, dense)
-  cpu = [run.get("train_cpu_time_s") for _, run in named]
-  if None in cpu:
-    return []
-  rows = [_runs_row("train CPU time (s, process)", named, cpu)]
-  steal = [run.get("host_steal_s") for _, run in named]
-  if None not in steal:
-    rows.append(_runs_row("host steal time during the run (CPU-s)", named, steal))
-  return rows
-
-
-def _between_epoch_rows(pt_run: dict[str, Any], dense: dict[str, Any] | None) -> list[str]:
-  """Rows for the time between epochs (reconfigurations) and the training total (runs that
-  logged it): what a reconfiguration costs is part of PruneTrain's wall time."""
-  named = _named_runs(pt_run, dense)
-  between = [run.get("between_epochs_s") for _, run in named]
-  if None in between:
-    return []
-  totals = [run["train_time_s"] + b for (_, run), b in zip(named, between)]
-  ratio = f" ({totals[0] / totals[1]:.3f}×)" if len(totals) == 2 else ""
-  return [
-    _runs_row("between epochs: reconfigurations, batch probes (s)", named, between),
-    _runs_row("training wall time, epochs + between (s)", named, totals, ratio),
-  ]
-
-
-def _paired_epoch_rows(pt_run: dict[str, Any], dense: dict[str, Any]) -> list[str]:
-  """Per-epoch times of a ``--paired`` run: each PruneTrain epoch beside the dense epoch
-  trained next to it, with the inference FLOPs of the model that trained it."""
-  lines = [
-    (
-      "| epoch | dense epoch (s) | PruneTrain epoch (s) | ratio | PruneTrain between (s) "
-      "| FLOPs of the model trained | dense CPU (s) | PruneTrain CPU (s) |"
-    ),
-    "|---:|---:|---:|---:|---:|---:|---:|---:|",
-  ]
-  dense_flops = pt_run["history"][0]["pt_inference_flops"]
-  wall_before = 0.0
-  for d, p in zip(dense["history"], pt_run["history"]):
-    between = p["wall_time_s"] - wall_before - p["epoch_time_s"] - p.get("eval_time_s", 0.0)
-    wall_before = p["wall_time_s"]
-    lines.append(
-      f"| {p['epoch']} | {d['epoch_time_s']:.1f} | {p['epoch_time_s']:.1f} "
-      f"| {p['epoch_time_s'] / d['epoch_time_s']:.3f} | {between:.1f} "
-      f"| {p['pt_inference_flops'] / dense_flops:.3f} | {d['cpu_time_s']:.0f} "
-      f"| {p['cpu_time_s']:.0f} |"
-    )
-  return lines
-
-
-def _write(stem: Path, args: argparse.Namespace, runs: dict[str, Any], command: str) -> None:
-  date = _tables.utc_now()
-  machine = machine_description()
-  stem.with_suffix(".json").write_text(
-    json.dumps(
-      {
-        "args": vars(args),
-        "command": command,
-        "date": date,
-        "paper": PAPER[args.model],
-        "runs": runs,
-      },
-      indent=1,
-      default=str,
-    )
-  )
-  paper = PAPER[args.model]
-  pt_run, dense = runs.get("prunetrain"), runs.get("dense")
-  lines = [
-    f"# PruneTrain Table 1, CIFAR-10 {args.model}, budget `{args.budget}`",
-    "",
-    f"- Command: `{command}`",
-    f"- Date: {date}; machine: {machine}",
-    (
-      f"- Data: {args.train_subset or 50000} training / {args.test_subset or 10000} test images "
-      f"of the JPEG-re-encoded CIFAR-10; pad-4 crop + flip; model width ×{args.width:g}."
-    ),
-    f"- Recipe: batch {args.batch_size}, SGD momentum 0.9, lr {args.lr} (×0.1 at "
-    f"{', '.join(f'{100 * f:.0f}%' for f in args.milestones)} of {args.epochs} epochs), "
-    f"wd {args.weight_decay}; PruneTrain: penalty ratio "
-    f"{args.penalty_ratio}"
-    + (" applied as a proximal step (exact zeros; not the paper's)" if args.proximal else "")
-    + f", threshold {args.threshold}, reconfiguration every {args.interval} epoch(s)"
-    + (f", widths rounded up to ×{args.channel_multiple}" if args.channel_multiple > 1 else "")
-    + f", dynamic mini-batch {'off' if args.no_dynamic_batch else 'on (+32)'}"
-    + (
-      f", a reconfiguration installed only when it saves ≥ {100 * args.min_flops_saving:.0f}% "
-      "of the inference FLOPs (not the paper's)"
-      if args.min_flops_saving
-      else ""
-    )
-    + (
-      f", BatchNorm statistics re-estimated from {args.recompute_batchnorm} training batches "
-      "before each evaluation and after each installed reconfiguration (not the paper's)"
-      if args.recompute_batchnorm
-      else ""
-    )
-    + ".",
-  ]
-  if args.budget != "paper":
-    lines.append(
-      "- Reduced budget: a few epochs cannot reach the paper's accuracy. "
-      "The penalty ratio and threshold are raised so that channels die within the "
-      "run (see the module docstring for the arithmetic). Compare the two "
-      "measured rows with each other, not with the paper's numbers."
-    )
-  if args.paired:
-    lines.append(
-      "- Paired: dense and PruneTrain trained in one process, alternating epochs (the order "
-      "swapped every epoch), so that both saw the same host load; each run's times count "
-      "its own epochs only."
-    )
-  lines += [
-    "",
-    (
-      "| | test acc | Δ acc vs dense | train FLOPs (vs dense) | inference FLOPs | "
-      "params | layers removed |"
-    ),
-    "|---|---:|---:|---:|---:|---:|---:|",
-  ]
-  if dense:
-    lines.append(
-      f"| dense (measured) | {100 * dense['test_acc']:.2f}% | — | 100% | 100% "
-      f"| {dense['params']:,.0f} | 0 |"
-    )
-  if pt_run:
-    delta = f"{100 * (pt_run['test_acc'] - dense['test_acc']):+.2f}%" if dense else "—"
-    lines.append(
-      f"| PruneTrain (measured) | {100 * pt_run['test_acc']:.2f}% | {delta} "
-      f"| {100 * pt_run['train_flops_ratio']:.0f}% | {100 * pt_run['inference_flops_ratio']:.0f}% "
-      f"| {pt_run['params']:,.0f} ({100 * pt_run['params_ratio']:.0f}%) "
-      f"| {pt_run['layers_removed']} |"
-    )
-  lines.append(
-    f"| PruneTrain (paper, 182 epochs) | — | {paper['acc_delta']:+.1f}% "
-    f"| {100 * paper['train_flops']:.0f}% (time {100 * paper['train_time']:.0f}%) "
-    f"| {100 * paper['inference_flops']:.0f}% | — | — |"
-  )
-  if pt_run:
-    named = _named_runs(pt_run, dense)
-    lines += [
-      "",
-      "| PruneTrain extra | value |",
-      "|---|---:|",
-      f"| λ (set at step 1 from ratio {args.penalty_ratio}) | {pt_run['lambda']:.3g} |",
-      f"| BatchNorm traffic vs dense | {100 * pt_run['bn_bytes_ratio']:.0f}% |",
-      f"| ring all-reduce volume vs dense (4 devices) | {100 * pt_run['allreduce_ratio']:.0f}% |",
-      f"| batch size per epoch | {pt_run['batch_sizes']} |",
-      _runs_row("train time (s)", named, [run["train_time_s"] for _, run in named]),
-      *_between_epoch_rows(pt_run, dense),
-      *_cpu_time_rows(pt_run, dense),
-      f"| final spec | `{pt_run['final_spec']}` |",
-      "",
-    ]
-    stale = all(r.get("test_acc_running_stats") is not None for r in pt_run["history"])
-    if stale:
-      lines += [
-        "BatchNorm re-estimation, before / after: `test acc` is evaluated after the running "
-        "statistics were re-estimated, `running stats` with them as training left them "
-        "(the same run, the same weights; see `_RunningStatsEval`).",
-        "",
-        "| epoch | test acc | running stats | batch | inference MFLOPs | params | channels removed |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-      ]
-    else:
-      lines += [
-        "| epoch | test acc | batch | inference MFLOPs | params | channels removed |",
-        "|---:|---:|---:|---:|---:|---:|",
-      ]
-    for r in pt_run["history"]:
-      before = f"| {100 * r['test_acc_running_stats']:.2f}% " if stale else ""
-      lines.append(
-        f"| {r['epoch']} | {100 * r['test_acc']:.2f}% {before}| {r['batch_size']} "
-        f"| {r.get('pt_inference_flops_after', r['pt_inference_flops']) / 1e6:.1f} "
-        f"| {r.get('pt_params_after', r['pt_params']):,.0f} "
-        f"| {r.get('pt_channels_removed', 0)} |"
-      )
-    if args.paired and dense:
-      lines += ["", *_paired_epoch_rows(pt_run, dense)]
-    plot = _plot_over_training(pt_run, stem)
-    if plot is not None:
-      lines += ["", f"![channels and FLOPs over training]({plot.name})"]
-  lines += [
-    "",
-    "Per-epoch logs: "
-    + ", ".join(f"[{m}](logs/{stem.name}/{m}.jsonl)" for m in runs if m in ("dense", "prunetrain")),
-  ]
-  stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-
-
-def _plot_over_training(pt_run: dict[str, Any], stem: Path) -> Path | None:
-  """PruneTrain's figure: the model's inference FLOPs and parameters, and the channels
-  removed, after each epoch (relative to the dense model); None without matplotlib."""
-  try:
-    import matplotlib
-  except ImportError:
-    return None
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  history = pt_run["history"]
-  epochs = [r["epoch"] for r in history]
-  flops0, params0 = history[0]["pt_inference_flops"], history[0]["pt_params"]
-  flops = [r.get("pt_inference_flops_after", r["pt_inference_flops"]) / flops0 for r in history]
-  params = [r.get("pt_params_after", r["pt_params"]) / params0 for r in history]
-  removed, total = [], 0
-  for r in history:
-    total += r.get("pt_channels_removed", 0)
-    removed.append(total)
-  fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
-  left.plot(epochs, flops, marker="o", label="inference FLOPs")
-  left.plot(epochs, params, marker="s", label="parameters")
-  left.set_xlabel("epoch")
-  left.set_ylabel("fraction of dense")
-  left.set_ylim(0, 1.05)
-  left.legend(fontsize=8)
-  right.step(epochs, removed, where="post", color="tab:red")
-  right.set_xlabel("epoch")
-  right.set_ylabel("channels removed (cumulative)")
-  fig.suptitle(f"PruneTrain over training: {stem.name}", fontsize=9)
-  fig.tight_layout()
-  out = stem.parent / f"{stem.name}_over_training.png"
-  fig.savefig(out, dpi=110)
-  plt.close(fig)
-  return out
 
 
 if __name__ == "__main__":

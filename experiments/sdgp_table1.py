@@ -41,6 +41,7 @@ from jaxprune import data, methods, models, sdgp, train
 # SDGP Table I, CIFAR-10 ResNet-9 top-1 (%); MVUE is not in the paper.
 PAPER_TABLE1 = {"dense": 95.3, "random": 94.5, "magnitude": 95.2, "rescaled_magnitude": 95.2}
 ROWS = ("dense", "random", "magnitude", "rescaled_magnitude", "mvue")
+MODEL = "sdgp-resnet9"
 
 
 def add_budget_arguments(parser: argparse.ArgumentParser, table: str) -> None:
@@ -108,7 +109,7 @@ def train_row(
   """Trains one row (``method="dense"`` = no SDGP) and returns its result record, with the
   per-epoch history (test accuracy after every epoch); ``log_path`` gets it as JSON lines."""
   model = models.create(
-    "sdgp-resnet9",
+    MODEL,
     num_classes=train_set.num_classes,
     rngs=nnx.Rngs(args.seed),
     width_multiplier=budget["width"],
@@ -149,9 +150,10 @@ def train_row(
 
 
 def log_name(stem: str, method: str, n: int, m: int) -> str:
-  """The per-epoch log of one row, relative to the page's folder."""
-  row = method if method == "dense" else f"{method}_{n}-{m}"
-  return f"logs/{stem}_{row}.jsonl"
+  """The per-epoch log of one row or cell, relative to the page's folder:
+  ``logs/<stem>_<model>_<method>[_<n>-<m>].jsonl`` (every row trains :data:`MODEL`)."""
+  label = method if method == "dense" else f"{method}_{n}-{m}"
+  return f"logs/{stem}_{MODEL.removeprefix('sdgp-')}_{label}.jsonl"
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

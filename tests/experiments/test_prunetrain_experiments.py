@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import prunetrain_speed, prunetrain_table1
+from experiments import _prunetrain_pages, prunetrain_speed, prunetrain_table1
 
 
 def _write_earlier(path, args, dense):
@@ -145,7 +145,8 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, tiny_rows
   # the paired table: one row per epoch, PruneTrain's epoch time beside dense's
   args.paired = True
   results = {run.method: prunetrain_table1._result(args, run) for run in paired}
-  prunetrain_table1._write(tmp_path / "paired", args, results, "cmd")
+  paper = prunetrain_table1.PAPER[args.model]
+  _prunetrain_pages.row_page(tmp_path / "paired", args, results, "cmd", paper)
   assert (tmp_path / "paired_over_training.png").exists()
   lines = (tmp_path / "paired.md").read_text().splitlines()
   header = lines.index(next(line for line in lines if line.startswith("| epoch | dense epoch")))
@@ -228,3 +229,53 @@ def test_resumed_run_computes_what_an_uninterrupted_one_computes(tmp_path, tiny_
   assert fresh.trainer.epoch == 0
   fresh.advance(1)
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["1"]
+
+
+def test_row_and_probe_files_follow_the_results_naming_scheme(tmp_path, tiny_rows):
+  """A row writes ``table1_<budget>_<row>.{md,json}`` and ``logs/..._<method>.jsonl``; a probe
+  (``--name-suffix``) the same names with its suffix under ``probes/``; every link resolves."""
+  import re
+
+  train_set, test_set, make_args = tiny_rows
+  args = make_args()
+  args.out = str(tmp_path)
+  prunetrain_table1._run_row(args, "table1_cpu_resnet32", tmp_path, "cmd", train_set, test_set)
+  args.name_suffix, args.skip_dense = "_x", True
+  prunetrain_table1._run_row(args, "table1_cpu_resnet32_x", tmp_path, "cmd", train_set, test_set)
+  files = {
+    str(p.relative_to(tmp_path))
+    for p in tmp_path.rglob("*")
+    if p.is_file() and "checkpoints" not in p.parts and p.suffix != ".png"
+  }
+  assert files == {
+    "table1_cpu_resnet32.json",
+    "table1_cpu_resnet32.md",
+    "logs/table1_cpu_resnet32_dense.jsonl",
+    "logs/table1_cpu_resnet32_prunetrain.jsonl",
+    "probes/table1_cpu_resnet32_x.json",
+    "probes/table1_cpu_resnet32_x.md",
+    "probes/logs/table1_cpu_resnet32_x_prunetrain.jsonl",
+  }
+  for page in tmp_path.rglob("*.md"):
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+      assert (page.parent / target).exists(), (page.name, target)
+
+
+def test_published_table_page_is_rebuilt_from_its_rows(tmp_path):
+  """From the published rows' JSON the table page code writes the published page again (the
+  date and machine aside), its log links included."""
+  import re
+  import shutil
+  from pathlib import Path
+
+  results = Path(__file__).resolve().parents[2] / "experiments" / "results" / "prunetrain"
+  for path in results.glob("table1_cpu_*.json"):
+    shutil.copy(path, tmp_path)
+  rebuilt = prunetrain_table1.write_table_page(tmp_path, "cpu", "-").read_text()
+
+  def stable(page):
+    lines = [line for line in page.splitlines() if not re.match(r"- (Date|Machine):", line)]
+    return [line for line in lines if line]
+
+  assert stable(rebuilt) == stable((results / "table1_cpu.md").read_text())
+  assert "(logs/table1_cpu_vgg11_prunetrain.jsonl)" in rebuilt

@@ -175,3 +175,23 @@ def test_table1_page_of_other_budget_settings_warns_once_and_is_replaced(tmp_pat
   assert len([w for w in caught if "other budget settings" in str(w.message)]) == 1
   saved = json.loads((tmp_path / "table1_cpu.json").read_text())
   assert [r["method"] for r in saved["rows"]] == ["random"]  # the stale dense row is gone
+
+
+def test_published_table1_page_is_rebuilt_from_its_json(tmp_path):
+  """From the published JSON (its rows' log names included) the page code writes the published
+  page again (the machine aside)."""
+  import re
+  from pathlib import Path
+
+  results = Path(__file__).resolve().parents[2] / "experiments" / "results" / "sdgp"
+  saved = json.loads((results / "table1_cpu.json").read_text())
+  stem = tmp_path / "table1_cpu"
+  rows, planned = saved["rows"], len(sdgp_table1.ROWS)
+  sdgp_table1._write(stem, saved["command"], "cpu", saved["budget"], rows, planned, saved["date"])
+
+  def stable(page):
+    return [line for line in page.splitlines() if not re.match(r"- Machine:", line)]
+
+  published = (results / "table1_cpu.md").read_text()
+  assert stable(stem.with_suffix(".md").read_text()) == stable(published)
+  assert "(logs/table1_cpu_resnet9_mvue_2-4.jsonl)" in published

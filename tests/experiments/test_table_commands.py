@@ -206,3 +206,35 @@ def test_clicktrain_row_resumed_after_its_hard_prune_equals_the_uninterrupted_ru
   losses = [[r["train_loss"] for r in run["history"]] for run in saved]
   assert losses[0] == losses[1] and len(losses[0]) == 5
   assert not checkpoints.exists()
+
+
+def test_clicktrain_one_shot_row_switches_to_mixup_after_the_epoch_of_its_hard_prune(
+  tmp_path, monkeypatch, tiny_cifar
+):
+  """The released code trains with mixup after the hard prune: every epoch up to the one whose
+  end finds the stage pruned (epoch 4 of 5: max(4, round(0.6 * 5))) sees plain batches."""
+  from jaxprune import train
+
+  _tiny(monkeypatch, "clicktrain_table1", width={"resnet": 0.0625}, epochs=5, batch_size=16)
+  fit, seen = train.Trainer.fit, []
+
+  def recording(self, loader, *args, epochs, **kwargs):
+    start = self.epoch
+    history = fit(self, loader, *args, epochs=epochs, **kwargs)
+    seen.append((start, self.epoch, loader.augment_name))
+    return history
+
+  loader_init = data.Loader.__init__
+
+  def named(self, dataset, batch_size, *args, augment=None, **kwargs):
+    loader_init(self, dataset, batch_size, *args, augment=augment, **kwargs)
+    self.augment_name = augment
+
+  monkeypatch.setattr(data.Loader, "__init__", named)
+  monkeypatch.setattr(train.Trainer, "fit", recording)
+  argv = ["--rows", "resnet18", "--skip-dense", "--mode", "one_shot", "--out", str(tmp_path)]
+  run = clicktrain_table1.main(argv)["resnet18"]["clicktrain"]
+  assert run["stage"] == "pruned"
+  plain = [(start, end) for start, end, augment in seen if augment == "clicktrain"]
+  assert plain[0][0] == 0 and max(end for _, end in plain) == 4
+  assert seen[-1] == (4, 5, "clicktrain-mixup")

@@ -130,20 +130,6 @@ def test_every_row_of_a_table_gets_the_same_budget(budget):
   )
 
 
-def test_clicktrain_schedule_depends_on_the_row_only_in_the_paper_budget():
-  cpu = clicktrain_table1._parse(["--budget", "cpu"])
-  schedules = [clicktrain_table1._schedule(cpu, row) for row in clicktrain_table1.PAPER]
-  assert all(s == schedules[0] for s in schedules)
-  paper = clicktrain_table1._parse(["--budget", "paper"])
-  # the paper's hard-prune epoch per row (Table 1's last column)
-  assert [
-    clicktrain_table1._schedule(paper, r)["hard_prune_epoch"] for r in ("resnet32", "vgg11")
-  ] == [
-    98,
-    96,
-  ]
-
-
 def test_bad_budget_name_on_the_command_line_is_rejected():
   for parse in (clicktrain_table1._parse, prunetrain_table1._parse, sdgp_table1._parse):
     with pytest.raises(SystemExit):
@@ -305,7 +291,14 @@ _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def _markdown_files():
-  return [REPO / "README.md", *sorted((REPO / "experiments" / "results").rglob("*.md"))]
+  pages = [REPO / "README.md", REPO / "notebooks" / "README.md", *sorted(REPO.glob("docs/*.md"))]
+  return [*pages, *sorted((REPO / "experiments" / "results").rglob("*.md"))]
+
+
+def test_link_check_reads_every_markdown_page_of_the_results_and_the_readme():
+  pages = set(_markdown_files())
+  assert REPO / "README.md" in pages
+  assert set((REPO / "experiments" / "results").rglob("*.md")) <= pages
 
 
 def test_every_relative_link_points_to_an_existing_file():
@@ -336,3 +329,56 @@ def test_checkpoints_go_to_the_scratch_folder_or_under_out_never_to_the_results(
   assert _tables.checkpoint_dir("sdgp", "x", out=tmp_path) == tmp_path / "checkpoints" / "x"
   with pytest.raises(ValueError, match="paper"):
     _tables.checkpoint_dir("resnet", "x")
+
+
+def _alternatives(names):
+  return "(?:" + "|".join(re.escape(n) for n in names) + ")"
+
+
+# Per paper folder: its tables, the rows (models) and the methods (regular expressions).
+_SCHEME = {
+  "clicktrain": (
+    ["table1"],
+    [*clicktrain_table1.PAPER, *clicktrain_table1.EXTRA_ROWS],
+    ["dense", "clicktrain"],
+  ),
+  "prunetrain": (["table1"], prunetrain_table1.ROWS, ["dense", "prunetrain"]),
+  "sdgp": (
+    ["table1", "fig8", "timemodel"],
+    [sdgp_table1.MODEL.removeprefix("sdgp-")],
+    ["dense", *(rf"{m}_\d+-\d+" for m in sdgp_table1.ROWS if m != "dense")],
+  ),
+}
+
+
+@pytest.mark.parametrize("paper", sorted(_SCHEME))
+def test_results_follow_one_naming_scheme(paper):
+  """``<table>_<budget>[_<row>...]`` for pages, JSON and plots, ``logs/<table>_<budget>_<row>_
+  <method>.jsonl`` for logs, anything else (probes) under ``probes/``, nothing more."""
+  tables, rows, methods = _SCHEME[paper]
+  budgets = {name for table in _tables.BUDGETS.values() for name in table}
+  head = f"{_alternatives(tables)}_{_alternatives(sorted(budgets))}"
+  row, method = _alternatives(rows), "(?:" + "|".join(methods) + ")"
+  plot = "(?:_(?:patterns|sparsity|over_training))?"
+  page = rf"{head}(?:_{row}(?:_{method})?{plot})?\.(?:md|json|png)"
+  log = rf"{head}_{row}_{method}\.jsonl"
+  folder = _tables.RESULTS / paper
+  odd = []
+  for path in folder.rglob("*"):
+    rel = path.relative_to(folder)
+    if rel.parts[0] == "probes":
+      continue
+    if path.is_dir():
+      ok = str(rel) == "logs"
+    elif rel.parts[0] == "logs":
+      ok = len(rel.parts) == 2 and re.fullmatch(log, path.name)
+    else:
+      ok = path.name == "index.md" or re.fullmatch(page, path.name)
+    if not ok:
+      odd.append(str(rel))
+  assert not odd, odd
+
+
+def test_sdgp_logs_name_the_model_as_the_row():
+  assert sdgp_table1.log_name("table1_cpu", "dense", 2, 4) == "logs/table1_cpu_resnet9_dense.jsonl"
+  assert sdgp_table1.log_name("fig8_cpu", "mvue", 1, 8) == "logs/fig8_cpu_resnet9_mvue_1-8.jsonl"

@@ -1,0 +1,98 @@
+"""ClickTrain Table 1 builds ClickTrain through the registered preset, and what reaches
+``clicktrain`` is what the published runs trained with (the command called it directly then)."""
+
+import functools
+import inspect
+import re
+from pathlib import Path
+
+import optax
+import pytest
+
+from experiments import clicktrain_table1
+from jaxprune import methods
+from jaxprune.clicktrain import preset
+
+RESULTS = Path(__file__).resolve().parents[2] / "experiments" / "results" / "clicktrain"
+
+# The hard-prune epoch of each row at the paper budget: Table 1's last column, and half of the
+# 190 epochs for ResNet-18, which is not in the table.
+_PAPER_HARD = {"resnet32": 98, "resnet50": 95, "vgg11": 96, "vgg13": 95, "resnet18": 95}
+
+
+def _before(budget: str, row: str, mode: str) -> dict:
+  """The stage epochs the command passed to ``clicktrain.clicktrain`` before it used the preset
+  (written out: cpu = 12 epochs, stages of one epoch, hard prune at round(0.6 * 12) = 7; paper
+  = the released code's mask pick 30 epochs before the hard prune)."""
+  if budget == "cpu":
+    if mode == "one_shot":
+      return {"hard_prune_epoch": 7, "one_shot_epoch": 1}
+    return {"pool_start_epoch": 1, "pool_epochs": 1, "finalize_epochs": 1, "hard_prune_epoch": 7}
+  hard = _PAPER_HARD[row]
+  if mode == "one_shot":
+    return {"hard_prune_epoch": hard, "one_shot_epoch": hard - 30}
+  return {
+    "pool_start_epoch": None,
+    "pool_epochs": 5,
+    "finalize_epochs": 5,
+    "hard_prune_epoch": hard,
+  }
+
+
+@pytest.mark.parametrize("budget", ["cpu", "paper"])
+@pytest.mark.parametrize("mode", ["paper", "one_shot"])
+@pytest.mark.parametrize("row", sorted(_PAPER_HARD))
+def test_preset_reaches_clicktrain_with_the_arguments_the_published_runs_used(
+  monkeypatch, budget, mode, row
+):
+  calls = []
+  real = preset.clicktrain
+
+  @functools.wraps(real)  # the preset reads the accepted keywords off the signature
+  def recording(inner, **kwargs):
+    calls.append(inspect.signature(real).bind(inner, **kwargs))
+    return real(inner, **kwargs)
+
+  monkeypatch.setattr(preset, "clicktrain", recording)
+  args = clicktrain_table1._parse(["--budget", budget, "--mode", mode, "--rows", row])
+  inner = optax.sgd(0.1)
+  clicktrain_table1._method(args, row).make_tx(inner, methods.Run(390, args.epochs))
+  (got,) = calls
+  got.apply_defaults()
+  ratio = got.arguments.pop("kernel_prune_ratio")
+  expected = inspect.signature(real).bind(
+    inner, steps_per_epoch=390, mode=mode, kernel_prune_ratio=ratio, **_before(budget, row, mode)
+  )
+  expected.apply_defaults()
+  expected.arguments.pop("kernel_prune_ratio")
+  assert got.arguments == expected.arguments
+  # the per-layer ratios of the authors' released code (VGG-11; ResNet-32 by stage)
+  if row == "vgg11":
+    released = [0.35, 0.45, 0.65, 0.75, 0.80, 0.80, 0.85]
+    assert [ratio(f"features/{i}/conv/kernel", None) for i in range(1, 8)] == released
+  if row == "resnet32":
+    assert [ratio(f"stages/{s}/0/conv1/kernel", None) for s in range(3)] == [0.55, 0.65, 0.75]
+
+
+def test_stage_epochs_depend_on_the_row_only_in_the_paper_budget():
+  cpu = clicktrain_table1._parse(["--budget", "cpu"])
+  epochs = [clicktrain_table1._stage_epochs(cpu, row) for row in _PAPER_HARD]
+  assert all(e == epochs[0] for e in epochs)
+  paper = clicktrain_table1._parse(["--budget", "paper"])
+  assert clicktrain_table1._stage_epochs(paper, "vgg11")["hard_prune_epoch"] == 96
+  # not a Table 1 row: the preset places the hard prune
+  assert "hard_prune_epoch" not in clicktrain_table1._stage_epochs(paper, "resnet18")
+
+
+def test_published_page_is_rebuilt_from_its_saved_rows():
+  """The page code reads the hard-prune epoch off each run's history; from the published JSON
+  it writes the published page again (the date and machine aside)."""
+  args = clicktrain_table1._parse(["--budget", "cpu"])
+  rebuilt = clicktrain_table1._markdown(args, clicktrain_table1._saved_rows(RESULTS, "cpu"), "-")
+  published = (RESULTS / "table1_cpu.md").read_text()
+
+  def stable(page):
+    return [line for line in page.splitlines() if not re.match(r"- (Date|Machine):", line)]
+
+  assert stable(rebuilt) == stable(published)
+  assert published.count("hard prune at epoch 7;") == 4
