@@ -49,7 +49,7 @@ from experiments.clicktrain_table1 import kernel_ratio_fn
 from experiments.pattern_conv_bench import clicktrain_like_mask
 from jaxprune import flops, masking, models, train
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.aligned_conv import aligned_conv, convert_aligned
+from jaxprune.clicktrain.aligned_conv import aligned_conv
 from jaxprune.clicktrain.aligned_layout import aligned_mask, build_aligned_layout
 from jaxprune.clicktrain.layout import build_layout, to_values
 from jaxprune.clicktrain.pattern_conv import pattern_conv_values
@@ -219,7 +219,7 @@ def bench_step(name: str, variant: str, args, rng) -> tuple[float, float]:
   masks = _model_masks(model, name, groups, rng, fine=fine)
   nnx.update(model, masking.apply_masks(nnx.as_pure(nnx.state(model, nnx.Param)), masks))
   if variant.startswith("aligned"):
-    convert_aligned(model, masks, groups)
+    convert_model(model, masks, threshold=0.0, filter_groups=groups)
   elif fine:
     convert_model(model, masks, threshold=0.0)
   tx = optax.chain(train.sgd(0.05, 0.9, weight_decay=5e-4), masking.mask(masks))

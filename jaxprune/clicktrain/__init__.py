@@ -26,7 +26,7 @@ References:
   Fine-Grained Architecture-Preserving Pruning", ICS 2021. https://arxiv.org/abs/2011.10170
 """
 
-from jaxprune.clicktrain import reconfigure as _reconfigure  # noqa: F401 (PruneTrain's slicer)
+from jaxprune.clicktrain import reconfigure as _reconfigure  # noqa: F401 (registers the slicer)
 from jaxprune.clicktrain.importance import kernel_scores, pattern_scores, weight_importance
 from jaxprune.clicktrain.patterns import (
   ONE_SHOT_POOL_SIZES,
@@ -74,7 +74,10 @@ from jaxprune.clicktrain.transform import (
 from jaxprune.clicktrain.preset import RELEASED_CIFAR10, method, released_method
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
 from jaxprune.clicktrain.pattern_conv import pattern_conv, pattern_conv_values
+from jaxprune.clicktrain.aligned_conv import aligned_conv
+from jaxprune.clicktrain.aligned_layout import AlignedLayout, aligned_mask, build_aligned_layout
 from jaxprune.clicktrain.sparse_execution import (
+  AlignedConv,
   LayerChoice,
   PatternConv,
   SparseExecution,
@@ -94,6 +97,8 @@ __all__ = [
   "ClickTrainLayerState",
   "ClickTrainState",
   "LayerChoice",
+  "AlignedConv",
+  "AlignedLayout",
   "PatternConv",
   "PatternLayout",
   "SparseExecution",
@@ -104,6 +109,9 @@ __all__ = [
   "centre_block_patterns",
   "clicktrain",
   "compression",
+  "aligned_conv",
+  "aligned_mask",
+  "build_aligned_layout",
   "convert_model",
   "default_layer_filter",
   "dppg_candidates",

@@ -36,16 +36,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 
 from jaxprune._conv_args import canonical_padding, spatial_pair
-from jaxprune.clicktrain.aligned_layout import AlignedGroup, AlignedLayout, build_aligned_layout
-from jaxprune.models import replace_submodule
-from jaxprune.models.layers import conv_sharing_variables
-from jaxprune.paths import flatten_with_paths
+from jaxprune.clicktrain.aligned_layout import AlignedGroup, AlignedLayout
 
-__all__ = ["AlignedConv", "AlignedConvFn", "aligned_conv", "convert_aligned"]
+__all__ = ["AlignedConvFn", "aligned_conv"]
 
 
 def _inverse_positions(channels: tuple[int, ...], cin: int) -> np.ndarray:
@@ -238,75 +234,3 @@ class AlignedConvFn:
       precision=precision,
       preferred_element_type=preferred_element_type,
     )
-
-
-class AlignedConv(nnx.Conv):
-  """``nnx.Conv`` whose convolution is :class:`AlignedConvFn` on a fixed layout.
-
-  Holds the very ``kernel`` / ``bias`` Variables of the conv it replaces, so the parameter
-  tree, the optimizer state and checkpoints are the same before and after the switch; the
-  function is that conv's with its pruned weights at zero.
-  """
-
-  @classmethod
-  def from_conv(cls, conv: nnx.Conv, layout: AlignedLayout, *, name: str = "conv") -> AlignedConv:
-    """An ``AlignedConv`` sharing ``conv``'s Variables, running on ``layout``.
-
-    Raises:
-      ValueError: a layout of another kernel shape, or a conv the aligned path cannot run
-        (grouped, dilated, circular padding, its own mask).
-    """
-    if isinstance(conv, AlignedConv):
-      raise ValueError(f"{name}: conv is already an AlignedConv")
-    if tuple(layout.kernel_shape) != tuple(conv.kernel.shape):
-      raise ValueError(
-        f"{name}: layout kernel shape {layout.kernel_shape} != conv kernel {conv.kernel.shape}"
-      )
-    if conv.feature_group_count != 1 or conv.mask is not None or len(conv.kernel_size) != 2:
-      raise ValueError(f"{name}: only plain 2-D convolutions can run the aligned path")
-    for attr in ("input_dilation", "kernel_dilation"):
-      value = getattr(conv, attr)
-      if value not in (None, 1) and tuple(np.broadcast_to(value, (2,))) != (1, 1):
-        raise ValueError(f"{name}: {attr} {value!r} is not supported by the aligned path")
-    try:
-      canonical_padding(conv.padding)
-    except ValueError as err:
-      raise ValueError(f"{name}: {err}") from None
-    return conv_sharing_variables(cls, conv, conv_general_dilated=AlignedConvFn(layout))
-
-  @property
-  def layout(self) -> AlignedLayout:
-    return self.conv_general_dilated.layout
-
-
-def convert_aligned(model: nnx.Module, weight_masks: Any, filter_groups: Any = 1) -> nnx.Module:
-  """Switches every masked conv of ``model`` to :class:`AlignedConv`, in place.
-
-  Args:
-    model: an NNX model (mutated in place and returned).
-    weight_masks: a pytree like ``nnx.state(model, nnx.Param)`` with a 0/1 mask for every
-      pruned conv kernel and ``None`` elsewhere.
-    filter_groups: as :func:`group_filters`, for every layer (an int), or a mapping from the
-      conv's ``"/"``-joined path to its groups.
-
-  Raises:
-    ValueError: a mask that is not shared within the groups (the layer is named).
-  """
-  masks = {path: np.asarray(m) for path, m in flatten_with_paths(weight_masks)}
-  swaps = []
-  for path, module in nnx.iter_modules(model):
-    if not isinstance(module, nnx.Conv):
-      continue
-    mask = masks.get(tuple(path) + ("kernel",))
-    if mask is None:
-      continue
-    name = "/".join(map(str, path))
-    groups = filter_groups.get(name, 1) if isinstance(filter_groups, dict) else filter_groups
-    try:
-      layout = build_aligned_layout(mask, groups)
-    except ValueError as err:
-      raise ValueError(f"weight_masks: {name}: {err}") from None
-    swaps.append((tuple(path), AlignedConv.from_conv(module, layout, name=name)))
-  for path, new in swaps:
-    replace_submodule(model, path, new)
-  return model

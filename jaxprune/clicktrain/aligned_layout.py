@@ -131,12 +131,25 @@ def group_filters(filter_groups: Any, cout: int) -> tuple[tuple[int, ...], ...]:
   return tuple(tuple(sorted(group)) for group in groups)
 
 
+def _runs_of_equal_filters(m: np.ndarray) -> list[list[int]]:
+  """Maximal runs of consecutive filters with identical masks (``filter_groups="auto"``)."""
+  runs = [[0]] if m.shape[3] else []
+  for f in range(1, m.shape[3]):
+    if np.array_equal(m[..., f], m[..., f - 1]):
+      runs[-1].append(f)
+    else:
+      runs.append([f])
+  return runs
+
+
 def build_aligned_layout(mask: Any, filter_groups: Any = 1) -> AlignedLayout:
   """The aligned layout of ``mask``, checking that it is shared within each filter group.
 
   Args:
     mask: ``(kh, kw, Cin, Cout)`` binary mask of the kept weights.
-    filter_groups: as :func:`group_filters`.
+    filter_groups: as :func:`group_filters`, or ``"auto"``: the maximal runs of consecutive
+      filters whose masks are equal (always succeeds; e.g. after a PruneTrain reconfiguration
+      removed filters unevenly from the groups of ClickTrain's aligned mode).
 
   Returns:
     An :class:`AlignedLayout`; blocks are ordered by tap set (row-major positions, then
@@ -148,6 +161,10 @@ def build_aligned_layout(mask: Any, filter_groups: Any = 1) -> AlignedLayout:
   """
   m = _as_binary_mask(mask)
   kh, kw, cin, cout = m.shape
+  if isinstance(filter_groups, str):
+    if filter_groups != "auto":
+      raise ValueError(f"filter_groups must be an int, groups or 'auto', got {filter_groups!r}")
+    filter_groups = _runs_of_equal_filters(m)
   groups = []
   for filters in group_filters(filter_groups, cout):
     sub = m[:, :, :, list(filters)]  # (kh, kw, Cin, F_g)

@@ -1,26 +1,28 @@
 """Per-layer sparse execution of a pattern-pruned model (ClickTrain §5.2, §5.4).
 
-After the hard prune ClickTrain's masks never change, so the sparse path is decided **once**:
-each pruned convolution whose sparsity is above a threshold becomes a :class:`PatternConv`
-that holds its fixed-position layout (built once from the mask, §5.1) and runs
-:func:`jaxprune.clicktrain.pattern_conv.pattern_conv`; the others stay ordinary ``nnx.Conv``
-layers (their pruned weights are kept at zero by ClickTrain's masks). There is no per-step
-branching: the choice is part of the model's structure, and a new structure is compiled once.
+After the hard prune ClickTrain's masks never change, so the execution of each pruned conv is
+decided **once**: it becomes a :class:`~jaxprune.clicktrain.sparse_layers.PatternConv` (the
+paper's fine-grained layout, §5.1) or, for masks of the aligned mode, an
+:class:`~jaxprune.clicktrain.sparse_layers.AlignedConv`, or stays an ordinary conv whose
+pruned weights ClickTrain's masks keep at zero. There is no per-step branching: the choice is
+part of the model's structure, compiled once.
 
-The paper's threshold is 65% sparsity on its GPU (below it the dense cuDNN convolution is
-faster, §5.2 "Forward Phase Acceleration"). On other platforms the right threshold is what a
-measurement on that platform says (``python -m experiments.run pattern_conv_bench``); the
-defaults in :data:`DEFAULT_THRESHOLDS` follow those measurements.
+**By default each layer is timed both ways** (forward and both gradients, at its real input
+shape, once per conversion) and keeps the faster: on an H100 the fine-grained kernels are
+5-9x slower than cuDNN per layer and a whole step with every pruned conv sparse 6.6x
+(VGG-11) and 12.5x (ResNet-32) slower than the dense masked step; on the 2-core CPU the
+reference SpMM also loses at ClickTrain's sparsities; the aligned layout wins on some layers
+and loses on others on both (``docs/design.md``, ``experiments/results/benchmarks/``). A
+fixed sparsity threshold (the paper's 65% on its GPU, §5.2) stays available.
 
 The layout is a static attribute of the layer, not part of its state: a checkpoint holds the
-same arrays before and after the switch, and a resumed run rebuilds the layouts from the
-masks that ClickTrain keeps in the optimizer state (:class:`SparseExecution` does this when a
-fit starts).
+same arrays before and after the switch, and a resumed run rebuilds the layouts from the masks
+in the optimizer state (:class:`SparseExecution` does this when a fit starts).
 
 Example::
 
   weight_masks = clicktrain.masks(opt_state, nnx.state(model, nnx.Param))
-  model, report = convert_model(model, weight_masks)        # in place; report per layer
+  model, report = convert_model(model, weight_masks, input_shape=(128, 32, 32, 3))
   print(format_report(report))
 
 References:
@@ -33,37 +35,30 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from flax import nnx
+from jax import lax
 
 from jaxprune import flops
-from jaxprune.clicktrain.readouts import masks, stage_name
+from jaxprune.clicktrain.aligned_conv import aligned_conv
+from jaxprune.clicktrain.aligned_layout import build_aligned_layout
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
-from jaxprune.clicktrain.pattern_conv import (
-  BACKENDS,
-  canonical_padding,
-  pattern_conv,
-  pattern_conv_values,
-)
+from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv, pattern_conv_values
+from jaxprune.clicktrain.readouts import masks, stage_name
+from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv, check_convertible
 from jaxprune.masking import count_refilled
-from jaxprune.models import (
-  PluggableConv,
-  base_function,
-  conv_sharing_variables,
-  replace_submodule,
-  with_base,
-)
+from jaxprune.models import replace_submodule
 from jaxprune.paths import flatten_with_paths
 from jaxprune.train import Callback
 
 __all__ = [
   "DEFAULT_THRESHOLDS",
+  "AlignedConv",
   "LayerChoice",
   "PatternConv",
   "SparseExecution",
@@ -74,17 +69,25 @@ __all__ = [
   "median_call_ms",
   "pattern_convs",
   "time_layer",
+  "time_train_pass",
 ]
 
-# Sparsity above which a layer runs the sparse path, per platform. GPU: the paper's 65%
-# (§5.2). CPU: the reference SpMM (one gather per kept column) is slower than XLA's dense
-# convolution at every ClickTrain sparsity we measured, so the CPU default keeps every layer
-# dense (a threshold above 1 is never reached).
+# Fixed sparsity thresholds (``threshold="fixed"``): above it a layer runs the sparse path.
+# GPU: the paper's 65% (§5.2). CPU: the reference SpMM is slower than XLA's dense convolution
+# at every ClickTrain sparsity measured, so a threshold above 1, never reached.
 DEFAULT_THRESHOLDS = {"gpu": 0.65, "cpu": 1.01}
 
 
-def default_threshold(platform: str | None = None) -> float:
-  """The sparsity threshold of ``platform`` (default: the default backend's platform)."""
+def default_threshold(platform: str | None = None) -> str:
+  """The default dispatch on ``platform``: ``"measure"`` everywhere, since no sparse path is
+  known to win on any platform measured (GPU and CPU alike); ``platform`` is kept so a
+  platform where one is known to win can get a fixed threshold here."""
+  del platform
+  return "measure"
+
+
+def fixed_threshold(platform: str | None = None) -> float:
+  """The fixed sparsity threshold of ``platform`` (default: the default backend's)."""
   platform = platform or jax.default_backend()
   return DEFAULT_THRESHOLDS.get(platform, DEFAULT_THRESHOLDS["cpu"])
 
@@ -95,104 +98,6 @@ def default_backend(platform: str | None = None) -> str:
   if platform == "gpu" and "pallas" in BACKENDS:
     return "pallas"
   return "reference"
-
-
-class _StaticLayout:
-  """Holds a layout as a static (graph-definition) attribute: never a state leaf."""
-
-  def __init__(self, layout: PatternLayout):
-    self.layout = layout
-
-  def __repr__(self) -> str:
-    return f"PatternLayout(kernel_shape={self.layout.kernel_shape}, width={self.layout.width})"
-
-
-def _conv_padding(conv: nnx.Conv, name: str):
-  try:
-    return canonical_padding(conv.padding)
-  except ValueError as err:
-    raise ValueError(f"{name}: {err} (PatternConv)") from None
-
-
-def _check_convertible(conv: nnx.Conv, name: str) -> None:
-  if len(conv.kernel_size) != 2:
-    raise ValueError(f"{name}: PatternConv handles 2-D convolutions, got {conv.kernel_size}")
-  if conv.feature_group_count != 1:
-    raise ValueError(f"{name}: grouped convolutions are not supported by PatternConv")
-  for attr in ("input_dilation", "kernel_dilation"):
-    value = getattr(conv, attr)
-    if value not in (None, 1) and tuple(np.broadcast_to(value, (2,))) != (1, 1):
-      raise ValueError(f"{name}: {attr} {value!r} is not supported by PatternConv")
-  if conv.mask is not None:
-    raise ValueError(f"{name}: a conv with its own weight mask is not supported by PatternConv")
-  _conv_padding(conv, name)
-
-
-@dataclasses.dataclass(frozen=True)
-class _PatternConvFunction:
-  """:func:`pattern_conv` on a fixed layout as a conv function of the shared protocol
-  (:mod:`jaxprune.models.pluggable_conv`): the innermost function of a ``PatternConv``, under
-  any wrapper its conv had (e.g. SDGP's pruned data gradient)."""
-
-  holder: _StaticLayout
-  backend: str
-
-  def __call__(self, lhs, rhs, window_strides, padding, **geometry) -> jax.Array:
-    # Dilation, groups and layout are checked once, when the conv is converted
-    # (`_check_convertible`); pattern_conv is NHWC × HWIO without them.
-    del geometry
-    return pattern_conv(
-      lhs, rhs, self.holder.layout, strides=window_strides, padding=padding, backend=self.backend
-    )
-
-
-class PatternConv(PluggableConv):
-  """``nnx.Conv`` whose kernel is pattern-sparse on a fixed layout (ClickTrain §5.2).
-
-  Same parameters (``kernel``, ``bias``: the very Variables of the conv it replaces) and the
-  same function as that conv with its pruned weights at zero; the convolution runs
-  :func:`~jaxprune.clicktrain.pattern_conv.pattern_conv` with ``backend``.
-
-  The sparse convolution replaces the innermost conv function of the conv it comes from
-  (:func:`jaxprune.models.with_base`) and keeps every wrapper around it, with the layer's
-  key Variable: converted from an SDGP conv, it keeps SDGP's backward pass (the weight
-  gradient from the dense output gradient, the data gradient from the N:M-pruned one, both
-  through the sparse path) without this package knowing SDGP.
-
-  Build it with :meth:`from_conv`; :func:`convert_model` does it for a whole model.
-  """
-
-  @classmethod
-  def from_conv(
-    cls, conv: nnx.Conv, layout: PatternLayout, *, backend: str = "reference", name: str = "conv"
-  ) -> PatternConv:
-    """A ``PatternConv`` sharing ``conv``'s Variables, running on ``layout``.
-
-    Raises:
-      ValueError: an unknown backend, a layout of another kernel shape, or a conv that the
-        sparse path cannot run (grouped, dilated, circular padding, its own mask).
-    """
-    if backend not in BACKENDS:
-      raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if isinstance(conv, PatternConv):
-      raise ValueError(f"{name}: conv is already a PatternConv")
-    _check_convertible(conv, name)
-    if tuple(layout.kernel_shape) != tuple(conv.kernel.shape):
-      raise ValueError(
-        f"{name}: layout kernel shape {layout.kernel_shape} != conv kernel {conv.kernel.shape}"
-      )
-    sparse = _PatternConvFunction(_StaticLayout(layout), backend)
-    return conv_sharing_variables(
-      cls, conv, conv_general_dilated=with_base(conv.conv_general_dilated, sparse)
-    )
-
-  @property
-  def layout(self) -> PatternLayout:
-    return base_function(self.conv_general_dilated).holder.layout
-
-  @property
-  def backend(self) -> str:
-    return base_function(self.conv_general_dilated).backend
 
 
 def median_call_ms(fn, *args, repeats: int) -> float:
@@ -256,8 +161,28 @@ def time_layer(
   }
 
 
-def _total(times: Mapping[str, float], path: str) -> float:
-  return sum(times[f"{path}_{part}_ms"] for part in ("fwd", "dx", "dw"))
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def time_train_pass(
+  conv: Callable[[jax.Array, jax.Array], jax.Array],
+  input_shape: Sequence[int],
+  kernel: jax.Array,
+  *,
+  repeats: int = 3,
+  seed: int = 0,
+) -> float:
+  """Median milliseconds of one training pass of ``conv(x, kernel)``: the forward and both
+  gradients in one jitted ``jax.vjp`` (what a train step pays for the layer)."""
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=tuple(input_shape)), kernel.dtype)
+  cot = jnp.asarray(rng.normal(size=jax.eval_shape(conv, x, kernel).shape), kernel.dtype)
+
+  def train_pass(x, w, c):
+    y, vjp = jax.vjp(conv, x, w)
+    return (y, *vjp(c))
+
+  return median_call_ms(jax.jit(train_pass), x, kernel, cot, repeats=repeats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,8 +194,8 @@ class LayerChoice:
     kernel_shape: its HWIO kernel shape.
     sparsity: fraction of zero weights under its mask.
     balanced: every filter keeps the same number of weights.
-    backend: ``"dense"`` (left an ``nnx.Conv``) or the sparse backend it runs.
-    dense_ms, sparse_ms: measured forward + backward times (``threshold="measure"`` only).
+    backend: ``"dense"`` (left as it was), ``"aligned"``, or the fine-grained backend it runs.
+    dense_ms, sparse_ms: measured forward + backward times (when measured).
   """
 
   path: str
@@ -282,6 +207,33 @@ class LayerChoice:
   sparse_ms: float | None = None
 
 
+def _sparse_layer(mask: np.ndarray, name: str, filter_groups, nnz_per_kernel, backend):
+  """``(sparsity, balanced, build(conv) -> layer, conv_fn(x, w) for timing)`` of one mask."""
+  try:
+    if filter_groups is not None:
+      layout = build_aligned_layout(mask, filter_groups)
+      balanced = len({g.contraction for g in layout.groups}) == 1
+      return (
+        layout.sparsity,
+        balanced,
+        lambda conv: AlignedConv.from_conv(conv, layout, name=name),
+        lambda strides, pad: lambda x, w: aligned_conv(x, w, layout, strides=strides, padding=pad),
+      )
+    kernel_size = mask.shape[0] * mask.shape[1]
+    per_kernel = None if nnz_per_kernel is None else min(nnz_per_kernel, kernel_size)
+    layout = build_layout(mask, nnz_per_kernel=per_kernel)
+  except ValueError as err:
+    raise ValueError(f"weight_masks: {name}: {err}") from None
+  return (
+    layout.sparsity,
+    layout.balanced,
+    lambda conv: PatternConv.from_conv(conv, layout, backend=backend, name=name),
+    lambda strides, pad: (
+      lambda x, w: pattern_conv(x, w, layout, strides=strides, padding=pad, backend=backend)
+    ),
+  )
+
+
 def convert_model(
   model: nnx.Module,
   weight_masks: Any,
@@ -291,34 +243,47 @@ def convert_model(
   nnz_per_kernel: int | None = 4,
   input_shape: Sequence[int] | None = None,
   repeats: int = 3,
+  filter_groups: Any = None,
 ) -> tuple[nnx.Module, list[LayerChoice]]:
-  """Switches the pruned convs of ``model`` to the sparse path where it pays, in place.
+  """Switches the pruned convs of ``model`` to a sparse layer where it pays, in place.
 
   Args:
     model: an NNX model (mutated in place and returned).
     weight_masks: a pytree like ``nnx.state(model, nnx.Param)`` with a 0/1 mask for every
       pruned conv kernel and ``None`` elsewhere (``jaxprune.clicktrain.masks(opt_state,
       params)``).
-    threshold: sparsity above which a layer runs the sparse path; default
-      :func:`default_threshold` of the current platform. ``"measure"``: time each layer
-      both ways at its real input shape (:func:`time_layer`, forward + both gradients) and
-      keep the faster, which also catches what sparsity alone cannot (e.g. XLA:CPU's slow
-      dense convolution on 2x2 feature maps).
-    backend: the sparse backend; default :func:`default_backend`.
-    nnz_per_kernel: weights per kept kernel the layouts enforce (4 for ClickTrain's
-      patterns; a 1x1 kernel keeps its single weight); ``None`` accepts any pattern.
+    threshold: ``"measure"`` (the default, :func:`default_threshold`): time each layer both
+      ways at its real input shape (forward + both gradients, :func:`time_train_pass`; layers
+      of one geometry and sparsity are timed once) and keep the faster. A number: the
+      sparsity above which a layer goes sparse; ``"fixed"``: :func:`fixed_threshold` of the
+      platform.
+    backend: the fine-grained sparse backend; default :func:`default_backend`.
+    nnz_per_kernel: weights per kept kernel the fine-grained layouts enforce (4 for
+      ClickTrain's patterns; a 1x1 kernel keeps its single weight); ``None`` accepts any.
+    input_shape: the model's input batch shape, needed to measure.
+    repeats: timed calls per measurement (median).
+    filter_groups: masks of ClickTrain's aligned mode: the groups (as
+      :func:`~jaxprune.clicktrain.aligned_layout.group_filters`) the sparse layers are
+      :class:`AlignedConv` on; ``None``: the fine-grained :class:`PatternConv`.
 
   Returns:
     ``(model, choices)``: one :class:`LayerChoice` per masked conv, in model order.
 
   Raises:
     ValueError: a mask whose shape or content does not fit its kernel (named), a masked
-      conv that is already a ``PatternConv``, or a bad threshold / backend.
+      conv that is already sparse, a bad threshold / backend, or measuring without
+      ``input_shape``.
   """
+  backend = default_backend() if backend is None else backend
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  threshold = default_threshold() if threshold is None else threshold
+  if threshold == "fixed":
+    threshold = fixed_threshold()
   measure = isinstance(threshold, str)
   if measure:
     if threshold != "measure":
-      raise ValueError(f"threshold must be a number or 'measure', got {threshold!r}")
+      raise ValueError(f"threshold must be a number, 'measure' or 'fixed', got {threshold!r}")
     if input_shape is None:
       raise ValueError("input_shape: threshold='measure' needs the model's input shape")
     traced = {
@@ -327,62 +292,55 @@ def convert_model(
       if layer.kind == "conv" and layer.param_path is not None
     }
   else:
-    threshold = default_threshold() if threshold is None else float(threshold)
+    threshold = float(threshold)
     if not np.isfinite(threshold) or threshold < 0:
       raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
-  backend = default_backend() if backend is None else backend
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  masks = {path: np.asarray(m) for path, m in flatten_with_paths(weight_masks)}  # None: unmasked
+  masks_by_path = {path: np.asarray(m) for path, m in flatten_with_paths(weight_masks)}
   choices: list[LayerChoice] = []
   swaps = []
+  timed: dict[tuple, tuple[float, float]] = {}  # one measurement per geometry and sparsity
   for path, module in nnx.iter_modules(model):
     if not isinstance(module, nnx.Conv):
       continue
-    mask = masks.get(tuple(path) + ("kernel",))
+    mask = masks_by_path.get(tuple(path) + ("kernel",))
     if mask is None:
       continue
     name = "/".join(map(str, path))
-    if isinstance(module, PatternConv):
-      raise ValueError(f"weight_masks: {name} is already a PatternConv")
+    if isinstance(module, (PatternConv, AlignedConv)):
+      raise ValueError(f"weight_masks: {name} is already a {type(module).__name__}")
     if mask.shape != tuple(module.kernel.shape):
       raise ValueError(
         f"weight_masks: mask of {name} has shape {mask.shape}, kernel {module.kernel.shape}"
       )
-    try:
-      kernel_size = mask.shape[0] * mask.shape[1]
-      per_kernel = None if nnz_per_kernel is None else min(nnz_per_kernel, kernel_size)
-      layout = build_layout(mask, nnz_per_kernel=per_kernel)
-    except ValueError as err:
-      raise ValueError(f"weight_masks: {name}: {err}") from None
+    sparsity, balanced, build, timing_fn = _sparse_layer(
+      mask, name, filter_groups, nnz_per_kernel, backend
+    )
+    kind = "aligned" if filter_groups is not None else backend
     dense_ms = sparse_ms = None
     if measure:
       layer = traced[tuple(path) + ("kernel",)]
-      times = time_layer(
-        layout,
-        layer.input_shape,
-        strides=tuple(layer.strides),
-        padding=tuple(tuple(p) for p in layer.padding),
-        backend=backend,
-        repeats=repeats,
-      )
-      dense_ms, sparse_ms = _total(times, "dense"), _total(times, "sparse")
-      use = backend if sparse_ms < dense_ms else "dense"
+      strides = tuple(layer.strides)
+      pad = tuple(tuple(p) for p in layer.padding)
+      key = (mask.shape, tuple(layer.input_shape), strides, pad, int(mask.sum()), kind)
+      if key not in timed:
+        kernel = jnp.asarray(np.random.default_rng(0).normal(size=mask.shape) * mask, jnp.float32)
+
+        def dense(x, w):
+          return lax.conv_general_dilated(x, w * mask, strides, pad, dimension_numbers=_NHWC)
+
+        timed[key] = (
+          time_train_pass(dense, layer.input_shape, kernel, repeats=repeats),
+          time_train_pass(timing_fn(strides, pad), layer.input_shape, kernel, repeats=repeats),
+        )
+      dense_ms, sparse_ms = timed[key]
+      use = kind if sparse_ms < dense_ms else "dense"
     else:
-      use = backend if layout.sparsity > threshold else "dense"
+      use = kind if sparsity > threshold else "dense"
     if use != "dense":
-      _check_convertible(module, name)
-      swaps.append((tuple(path), PatternConv.from_conv(module, layout, backend=use, name=name)))
+      check_convertible(module, name)
+      swaps.append((tuple(path), build(module)))
     choices.append(
-      LayerChoice(
-        name,
-        tuple(module.kernel.shape),
-        layout.sparsity,
-        layout.balanced,
-        use,
-        dense_ms,
-        sparse_ms,
-      )
+      LayerChoice(name, tuple(module.kernel.shape), sparsity, balanced, use, dense_ms, sparse_ms)
     )
   for path, new in swaps:
     if not path:
@@ -391,10 +349,12 @@ def convert_model(
   return model, choices
 
 
-def pattern_convs(model: nnx.Module) -> dict[str, PatternConv]:
-  """The ``PatternConv`` layers of ``model`` by path."""
+def pattern_convs(model: nnx.Module) -> dict[str, PatternConv | AlignedConv]:
+  """The sparse layers (``PatternConv`` and ``AlignedConv``) of ``model`` by path."""
   return {
-    "/".join(map(str, p)): m for p, m in nnx.iter_modules(model) if isinstance(m, PatternConv)
+    "/".join(map(str, p)): m
+    for p, m in nnx.iter_modules(model)
+    if isinstance(m, (PatternConv, AlignedConv))
   }
 
 
@@ -414,20 +374,22 @@ def format_report(choices: list[LayerChoice]) -> str:
 
 
 class SparseExecution(Callback):
-  """Trainer hook: switch the pruned convs to the sparse path once the masks are final.
+  """Trainer hook: switch the pruned convs to a sparse layer once the masks are final.
 
   At the first epoch end where ClickTrain's stage is ``"pruned"`` and the pruned weights are
   exactly zero (the epoch end at which the stage changes: the step entering it zeroes them;
   weights that are not zero there, e.g. re-filled by a transform chained after ClickTrain,
-  would make the dense and the sparse model compute different functions), and
-  on a resumed run when the fit starts, it runs :func:`convert_model` on the trainer's model with the masks
-  from the optimizer state and installs it (one recompilation). Later epochs do nothing,
-  unless the trainer's model was replaced (a PruneTrain reconfiguration rebuilds it dense):
-  the new model is converted with its sliced masks.
+  would make the dense and the sparse model compute different functions), and on a resumed run
+  when the fit starts, it runs :func:`convert_model` on the trainer's model with the masks from
+  the optimizer state and installs it (one recompilation). Later epochs do nothing, unless the
+  trainer's model was replaced (a PruneTrain reconfiguration rebuilds it dense): the new model
+  is converted with its sliced masks.
 
   Args:
-    threshold, backend, nnz_per_kernel, input_shape, repeats: as :func:`convert_model`
-      (``threshold="measure"`` times every layer once, at the conversion).
+    threshold, backend, nnz_per_kernel, repeats, filter_groups: as :func:`convert_model`
+      (by default every layer is timed both ways once, at the conversion).
+    input_shape: the input batch shape to time the layers at; default: the training loader's
+      batch size and ``dataset.image_shape`` (a ``jaxprune.data.Loader``), read each epoch.
 
   Attributes:
     choices: the per-layer decisions, once converted.
@@ -446,20 +408,27 @@ class SparseExecution(Callback):
     nnz_per_kernel: int | None = 4,
     input_shape: Sequence[int] | None = None,
     repeats: int = 3,
+    filter_groups: Any = None,
   ):
-    if threshold == "measure" and input_shape is None:
-      raise ValueError("input_shape: threshold='measure' needs the model's input shape")
     if backend is not None and backend not in BACKENDS:
       raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     self.threshold = threshold
     self.backend = backend
     self.nnz_per_kernel = nnz_per_kernel
-    self.input_shape = input_shape
+    self.input_shape = None if input_shape is None else tuple(input_shape)
     self.repeats = repeats
+    self.filter_groups = filter_groups
     self.choices: list[LayerChoice] | None = None
+    self._loader_shape: tuple[int, ...] | None = None
     # The model last converted: a model rebuilt since (PruneTrain's reconfiguration) is
     # converted again, with the sliced masks.
     self._converted: nnx.Module | None = None
+
+  def _measures(self) -> bool:
+    return (default_threshold() if self.threshold is None else self.threshold) == "measure"
+
+  def _input_shape(self) -> tuple[int, ...] | None:
+    return self.input_shape or self._loader_shape
 
   def _convert(self, trainer: Any) -> dict[str, Any] | None:
     model = trainer.model
@@ -469,21 +438,39 @@ class SparseExecution(Callback):
     weight_masks = masks(trainer.opt_state, params)
     if count_refilled(weight_masks, params)[0]:
       return None  # pruned weights re-filled: the sparse model would compute another function
+    threshold = self.threshold
+    if self._measures() and self._input_shape() is None:
+      raise ValueError(
+        "input_shape: SparseExecution measures each layer by default and needs the input "
+        "batch shape: pass input_shape=, train with a jaxprune.data.Loader, or set a threshold"
+      )
     model, self.choices = convert_model(
       model,
       weight_masks,
-      threshold=self.threshold,
+      threshold=threshold,
       backend=self.backend,
       nnz_per_kernel=self.nnz_per_kernel,
-      input_shape=self.input_shape,
+      input_shape=self._input_shape(),
       repeats=self.repeats,
+      filter_groups=self.filter_groups,
     )
     trainer.replace(model, trainer.opt_state)
     self._converted = model
     return {"sparse_layers": sum(c.backend != "dense" for c in self.choices)}
 
   def on_fit_start(self, trainer: Any) -> None:
+    if self._measures() and self._input_shape() is None:
+      # A resumed run converts at its first epoch end, once the loader's shape is known (its
+      # first epoch runs the masked dense convs: pass input_shape to switch at once).
+      return
     self._convert(trainer)
+
+  def on_train_epoch_end(self, trainer: Any, epoch: int, train_loader: Any) -> None:
+    del trainer, epoch
+    shape = getattr(getattr(train_loader, "dataset", None), "image_shape", None)
+    size = getattr(train_loader, "batch_size", None)
+    if shape is not None and size:
+      self._loader_shape = (int(size), *(int(d) for d in shape))
 
   def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any] | None:
     del epoch

@@ -131,7 +131,9 @@ def clicktrain(
           keeps one pattern shared by the group's filters. Every per-kernel quantity (Eq. 1,
           Eq. 2, DPPG importance, votes, group-lasso norms) is summed over the group, and each
           group prunes ``ceil(ratio * Cin)`` channels. The pruned layers then run as dense
-          matrix products (:class:`~jaxprune.clicktrain.aligned_conv.AlignedConv`).
+          matrix products (:class:`~jaxprune.clicktrain.sparse_layers.AlignedConv`). With
+          PruneTrain's reconfiguration, give it ``channel_multiple=filter_groups`` so the
+          widths stay divisible.
           ``None`` (default): the paper's per-kernel patterns.
       eps: ε inside the group-lasso square roots.
 

@@ -212,7 +212,7 @@ def reconfigure(
       a reduced-budget ResNet-32 run's final model (widths 3–35) took 0.62x the dense step
       for 0.33x the FLOPs, and 0.60x with its widths rounded up to multiples of 8 (0.43x
       the FLOPs; ``python -m experiments.run prunetrain_speed --run
-      experiments/results/prunetrain/prunetrain_table1_resnet32_budget.json --channel-multiple 8``,
+      experiments/results/prunetrain/probes/table1_subset_resnet32.json --channel-multiple 8``,
       2026-11-22).
       Dead residual branches are still removed. A converted model's own multiple
       (``jaxprune.models.channel_multiple``, e.g. SDGP's ``m``) is always honoured.

@@ -8,8 +8,9 @@ from flax import nnx
 from jax import lax
 
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.aligned_conv import AlignedConv, aligned_conv, convert_aligned
+from jaxprune.clicktrain.aligned_conv import aligned_conv
 from jaxprune.clicktrain.aligned_layout import aligned_mask, build_aligned_layout, group_filters
+from jaxprune.clicktrain.sparse_execution import AlignedConv, convert_model
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
@@ -170,8 +171,9 @@ def test_convert_keeps_variables_and_function():
   with jax.default_matmul_precision("highest"):
     before = model(x)
     kernel_var = model.b.kernel
-    convert_aligned(model, masks, 2)
+    _, choices = convert_model(model, masks, threshold=0.0, filter_groups=2)
+    assert [c.backend for c in choices] == ["aligned"]
     assert isinstance(model.b, AlignedConv) and model.b.kernel is kernel_var
     np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="b: mask is not shared"):
-    convert_aligned(_Net(nnx.Rngs(0)), masks, {"b": [(0,), tuple(range(1, 8))]})
+    convert_model(_Net(nnx.Rngs(0)), masks, threshold=0.0, filter_groups=[(0,), tuple(range(1, 8))])

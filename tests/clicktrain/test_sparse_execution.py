@@ -270,17 +270,18 @@ def test_measured_dispatch_keeps_the_faster_path_per_layer(monkeypatch):
   # each layer timed at its own traced input shape.
   seen = {}
 
-  def fake_time_layer(layout, input_shape, *, strides, padding, backend, repeats):
-    seen[layout.kernel_shape] = tuple(input_shape)
-    sparse_faster = layout.kernel_shape[-1] == 12  # conv2 only
-    dense, sparse = (3.0, 1.0) if sparse_faster else (1.0, 3.0)
-    return {
-      f"{p}_{d}_ms": (dense if p == "dense" else sparse)
-      for p in ("dense", "sparse")
-      for d in ("fwd", "dx", "dw")
-    }
+  calls = []
 
-  monkeypatch.setattr(sparse_execution, "time_layer", fake_time_layer)
+  def fake_time_train_pass(conv, input_shape, kernel, *, repeats):
+    # Called dense first, then sparse, per layer.
+    seen[tuple(kernel.shape)] = tuple(input_shape)
+    calls.append(kernel.shape)
+    sparse_faster = kernel.shape[-1] == 12  # conv2 only
+    is_sparse = calls.count(kernel.shape) == 2
+    dense, sparse = (9.0, 3.0) if sparse_faster else (3.0, 9.0)
+    return sparse if is_sparse else dense
+
+  monkeypatch.setattr(sparse_execution, "time_train_pass", fake_time_train_pass)
   _apply(model, masks)
   _, choices = convert_model(model, masks, threshold="measure", input_shape=(2, 9, 9, 1))
   by_path = {c.path: c for c in choices}
@@ -297,5 +298,4 @@ def test_measured_dispatch_keeps_the_faster_path_per_layer(monkeypatch):
     convert_model(_Net(nnx.Rngs(0)), masks, threshold="measure")
   with pytest.raises(ValueError, match="threshold"):
     convert_model(_Net(nnx.Rngs(0)), masks, threshold="fastest", input_shape=(1, 9, 9, 1))
-  with pytest.raises(ValueError, match="input_shape"):
-    SparseExecution(threshold="measure")
+  assert convert_model(_Net(nnx.Rngs(0)), masks, threshold="fixed")[1][0].backend == "dense"

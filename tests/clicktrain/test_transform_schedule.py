@@ -12,7 +12,6 @@ import numpy as np
 import optax
 import pytest
 
-from jaxprune.clicktrain import importance
 from jaxprune.clicktrain import transform as ct
 from jaxprune.clicktrain.config import Config
 
