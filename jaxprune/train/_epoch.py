@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from jaxprune.train import _checks
 from jaxprune.train.step import Metrics
 
 __all__ = ["EpochLoops"]
@@ -21,8 +22,15 @@ class EpochLoops:
   def train_epoch(self, loader: Iterable) -> dict[str, float]:
     """One pass over ``loader``; returns train loss / acc and throughput.
 
-    Steps with a non-finite loss are left out of ``train_loss`` / ``train_acc`` and counted
-    in ``nonfinite_steps``, with a ``RuntimeWarning`` (see :class:`~jaxprune.train.Metrics`).
+    Steps with a non-finite loss or gradient are left out of ``train_loss`` / ``train_acc``,
+    keep BatchNorm's running statistics as they were, and are counted in ``nonfinite_steps``,
+    with a ``RuntimeWarning`` that says when class ids outside the model's outputs were the
+    cause (see :class:`~jaxprune.train.Metrics`). A batch whose images hold NaN / Inf is named
+    in a ``RuntimeWarning`` too (once per trainer).
+
+    Raises:
+      ValueError: the loader yielded no batches, or the images' channel count is not the
+        model's (both named).
     """
     metrics = Metrics.zeros()
     if self.mesh is not None:
@@ -52,9 +60,14 @@ class EpochLoops:
       except StopIteration:
         break
       data_wait += time.perf_counter() - t0
-      self.params, self.rest, self.opt_state, metrics = self._steps.train(
-        self.params, self.rest, self.opt_state, metrics, images, labels
-      )
+      self._own_donated_state()
+      try:
+        self.params, self.rest, self.opt_state, metrics = self._steps.train(
+          self.params, self.rest, self.opt_state, metrics, images, labels
+        )
+      except (TypeError, ValueError) as e:  # raised while tracing: nothing was donated
+        self._raise_if_wrong_channels(images, e)
+        raise
       self._model_synced = False
       self.step += 1
       steps += 1
@@ -75,15 +88,7 @@ class EpochLoops:
       raise ValueError(
         "train_loader yielded no batches (batch_size larger than the dataset with drop_last=True?)"
       )
-    if summary["nonfinite"]:
-      warnings.warn(
-        f"epoch {self.epoch + 1}: {summary['nonfinite']} of {steps} train steps had a "
-        "non-finite loss; train_loss / train_acc average the other steps and the record's "
-        "nonfinite_steps counts them (whether their updates were applied is up to the "
-        "optimizer, e.g. optax.apply_if_finite skips them)",
-        RuntimeWarning,
-        stacklevel=3,
-      )
+    self._warn_nonfinite(summary, steps)
     compute = max(elapsed - data_wait, 1e-9)
     return {
       "train_loss": summary["loss"],
@@ -118,8 +123,50 @@ class EpochLoops:
         images = np.concatenate([images, np.zeros((pad, *images.shape[1:]), images.dtype)])
         labels = np.concatenate([labels, np.zeros((pad, *labels.shape[1:]), labels.dtype)])
         weights[n:] = 0
-      metrics = self._steps.evaluate(self.params, self.rest, metrics, images, labels, weights)
+      try:
+        metrics = self._steps.evaluate(self.params, self.rest, metrics, images, labels, weights)
+      except (TypeError, ValueError) as e:
+        self._raise_if_wrong_channels(images, e)
+        raise
     if full is None:
       raise ValueError("test_loader yielded no batches")
     summary = metrics.summary()
     return {"test_loss": summary["loss"], "test_acc": summary["acc"]}
+
+  def _warn_nonfinite(self, summary: dict, steps: int) -> None:
+    """The epoch's warnings about non-finite steps (see :meth:`train_epoch`)."""
+    epoch = self.epoch + 1
+    if summary["nonfinite"]:
+      why = ""
+      if summary["labels_out_of_range"]:
+        why = (
+          f"; {summary['labels_out_of_range']} of them had labels out of range: class ids "
+          f"outside [0, {summary['num_classes']}), the model's {summary['num_classes']} "
+          "outputs (a data set with more classes than the model?)"
+        )
+      warnings.warn(
+        f"epoch {epoch}: {summary['nonfinite']} of {steps} train steps had a non-finite loss "
+        f"or gradient{why}; train_loss / train_acc average the other steps, the record's "
+        "nonfinite_steps counts them and BatchNorm's running statistics skip them (whether "
+        "their updates were applied is up to the optimizer, e.g. optax.apply_if_finite skips "
+        "them)",
+        RuntimeWarning,
+        stacklevel=4,
+      )
+    if summary["nonfinite_inputs"] and not self._warned_nonfinite_inputs:
+      self._warned_nonfinite_inputs = True
+      warnings.warn(
+        f"epoch {epoch}: train batch {summary['first_nonfinite_input']} of {steps} (1-based, "
+        "in the loader's order) is the first whose inputs are not finite (NaN or Inf in the "
+        f"images); {summary['nonfinite_inputs']} batches of this epoch had such inputs. Clean "
+        "the data: each such step is non-finite (this warning is shown once per trainer)",
+        RuntimeWarning,
+        stacklevel=4,
+      )
+
+  def _raise_if_wrong_channels(self, images, error: Exception) -> None:
+    """Turns a step that failed on a batch with the wrong channel count into a ``ValueError``
+    naming both counts (instead of XLA's convolution shape error)."""
+    message = _checks.input_channel_error(self._eval_graphdef, self.params, self.rest, images)
+    if message is not None:
+      raise ValueError(message) from error

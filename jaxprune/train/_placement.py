@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprune import distributed, masking
-from jaxprune.train import data_parallel
+from jaxprune.train import _checks, data_parallel
 from jaxprune.train.step import StepFunctions, split_model, step_functions
 
 __all__ = ["Placement"]
@@ -26,7 +26,11 @@ class Placement:
     self._model = model
     train_gd, eval_gd, params, rest = split_model(model)
     self.params, self.rest, self.opt_state = params, rest, opt_state
+    self._eval_graphdef = eval_gd
     self._model_synced = True
+    # The arrays came from outside (the model, its clones, the caller's optimizer state, or
+    # an optimizer state that aliases the params): copied before the first donating step.
+    self._shared = ("params", "rest", "opt_state")
     if self.mesh is None:
       self._steps = step_functions(
         train_gd, eval_gd, self.tx, self.loss_fn, flip_tta=self.flip_tta, donate=self.donate
@@ -79,7 +83,27 @@ class Placement:
     if not self._model_synced:
       nnx.update(self._model, self.params, self.rest)
       self._model_synced = True
+      # The model now holds the trainer's arrays: a clone of it would share them.
+      self._shared = tuple(dict.fromkeys((*self._shared, "params", "rest")))
     return self._model
+
+  def _own_donated_state(self) -> None:
+    """Copies the state the train step is about to donate where someone else may hold it.
+
+    With ``donate=True`` the step deletes its input buffers. The model the trainer was given
+    and every ``nnx.clone`` of it (or of :attr:`model` after a sync) share their arrays with
+    the trainer's state, so the first step after such a hand-over copies that state (one
+    copy of params and BatchNorm statistics, plus the optimizer state when it came from
+    outside) and points the model at the copies: the clones keep arrays of their own, and
+    donation goes on freeing the step's memory as before.
+    """
+    if not self._shared or not self.donate:
+      return
+    for name in self._shared:
+      setattr(self, name, _checks.copy_arrays(getattr(self, name)))
+    self._shared = ()
+    if self._model_synced:
+      nnx.update(self._model, self.params, self.rest)
 
   @property
   def steps(self) -> StepFunctions:

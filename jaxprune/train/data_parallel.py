@@ -52,15 +52,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxprune import distributed
+from jaxprune.train import _checks
 from jaxprune.train.batchnorm import batchnorm_layers
 from jaxprune.train.step import (
   Metrics,
   PerExampleLoss,
-  add_metrics,
   apply_optimizer,
+  count_step,
   eval_step,
   forward_backward,
   keep_state_if_finite,
+  step_finite,
   train_sums,
 )
 
@@ -206,11 +208,15 @@ def data_parallel_train_step(
     loss, logits, new_rest, grads = forward_backward(
       graphdef, loss_fn, params, _fold_keys(rest, rng_keys, axis_name), images, labels
     )
+  # One decision per step, from every device's loss and gradients (before the reduction: a
+  # NaN at an entry the sparse reduction leaves out counts too) and batch, in ONE all-reduce
+  # with the loss: a NaN on one device is one non-finite step, counted once, not per device.
+  flags = _checks.batch_flags(images, labels, logits.shape[-1])
+  local = jnp.stack([~step_finite(loss, grads), *flags]).astype(jnp.float32)
   # Equal shards: the global mean loss / gradient is the mean of the shards' means.
-  global_loss = jax.lax.pmean(loss, axis_name)
-  # One decision per step, from the global loss: a NaN on one device is a non-finite step
-  # (its averaged gradient is NaN too), counted once, not once per device.
-  finite = jnp.isfinite(global_loss)
+  global_loss, local = jax.lax.pmean((loss, local), axis_name)
+  finite = local[0] == 0
+  flags = _checks.BatchFlags(*(local[1:] > 0))
   sums = jax.lax.psum(train_sums(loss, logits, labels, finite), axis_name)
   sums = sums._replace(nonfinite=(~finite).astype(jnp.float32))
   reduce = distributed.allreduce_gradients(axis_name, indices=indices)
@@ -218,7 +224,7 @@ def data_parallel_train_step(
   new_rest = _average_floats(_restore_keys(new_rest, rest, rng_keys), axis_name)
   new_rest = keep_state_if_finite(finite, new_rest, rest)
   params, opt_state = apply_optimizer(tx, grads, opt_state, params, global_loss)
-  return params, new_rest, opt_state, add_metrics(metrics, sums)
+  return params, new_rest, opt_state, count_step(metrics, sums, finite, flags, logits.shape[-1])
 
 
 def indices_digest(indices: Any) -> str | None:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxprune.train import _checks
 from jaxprune.train.loss import correct_per_example, cross_entropy_per_example
 
 PerExampleLoss = Callable[[jax.Array, jax.Array], jax.Array]
@@ -31,31 +32,35 @@ PerExampleLoss = Callable[[jax.Array, jax.Array], jax.Array]
 class Metrics(NamedTuple):
   """Device-side running sums; ``count`` is the number of examples.
 
-  A train step whose loss is not finite adds nothing to the sums and counts in
-  ``nonfinite`` instead (one NaN batch would otherwise make the epoch's mean loss NaN and
-  hide the finite ones); whether its update was applied is the optimizer's business (e.g.
-  ``optax.apply_if_finite`` skips it).
+  A train step whose loss **or gradients** are not finite adds nothing to the sums and counts
+  in ``nonfinite`` instead (one NaN batch would otherwise make the epoch's mean loss NaN and
+  hide the finite ones; a finite loss can come with NaN gradients, e.g. from one NaN pixel);
+  whether its update was applied is the optimizer's business (e.g. ``optax.apply_if_finite``
+  skips it). The last fields say why, for the trainer's warning.
   """
 
   loss_sum: jax.Array
   correct_sum: jax.Array
   count: jax.Array
-  nonfinite: jax.Array  # train steps with a NaN / Inf loss, left out of the sums
+  nonfinite: jax.Array  # train steps with a NaN / Inf loss or gradient, left out of the sums
+  steps: jax.Array  # train steps seen
+  nonfinite_inputs: jax.Array  # train steps whose images (or soft labels) hold NaN / Inf
+  first_nonfinite_input: jax.Array  # 1-based step (of ``steps``) of the first of them; 0: none
+  labels_out_of_range: jax.Array  # non-finite train steps with class ids outside [0, classes)
+  num_classes: jax.Array  # the model's outputs (the logits' last axis); 0 before a train step
 
   @classmethod
   def zeros(cls) -> "Metrics":
     return cls(*(jnp.zeros([], jnp.float32) for _ in cls._fields))
 
   def summary(self) -> dict[str, float]:
-    count, nonfinite = float(self.count), int(self.nonfinite)
-    if count == 0:
-      return {"loss": float("nan"), "acc": float("nan"), "count": 0, "nonfinite": nonfinite}
-    return {
-      "loss": float(self.loss_sum) / count,
-      "acc": float(self.correct_sum) / count,
+    count = float(self.count)
+    out = {
+      "loss": float(self.loss_sum) / count if count else float("nan"),
+      "acc": float(self.correct_sum) / count if count else float("nan"),
       "count": int(count),
-      "nonfinite": nonfinite,
     }
+    return out | {name: int(getattr(self, name)) for name in self._fields[3:]}
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.GraphDef, Any, Any]:
@@ -118,19 +123,50 @@ def apply_optimizer(
 def train_sums(
   loss: jax.Array, logits: jax.Array, labels: jax.Array, finite: jax.Array | None = None
 ) -> Metrics:
-  """One batch's contribution to the running :class:`Metrics`.
+  """One batch's contribution to the running sums of :class:`Metrics` (the counting fields
+  after ``nonfinite`` are :func:`count_step`'s).
 
-  ``finite`` (default ``isfinite(loss)``) decides whether the batch counts; a data-parallel
-  step passes the global loss's, so every device makes the same decision.
+  ``finite`` (default ``isfinite(loss)``) decides whether the batch counts; the train steps
+  pass :func:`step_finite`'s decision (a data-parallel step the global one, so every device
+  makes the same decision).
   """
   finite = jnp.isfinite(loss) if finite is None else finite
   # A select, not a product: 0 · NaN would poison the sums (see Metrics).
   batch = jnp.where(finite, logits.shape[0], 0).astype(jnp.float32)
+  zero = jnp.zeros([], jnp.float32)
   return Metrics(
     jnp.where(finite, loss * batch, 0.0),
     jnp.where(finite, jnp.sum(correct_per_example(logits, labels)), 0.0),
     batch,
     (~finite).astype(jnp.float32),
+    *(zero for _ in Metrics._fields[4:]),
+  )
+
+
+def step_finite(loss: jax.Array, grads: Any) -> jax.Array:
+  """Whether a train step is finite: its loss **and** every gradient entry (one decision)."""
+  return _checks.tree_all_finite(loss, grads)
+
+
+def count_step(
+  metrics: Metrics, sums: Metrics, finite: jax.Array, flags: _checks.BatchFlags, num_classes: int
+) -> Metrics:
+  """``metrics`` after one train step: ``sums`` added, the step counted, and the causes of a
+  non-finite step (:class:`~jaxprune.train._checks.BatchFlags`) recorded."""
+  out = add_metrics(metrics, sums)
+  bad_inputs = flags.inputs_nonfinite
+  first = jnp.where(
+    (metrics.first_nonfinite_input == 0) & bad_inputs,
+    metrics.steps + 1,
+    metrics.first_nonfinite_input,
+  )
+  return out._replace(
+    steps=metrics.steps + 1,
+    nonfinite_inputs=metrics.nonfinite_inputs + bad_inputs.astype(jnp.float32),
+    first_nonfinite_input=first,
+    labels_out_of_range=metrics.labels_out_of_range
+    + (flags.labels_out_of_range & ~finite).astype(jnp.float32),
+    num_classes=jnp.full([], num_classes, jnp.float32),
   )
 
 
@@ -164,9 +200,12 @@ def _train_step(
   labels: jax.Array,
 ):
   loss, logits, new_rest, grads = forward_backward(graphdef, loss_fn, params, rest, images, labels)
+  finite = step_finite(loss, grads)
+  flags = _checks.batch_flags(images, labels, logits.shape[-1])
   params, opt_state = apply_optimizer(tx, grads, opt_state, params, loss)
-  new_rest = keep_state_if_finite(jnp.isfinite(loss), new_rest, rest)
-  return params, new_rest, opt_state, add_metrics(metrics, train_sums(loss, logits, labels))
+  new_rest = keep_state_if_finite(finite, new_rest, rest)
+  sums = train_sums(loss, logits, labels, finite)
+  return params, new_rest, opt_state, count_step(metrics, sums, finite, flags, logits.shape[-1])
 
 
 def eval_sums(
@@ -191,7 +230,8 @@ def eval_sums(
     jnp.sum(per_example * weights),
     jnp.sum(correct_per_example(logits, labels) * weights),
     jnp.sum(weights),
-    jnp.zeros([], jnp.float32),  # eval counts no non-finite train steps
+    # eval counts no train steps
+    *(jnp.zeros([], jnp.float32) for _ in Metrics._fields[3:]),
   )
 
 

@@ -75,7 +75,11 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     model_builder: ``spec -> model`` used on resume when the checkpoint's
       ``model.spec`` differs from the current model's (a reconfigured model); default
       :func:`jaxprune.models.rebuild` (same class and classes, conversions re-applied).
-    donate: donate state buffers to the jitted step.
+    donate: donate state buffers to the jitted step (their memory is reused for the new
+      state). State the trainer may share with someone else (the model it was given and its
+      ``nnx.clone`` copies, :attr:`model` once synced, an optimizer state passed to
+      :meth:`replace`) is copied once before the next step, so donation never deletes an
+      array the caller still holds: a clone keeps the values it had when it was made.
     run_config: JSON-serialisable description of the run (epochs, schedule, seed, ...)
       stored with every checkpoint. Resuming from a checkpoint written with a different
       ``run_config`` raises ``ValueError`` instead of silently continuing another run
@@ -170,6 +174,7 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     self._elapsed_before = 0.0
     self._memory_cache: dict[Any, dict[str, int]] = {}
     self._refill_check = masking.RefillCheck()  # pruned weights re-filled at an epoch end
+    self._warned_nonfinite_inputs = False  # the non-finite input warning is shown once
     # True once checkpoint_dir holds only this run's checkpoints (restored from it, found it
     # empty, or cleared it with fit(overwrite=True)): only then may save_checkpoint write there.
     self._owns_store = False

@@ -109,6 +109,39 @@ _SCRIPT = textwrap.dedent(
     # BatchNorm's running statistics stay as they were (else NaN on every device).
     out["nonfinite"].append(max_diff(after_nan[1], four[1]))
 
+    # A NaN pixel whose loss stays finite (the NaN reaches the logits only through a select)
+    # while the gradients are NaN: decided from the loss AND the gradients, on every device;
+    # per-device BatchNorm would otherwise average a NaN into every device's statistics.
+    class NanSafe(nnx.Module):
+      def __init__(self, rngs):
+        self.conv = nnx.Conv(1, 8, (3, 3), rngs=rngs)
+        self.bn = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
+        self.head = nnx.Linear(8, 4, rngs=rngs)
+
+      def __call__(self, x):
+        return self.head(jnp.nan_to_num(self.bn(self.conv(x))).mean((1, 2)))
+
+    model = NanSafe(nnx.Rngs(0))
+    tg, _, p, r = st.split_model(model)
+    x_pix = x.copy()
+    x_pix[9, 3, 3, 0] = np.nan  # device 2's quarter
+    quarter = jax.jit(functools.partial(st.forward_backward, tg, loss_fn))(
+      p, r, x_pix[8:12], y[8:12])
+    plain_sgd = optax.sgd(0.1)
+    steps = dp.step_functions(model, plain_sgd, loss_fn, mesh, donate=False)
+    state = steps.replicate((p, r, plain_sgd.init(p), st.Metrics.zeros()))
+    after_pix = steps.train(*state, x_pix, y)
+    y_big = y.copy()
+    y_big[13] = 7  # device 3's quarter: a class id the 4 outputs do not have
+    after_label = steps.train(*state, x, y_big)
+    out["nan_pixel"] = {
+      "quarter_loss_finite": bool(np.isfinite(quarter[0])),
+      "quarter_grads_finite": all(bool(np.all(np.isfinite(g))) for g in jax.tree.leaves(quarter[3])),
+      "summary": after_pix[3].summary(),
+      "rest": max_diff(after_pix[1], r),
+      "labels": after_label[3].summary(),
+    }
+
     # Per-device BatchNorm: the mean over the quarters of single-device passes.
     model = Net(batchnorm=True, rngs=nnx.Rngs(0))
     tg, _, p, r = st.split_model(model)
@@ -330,6 +363,13 @@ _SCRIPT = textwrap.dedent(
       "distinct_device_keys": len({tuple(np.asarray(k).tolist()) for k in per_device}),
     }
 
+    # Images with the wrong channel count: named, not XLA's convolution error.
+    try:
+      run(bn_net, sgd, 1, "auto", loader(32, channels=3))
+      out["channels"] = None
+    except ValueError as e:
+      out["channels"] = str(e)
+
     print("RESULT " + json.dumps(out))
     """
 )
@@ -369,6 +409,30 @@ def test_nonfinite_shard_is_one_nonfinite_step_left_out_of_the_sums(results):
   # Before this step: 16 finite examples counted; the NaN step adds none and counts once.
   # ... and leaves the BatchNorm running statistics as they were.
   assert results["nonfinite"] == [1, 16, 0.0, 0.0]
+
+
+def test_nan_pixel_with_a_finite_loss_is_one_nonfinite_step(results):
+  got = results["nan_pixel"]
+  # The case of the issue: on the NaN pixel's device the loss is finite, the gradients not.
+  assert got["quarter_loss_finite"] and not got["quarter_grads_finite"]
+  summary = got["summary"]
+  assert (summary["nonfinite"], summary["count"]) == (1, 0)
+  assert (summary["nonfinite_inputs"], summary["first_nonfinite_input"]) == (1, 1)
+  assert summary["labels_out_of_range"] == 0
+  assert got["rest"] == 0.0  # BatchNorm's running statistics kept on every device
+
+
+def test_out_of_range_labels_on_one_device_are_named_as_the_cause(results):
+  summary = results["nan_pixel"]["labels"]
+  assert (summary["nonfinite"], summary["labels_out_of_range"], summary["num_classes"]) == (1, 1, 4)
+  assert summary["nonfinite_inputs"] == 0
+
+
+def test_wrong_channel_count_is_named_under_data_parallelism(results):
+  assert results["channels"] == (
+    "images: the batch has 3 channels (shape (16, 8, 8, 3), NHWC) but the model takes 1 input "
+    "channel"
+  )
 
 
 def test_states_are_replicated(results):
