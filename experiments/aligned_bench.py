@@ -215,11 +215,19 @@ def bench_step(name: str, variant: str, args, rng) -> tuple[float, float]:
     f"clicktrain-{name}", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width
   )
   fine = variant.startswith("fine")
-  groups = int(variant.split("=")[1]) if variant.startswith("aligned") else 1
+  groups = int(variant.split("=")[1]) if "G=" in variant else 1
   masks = _model_masks(model, name, groups, rng, fine=fine)
   nnx.update(model, masking.apply_masks(nnx.as_pure(nnx.state(model, nnx.Param)), masks))
   if variant.startswith("aligned"):
     convert_model(model, masks, threshold=0.0, filter_groups=groups)
+  elif variant.startswith("measured"):  # the default dispatch: each layer timed both ways
+    shape = (args.batch, 32, 32, 3)
+    _, choices = convert_model(model, masks, filter_groups=groups, input_shape=shape)
+    print(
+      f"  measured dispatch: {sum(c.backend != 'dense' for c in choices)} of "
+      f"{len(choices)} layers aligned",
+      flush=True,
+    )
   elif fine:
     convert_model(model, masks, threshold=0.0)
   tx = optax.chain(train.sgd(0.05, 0.9, weight_decay=5e-4), masking.mask(masks))
@@ -294,6 +302,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--no-imagenet", dest="imagenet", action="store_false")
   parser.add_argument("--fine", action="store_true", help="also time the fine-grained path")
+  parser.add_argument(
+    "--measured", type=int, nargs="*", default=[1], help="G of the measured-dispatch step rows"
+  )
   parser.add_argument("--skip", nargs="*", default=[], choices=["steps", "layers"])
   parser.add_argument("--layers", type=int, default=None, help="time only the first N layers")
   parser.add_argument("--small", action="store_true", help="quarter width, batch 16, 3 repeats")
@@ -329,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if "steps" not in args.skip:
     for name in args.models:
       variants = ["dense"] + [f"aligned G={g}" for g in args.groups]
+      variants += [f"measured G={g}" for g in args.measured]
       variants += ["fine-grained"] if args.fine else []
       dense_ms = None
       for variant in variants:

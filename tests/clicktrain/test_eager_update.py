@@ -10,7 +10,6 @@ step. The update must compile once per shape, as it does under ``jit``.
 import jax
 import jax.numpy as jnp
 import optax
-import pytest
 
 from jaxprune import clicktrain
 
@@ -32,11 +31,6 @@ def _backend_compiles(fn) -> int:
   return len(events)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="clicktrain()'s update runs its stage machine's lax.cond / lax.switch eagerly; the "
-  "fix (jax.jit of update_fn inside clicktrain()) belongs to jaxprune/clicktrain/transform.py",
-)
 def test_eager_update_compiles_only_at_its_first_steps():
   params = {
     "conv": {"kernel": jax.random.normal(jax.random.key(0), (3, 3, 8, 8))},

@@ -6,7 +6,7 @@ from experiments import aligned_bench
 
 
 def test_aligned_bench_tiny_run_writes_tables(tmp_path):
-  argv = "--small --width 0.125 --batch 2 --repeats 1 --models vgg11 --groups 1 2"
+  argv = "--small --width 0.125 --batch 2 --repeats 1 --models vgg11 --groups 1 2 --measured"
   argv += f" --dtypes fp32 --no-imagenet --layers 2 --out {tmp_path}"
   result = aligned_bench.main(argv.split())
   steps = result["steps"]
