@@ -19,7 +19,7 @@ VGG-11 35-85%; a library pattern per kept (group, channel)):
 
 Times are medians of ``--repeats`` jitted calls after a warm-up, ``block_until_ready`` after
 each; every ratio compares two functions timed in the same run. Rows are printed and saved
-as they are measured (``--out``/``aligned_bench.json`` and ``.md``), so a run cut short keeps
+as they are measured (``aligned_bench_<platform>.json`` and ``.md``), so a run cut short keeps
 what it measured::
 
     python -m experiments.run aligned_bench --publish          # the full table
@@ -331,7 +331,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "steps": [],
     "layers": [],
   }
-  suffix = "_small" if args.small else ""
+  # One page per platform, so a GPU run and a CPU run each keep their own.
+  suffix = f"_{jax.default_backend()}" + ("_small" if args.small else "")
 
   def save():
     (out / f"aligned_bench{suffix}.json").write_text(json.dumps(result, indent=1))

@@ -16,8 +16,8 @@ def test_aligned_bench_tiny_run_writes_tables(tmp_path):
   assert len(result["layers"]) == 2
   for row in result["layers"]:
     assert {"dense", "aligned G=1", "aligned G=2", "G=1 no gather"} <= set(row["ms"])
-  saved = json.loads((tmp_path / "aligned_bench_small.json").read_text())
+  saved = json.loads((tmp_path / "aligned_bench_cpu_small.json").read_text())
   assert saved["steps"] == steps
-  page = (tmp_path / "aligned_bench_small.md").read_text()
+  page = (tmp_path / "aligned_bench_cpu_small.md").read_text()
   ratio = steps[1]["ms"] / steps[0]["ms"]
   assert f"{ratio:.2f}×" in page
