@@ -3,6 +3,7 @@
 
 import functools
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -96,3 +97,35 @@ def test_published_page_is_rebuilt_from_its_saved_rows():
 
   assert stable(rebuilt) == stable(published)
   assert published.count("hard prune at epoch 7;") == 4
+
+
+def test_filter_groups_reach_clicktrain_and_the_aligned_page(monkeypatch, tmp_path):
+  calls = []
+  real = preset.clicktrain
+
+  @functools.wraps(real)
+  def recording(inner, **kwargs):
+    calls.append(kwargs)
+    return real(inner, **kwargs)
+
+  monkeypatch.setattr(preset, "clicktrain", recording)
+  args = clicktrain_table1._parse(["--budget", "cpu", "--rows", "vgg11", "--filter-groups", "2"])
+  clicktrain_table1._method(args, "vgg11").make_tx(optax.sgd(0.1), methods.Run(390, args.epochs))
+  assert calls[0]["filter_groups"] == 2
+  # The page: the aligned run beside the row's dense and fine-grained runs, epoch times after
+  # the prune compared with the dense run's.
+  for method in ("dense", "clicktrain"):
+    name = f"table1_cpu_vgg11_{method}.json"
+    (tmp_path / name).write_text((RESULTS / name).read_text())
+  aligned = json.loads((RESULTS / "table1_cpu_vgg11_clicktrain.json").read_text())
+  for record in aligned["history"]:
+    record["epoch_time_s"] = 10.0
+  aligned["test_acc"] = 0.5
+  (tmp_path / "table1_cpu_vgg11_aligned-g2.json").write_text(json.dumps(aligned))
+  page = clicktrain_table1.aligned_markdown(tmp_path, "cpu")
+  rows = [line for line in page.splitlines() if line.startswith("| vgg11 |")]
+  assert [r.split(" | ")[1] for r in rows] == ["dense", "clicktrain", "aligned-g2"]
+  dense = json.loads((RESULTS / "table1_cpu_vgg11_dense.json").read_text())
+  after = [r["epoch_time_s"] for r in dense["history"] if r["epoch"] > 7]
+  assert f"| 10 | {10.0 / (sum(after) / len(after)):.2f}× |" in rows[2]
+  assert f"{100 * (0.5 - dense['test_acc']):+.2f}" in rows[2]

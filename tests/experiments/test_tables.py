@@ -338,9 +338,9 @@ def _alternatives(names):
 # Per paper folder: its tables, the rows (models) and the methods (regular expressions).
 _SCHEME = {
   "clicktrain": (
-    ["table1"],
+    ["table1", "table1-aligned"],
     [*clicktrain_table1.PAPER, *clicktrain_table1.EXTRA_ROWS],
-    ["dense", "clicktrain"],
+    ["dense", "clicktrain", r"aligned-g\d+"],
   ),
   "prunetrain": (["table1"], prunetrain_table1.ROWS, ["dense", "prunetrain"]),
   "sdgp": (
