@@ -405,9 +405,16 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
   return "\n".join(lines) + "\n"
 
 
-def _after_prune_epoch_s(run: dict[str, Any], pruned_at: int | None) -> float | None:
-  """Mean epoch time of the epochs trained after ``pruned_at`` (the hard prune's epoch)."""
-  times = [r["epoch_time_s"] for r in run["history"] if pruned_at and r["epoch"] > pruned_at]
+def _epoch_s(run: dict[str, Any], pruned_at: int | None, after: bool) -> float | None:
+  """Mean epoch time of a run before (epochs 2..``pruned_at``: the first compiles) or after the
+  hard prune's epoch ``pruned_at``."""
+  if not pruned_at:
+    return None
+  times = [
+    r["epoch_time_s"]
+    for r in run["history"]
+    if (r["epoch"] > pruned_at if after else 1 < r["epoch"] <= pruned_at)
+  ]
   return sum(times) / len(times) if times else None
 
 
@@ -415,18 +422,21 @@ def aligned_markdown(folder: Path, budget: str) -> str:
   """The aligned mode's page (beyond the paper): every row with aligned runs beside its dense and
   fine-grained ClickTrain runs of the same budget and seed."""
   lines = [
-    "# ClickTrain's aligned mode at the `%s` budget (beyond the paper)" % budget,
+    f"# ClickTrain's aligned mode at the `{budget}` budget (beyond the paper)",
     "",
-    "Each row's runs share the budget and seed of Table 1's rows (`table1_%s.md`); `aligned-gG` is "
-    "`clicktrain(..., filter_groups=G)` with the pruned convs switched to the aligned layers after "
-    "the hard prune (`SparseExecution`, each layer kept where it measures faster). Compression "
-    "counts every conv weight; the paper's fine-grained Table 1 numbers are on the Table 1 page. "
-    "Epoch time after the prune: the mean over the epochs trained after the hard prune "
-    "(the first of them includes measuring the layers and compiling the new step)." % budget,
+    f"Each row's runs share the budget and seed of Table 1's rows (`table1_{budget}.md`); "
+    "`aligned-gG` is `clicktrain(..., filter_groups=G)` with the pruned convs switched to the "
+    "aligned layers after the hard prune (`SparseExecution`, each layer kept where it measures "
+    "faster). Compression counts every conv weight. Epoch times are means over one run's epochs "
+    "before the hard prune (from the second: the first compiles) and after it (the first of "
+    "those measures the layers and compiles the new step); their ratio compares a run with "
+    "itself, so runs made under different machine load stay comparable.",
     "",
-    "| row | method | test acc | Δ vs dense | compression | epoch time after the prune (s) | vs dense | command |",
-    "|---|---|---:|---:|---:|---:|---:|---|",
+    "| row | method | test acc | Δ vs dense | compression | epoch s before / after the prune "
+    "| after / before |",
+    "|---|---|---:|---:|---:|---:|---:|",
   ]
+  commands = []
   for row in (*PAPER, *EXTRA_ROWS):
     runs = {
       p.stem.split(f"table1_{budget}_{row}_", 1)[1]: json.loads(p.read_text())
@@ -436,18 +446,19 @@ def aligned_markdown(folder: Path, budget: str) -> str:
       continue
     pruned_at = _pruned_at(runs.get("clicktrain", next(iter(runs.values()))))
     dense = runs["dense"]
-    dense_s = _after_prune_epoch_s(dense, pruned_at)
     for method in ["dense", "clicktrain"] + sorted(m for m in runs if m.startswith("aligned")):
       if method not in runs:
         continue
       r = runs[method]
-      secs = _after_prune_epoch_s(r, _pruned_at(r) or pruned_at)
+      at = _pruned_at(r) or pruned_at
+      before, after = _epoch_s(r, at, False), _epoch_s(r, at, True)
       lines.append(
         f"| {row} | {method} | {100 * r['test_acc']:.2f}% | "
         f"{100 * (r['test_acc'] - dense['test_acc']):+.2f} | {r['compression']:.2f}× | "
-        f"{secs:.0f} | {secs / dense_s:.2f}× | `{r.get('command', '')}` |"
+        f"{before:.0f} / {after:.0f} | {after / before:.2f}× |"
       )
-  return "\n".join(lines) + "\n"
+      commands.append(f"- {row} {method}: `{r.get('command', '')}`")
+  return "\n".join([*lines, "", "Commands:", "", *commands]) + "\n"
 
 
 def _saved_rows(folder: Path, budget: str) -> dict[str, dict[str, Any]]:
