@@ -91,10 +91,30 @@ def _loader(seed=0, size=16):
   return data.Loader(dataset, 16, shuffle=True, seed=0, drop_last=True, prefetch=0)
 
 
-@pytest.mark.parametrize("name", ["prunetrain-resnet20", "clicktrain-vgg11"])
-def test_parameters_statistics_and_optimizer_state_stay_float32_after_steps(name):
+def _clicktrain_tx():
+  # The pattern pool from the first step: importance scores and votes accumulate during it.
+  return clicktrain.clicktrain(
+    train.sgd(0.05, momentum=0.9),
+    steps_per_epoch=2,
+    hard_prune_epoch=4,
+    pool_start_epoch=0,
+    pool_epochs=1,
+    finalize_epochs=1,
+  )
+
+
+@pytest.mark.parametrize(
+  ("name", "method"),
+  [
+    ("prunetrain-resnet20", "sgd"),
+    ("clicktrain-vgg11", "sgd"),
+    ("prunetrain-resnet20", "clicktrain"),
+  ],
+)
+def test_parameters_statistics_and_optimizer_state_stay_float32_after_steps(name, method):
   model = _create(name, jnp.bfloat16)
-  trainer = train.Trainer(model, train.sgd(0.05, momentum=0.9), progress=False)
+  tx = _clicktrain_tx() if method == "clicktrain" else train.sgd(0.05, momentum=0.9)
+  trainer = train.Trainer(model, tx, progress=False)
   before = jax.tree.map(np.asarray, nnx.as_pure(nnx.state(model, nnx.Param)))
   trainer.fit(_loader(), epochs=2)
   assert _dtypes(trainer.params) == {F32}
