@@ -8,6 +8,10 @@ removed_blocks=...)`` (widths keyed by the layer's attribute path), and ``rebuil
 builds a model of the same class from a new spec, re-applying the conversions recorded on the
 old one (``record_conversion``).
 
+Mixed precision as in Flax: every model takes ``dtype`` (compute; ``jnp.bfloat16`` for mixed
+precision) and ``param_dtype`` (float32 by default); BatchNorm statistics and the logits stay
+float32, and ``rebuild`` and the converters keep the dtype.
+
 Convolution wrappers share one protocol (``pluggable_conv``): a ``PluggableConv`` runs a pluggable
 conv function, composed by wrapping, with an explicit per-call key.
 """

@@ -1,8 +1,12 @@
-"""Helpers shared by the width specs: validation and width scaling."""
+"""Helpers shared by the models: spec validation, width scaling and precision."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 
 def require_positive(field: str, value: object) -> None:
@@ -35,3 +39,33 @@ def check_no_removed_blocks(removed_blocks: Iterable[str], spec: object) -> None
     raise ValueError(
       f"removed_blocks: {type(spec).__name__} has no removable branches, got {removed}"
     )
+
+
+def check_precision(dtype: Any, param_dtype: Any) -> tuple[jnp.dtype | None, jnp.dtype]:
+  """Validated ``(dtype, param_dtype)`` of a model, as ``jnp.dtype`` (``dtype`` may be ``None``).
+
+  ``dtype`` is the compute dtype (Flax's meaning: ``None`` infers it from the inputs and
+  parameters, i.e. float32 here); ``param_dtype`` the dtype parameters are stored in.
+
+  Raises:
+    ValueError: either is not a floating-point dtype (the message names it).
+  """
+  checked = []
+  for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+    if value is None and name == "dtype":
+      checked.append(None)
+      continue
+    try:
+      value = jnp.dtype(value)
+    except TypeError:
+      raise ValueError(f"{name} must be a floating-point dtype, got {value!r}") from None
+    if not jnp.issubdtype(value, jnp.floating):
+      raise ValueError(f"{name} must be a floating-point dtype, got {value!r}")
+    checked.append(value)
+  return checked[0], checked[1]
+
+
+def float32_logits(logits: jax.Array) -> jax.Array:
+  """``logits`` in at least float32: the loss and its gradient start in float32 whatever the
+  compute dtype (a no-op for float32 models, so their results are unchanged)."""
+  return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))

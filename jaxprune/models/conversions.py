@@ -1,8 +1,9 @@
 """Rebuilding a model from a (new) width spec, conversions included.
 
-A model of this package is fully described by its class, ``model.spec`` and
-``model.num_classes``, plus whatever *conversions* were applied to it after construction
-(e.g. SDGP's converter swaps every conv for an ``SDGPConv``). A converter records itself on
+A model of this package is fully described by its class, ``model.spec``,
+``model.num_classes`` and its precision (``model.dtype``, ``model.param_dtype``), plus
+whatever *conversions* were applied to it after construction (e.g. SDGP's converter swaps
+every conv for an ``SDGPConv``). A converter records itself on
 the model with :func:`record_conversion`; :func:`rebuild` builds a new model of the same class
 from a spec and re-applies, in order, every conversion the old model carries. PruneTrain's
 reconfiguration (which changes the widths) and the trainer's checkpoint resume (which rebuilds a
@@ -37,6 +38,9 @@ Conversion = Callable[[nnx.Module], nnx.Module]
 # The attribute holding the recorded conversions: a tuple of hashable callables, a static
 # attribute of the module (part of its graph definition, not of its state).
 _ATTRIBUTE = "applied_conversions"
+
+# The model attributes rebuild passes on to the new model's constructor (Flax's names).
+_PRECISION = ("dtype", "param_dtype")
 
 
 def record_conversion(model: nnx.Module, conversion: Conversion) -> nnx.Module:
@@ -88,8 +92,9 @@ def channel_multiple(model: nnx.Module) -> int:
 
 
 def rebuild(model: nnx.Module, spec: Any = None, *, rngs: Optional[nnx.Rngs] = None) -> nnx.Module:
-  """A new model of ``model``'s class and ``num_classes``, built from ``spec``, with every
-  conversion recorded on ``model`` re-applied.
+  """A new model of ``model``'s class, ``num_classes`` and precision (``dtype`` /
+  ``param_dtype``, where the model has them), built from ``spec``, with every conversion
+  recorded on ``model`` re-applied.
 
   The new model's variables are freshly initialised (copy values over with ``nnx.update``);
   wrap the call in ``nnx.eval_shape`` to build it abstractly.
@@ -115,7 +120,10 @@ def rebuild(model: nnx.Module, spec: Any = None, *, rngs: Optional[nnx.Rngs] = N
     if getattr(model, name, None) is None:
       raise ValueError(f"model: {type(model).__name__} has no {name!r} to rebuild from")
   spec = model.spec if spec is None else spec
-  new = type(model)(spec, num_classes=model.num_classes, rngs=rngs or nnx.Rngs(0))
+  # A mixed-precision model stays one: PruneTrain's reconfiguration and checkpoint resume
+  # rebuild through here.
+  precision = {name: getattr(model, name) for name in _PRECISION if hasattr(model, name)}
+  new = type(model)(spec, num_classes=model.num_classes, rngs=rngs or nnx.Rngs(0), **precision)
   for conversion in applied_conversions(model):
     new = conversion(new)
   if applied_conversions(new) != applied_conversions(model):

@@ -10,6 +10,13 @@ has ``conv1 = conv2 (= conv3) = None`` and computes ``relu(shortcut(x))``, which
 of the full block when its branch output is zero. For an identity shortcut this is ``x``
 itself because the block input is already a ReLU output.
 
+Mixed precision follows Flax's layers: ``dtype`` is the compute dtype (``None``: inferred, i.e.
+float32) and ``param_dtype`` the storage dtype of the parameters (float32 by default). The conv
+runs in ``dtype``; BatchNorm keeps its parameters and running statistics in float32 and
+normalises in float32 (its input is promoted to the statistics' dtype), and ``ConvBN`` casts the
+result back to ``dtype``: the statistics of a bfloat16 activation are as exact as those of a
+float32 one, and the normalisation is one fused elementwise pass whatever its dtype.
+
 ``BlurPool`` is anti-aliased downsampling (Zhang, "Making Convolutional Networks Shift-Invariant
 Again", ICML 2019): a fixed binomial low-pass filter per channel, then subsampling. With
 ``blurpool=True`` a ``ConvBN`` blurs its input (stride 1) before its strided conv, the form
@@ -27,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprune.models._common import require_positive
+from jaxprune.models._common import check_precision, require_positive
 from jaxprune.models.conv import conv_general_dilated
 from jaxprune.models.pluggable_conv import conv_sharing_variables
 
@@ -206,6 +213,8 @@ class ConvBN(nnx.Module):
     bn_scale_init: float = 1.0,
     kernel_init: nnx.Initializer = conv_kernel_init,
     blurpool: bool = False,
+    dtype: jax.typing.DTypeLike | None = None,
+    param_dtype: jax.typing.DTypeLike = jnp.float32,
     rngs: nnx.Rngs,
   ):
     """Builds the layer.
@@ -223,8 +232,17 @@ class ConvBN(nnx.Module):
       kernel_init: conv kernel initializer (He normal, fan_out, by default).
       blurpool: blur the input (3x3 binomial, stride 1, zero padding) before the conv, so a
         strided conv subsamples a low-passed signal (Zhang 2019; SDGP's ImageNet configs).
+      dtype: compute dtype of the conv and of the layer's output (``None``: inferred from
+        the input and parameters, Flax's default); BatchNorm normalises in float32.
+      param_dtype: dtype of the conv kernel and BatchNorm γ/β (running statistics are always
+        float32).
       rngs: NNX random streams.
+
+    Raises:
+      ValueError: a non-positive size or stride, a negative padding, or a non-floating
+        ``dtype`` / ``param_dtype``.
     """
+    dtype, param_dtype = check_precision(dtype, param_dtype)
     require_positive("in_features", in_features)
     require_positive("out_features", out_features)
     require_positive("kernel_size", kernel_size)
@@ -244,15 +262,21 @@ class ConvBN(nnx.Module):
       # The weight gradient as a patch matmul on CPU (models/conv.py: XLA:CPU's own
       # recomputes a ResNet stage's residual stream for every layer's weight gradient).
       conv_general_dilated=conv_general_dilated,
+      dtype=dtype,
+      param_dtype=param_dtype,
       rngs=rngs,
     )
+    # dtype=None: BatchNorm promotes its input to its float32 statistics and parameters, so
+    # it normalises in float32; __call__ casts the result back to the compute dtype.
     self.bn = nnx.BatchNorm(
       out_features,
       momentum=_BN_MOMENTUM,
       epsilon=_BN_EPSILON,
       scale_init=nnx.initializers.constant(bn_scale_init),
+      param_dtype=param_dtype,
       rngs=rngs,
     )
+    self.dtype = dtype
     self.relu = relu
     self.blur = BlurPool(stride=1) if blurpool else None
 
@@ -268,6 +292,8 @@ class ConvBN(nnx.Module):
     if self.blur is not None:
       x = self.blur(x)
     y = self.bn(self.conv(x))
+    if self.dtype is not None:
+      y = y.astype(self.dtype)
     return jax.nn.relu(y) if self.relu else y
 
 
@@ -278,6 +304,7 @@ def _shortcut(
   projection: bool,
   rngs: nnx.Rngs,
   blurpool: bool = False,
+  precision: dict | None = None,
 ) -> ConvBN | None:
   if projection:
     # He et al. option B: 1x1 conv + BN, no ReLU (the ReLU comes after the sum).
@@ -290,6 +317,7 @@ def _shortcut(
       relu=False,
       blurpool=blurpool and strides > 1,
       rngs=rngs,
+      **(precision or {}),
     )
   if strides != 1 or in_features != out_features:
     raise ValueError(
@@ -326,6 +354,8 @@ class _ResidualBlock(nnx.Module):
     strides: int = 1,
     projection: bool = False,
     blurpool: bool = False,
+    dtype: jax.typing.DTypeLike | None = None,
+    param_dtype: jax.typing.DTypeLike = jnp.float32,
     rngs: nnx.Rngs,
   ):
     """Builds the block.
@@ -339,6 +369,8 @@ class _ResidualBlock(nnx.Module):
       projection: use a 1x1 conv + BN shortcut; required when the shape changes.
       blurpool: with ``strides > 1``, blur the input of every strided conv (the one carrying
         the stride and the projection) first (``ConvBN(blurpool=True)``).
+      dtype: compute dtype of every ``ConvBN`` (see :class:`ConvBN`).
+      param_dtype: parameter dtype of every ``ConvBN``.
       rngs: NNX random streams.
     """
     require_positive("in_features", in_features)
@@ -347,12 +379,13 @@ class _ResidualBlock(nnx.Module):
       widths = self._default_widths(out_features)
     widths = _check_widths(widths, self.num_inner_widths)
     blur = blurpool and strides > 1
-    self.shortcut = _shortcut(in_features, out_features, strides, projection, rngs, blur)
+    precision = {"dtype": dtype, "param_dtype": param_dtype}
+    self.shortcut = _shortcut(in_features, out_features, strides, projection, rngs, blur, precision)
     if widths is None:
       for name in self.branch_names:
         setattr(self, name, None)
     else:
-      layers = self._build_branch(in_features, out_features, widths, strides, rngs, blur)
+      layers = self._build_branch(in_features, out_features, widths, strides, rngs, blur, precision)
       for name, layer in zip(self.branch_names, layers, strict=True):
         setattr(self, name, layer)
 
@@ -368,6 +401,7 @@ class _ResidualBlock(nnx.Module):
     strides: int,
     rngs: nnx.Rngs,
     blurpool: bool,
+    precision: dict,
   ) -> list[ConvBN]:
     raise NotImplementedError
 
@@ -411,10 +445,10 @@ class BasicBlock(_ResidualBlock):
     return (out_features,)
 
   @staticmethod
-  def _build_branch(in_features, out_features, widths, strides, rngs, blurpool):
+  def _build_branch(in_features, out_features, widths, strides, rngs, blurpool, precision):
     return [
-      ConvBN(in_features, widths[0], 3, strides=strides, blurpool=blurpool, rngs=rngs),
-      ConvBN(widths[0], out_features, 3, relu=False, rngs=rngs),
+      ConvBN(in_features, widths[0], 3, strides=strides, blurpool=blurpool, rngs=rngs, **precision),
+      ConvBN(widths[0], out_features, 3, relu=False, rngs=rngs, **precision),
     ]
 
 
@@ -445,11 +479,11 @@ class Bottleneck(_ResidualBlock):
     return (max(out_features // 4, 1),) * 2
 
   @staticmethod
-  def _build_branch(in_features, out_features, widths, strides, rngs, blurpool):
+  def _build_branch(in_features, out_features, widths, strides, rngs, blurpool, precision):
     return [
-      ConvBN(in_features, widths[0], 1, rngs=rngs),
-      ConvBN(widths[0], widths[1], 3, strides=strides, blurpool=blurpool, rngs=rngs),
-      ConvBN(widths[1], out_features, 1, relu=False, rngs=rngs),
+      ConvBN(in_features, widths[0], 1, rngs=rngs, **precision),
+      ConvBN(widths[0], widths[1], 3, strides=strides, blurpool=blurpool, rngs=rngs, **precision),
+      ConvBN(widths[1], out_features, 1, relu=False, rngs=rngs, **precision),
     ]
 
 

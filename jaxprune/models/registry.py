@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxprune.models.resnet import (
@@ -67,6 +68,8 @@ def create(
   rngs: nnx.Rngs,
   width_multiplier: float = 1.0,
   spec: Any = None,
+  dtype: jax.typing.DTypeLike | None = None,
+  param_dtype: jax.typing.DTypeLike = jnp.float32,
   **spec_overrides: Any,
 ) -> nnx.Module:
   """Builds a registered model.
@@ -79,6 +82,10 @@ def create(
     width_multiplier: scale every width by this factor (rounded, at least 1), for narrower
       models on small compute budgets.
     spec: a full spec replacing the registered one (e.g. a pruned model's ``model.spec``).
+    dtype: compute dtype of the convs, dense layers and activations, as Flax's ``dtype``
+      (``None``: float32, the inputs' and parameters' dtype; ``jnp.bfloat16`` for mixed
+      precision). BatchNorm normalises in float32 and the logits are float32 whatever it is.
+    param_dtype: dtype the parameters are stored in (BatchNorm statistics are float32).
     **spec_overrides: fields of the spec to replace, e.g. ``in_channels=1``.
 
   Returns:
@@ -86,12 +93,14 @@ def create(
 
   Raises:
     ValueError: unknown ``name`` (the message lists the available ones), an unknown spec
-      field, an invalid spec, or ``rngs`` that is not an ``nnx.Rngs``.
+      field, an invalid spec, ``rngs`` that is not an ``nnx.Rngs``, or a ``dtype`` /
+      ``param_dtype`` that is not a floating-point dtype.
 
   Example:
     >>> model = create("prunetrain-resnet32", num_classes=10, rngs=nnx.Rngs(0))
     >>> half = create("clicktrain-vgg11", num_classes=100, rngs=nnx.Rngs(0),
     ...               width_multiplier=0.5)
+    >>> mixed = create("sdgp-resnet9", num_classes=10, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
   """
   # Caught here: a missing Rngs otherwise fails deep inside the first Flax layer.
   if not isinstance(rngs, nnx.Rngs):
@@ -107,7 +116,7 @@ def create(
     if unknown:
       raise ValueError(f"unknown spec field(s) {unknown} for {name!r}; fields: {sorted(fields)}")
     spec = dataclasses.replace(spec, **spec_overrides)
-  return model_class(spec, num_classes=num_classes, rngs=rngs)
+  return model_class(spec, num_classes=num_classes, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
 
 def param_count(model: nnx.Module) -> int:

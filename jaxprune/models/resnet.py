@@ -22,11 +22,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxprune.models._common import (
   check_layer_paths,
   check_multiplier,
+  check_precision,
+  float32_logits,
   require_positive,
   scale_width,
 )
@@ -343,6 +346,8 @@ class ResNet(nnx.Module):
     stem: ``ConvBN`` (with ReLU).
     stages: ``nnx.List`` of ``nnx.List`` of ``BasicBlock`` / ``Bottleneck``.
     head: ``nnx.Linear(last stage width, num_classes)``.
+    dtype, param_dtype: compute and parameter dtypes of every layer (``None`` / float32 by
+      default; see :class:`~jaxprune.models.ConvBN`); the logits are returned in float32.
 
   Example:
     >>> spec = prunetrain_resnet_spec(20)
@@ -352,10 +357,20 @@ class ResNet(nnx.Module):
     >>> smaller = ResNet(spec.scaled(0.5), num_classes=10, rngs=nnx.Rngs(0))
   """
 
-  def __init__(self, spec: ResNetSpec, *, num_classes: int, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    spec: ResNetSpec,
+    *,
+    num_classes: int,
+    rngs: nnx.Rngs,
+    dtype: jax.typing.DTypeLike | None = None,
+    param_dtype: jax.typing.DTypeLike = jnp.float32,
+  ):
     if not isinstance(spec, ResNetSpec):
       raise ValueError(f"spec must be a ResNetSpec, got {type(spec).__name__}")
     require_positive("num_classes", num_classes)
+    self.dtype, self.param_dtype = check_precision(dtype, param_dtype)
+    precision = {"dtype": self.dtype, "param_dtype": self.param_dtype}
     self.spec = spec
     self.num_classes = num_classes
     self.stem = ConvBN(
@@ -364,6 +379,7 @@ class ResNet(nnx.Module):
       spec.stem_kernel,
       strides=spec.stem_stride,
       rngs=rngs,
+      **precision,
     )
     block_class = spec.block_class
     stages = []
@@ -380,6 +396,7 @@ class ResNet(nnx.Module):
             projection=block.projection,
             blurpool=spec.blurpool,
             rngs=rngs,
+            **precision,
           )
         )
         in_width = stage.width
@@ -391,6 +408,7 @@ class ResNet(nnx.Module):
       kernel_init=torch_default_init,
       bias_init=nnx.initializers.zeros_init(),
       rngs=rngs,
+      **precision,
     )
 
   def forward_features(self, x: jax.Array) -> jax.Array:
@@ -404,7 +422,7 @@ class ResNet(nnx.Module):
     return x
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.head(global_avg_pool(self.forward_features(x)))
+    return float32_logits(self.head(global_avg_pool(self.forward_features(x))))
 
 
 def prunetrain_resnet_spec(depth: int) -> ResNetSpec:

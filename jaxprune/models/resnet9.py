@@ -27,6 +27,8 @@ from jaxprune.models._common import (
   check_layer_paths,
   check_multiplier,
   check_no_removed_blocks,
+  check_precision,
+  float32_logits,
   require_positive,
   scale_width,
 )
@@ -144,6 +146,8 @@ class ResNet9(nnx.Module):
     prep, layer1, layer2, layer3: ``ConvBN``.
     res1, res2: ``nnx.List`` of two ``ConvBN`` each (residual branches).
     head: ``nnx.Linear(layer3, num_classes, use_bias=False)``.
+    dtype, param_dtype: compute and parameter dtypes of every layer (``None`` / float32 by
+      default; see :class:`~jaxprune.models.ConvBN`); the logits are returned in float32.
 
   Example:
     >>> model = ResNet9(sdgp_resnet9_spec(), num_classes=10, rngs=nnx.Rngs(0))
@@ -151,30 +155,46 @@ class ResNet9(nnx.Module):
     (2, 10)
   """
 
-  def __init__(self, spec: ResNet9Spec, *, num_classes: int, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    spec: ResNet9Spec,
+    *,
+    num_classes: int,
+    rngs: nnx.Rngs,
+    dtype: jax.typing.DTypeLike | None = None,
+    param_dtype: jax.typing.DTypeLike = jnp.float32,
+  ):
     if not isinstance(spec, ResNet9Spec):
       raise ValueError(f"spec must be a ResNet9Spec, got {type(spec).__name__}")
     require_positive("num_classes", num_classes)
+    self.dtype, self.param_dtype = check_precision(dtype, param_dtype)
+    precision = {"dtype": self.dtype, "param_dtype": self.param_dtype}
     self.spec = spec
     self.num_classes = num_classes
     init = torch_default_init
-    self.prep = ConvBN(spec.in_channels, spec.prep, 3, kernel_init=init, rngs=rngs)
-    self.layer1 = ConvBN(spec.prep, spec.layer1, 5, strides=2, kernel_init=init, rngs=rngs)
+    self.prep = ConvBN(spec.in_channels, spec.prep, 3, kernel_init=init, rngs=rngs, **precision)
+    self.layer1 = ConvBN(
+      spec.prep, spec.layer1, 5, strides=2, kernel_init=init, rngs=rngs, **precision
+    )
     self.res1 = nnx.List(
       [
-        ConvBN(spec.layer1, spec.res1[0], 3, kernel_init=init, rngs=rngs),
-        ConvBN(spec.res1[0], spec.res1[1], 3, kernel_init=init, rngs=rngs),
+        ConvBN(spec.layer1, spec.res1[0], 3, kernel_init=init, rngs=rngs, **precision),
+        ConvBN(spec.res1[0], spec.res1[1], 3, kernel_init=init, rngs=rngs, **precision),
       ]
     )
-    self.layer2 = ConvBN(spec.layer1, spec.layer2, 3, kernel_init=init, rngs=rngs)
+    self.layer2 = ConvBN(spec.layer1, spec.layer2, 3, kernel_init=init, rngs=rngs, **precision)
     self.res2 = nnx.List(
       [
-        ConvBN(spec.layer2, spec.res2[0], 3, kernel_init=init, rngs=rngs),
-        ConvBN(spec.res2[0], spec.res2[1], 3, kernel_init=init, rngs=rngs),
+        ConvBN(spec.layer2, spec.res2[0], 3, kernel_init=init, rngs=rngs, **precision),
+        ConvBN(spec.res2[0], spec.res2[1], 3, kernel_init=init, rngs=rngs, **precision),
       ]
     )
-    self.layer3 = ConvBN(spec.layer2, spec.layer3, 3, padding=0, kernel_init=init, rngs=rngs)
-    self.head = nnx.Linear(spec.layer3, num_classes, use_bias=False, kernel_init=init, rngs=rngs)
+    self.layer3 = ConvBN(
+      spec.layer2, spec.layer3, 3, padding=0, kernel_init=init, rngs=rngs, **precision
+    )
+    self.head = nnx.Linear(
+      spec.layer3, num_classes, use_bias=False, kernel_init=init, rngs=rngs, **precision
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = self.layer1(self.prep(x))
@@ -182,4 +202,4 @@ class ResNet9(nnx.Module):
     x = nnx.max_pool(self.layer2(x), (2, 2), strides=(2, 2))
     x = x + self.res2[1](self.res2[0](x))
     x = jnp.max(self.layer3(x), axis=(1, 2))  # AdaptiveMaxPool2d((1, 1)) + Flatten
-    return self.head(x) * self.spec.logit_scale
+    return float32_logits(self.head(x)) * self.spec.logit_scale

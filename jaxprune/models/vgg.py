@@ -13,16 +13,19 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from jaxprune.models.layers import ConvBN, global_avg_pool, normal_init, torch_default_init
 from jaxprune.models._common import (
   check_layer_paths,
   check_multiplier,
   check_no_removed_blocks,
+  check_precision,
+  float32_logits,
   require_positive,
   scale_width,
 )
+from jaxprune.models.layers import ConvBN, global_avg_pool, normal_init, torch_default_init
 
 __all__ = ["VGG", "VGGSpec", "clicktrain_vgg_spec", "prunetrain_vgg_spec"]
 
@@ -167,6 +170,8 @@ class VGG(nnx.Module):
     features: ``nnx.List`` of ``ConvBN`` (``features[i]`` has ``spec.widths[i]`` filters).
     classifier: ``nnx.List`` of ``nnx.Linear`` (hidden layers, then the output layer).
     dropout: the ``nnx.Dropout`` applied before each hidden ``Linear``.
+    dtype, param_dtype: compute and parameter dtypes of every layer (``None`` / float32 by
+      default; see :class:`~jaxprune.models.ConvBN`); the logits are returned in float32.
 
   Example:
     >>> model = VGG(prunetrain_vgg_spec(11), num_classes=10, rngs=nnx.Rngs(0))
@@ -174,16 +179,28 @@ class VGG(nnx.Module):
     (2, 10)
   """
 
-  def __init__(self, spec: VGGSpec, *, num_classes: int, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    spec: VGGSpec,
+    *,
+    num_classes: int,
+    rngs: nnx.Rngs,
+    dtype: jax.typing.DTypeLike | None = None,
+    param_dtype: jax.typing.DTypeLike = jnp.float32,
+  ):
     if not isinstance(spec, VGGSpec):
       raise ValueError(f"spec must be a VGGSpec, got {type(spec).__name__}")
     require_positive("num_classes", num_classes)
+    self.dtype, self.param_dtype = check_precision(dtype, param_dtype)
+    precision = {"dtype": self.dtype, "param_dtype": self.param_dtype}
     self.spec = spec
     self.num_classes = num_classes
     features = []
     in_width = spec.in_channels
     for width in spec.widths:
-      features.append(ConvBN(in_width, width, 3, bn_scale_init=spec.bn_scale_init, rngs=rngs))
+      features.append(
+        ConvBN(in_width, width, 3, bn_scale_init=spec.bn_scale_init, rngs=rngs, **precision)
+      )
       in_width = width
     self.features = nnx.List(features)
     if spec.linear_init_std is None:
@@ -199,6 +216,7 @@ class VGG(nnx.Module):
           kernel_init=linear_init,
           bias_init=nnx.initializers.zeros_init(),
           rngs=rngs,
+          **precision,
         )
       )
       in_width = width
@@ -214,4 +232,4 @@ class VGG(nnx.Module):
     x = global_avg_pool(x)
     for linear in self.classifier[:-1]:
       x = jax.nn.relu(linear(self.dropout(x)))
-    return self.classifier[-1](x)
+    return float32_logits(self.classifier[-1](x))
