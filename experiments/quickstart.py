@@ -6,11 +6,16 @@ download (the digits ship inside scikit-learn). Every row is a registered
 data, model, optimizer and budget, so pruning methods can be compared with the dense
 baseline:
 
-    python -m experiments.run quickstart [--epochs 15] [--methods dense] [--publish]
+    python -m experiments.run quickstart [--epochs 15] [--methods dense] [--seeds 0,1,2] [--publish]
 
 It writes the table to ``runs/quickstart.md`` (with the command, date and machine; JSON beside
 it), or to ``experiments/results/quickstart.md``, the page the README quotes, with
 ``--publish``.
+
+Floating-point summation order differs between machines (and XLA builds), so the same command
+moves every number a little elsewhere; ``--seeds 0,1,2`` trains each row once per seed (data
+order and initialisation) and adds each row's min–max over the seeds, the range a reader's own
+number can be compared with. The table's other columns are the first seed's run.
 
 The default rows are the first five of ``METHODS``; the others (``clicktrain-one-shot`` and
 the compositions) run when named in ``--methods``. Adding a row is one entry in ``METHODS``:
@@ -135,7 +140,8 @@ def _conv_weights(model: nnx.Module) -> tuple[int, float]:
 
 
 def run_method(name: str, args: argparse.Namespace) -> dict[str, Any]:
-  """Trains the row ``name`` of ``METHODS`` and returns its result record."""
+  """Trains the row ``name`` of ``METHODS`` with seed ``args.seed`` and returns its result
+  record."""
   registered, config = METHODS[name]
   method = methods.get(registered, **config(args.epochs))
   train_set = data.load("digits", split="train")
@@ -172,17 +178,49 @@ def run_method(name: str, args: argparse.Namespace) -> dict[str, Any]:
     "compression": compression,
     "train_time_s": train_time,
     "epochs": args.epochs,
+    "seed": args.seed,
   }
 
 
+def _spread(values: Sequence[float]) -> str:
+  return f"{min(values):.2f}–{max(values):.2f}"
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-  lines = ["| method | test acc | compression | train time (s) |", "|---|---:|---:|---:|"]
+  """The results table: one line per method, the first seed's run; with several seeds, each
+  method's min–max over them too."""
+  by_method: dict[str, list[dict[str, Any]]] = {}
   for r in rows:
-    lines.append(
-      f"| {r['method']} | {100 * r['test_acc']:.2f}% | {r['compression']:.2f}x "
-      f"| {r['train_time_s']:.1f} |"
+    by_method.setdefault(r["method"], []).append(r)
+  seeds = max(len(runs) for runs in by_method.values())
+  head = "| method | test acc | compression | train time (s) |"
+  rule = "|---|---:|---:|---:|"
+  if seeds > 1:
+    head += f" test acc, {seeds} seeds | compression, {seeds} seeds |"
+    rule += "---:|---:|"
+  lines = [head, rule]
+  for name, runs in by_method.items():
+    r = runs[0]
+    line = (
+      f"| {name} | {100 * r['test_acc']:.2f}% | {r['compression']:.2f}x | {r['train_time_s']:.1f} |"
     )
+    if seeds > 1:
+      accs = _spread([100 * x["test_acc"] for x in runs])
+      line += f" {accs}% | {_spread([x['compression'] for x in runs])}x |"
+    lines.append(line)
   return "\n".join(lines)
+
+
+def _seeds(text: str | None, seed: int) -> list[int]:
+  if text is None:
+    return [seed]
+  try:
+    seeds = [int(s) for s in text.split(",")]
+  except ValueError:
+    raise ValueError(f"--seeds must be comma-separated ints, got {text!r}") from None
+  if len(set(seeds)) != len(seeds):
+    raise ValueError(f"--seeds must not repeat a seed, got {text!r}")
+  return seeds
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -193,6 +231,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--weight-decay", type=float, default=5e-4)
   parser.add_argument("--label-smoothing", type=float, default=0.0)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--seeds",
+    default=None,
+    help="comma-separated seeds (overrides --seed): each row once per seed, with its min–max",
+  )
   parser.add_argument(
     "--methods",
     default=",".join(DEFAULT_METHODS),
@@ -206,6 +249,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   unknown = [m for m in args.methods.split(",") if m not in METHODS]
   if unknown:
     parser.error(f"unknown method(s) {unknown}; available: {', '.join(METHODS)}")
+  try:
+    args.seed_list = _seeds(args.seeds, args.seed)
+  except ValueError as err:
+    parser.error(str(err))
   return args
 
 
@@ -213,6 +260,12 @@ _NOTE = (
   "compression = dense conv weights / nonzero conv weights of the final model; SDGP prunes "
   "data gradients, not weights, so its model stays dense."
 )
+
+
+def _seed_words(seeds: Sequence[int]) -> str:
+  if len(seeds) == 1:
+    return f"seed {seeds[0]}"
+  return f"seeds {', '.join(map(str, seeds))} (min–max columns; the others: seed {seeds[0]})"
 
 
 def write_page(
@@ -230,7 +283,7 @@ def write_page(
     (
       f"- Recipe: PruneTrain's ResNet-20 at half width on the 8x8 digits, {args.epochs} epochs, "
       f"batch {args.batch_size}, SGD momentum 0.9, triangular lr peak {args.lr}, weight decay "
-      f"{args.weight_decay}, seed {args.seed}; the same for every row."
+      f"{args.weight_decay}, {_seed_words(args.seed_list)}; the same for every row."
     ),
     "",
     format_table(rows),
@@ -247,11 +300,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   command = _tables.command_line("quickstart", argv)
   rows = []
   for name in args.methods.split(","):
-    rows.append(run_method(name, args))
-    print(
-      f"{name}: test acc {100 * rows[-1]['test_acc']:.2f}% ({rows[-1]['train_time_s']:.1f} s)",
-      flush=True,
-    )
+    for seed in args.seed_list:
+      rows.append(run_method(name, argparse.Namespace(**{**vars(args), "seed": seed})))
+      print(
+        f"{name} (seed {seed}): test acc {100 * rows[-1]['test_acc']:.2f}% "
+        f"({rows[-1]['train_time_s']:.1f} s)",
+        flush=True,
+      )
   print(format_table(rows))
   print(_NOTE)
   page = write_page(_tables.output_dir(None, args.publish, args.out), rows, command, args)

@@ -12,7 +12,7 @@ methods (the dense baseline included) and two methods compose into one:
 * ``convert(model)`` returns the model to train (SDGP swaps the convolutions; default: the
   model unchanged).
 * ``callbacks(run)`` returns :class:`jaxprune.train.Trainer` callbacks (PruneTrain's
-  reconfiguration; default: none).
+  reconfiguration, ClickTrain's BatchNorm re-estimate at the hard prune; default: none).
 
 Each paper package has a ``method(**config)`` preset that builds its :class:`Method` (the types
 live in :mod:`jaxprune.method_api`, below the paper packages, and are re-exported here); the

@@ -211,3 +211,38 @@ def test_registry_errors(monkeypatch):
   assert methods.get("half-lr", factor=0.25) == methods.Method("half-lr", config={"f": 0.25})
   with pytest.raises(ValueError, match=r"\['factr'\] for method 'half-lr'; accepted: factor"):
     methods.get("half-lr", factr=0.25)
+
+
+class _MLP(nnx.Module):
+  """A model without convolutions: what none of the pruning methods can prune."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(64, 16, rngs=rngs)
+    self.bn = nnx.BatchNorm(16, rngs=rngs)
+    self.head = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.bn(self.hidden(x.reshape(x.shape[0], -1)))))
+
+
+@pytest.mark.parametrize(
+  ("name", "config", "says"),
+  [
+    ("clicktrain", {}, r"clicktrain prunes conv kernels .* no 4-D kernel among its 6 param"),
+    ("sdgp", {}, r"SDGP prunes .* nnx\.Conv with >= min_in_channels=4 .* no nnx\.Conv in _MLP"),
+    ("prunetrain", {"every_epochs": 1}, r"PruneTrainCallback .* no width spec .* no nnx\.Conv"),
+  ],
+)
+def test_methods_refuse_a_model_without_convs_before_training(name, config, says, digits_loader):
+  # Before: ClickTrain trained on dense until a read-out found no conv kernels, SDGP returned
+  # the model unchanged (a dense run under SDGP's name), PruneTrain failed epochs later.
+  method, loader = methods.get(name, **config), digits_loader()
+  run = methods.Run.from_loader(loader, epochs=2)
+  trainer = None
+  with pytest.raises(ValueError, match=says):
+    model = method.convert(_MLP(nnx.Rngs(0)))
+    trainer = train.Trainer(
+      model, method.make_tx(optax.sgd(0.1), run), callbacks=method.callbacks(run), progress=False
+    )
+    trainer.fit(loader, epochs=2)
+  assert trainer is None or trainer.step == 0  # refused at set-up: not one step trained

@@ -13,6 +13,8 @@ fraction of whole kernels is removed. The pieces:
 * :mod:`~jaxprune.clicktrain.readouts` — masks, stage, pattern usage, compression, FLOPs saved,
   found inside any optimizer state (chains, wrappers, ``nnx.Optimizer``). The masks also feed
   :func:`jaxprune.masking.mask`, which keeps them whatever is chained after the wrapper.
+* :mod:`~jaxprune.clicktrain.prune_batchnorm` — :class:`HardPruneBatchNorm`, the trainer hook
+  re-estimating the BatchNorm statistics at the hard prune (on in the :func:`method` preset).
 
 Example:
   >>> import optax
@@ -72,6 +74,7 @@ from jaxprune.clicktrain.transform import (
   default_layer_filter,
 )
 from jaxprune.clicktrain.preset import RELEASED_CIFAR10, method, released_method
+from jaxprune.clicktrain.prune_batchnorm import HardPruneBatchNorm
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
 from jaxprune.clicktrain.pattern_conv import pattern_conv, pattern_conv_values
 from jaxprune.clicktrain.aligned_conv import aligned_conv
@@ -96,6 +99,7 @@ __all__ = [
   "WARMUP",
   "ClickTrainLayerState",
   "ClickTrainState",
+  "HardPruneBatchNorm",
   "LayerChoice",
   "AlignedConv",
   "AlignedLayout",

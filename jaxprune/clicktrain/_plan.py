@@ -25,6 +25,7 @@ __all__ = [
   "PrunedLayer",
   "check_filter_groups",
   "check_layers",
+  "check_not_empty",
   "init_layer",
   "make_plan",
 ]
@@ -119,6 +120,32 @@ def make_plan(
     name: PrunedLayer(i, kind, r, kh if kind == "pattern" else 0, cfg.balanced_kernels, groups)
     for (name, i, kind, kh), r in zip(chosen, ratios)
   }
+
+
+def check_not_empty(plan: Plan, params: PyTree) -> None:
+  """At ``init``: ``params`` hold at least one layer to prune.
+
+  A model without such a layer (an MLP, or convs that are all stems or 1x1 shortcuts) would
+  train dense through every stage, and the read-outs would fail only after the hard prune;
+  it is refused when the state is built instead.
+
+  Raises:
+    ValueError: no leaf chosen; the message lists the 4-D leaves found (or says there are
+      none) so the reader sees why the layer filter passed them over.
+  """
+  if plan:
+    return
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  convs = [f"{path_string(p)} {tuple(np.shape(x))}" for p, x in leaves if np.ndim(x) == 4]
+  if convs:
+    shown = ", ".join(convs[:6]) + (f", ... ({len(convs)} in all)" if len(convs) > 6 else "")
+    found = f"{len(convs)} 4-D kernel(s), none chosen: {shown}"
+  else:
+    found = f"no 4-D kernel among its {len(leaves)} param leaves (a model without convs)"
+  raise ValueError(
+    "params: clicktrain prunes conv kernels that layer_filter chooses (by default k x k or "
+    f"1x1 HWIO kernels with more than 3 input channels, not on a shortcut path); found {found}"
+  )
 
 
 def check_filter_groups(plan: Plan, params: PyTree) -> None:

@@ -30,7 +30,13 @@ import jax.numpy as jnp
 import optax
 
 from jaxprune.clicktrain import _schedule, _stages
-from jaxprune.clicktrain._plan import check_filter_groups, check_layers, init_layer, make_plan
+from jaxprune.clicktrain._plan import (
+  check_filter_groups,
+  check_layers,
+  check_not_empty,
+  init_layer,
+  make_plan,
+)
 from jaxprune.clicktrain.config import Config, default_layer_filter
 from jaxprune.clicktrain.state import (
   FINALIZE,
@@ -142,8 +148,10 @@ def clicktrain(
       ``params`` and (paper mode) ``value=loss``.
 
   Raises:
-      ValueError: a bad argument (named in the message); from ``update``, params whose
-          pruned layers (paths or shapes) are not those ``init`` saw (the first one named).
+      ValueError: a bad argument (named in the message); from ``init``, params with no layer
+          to prune (a model without convs, or whose convs ``layer_filter`` all leaves dense:
+          the message lists the 4-D kernels found); from ``update``, params whose pruned
+          layers (paths or shapes) are not those ``init`` saw (the first one named).
   """
   options = dict(locals())  # every keyword but inner, by name: a new option is a Config field
   inner = optax.with_extra_args_support(options.pop("inner"))
@@ -155,6 +163,7 @@ def clicktrain(
 
   def init_fn(params):
     plan = make_plan(cfg, params, ratio_by_name)
+    check_not_empty(plan, params)
     check_filter_groups(plan, params)
     if isinstance(cfg.kernel_prune_ratio, tuple) and len(plan) == len(cfg.kernel_prune_ratio):
       ratio_by_name.update((name, layer.ratio) for name, layer in plan.items())

@@ -23,7 +23,7 @@ from jaxprune.prunetrain.surgery import (
   _param_count,
   reconfigure,
 )
-from jaxprune.train import Callback, recompute_batch_stats
+from jaxprune.train import Callback, epoch_batches, recompute_batch_stats
 
 __all__ = ["PruneTrainCallback", "model_costs"]
 
@@ -111,6 +111,12 @@ class PruneTrainCallback(Callback):
       model in eval mode) sees, not the trained weights.  The batches come from the
       loader's ``iter_epoch`` when it has one (its position is left alone), otherwise
       from a fresh ``iter`` over it.
+
+  The model must be one :func:`reconfigure` can rebuild: a :mod:`jaxprune.models` network
+  (it carries a width spec) with convolutions. Anything else (an MLP, a hand-written module)
+  is refused with a ``ValueError`` when :meth:`Trainer.fit` starts, not at the first
+  reconfiguration epochs later; doing nothing instead would hide that the run is not
+  PruneTrain. The training loader must have a ``batch_size`` (a ``ValueError`` otherwise).
 
   Attributes:
     reports: the :class:`ReconfigureReport` of every reconfiguration so far (installed or not).
@@ -224,6 +230,9 @@ class PruneTrainCallback(Callback):
     return 1.0 - report.flops_ratio >= self.min_flops_saving
 
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
+  def on_fit_start(self, trainer: Any) -> None:
+    _check_reconfigurable(trainer.model)
+
   def state_dict(self) -> dict[str, Any]:
     budget = self.batch_policy.state_dict() if self.batch_policy else {"budget_bytes": None}
     return {**self._state, **budget}
@@ -238,11 +247,8 @@ class PruneTrainCallback(Callback):
   def on_train_epoch_end(self, trainer: Any, epoch: int, train_loader: Any) -> None:
     if not self.recompute_batchnorm:
       return
-    iter_epoch = getattr(train_loader, "iter_epoch", None)
-    # The batches the epoch just trained on (the loader's epoch is 0-based).
-    self._train_batches = (
-      functools.partial(iter_epoch, epoch - 1) if callable(iter_epoch) else train_loader.__iter__
-    )
+    # The batches the epoch just trained on.
+    self._train_batches = functools.partial(epoch_batches, train_loader, epoch)
     self._recompute_batchnorm(trainer)
 
   def _recompute_batchnorm(self, trainer: Any) -> None:
@@ -297,6 +303,12 @@ class PruneTrainCallback(Callback):
       )
       state["dense_costs"] = dict(state["costs"])
     if state["batch_size"] is None:
+      if trainer.reference_batch_size is None:
+        raise ValueError(
+          "train_loader: PruneTrainCallback counts the images of each epoch (cost accounting, "
+          "batch growth) from the loader's batch_size; the training loader has none (use a "
+          "jaxprune.data.Loader, or give the loader a batch_size attribute)"
+        )
       state["batch_size"] = int(trainer.reference_batch_size)
     reference = int(trainer.reference_batch_size or state["batch_size"])
     costs, dense = state["costs"], state["dense_costs"]
@@ -319,6 +331,27 @@ class PruneTrainCallback(Callback):
       "pt_epoch_allreduce_bytes": costs["allreduce_bytes"] * steps,
       "pt_allreduce_ratio": state["allreduce_bytes"] / max(state["dense_allreduce_bytes"], 1.0),
     }
+
+
+def _check_reconfigurable(model: nnx.Module) -> None:
+  """At fit start: ``model`` is one :func:`reconfigure` can rebuild (a width spec, convs).
+
+  Raises:
+    ValueError: what the callback looked for and what the model holds, instead of a failure
+      at the first reconfiguration epochs later.
+  """
+  convs = sum(isinstance(m, nnx.Conv) for _, m in nnx.iter_modules(model))
+  if hasattr(model, "spec") and convs:
+    return
+  missing = [] if hasattr(model, "spec") else ["no width spec (model.spec)"]
+  if not convs:
+    missing.append("no nnx.Conv (a model without convolutions)")
+  raise ValueError(
+    "model: PruneTrainCallback removes conv channels and rebuilds the model from its width "
+    "spec, so it needs a jaxprune.models network (e.g. models.create('prunetrain-resnet32')) "
+    f"with conv layers; the trainer's {type(model).__name__} has {' and '.join(missing)}. "
+    "Train it without the callback (prunetrain.with_group_lasso alone still regularizes)"
+  )
 
 
 def _report_metrics(report: ReconfigureReport) -> dict[str, Any]:

@@ -324,7 +324,9 @@ class SDGPConversion:
   caller then overwrites, so the option never touches trained weights after the first call.
 
   Raises:
-    ValueError: ``reinit`` is not a bool.
+    ValueError: ``reinit`` is not a bool; when called, as :func:`convert_model` (a model
+      with no conv to convert included, a rebuilt one too: it would silently stop being
+      SDGP).
   """
 
   settings: SDGPSettings
@@ -369,6 +371,8 @@ class SDGPConversion:
             f"output channels, not divisible by m={m}"
           )
         targets.append((path, module))
+    if not targets:
+      raise ValueError(_no_targets_message(model, self.min_in_channels))
     base_key = self.key()
     # A stream of its own: the random methods' per-layer keys stay what they were without it.
     init_base = jax.random.split(base_key)[1]
@@ -379,6 +383,26 @@ class SDGPConversion:
         _reinitialise(new, jax.random.fold_in(init_base, index))
       replace_submodule(model, path, new)
     return record_conversion(model, self)
+
+
+def _no_targets_message(model: nnx.Module, min_in_channels: int) -> str:
+  """Why a model has nothing to convert: what :class:`SDGPConversion` looked for, what it found."""
+  convs = [
+    f"{'/'.join(map(str, p))} ({m.in_features} in)"
+    for p, m in nnx.iter_modules(model)
+    if isinstance(m, nnx.Conv)
+  ]
+  shown = ", ".join(convs[:6]) + (", ..." if len(convs) > 6 else "")
+  found = (
+    f"{len(convs)} nnx.Conv, all with fewer: {shown}"
+    if convs
+    else f"no nnx.Conv in {type(model).__name__} (a model without convolutions)"
+  )
+  return (
+    f"model: SDGP prunes the data gradient of every nnx.Conv with >= min_in_channels="
+    f"{min_in_channels} input channels and found {found}; nothing would be converted "
+    "(train it with the dense method, or lower min_in_channels)"
+  )
 
 
 def _reinitialise(conv: nnx.Conv, key: Array) -> None:
@@ -437,8 +461,11 @@ def convert_model(
 
   Raises:
     ValueError: bad ``n``/``m``/``method``, a conv to convert whose output channels are
-      not divisible by ``m`` (named in the message), or a ``model`` already converted (it
-      holds an ``SDGPConv``: converting again would keep the first N:M setting).
+      not divisible by ``m`` (named in the message), a ``model`` already converted (it
+      holds an ``SDGPConv``: converting again would keep the first N:M setting), or a
+      ``model`` with no conv to convert (no ``nnx.Conv``, or none with ``min_in_channels``
+      inputs: returned unchanged it would train dense under SDGP's name; the message lists
+      the convs found).
 
   Example:
     >>> model = convert_model(models.create("sdgp-resnet9", num_classes=10,

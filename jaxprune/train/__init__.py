@@ -26,7 +26,7 @@ receive ``value=loss``); LR scaling needs a ``train.scale_by_lr`` inside it.
 """
 
 from jaxprune.train._spec_json import decode_spec, encode_spec
-from jaxprune.train.batchnorm import recompute_batch_stats
+from jaxprune.train.batchnorm import epoch_batches, recompute_batch_stats
 from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
 from jaxprune.train.loss import (
   accuracy,
@@ -58,6 +58,7 @@ from jaxprune.train.callbacks import Callback
 from jaxprune.train.trainer import Trainer, fit
 
 __all__ = [
+  "epoch_batches",
   "recompute_batch_stats",
   "CheckpointStore",
   "DamagedCheckpointError",

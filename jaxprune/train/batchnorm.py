@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["batchnorm_layers", "recompute_batch_stats"]
+__all__ = ["batchnorm_layers", "epoch_batches", "recompute_batch_stats"]
 
 
 def batchnorm_layers(model: nnx.Module) -> list[nnx.BatchNorm]:
@@ -51,6 +51,16 @@ def _batch_stats_fn(graphdef: nnx.GraphDef):
 def _images(batch: Any) -> Any:
   """The images of a loader batch: ``(images, labels, ...)`` or the images alone."""
   return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def epoch_batches(train_loader: Iterable[Any], epoch: int) -> Iterable[Any]:
+  """The batches of epoch ``epoch`` (1-based, as the trainer's callbacks count) of
+  ``train_loader``: ``train_loader.iter_epoch(epoch - 1)`` when it has one (a
+  :class:`jaxprune.data.Loader`; the loader's own position is left alone, and the same epoch
+  gives the same batches, so a resumed run re-estimates from the same images), otherwise a
+  fresh ``iter(train_loader)``."""
+  iter_epoch = getattr(train_loader, "iter_epoch", None)
+  return iter_epoch(epoch - 1) if callable(iter_epoch) else iter(train_loader)
 
 
 def recompute_batch_stats(

@@ -23,6 +23,27 @@ def test_default_layer_filter(kit):
   assert st.layers[kit.CONV2].votes is None  # 1x1: kernel pruning only
 
 
+def test_init_refuses_params_with_no_layer_to_prune_and_lists_the_kernels_it_saw(kit):
+  # Only the layers the default filter leaves dense (the 3-channel stem, the 1x1 shortcut, the
+  # head): before, init accepted it and the run trained dense until a read-out failed.
+  p = kit.params()
+  left_dense = {"stem": p["stem"], "shortcut": p["block"]["shortcut"], "head": p["head"]}
+  tx = ct.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3)
+  with pytest.raises(ValueError, match="layer_filter") as error:
+    tx.init(left_dense)
+  message = str(error.value)
+  assert "2 4-D kernel(s), none chosen" in message
+  assert "stem/kernel (3, 3, 3, 6)" in message and "shortcut/kernel (1, 1, 6, 8)" in message
+  with pytest.raises(ValueError, match="no 4-D kernel among its 2 param leaves"):
+    tx.init({"head": p["head"]})
+  # a filter that chooses nothing is refused the same way, even on a tree with convs
+  nothing = ct.clicktrain(
+    optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, layer_filter=lambda path, shape: None
+  )
+  with pytest.raises(ValueError, match="4 4-D kernel"):
+    nothing.init(p)
+
+
 def test_stage_schedule_fixed_epochs(kit):
   spe = 3
   tx = ct.clicktrain(

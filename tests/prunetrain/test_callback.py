@@ -393,3 +393,38 @@ def callback_offset(trainer):
 def test_recompute_batchnorm_bad_value_raises(value):
   with pytest.raises(ValueError, match="recompute_batchnorm"):
     pt.PruneTrainCallback(recompute_batchnorm=value)
+
+
+class _NoSpecCNN(nnx.Module):
+  """Convs but no width spec: reconfigure cannot rebuild it."""
+
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+    self.head = nnx.Linear(8, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.conv(x)).mean((1, 2)))
+
+
+def test_callback_refuses_a_model_it_cannot_reconfigure_when_the_fit_starts():
+  callback = pt.PruneTrainCallback(every_epochs=1, image_shape=(8, 8, 3), dynamic_batch=False)
+  trainer = train.Trainer(
+    _NoSpecCNN(nnx.Rngs(0)),
+    pt.with_group_lasso(train.sgd(0.1)),
+    callbacks=[callback],
+    progress=False,
+  )
+  with pytest.raises(ValueError, match=r"_NoSpecCNN has no width spec \(model\.spec\)\."):
+    trainer.fit(_loader(0), None, epochs=1)
+  assert trainer.step == 0  # refused before the first step, not at the first reconfiguration
+
+
+def test_callback_names_a_training_loader_without_batch_size():
+  # A plain list of batches: before, int(None) raised a TypeError at the first epoch end.
+  batches = [(images, labels) for images, labels in _loader(0)]
+  callback = pt.PruneTrainCallback(every_epochs=5, image_shape=(8, 8, 3), dynamic_batch=False)
+  trainer = train.Trainer(
+    _small_resnet(), pt.with_group_lasso(train.sgd(0.1)), callbacks=[callback], progress=False
+  )
+  with pytest.raises(ValueError, match="train_loader: .* batch_size"):
+    trainer.fit(batches, None, epochs=1)

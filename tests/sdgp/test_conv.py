@@ -155,6 +155,30 @@ def test_convert_model_shares_weights_and_skips_stem_and_dense():
   assert not np.allclose(grads_sdgp["stem"]["kernel"][...], grads_dense["stem"]["kernel"][...])
 
 
+class _StemOnly(nnx.Module):
+  def __init__(self, rngs):
+    self.stem = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+    self.head = nnx.Linear(8, 5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jax.nn.relu(self.stem(x)).mean((1, 2)))
+
+
+def test_convert_model_refuses_a_model_with_nothing_to_convert():
+  # Before, the model came back unchanged: a dense run under SDGP's name.
+  with pytest.raises(
+    ValueError, match=r"min_in_channels=4 .* 1 nnx\.Conv, all with fewer: stem \(3 in\)"
+  ):
+    sdgp.convert_model(_StemOnly(nnx.Rngs(0)), n=2, m=4, method="magnitude")
+  with pytest.raises(ValueError, match=r"no nnx\.Conv in Linear"):
+    sdgp.method().convert(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+  # lowering min_in_channels is the way to convert the stem on purpose
+  model = sdgp.convert_model(
+    _StemOnly(nnx.Rngs(0)), n=2, m=4, method="magnitude", min_in_channels=3
+  )
+  assert isinstance(model.stem, sdgp.SDGPConv)
+
+
 def test_convert_model_identity_when_n_equals_m():
   model = _TinyNet(nnx.Rngs(1))
   x = jax.random.normal(KEY, (2, 8, 8, 3))
