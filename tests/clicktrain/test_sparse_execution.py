@@ -299,3 +299,27 @@ def test_measured_dispatch_keeps_the_faster_path_per_layer(monkeypatch):
   with pytest.raises(ValueError, match="threshold"):
     convert_model(_Net(nnx.Rngs(0)), masks, threshold="fastest", input_shape=(1, 9, 9, 1))
   assert convert_model(_Net(nnx.Rngs(0)), masks, threshold="fixed")[1][0].backend == "dense"
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_default_dispatch_measures_and_keeps_dense_where_dense_is_faster(monkeypatch, platform):
+  # No sparse path is known to win on any platform: the default (no threshold) times every
+  # layer, with the platform forced, and a layer whose dense conv is faster stays dense.
+  from jaxprune.clicktrain import sparse_execution
+
+  monkeypatch.setattr(sparse_execution.jax, "default_backend", lambda: platform)
+  assert sparse_execution.default_threshold() == "measure"
+  calls = []
+
+  def dense_faster(conv, input_shape, kernel, *, repeats):
+    calls.append(tuple(kernel.shape))
+    return 5.0 if calls.count(tuple(kernel.shape)) == 2 else 1.0  # sparse timed second
+
+  monkeypatch.setattr(sparse_execution, "time_train_pass", dense_faster)
+  model = _Net(nnx.Rngs(0))
+  masks = _masks(model)
+  _, choices = convert_model(model, masks, input_shape=(2, 9, 9, 1))
+  assert [c.backend for c in choices] == ["dense"] * 3
+  assert all(c.dense_ms == 1.0 and c.sparse_ms == 5.0 for c in choices)
+  assert not pattern_convs(model)
+  assert len(calls) == 6  # each layer timed both ways, once
