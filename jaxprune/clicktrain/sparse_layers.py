@@ -110,17 +110,7 @@ class PatternConv(PluggableConv):
     """
     if backend not in BACKENDS:
       raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if isinstance(conv, (PatternConv, AlignedConv)):
-      raise ValueError(f"{name}: conv is already a {type(conv).__name__}")
-    check_convertible(conv, name)
-    if tuple(layout.kernel_shape) != tuple(conv.kernel.shape):
-      raise ValueError(
-        f"{name}: layout kernel shape {layout.kernel_shape} != conv kernel {conv.kernel.shape}"
-      )
-    sparse = _PatternConvFunction(_StaticLayout(layout), backend)
-    return conv_sharing_variables(
-      cls, conv, conv_general_dilated=with_base(conv.conv_general_dilated, sparse)
-    )
+    return _replacing(cls, conv, layout, _PatternConvFunction(_StaticLayout(layout), backend), name)
 
   @property
   def layout(self) -> PatternLayout:
@@ -148,18 +138,23 @@ class AlignedConv(PluggableConv):
       ValueError: a layout of another kernel shape, a conv that is already sparse, or one the
         aligned path cannot run (grouped, dilated, circular padding, its own mask).
     """
-    if isinstance(conv, (AlignedConv, PatternConv)):
-      raise ValueError(f"{name}: conv is already a {type(conv).__name__}")
-    check_convertible(conv, name)
-    if tuple(layout.kernel_shape) != tuple(conv.kernel.shape):
-      raise ValueError(
-        f"{name}: layout kernel shape {layout.kernel_shape} != conv kernel {conv.kernel.shape}"
-      )
-    aligned = AlignedConvFn(layout)
-    return conv_sharing_variables(
-      cls, conv, conv_general_dilated=with_base(conv.conv_general_dilated, aligned)
-    )
+    return _replacing(cls, conv, layout, AlignedConvFn(layout), name)
 
   @property
   def layout(self) -> AlignedLayout:
     return base_function(self.conv_general_dilated).layout
+
+
+def _replacing(cls, conv: nnx.Conv, layout, base, name: str):
+  """A ``cls`` sharing ``conv``'s Variables whose innermost conv function is ``base`` (every
+  wrapper of ``conv``'s kept), after checking that ``conv`` can be replaced by it."""
+  if isinstance(conv, (PatternConv, AlignedConv)):
+    raise ValueError(f"{name}: conv is already a {type(conv).__name__}")
+  check_convertible(conv, name)
+  if tuple(layout.kernel_shape) != tuple(conv.kernel.shape):
+    raise ValueError(
+      f"{name}: layout kernel shape {layout.kernel_shape} != conv kernel {conv.kernel.shape}"
+    )
+  return conv_sharing_variables(
+    cls, conv, conv_general_dilated=with_base(conv.conv_general_dilated, base)
+  )
