@@ -121,6 +121,7 @@ def test_aligned_layers_compose_with_sdgp():
   )
   x = jnp.asarray(rng.normal(size=(2, 8, 8, 3)), jnp.float32)
 
+  @nnx.jit
   def loss_grads(m):
     return nnx.value_and_grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=(0, 1))(m, x)
 
