@@ -50,7 +50,7 @@ from jaxprune.clicktrain.aligned_layout import build_aligned_layout
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
 from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv, pattern_conv_values
 from jaxprune.clicktrain.readouts import masks, stage_name
-from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv, check_convertible
+from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv
 from jaxprune.masking import count_refilled
 from jaxprune.models import replace_submodule
 from jaxprune.paths import flatten_with_paths
@@ -336,8 +336,7 @@ def convert_model(
       use = kind if sparse_ms < dense_ms else "dense"
     else:
       use = kind if sparsity > threshold else "dense"
-    if use != "dense":
-      check_convertible(module, name)
+    if use != "dense":  # (build checks that the conv can be replaced)
       swaps.append((tuple(path), build(module)))
     choices.append(
       LayerChoice(name, tuple(module.kernel.shape), sparsity, balanced, use, dense_ms, sparse_ms)
