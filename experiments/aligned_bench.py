@@ -33,7 +33,7 @@ import datetime
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -46,15 +46,21 @@ from jax import lax
 from experiments import _tables
 from experiments._machine import machine_description
 from experiments.clicktrain_table1 import kernel_ratio_fn
-from experiments.pattern_conv_bench import clicktrain_like_mask
-from jaxprune import flops, masking, models, train
+from experiments.pattern_conv_bench import _pruned_layers, clicktrain_like_mask
+from jaxprune import masking, models, train
 from jaxprune.clicktrain import patterns
 from jaxprune.clicktrain.aligned_conv import aligned_conv
 from jaxprune.clicktrain.aligned_layout import aligned_mask, build_aligned_layout
-from jaxprune.clicktrain.layout import build_layout, to_values
-from jaxprune.clicktrain.pattern_conv import pattern_conv_values
-from jaxprune.clicktrain.sparse_execution import convert_model, default_backend, median_call_ms
+from jaxprune.clicktrain.layout import build_layout
+from jaxprune.clicktrain.pattern_conv import pattern_conv
+from jaxprune.clicktrain.sparse_execution import (
+  convert_model,
+  default_backend,
+  median_call_ms,
+  time_train_pass,
+)
 from jaxprune.clicktrain.transform import default_layer_filter
+from jaxprune.paths import path_string
 from jaxprune.train.step import Metrics, split_model, step_functions
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
@@ -85,16 +91,6 @@ def aligned_random_mask(
   return aligned_mask(taps, cout)
 
 
-def _vjp_all(conv: Callable) -> Callable:
-  """``(x, w, cot) -> (y, dx, dw)``: forward and both gradients, jitted."""
-
-  def run(x, w, cot):
-    y, vjp = jax.vjp(conv, x, w)
-    return (y, *vjp(cot))
-
-  return jax.jit(run)
-
-
 def _layers(args) -> list[dict[str, Any]]:
   """The distinct pruned layers: kernel, input shape, strides, padding, ratio."""
   layers, seen = [], set()
@@ -103,10 +99,7 @@ def _layers(args) -> list[dict[str, Any]]:
       f"clicktrain-{name}", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width
     )
     ratio_of = kernel_ratio_fn(name)
-    shape = (args.batch, 32, 32, 3)
-    for layer in flops.layer_flops(model, shape):
-      if layer.kind != "conv" or layer.param_path is None:
-        continue
+    for layer in _pruned_layers(model, 32, args.batch):
       path = "/".join(map(str, layer.param_path))
       if default_layer_filter(path, tuple(layer.param_shape)) != "pattern":
         continue
@@ -144,22 +137,18 @@ def _layers(args) -> list[dict[str, Any]]:
 def bench_layer(spec: dict[str, Any], dtype: str, args, rng) -> dict[str, Any]:
   """One layer, one dtype: ms of forward + both gradients per variant."""
   kshape, strides, padding = spec["kernel"], spec["strides"], spec["padding"]
-  dt = _DTYPES[dtype]
-  x = jnp.asarray(rng.normal(size=spec["input"]), dt)
-  w = jnp.asarray(rng.normal(size=kshape) * 0.1, dt)
+  w = jnp.asarray(rng.normal(size=kshape) * 0.1, _DTYPES[dtype])
 
-  def dense(mask):
-    m = jnp.asarray(mask, dt)
-    return lambda x, w: lax.conv_general_dilated(
-      x, w * m, strides, padding, dimension_numbers=_NHWC
-    )
+  def timed(conv):  # forward + both gradients, jitted, at the layer's input shape
+    return time_train_pass(conv, spec["input"], w, repeats=args.repeats)
 
-  out_shape = jax.eval_shape(dense(np.ones(kshape)), x, w).shape
-  cot = jnp.asarray(rng.normal(size=out_shape), dt)
-  row = {**spec, "dtype": dtype, "ms": {}}
   mask1 = aligned_random_mask(kshape, spec["ratio"], 1, rng)
+  m = jnp.asarray(mask1, w.dtype)
+  row = {**spec, "dtype": dtype, "ms": {}}
   row["compression"] = float(np.prod(kshape) / mask1.sum())
-  row["ms"]["dense"] = median_call_ms(_vjp_all(dense(mask1)), x, w, cot, repeats=args.repeats)
+  row["ms"]["dense"] = timed(
+    lambda x, w: lax.conv_general_dilated(x, w * m, strides, padding, dimension_numbers=_NHWC)
+  )
   variants = [(f"aligned G={g}", g, False) for g in args.groups] + [("G=1 no gather", 1, True)]
   for label, g, contiguous in variants:
     if kshape[3] % g:
@@ -170,22 +159,14 @@ def bench_layer(spec: dict[str, Any], dtype: str, args, rng) -> dict[str, Any]:
       else aligned_random_mask(kshape, spec["ratio"], g, rng, contiguous=contiguous)
     )
     layout = build_aligned_layout(mask, g)
-
-    def conv(x, w, layout=layout):
-      return aligned_conv(x, w, layout, strides=strides, padding=padding)
-
-    row["ms"][label] = median_call_ms(_vjp_all(conv), x, w, cot, repeats=args.repeats)
+    row["ms"][label] = timed(
+      lambda x, w, layout=layout: aligned_conv(x, w, layout, strides=strides, padding=padding)
+    )
   if args.fine:
-    fmask = clicktrain_like_mask(kshape, spec["ratio"], rng)
-    layout = build_layout(fmask, nnz_per_kernel=None)
+    layout = build_layout(clicktrain_like_mask(kshape, spec["ratio"], rng), nnz_per_kernel=None)
     backend = default_backend()
-
-    def fine(x, v):
-      return pattern_conv_values(x, v, layout, strides=strides, padding=padding, backend=backend)
-
-    v = to_values(w, layout)
-    row["ms"][f"fine-grained ({backend})"] = median_call_ms(
-      _vjp_all(fine), x, v, cot, repeats=args.repeats
+    row["ms"][f"fine-grained ({backend})"] = timed(
+      lambda x, w: pattern_conv(x, w, layout, strides=strides, padding=padding, backend=backend)
     )
   return row
 
@@ -196,7 +177,7 @@ def _model_masks(model: nnx.Module, name: str, groups: int, rng, *, fine: bool =
   params = nnx.state(model, nnx.Param)
 
   def leaf_mask(path, leaf):
-    p = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    p = path_string(path)
     shape = tuple(leaf.shape)
     if default_layer_filter(p, shape) != "pattern":
       return None
