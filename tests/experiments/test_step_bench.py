@@ -1,0 +1,85 @@
+"""step_bench: a tiny run end to end, ratios from its own timings; ClickTrain's steady-state
+variants compute the masked dense model's step."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import step_bench
+from jaxprune import models
+from jaxprune.clicktrain.sparse_execution import pattern_convs
+from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv
+
+
+def test_tiny_run_writes_a_table_of_ratios_to_its_own_dense_step(tmp_path):
+  argv = "--small --width 0.125 --batch 2 --repeats 1 --suites sdgp prunetrain"
+  argv += f" --sdgp-methods magnitude --keep 0.5 --dtypes bf16 --out {tmp_path}"
+  result = step_bench.main(argv.split())
+  rows = result["rows"]
+  assert [(r["suite"], r["variant"]) for r in rows] == [
+    ("sdgp", "dense"),
+    ("sdgp", "sdgp 2:4 magnitude (reference)"),
+    ("prunetrain", "dense"),
+    ("prunetrain", "group lasso, full width"),
+    ("prunetrain", "group lasso, reconfigured to 50% channels"),
+  ]
+  assert not result["not_measured"]
+  for r in rows:
+    dense = next(d for d in rows if d["suite"] == r["suite"] and d["variant"] == "dense")
+    assert r["dtype"] == "bf16" and r["ms"] > 0 and r["compile_s"] > 0
+    assert r["ratio"] == pytest.approx(r["ms"] / dense["ms"])  # same run's dense step
+  assert rows[3]["flops"] == 1.0 and 0 < rows[4]["flops"] < 0.5  # half the channels: < 1/2
+  saved = json.loads((tmp_path / "step_time_cpu_small.json").read_text())
+  assert saved["rows"] == rows
+  page = (tmp_path / "step_time_cpu_small.md").read_text()
+  assert f"{rows[1]['ratio']:.2f}×" in page and "JAX " + jax.__version__ in page
+
+
+def test_spent_time_budget_leaves_a_table_listing_what_was_not_measured(tmp_path):
+  argv = f"--small --suites sdgp imagenet --dtypes fp32 bf16 --max-seconds 0 --out {tmp_path}"
+  result = step_bench.main(argv.split())
+  assert result["rows"] == []
+  assert len(result["not_measured"]) == 4
+  assert "sdgp bf16" in (tmp_path / "step_time_cpu_small.md").read_text()
+
+
+@pytest.mark.parametrize("argv", ["--keep 1.0", "--groups 0", "--repeats 0"])
+def test_bad_arguments_are_refused(argv, tmp_path):
+  with pytest.raises(SystemExit):
+    step_bench.main([*argv.split(), "--out", str(tmp_path)])
+
+
+def _params_after_one_step(stepper):
+  stepper.step()
+  return jax.tree.map(np.asarray, stepper.state[0])
+
+
+def test_clicktrain_variants_step_like_the_masked_dense_model():
+  model = models.ResNet(
+    models.prunetrain_resnet_spec(8).scaled(0.5), num_classes=10, rngs=nnx.Rngs(0)
+  )
+  rng = np.random.default_rng(0)
+  batch = (jnp.asarray(rng.normal(size=(2, 8, 8, 3)), jnp.float32), jnp.asarray([1, 7]))
+  variants = list(step_bench.clicktrain_variants(model, batch, [1]))
+  labels = [label for label, _, _ in variants]
+  assert labels == ["masked dense", "fine-grained (reference)", "measured dispatch", "aligned G=1"]
+  assert all(row["compression"] > 9 / 4 for _, _, row in variants)  # patterns, then kernels
+  steppers = {label: stepper for label, stepper, _ in variants}
+  fine = nnx.merge(
+    steppers["fine-grained (reference)"].graphdef, *steppers["masked dense"].state[:2]
+  )
+  layers = pattern_convs(fine).values()
+  assert layers and all(isinstance(m, PatternConv) for m in layers)
+  aligned = nnx.merge(steppers["aligned G=1"].graphdef, *steppers["aligned G=1"].state[:2])
+  layers = pattern_convs(aligned).values()
+  assert layers and all(isinstance(m, AlignedConv) for m in layers)
+  # Fine-grained and measured dispatch run the same function as the masked dense model, from
+  # the same pruned state: one step lands on the same parameters.
+  want = _params_after_one_step(steppers["masked dense"])
+  for label in ("fine-grained (reference)", "measured dispatch"):
+    got = _params_after_one_step(steppers[label])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
