@@ -23,9 +23,9 @@ import numpy as np
 __all__ = ["cluster_filters", "first_filters", "group_ids", "group_sum", "lift"]
 
 # Power iterations for the leading principal direction of the filters' features. The Gram
-# matrix is at most Cout x Cout and the iteration runs once per layer and run; 64 steps
+# matrix is at most Cout x Cout and the iteration runs once per layer and run; 128 steps
 # separate the leading direction well beyond what the balanced cut needs.
-_POWER_STEPS = 64
+_POWER_STEPS = 128
 
 
 def group_ids(cout: int, groups: int) -> np.ndarray:
