@@ -181,8 +181,10 @@ def test_paper_mode_clusters_the_per_kernel_sums_and_lifts_them(kit):
     ids = np.asarray(ls.filter_group)
     cout = ids.shape[0]
     np.testing.assert_array_equal(np.bincount(ids, minlength=groups), [cout // groups] * groups)
-    assert set(partitions[name]) == _as_groups(ids) == _np_partition(
-      ref.kernel_score_sum, ref.votes, groups
+    assert (
+      set(partitions[name])
+      == _as_groups(ids)
+      == _np_partition(ref.kernel_score_sum, ref.votes, groups)
     )
     ks = np.asarray(ref.kernel_score_sum, np.float64)
     for filters in partitions[name]:
