@@ -251,7 +251,7 @@ def test_the_partition_follows_its_filters_through_channel_removal(kit):
 
 
 def test_bad_filter_grouping_raises():
-  kw = dict(steps_per_epoch=1, hard_prune_epoch=2, mode="one_shot", one_shot_epoch=0)
+  kw = {"steps_per_epoch": 1, "hard_prune_epoch": 2, "mode": "one_shot", "one_shot_epoch": 0}
   with pytest.raises(ValueError, match="filter_grouping.*'nearest'"):
     ct.clicktrain(optax.sgd(0.0), filter_groups=2, filter_grouping="nearest", **kw)
   with pytest.raises(ValueError, match="filter_grouping='clustered'.*filter_groups"):
