@@ -118,7 +118,6 @@ def _one_shot_reference(w, g, ratio, num_patterns=4):
   mask = np.stack([blocks[i] for i in pat.ravel()]).reshape(cin, cout, 3, 3)
   return pat, keep.reshape(cin, cout), np.moveaxis(mask, (2, 3), (0, 1)) * keep.reshape(cin, cout)
 
-
 @pytest.fixture
 def kit():
   """The transform tests' toy params, batches and gradients, the shared paper-mode run and the

@@ -305,7 +305,9 @@ def test_worker_death_is_explained(folder, monkeypatch):
 
 
 @pytest.mark.slow
-def test_guarded_script_that_still_runs_the_loader_on_import_gets_the_explanation(folder, tmp_path):
+def test_guarded_script_that_still_runs_the_loader_on_import_gets_the_explanation(
+  folder, tmp_path
+):
   """End to end: the guard is there but the loader runs before it; the spawned worker re-runs
   it and dies, and the parent's error explains that instead of grain's bare message."""
   proc, _ = _run_worker_script(tmp_path, folder, guard='main()\nif __name__ == "__main__":\n  pass')

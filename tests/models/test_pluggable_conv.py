@@ -53,7 +53,9 @@ def test_pluggable_conv_with_lax_is_nnx_conv(settings):
   shape = (3, 3, 4 // settings.get("feature_group_count", 1), 6)
   mask = jnp.asarray(np.random.default_rng(0).integers(0, 2, shape), jnp.float32)
   conv = nnx.Conv(4, 6, (3, 3), mask=mask, rngs=nnx.Rngs(0), **settings)
-  plugged = models.conv_sharing_variables(models.PluggableConv, conv, conv_general_dilated=LAX_CONV)
+  plugged = models.conv_sharing_variables(
+    models.PluggableConv, conv, conv_general_dilated=LAX_CONV
+  )
   assert plugged.kernel is conv.kernel and plugged.bias is conv.bias
   x = jax.random.normal(jax.random.key(1), (2, 7, 6, 4))
 

@@ -154,7 +154,6 @@ class _BatchAndWidthHook(jt.Callback):
       trainer.replace(new_model, new_state)
     return {"hook_epoch": epoch}
 
-
 @pytest.fixture
 def kit():
   """The trainer tests' tiny CNN, array loader, data, shared optimizer and trainer builder,
