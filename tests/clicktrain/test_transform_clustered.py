@@ -108,7 +108,7 @@ def test_filters_that_agree_are_grouped():
   np.testing.assert_array_equal(cluster_filters(np.ones((4, 4)), None, 2), [0, 0, 1, 1])
 
 
-def test_one_shot_groups_filters_whose_weights_agree(kit):
+def test_one_shot_groups_filters_whose_weights_agree():
   # The same through the transform: (g ⊙ w) of filter 2 is that of filter 0 (x 1.5), of
   # filter 3 that of filter 1, so their Eq. 1 / Eq. 2 profiles agree.
   rng = np.random.default_rng(3)
