@@ -109,8 +109,18 @@ def _parse(argv):
     help="ClickTrain's aligned mode (beyond the paper) with this many filter groups; its runs "
     "are saved as method aligned-g<G> and switch to the aligned layers after the hard prune",
   )
+  p.add_argument(
+    "--filter-grouping",
+    default="consecutive",
+    choices=["consecutive", "clustered"],
+    help="with --filter-groups: the groups are runs of consecutive filters, or clustered from "
+    "the filters' Eq. 2 / pattern scores when the patterns are finalized (saved as method "
+    "aligned-g<G>c)",
+  )
   _tables.add_resume_argument(p)
   a = p.parse_args(argv)
+  if a.filter_grouping != "consecutive" and a.filter_groups is None:
+    p.error("--filter-grouping needs --filter-groups")
   # The budget's settings become attributes, as the page states them.
   for key, value in _tables.get_budget("clicktrain_table1", a.budget).items():
     setattr(a, key, value)
@@ -146,7 +156,9 @@ def _stage_epochs(args, row: str) -> dict[str, Any]:
 def _method(args, row: str) -> methods.Method:
   """ClickTrain for ``row``: the registered preset with this table's ratios and stage epochs
   (and ``--filter-groups``: the aligned mode)."""
-  aligned = {} if args.filter_groups is None else {"filter_groups": args.filter_groups}
+  aligned = {}
+  if args.filter_groups is not None:
+    aligned = {"filter_groups": args.filter_groups, "filter_grouping": args.filter_grouping}
   return methods.get(
     "clicktrain",
     mode=args.mode,
@@ -166,7 +178,8 @@ def _run(
 ) -> dict[str, Any]:
   label = "clicktrain" if prune else "dense"
   if prune and args.filter_groups is not None:
-    label = f"aligned-g{args.filter_groups}"
+    clustered = args.filter_grouping == "clustered"
+    label = f"aligned-g{args.filter_groups}{'c' if clustered else ''}"
   stem = f"table1_{args.budget}_{row}_{label}"
   loader = data.Loader(
     train_set, args.batch_size, shuffle=True, seed=args.seed, augment="clicktrain", drop_last=True
@@ -202,7 +215,8 @@ def _run(
   # to the aligned layers there (each kept where it measures faster than the masked dense conv).
   hooks = []
   if prune and args.filter_groups is not None:
-    hooks = [SparseExecution(filter_groups=args.filter_groups)]
+    # Each layer's groups as the ClickTrain state holds them (the clustered partition).
+    hooks = [SparseExecution(filter_groups="from_state")]
   trainer = train.Trainer(
     model,
     tx,
@@ -427,7 +441,8 @@ def aligned_markdown(folder: Path, budget: str) -> str:
     f"Each row's runs share the budget and seed of Table 1's rows (`table1_{budget}.md`); "
     "`aligned-gG` is `clicktrain(..., filter_groups=G)` with the pruned convs switched to the "
     "aligned layers after the hard prune (`SparseExecution`, each layer kept where it measures "
-    "faster). Compression counts every conv weight. Epoch times are means over one run's epochs "
+    "faster); `aligned-gGc` the same with `filter_grouping=\"clustered\"` (groups of filters "
+    "whose Eq. 2 and pattern scores agree, chosen when the patterns are finalized). Compression counts every conv weight. Epoch times are means over one run's epochs "
     "before the hard prune (from the second: the first compiles) and after it (the first of "
     "those measures the layers and compiles the new step); their ratio compares a run with "
     "itself, so runs made under different machine load stay comparable.",

@@ -11,7 +11,7 @@ fraction of whole kernels is removed. The pieces:
   stage machine (:class:`Stage`: warm-up, pool, finalize, regularize, pruned) around an inner
   optimizer.
 * :mod:`~jaxprune.clicktrain.readouts` — masks, stage, pattern usage, compression, FLOPs saved,
-  found inside any optimizer state (chains, wrappers, ``nnx.Optimizer``). The masks also feed
+  the aligned mode's filter groups (:func:`filter_partition`), found inside any optimizer state (chains, wrappers, ``nnx.Optimizer``). The masks also feed
   :func:`jaxprune.masking.mask`, which keeps them whatever is chained after the wrapper.
 * :mod:`~jaxprune.clicktrain.prune_batchnorm` — :class:`HardPruneBatchNorm`, the trainer hook
   re-estimating the BatchNorm statistics at the hard prune (on in the :func:`method` preset).
@@ -51,6 +51,7 @@ from jaxprune.clicktrain.patterns import (
 )
 from jaxprune.clicktrain.readouts import (
   compression,
+  filter_partition,
   find_state,
   flops_saved,
   group_lasso_penalty,
@@ -113,6 +114,7 @@ __all__ = [
   "centre_block_patterns",
   "clicktrain",
   "compression",
+  "filter_partition",
   "aligned_conv",
   "aligned_mask",
   "build_aligned_layout",

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprune.clicktrain import patterns as _pat
+from jaxprune.clicktrain._groups import group_ids
 from jaxprune.clicktrain.config import Config, check_ratio
 from jaxprune.clicktrain.state import PATTERN_SIZE, ClickTrainLayerState
 from jaxprune.paths import path_string
@@ -42,6 +43,7 @@ class PrunedLayer(NamedTuple):
   size: int  # kernel side (0 for kernel-only)
   per_filter: bool = False  # prune the same number of kernels in every filter (§5.2)
   groups: int = 0  # aligned mode: filter groups sharing patterns (0: per kernel, the paper)
+  clustered: bool = False  # aligned mode: the groups are chosen when the patterns are final
 
 
 Plan = dict[str, PrunedLayer]
@@ -116,8 +118,11 @@ def make_plan(
   chosen = _chosen(cfg, leaves)
   ratios = _ratios(cfg, chosen, leaves, ratio_by_name)
   groups = cfg.filter_groups or 0
+  clustered = bool(groups) and cfg.filter_grouping == "clustered"
   return {
-    name: PrunedLayer(i, kind, r, kh if kind == "pattern" else 0, cfg.balanced_kernels, groups)
+    name: PrunedLayer(
+      i, kind, r, kh if kind == "pattern" else 0, cfg.balanced_kernels, groups, clustered
+    )
     for (name, i, kind, kh), r in zip(chosen, ratios)
   }
 
@@ -194,8 +199,10 @@ def check_layers(plan: Plan, layers: Layers, params: PyTree) -> None:
 def init_layer(
   leaf: jax.Array, layer: PrunedLayer, pool_size: int, mode: str
 ) -> ClickTrainLayerState:
-  """The state of one pruned layer before any step: no scores, no pool, nothing pruned."""
+  """The state of one pruned layer before any step: no scores, no pool, nothing pruned; the
+  filter groups consecutive (aligned mode) or one filter each (paper mode)."""
   _, _, cin, cout = leaf.shape
+  ids = group_ids(cout, layer.groups) if layer.groups else np.arange(cout, dtype=np.int32)
   n_pool = pool_size if (layer.kind == "pattern" and mode == "paper") else 0
   n_pat = _pat.num_patterns(PATTERN_SIZE, layer.size) if n_pool else 0
   # Fields a layer does not use are None (empty pytree nodes; orbax cannot store
@@ -208,4 +215,5 @@ def init_layer(
     pattern_id=jnp.full((cin, cout), -1, jnp.int32),
     kernel_keep=jnp.ones((cin, cout), bool),
     pattern_mask=jnp.ones(leaf.shape, leaf.dtype),
+    filter_group=jnp.asarray(ids, jnp.int32),
   )

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxprune.clicktrain import importance as _imp
 from jaxprune.clicktrain import patterns as _pat
-from jaxprune.clicktrain._groups import group_ids, group_sum, lift
+from jaxprune.clicktrain._groups import cluster_filters, first_filters, group_sum, lift
 from jaxprune.clicktrain._plan import Layers, Plan
 from jaxprune.clicktrain.state import (
   POOL,
@@ -49,25 +48,41 @@ def group_lasso_grad(
   """d/dW Σ_kernels [sqrt(‖W⊙¬P‖²+ε) + sqrt(‖W⊙¬K‖²+ε)] (ClickTrain §4.4).
 
   With ``groups`` (aligned mode) a "kernel" is a (filter group, input channel) pair: the
-  squared norms are summed over the group's filters before the square root.
+  squared norms are summed over the group's filters (the state's ``filter_group`` ids) before
+  the square root.
   """
+  ids = ls.filter_group
   z = w * (1 - ls.pattern_mask)
-  gz = z * jax.lax.rsqrt(lift(jnp.sum(z * z, axis=(0, 1), keepdims=True), groups) + eps)
+  gz = z * jax.lax.rsqrt(lift(jnp.sum(z * z, axis=(0, 1), keepdims=True), groups, ids=ids) + eps)
   u = w * (~ls.kernel_keep).astype(w.dtype)
-  gu = u * jax.lax.rsqrt(lift(jnp.sum(u * u, axis=(0, 1), keepdims=True), groups) + eps)
+  gu = u * jax.lax.rsqrt(lift(jnp.sum(u * u, axis=(0, 1), keepdims=True), groups, ids=ids) + eps)
   return gz + gu
 
 
-def _kernel_keep(scores: jax.Array, layer) -> jax.Array:
+def _kernel_keep(scores: jax.Array, layer, ids: jax.Array) -> jax.Array:
   """Adaptive kernel finalization (Eq. 2 scores, lowest pruned) at the layer's granularity:
   per kernel, or (aligned mode) per (group, input channel) with the same number pruned in
-  every group, so the groups run as one batched product (the §5.2 load balance, lifted)."""
+  every group, so the groups run as one batched product (the §5.2 load balance, lifted).
+  ``scores`` are lifted (equal within each group of ``ids``)."""
   if not layer.groups:
     return _pat.kernel_keep_mask(scores, layer.ratio, per_filter=layer.per_filter)
-  ids = group_ids(scores.shape[1], layer.groups)
-  first = np.searchsorted(ids, np.arange(ids[-1] + 1))  # scores are equal within a group
-  keep = _pat.kernel_keep_mask(scores[:, first], layer.ratio, per_filter=True)
-  return jnp.take(keep, jnp.asarray(ids), axis=1)
+  first = first_filters(ids, layer.groups)  # one column per group
+  keep = _pat.kernel_keep_mask(jnp.take(scores, first, axis=1), layer.ratio, per_filter=True)
+  return jnp.take(keep, ids, axis=1)
+
+
+def _lifted_groups(layer) -> int:
+  """The groups the per-batch quantities are summed over before the partition is final: the
+  layer's groups, or 0 (per kernel) while a clustered partition is still to be chosen."""
+  return 0 if layer.clustered else layer.groups
+
+
+def _clustered(ls: ClickTrainLayerState, layer, kernel_scores, pattern_scores):
+  """Clustered aligned mode, where the patterns are finalized: the balanced partition chosen
+  from the per-kernel scores, and those scores lifted to it (``filter_group`` stored)."""
+  ids = cluster_filters(kernel_scores, pattern_scores, layer.groups)
+  lifted_ps = None if pattern_scores is None else lift(pattern_scores, layer.groups, 1, ids)
+  return ids, lift(kernel_scores, layer.groups, ids=ids), lifted_ps
 
 
 def all_finite(loss, plan: Plan, w_leaves, g_leaves) -> jax.Array:
@@ -111,10 +126,10 @@ def pool_step(layers: Layers, plan: Plan, w_leaves, g_leaves) -> Layers:
     if layer.kind != "pattern":
       continue
     imp = _imp.weight_importance(w_leaves[layer.index], g_leaves[layer.index])
-    if layer.groups:  # one candidate per (group, input channel), from the summed importance
-      imp = group_sum(imp, layer.groups)
-    cand = _pat.dppg_candidates(_as_kernels(imp))
     ls = layers[name]
+    if _lifted_groups(layer):  # one candidate per (group, input channel), summed importance
+      imp = group_sum(imp, layer.groups, ids=ls.filter_group)
+    cand = _pat.dppg_candidates(_as_kernels(imp))
     out[name] = ls._replace(
       competitive_scores=_pat.accumulate_competitive_scores(ls.competitive_scores, cand)
     )
@@ -123,16 +138,21 @@ def pool_step(layers: Layers, plan: Plan, w_leaves, g_leaves) -> Layers:
 
 def finalize_step(layers: Layers, plan: Plan, w_leaves, g_leaves, counted) -> Layers:
   """One batch of adaptive finalization (§4.3): pattern votes (Eq. 1) and summed Eq. 2
-  kernel scores, both only when the batch passes the loss-margin test (``counted``)."""
+  kernel scores, both only when the batch passes the loss-margin test (``counted``). Per
+  (group, input channel) in the aligned mode; per kernel while a clustered partition is still
+  to be chosen (:func:`finalize_masks` chooses it from these)."""
   out = dict(layers)
   for name, layer in plan.items():
     ls = layers[name]
     w, g = w_leaves[layer.index], g_leaves[layer.index]
-    ks = ls.kernel_score_sum + jnp.where(counted, lift(_imp.kernel_scores(w, g), layer.groups), 0.0)
+    groups, ids = _lifted_groups(layer), ls.filter_group
+    ks = ls.kernel_score_sum + jnp.where(
+      counted, lift(_imp.kernel_scores(w, g), groups, ids=ids), 0.0
+    )
     votes = ls.votes
     if layer.kind == "pattern":
       pool_masks = _pat.pattern_masks_from_ids(ls.pool, layer.size)
-      scores = lift(_imp.pattern_scores(w, g, pool_masks), layer.groups, axis=1)
+      scores = lift(_imp.pattern_scores(w, g, pool_masks), groups, axis=1, ids=ids)
       votes = _pat.vote(votes, scores, counted)
     out[name] = ls._replace(kernel_score_sum=ks, votes=votes)
   return out
@@ -151,11 +171,20 @@ def select_pools(layers: Layers, plan: Plan, pool_size: int) -> Layers:
 
 
 def finalize_masks(layers: Layers, plan: Plan) -> Layers:
-  """End of §4.3: pattern = most voted pool pattern, kernels = lowest summed Eq. 2."""
+  """End of §4.3: pattern = most voted pool pattern, kernels = lowest summed Eq. 2.
+
+  Clustered aligned mode: the filter groups are chosen here, from the per-kernel Eq. 2 sums
+  and votes of the finalization stage (the last point where they differ between the filters,
+  and the first where the groups decide anything lasting), and the sums and votes are lifted
+  to the groups before the choice (a group's pattern: the most votes over its kernels).
+  """
   out = dict(layers)
   for name, layer in plan.items():
     ls = layers[name]
-    keep = _kernel_keep(ls.kernel_score_sum, layer)
+    if layer.clustered:
+      ids, ks, votes = _clustered(ls, layer, ls.kernel_score_sum, ls.votes)
+      ls = ls._replace(filter_group=ids, kernel_score_sum=ks, votes=votes)
+    keep = _kernel_keep(ls.kernel_score_sum, layer, ls.filter_group)
     if layer.kind == "pattern":
       best = _pat.finalize_patterns(ls.votes)  # pool position per kernel
       pid = ls.pool[best]
@@ -176,9 +205,17 @@ def one_shot_masks(layers: Layers, plan: Plan, w_leaves, g_leaves, num_patterns:
   for name, layer in plan.items():
     ls = layers[name]
     w, g = w_leaves[layer.index], g_leaves[layer.index]
-    keep = _kernel_keep(lift(_imp.kernel_scores(w, g), layer.groups), layer)
+    ks = _imp.kernel_scores(w, g)
+    scores = _imp.pattern_scores(w, g, blocks) if layer.kind == "pattern" else None
+    ids = ls.filter_group
+    if layer.clustered:  # the partition from this batch's per-kernel scores, then lifted
+      ids, ks, scores = _clustered(ls, layer, ks, scores)
+      ls = ls._replace(filter_group=ids)
+    else:
+      ks = lift(ks, layer.groups, ids=ids)
+      scores = None if scores is None else lift(scores, layer.groups, axis=1, ids=ids)
+    keep = _kernel_keep(ks, layer, ids)
     if layer.kind == "pattern":
-      scores = lift(_imp.pattern_scores(w, g, blocks), layer.groups, axis=1)
       best = jnp.argmax(scores, axis=-1)  # ties -> first
       pmask = _pat.pattern_mask(best, blocks, dtype=ls.pattern_mask.dtype)
       out[name] = ls._replace(pattern_id=block_ids[best], kernel_keep=keep, pattern_mask=pmask)

@@ -18,7 +18,17 @@ import numpy as np
 from jaxprune.clicktrain import patterns as _pat
 from jaxprune.clicktrain.state import PATTERN_SIZE
 
-__all__ = ["Config", "LayerFilter", "RatioSpec", "check_ratio", "default_layer_filter"]
+__all__ = [
+  "FILTER_GROUPINGS",
+  "Config",
+  "LayerFilter",
+  "RatioSpec",
+  "check_ratio",
+  "default_layer_filter",
+]
+
+# How the aligned mode's filter groups are formed (clicktrain's filter_grouping).
+FILTER_GROUPINGS = ("consecutive", "clustered")
 
 LayerFilter = Callable[[str, tuple[int, ...]], "str | None"]
 # One float for every layer, one per pruned layer (param flatten order), or fn(path, shape).
@@ -105,6 +115,7 @@ class Config:
   importance_every: int
   balanced_kernels: bool
   filter_groups: int | None
+  filter_grouping: str
   eps: float
 
   def __post_init__(self):
@@ -116,6 +127,15 @@ class Config:
       _check_int("filter_groups", self.filter_groups, 1)
       if isinstance(self.filter_groups, bool):
         raise ValueError(f"filter_groups must be an int >= 1, got {self.filter_groups!r}")
+    if self.filter_grouping not in FILTER_GROUPINGS:
+      raise ValueError(
+        f"filter_grouping must be one of {FILTER_GROUPINGS}, got {self.filter_grouping!r}"
+      )
+    if self.filter_grouping == "clustered" and self.filter_groups is None:
+      raise ValueError(
+        "filter_grouping='clustered' chooses the filter groups of the aligned mode: it needs "
+        "filter_groups (the number of groups)"
+      )
     _check_int("steps_per_epoch", self.steps_per_epoch, 1)
     _check_int("hard_prune_epoch", self.hard_prune_epoch, 0)
     _check_int("pool_epochs", self.pool_epochs, 1)

@@ -33,6 +33,7 @@ from jaxprune.paths import path_string
 
 __all__ = [
   "compression",
+  "filter_partition",
   "find_state",
   "flops_saved",
   "group_lasso_penalty",
@@ -115,6 +116,33 @@ def _pruned_masks(st: ClickTrainState, params: PyTree) -> PyTree | None:
 
 
 masking.register_mask_source(ClickTrainState, _pruned_masks)
+
+
+def filter_partition(opt_state: Any) -> dict[str, tuple[tuple[int, ...], ...]]:
+  """Per pruned layer: its filters grouped as the state's ``filter_group`` ids say.
+
+  In the aligned mode these are the groups whose filters share one pattern per input channel:
+  consecutive runs, or (``filter_grouping="clustered"``) the partition chosen when the patterns
+  were finalized; after a PruneTrain reconfiguration, the groups of the kept filters (maybe
+  uneven). In the paper mode every filter is its own group. The form is the one
+  :func:`~jaxprune.clicktrain.aligned_layout.group_filters` accepts: pass the result to
+  :func:`~jaxprune.clicktrain.convert_model` (``filter_groups=``) or use
+  ``SparseExecution(filter_groups="from_state")``.
+
+  Args:
+    opt_state: the optimizer state holding one ClickTrain state (see the module docstring).
+
+  Returns:
+    ``{kernel path: groups}``, each group the increasing filter indices of one non-empty group,
+    groups in order of their lowest filter.
+  """
+  st = find_state(opt_state)
+  out = {}
+  for name, ls in st.layers.items():
+    ids = np.asarray(ls.filter_group)
+    groups = [tuple(int(f) for f in np.flatnonzero(ids == k)) for k in np.unique(ids)]
+    out[name] = tuple(sorted(groups))
+  return out
 
 
 def pattern_usage(opt_state: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:

@@ -6,9 +6,11 @@ find them by shape. This slicer, registered with
 :func:`jaxprune.state_slicing.register_state_slicer` (the shared registry: ClickTrain does not
 import PruneTrain), slices them with the kept input / output channels of their kernel and
 drops the layers removed with their residual branch: the masks
-(pattern, kernel), the finalization votes and Eq. 2 score sums follow their kernels. The
-pattern pool and its competitive scores are per pattern, not per channel, and are kept. The
-wrapped optimizer's state is sliced like any other optimizer state.
+(pattern, kernel), the finalization votes and Eq. 2 score sums follow their kernels, and the
+aligned mode's filter group ids follow their filters (a filter keeps its group, so the masks
+stay shared within each group; the groups may come out uneven). The pattern pool and its
+competitive scores are per pattern, not per channel, and are kept. The wrapped optimizer's
+state is sliced like any other optimizer state.
 
 References:
   Zhang et al., "ClickTrain: Efficient and Accurate End-to-End Deep Learning Training via
@@ -19,6 +21,9 @@ References:
 """
 
 from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
 
 from jaxprune.clicktrain.transform import ClickTrainLayerState, ClickTrainState
 from jaxprune.state_slicing import ChannelSlices, register_state_slicer
@@ -36,7 +41,15 @@ def _slice_layer(path: str, layer: ClickTrainLayerState, slices: ChannelSlices):
     pattern_id=cin_cout(layer.pattern_id),
     kernel_keep=cin_cout(layer.kernel_keep),
     pattern_mask=slices.take(layer.pattern_mask, path, in_axis=2, out_axis=3),  # HWIO
+    filter_group=_kept_filters(layer.filter_group, slices.kernel_index(path)[1]),
   )
+
+
+def _kept_filters(ids, out_index):
+  """The ``(Cout,)`` group ids of the kept filters (on the host, as the other slices)."""
+  if ids is None or out_index is None:
+    return ids
+  return jnp.asarray(np.take(np.asarray(ids), out_index), jnp.int32)
 
 
 def slice_state(state: ClickTrainState, slices: ChannelSlices) -> ClickTrainState:

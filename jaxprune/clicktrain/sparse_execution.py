@@ -49,7 +49,7 @@ from jaxprune.clicktrain.aligned_conv import aligned_conv
 from jaxprune.clicktrain.aligned_layout import build_aligned_layout
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
 from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv, pattern_conv_values
-from jaxprune.clicktrain.readouts import masks, stage_name
+from jaxprune.clicktrain.readouts import filter_partition, masks, stage_name
 from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv
 from jaxprune.masking import count_refilled
 from jaxprune.models import replace_submodule
@@ -263,16 +263,21 @@ def convert_model(
     input_shape: the model's input batch shape, needed to measure.
     repeats: timed calls per measurement (median).
     filter_groups: masks of ClickTrain's aligned mode: the groups (as
-      :func:`~jaxprune.clicktrain.aligned_layout.group_filters`) the sparse layers are
-      :class:`AlignedConv` on; ``None``: the fine-grained :class:`PatternConv`.
+      :func:`~jaxprune.clicktrain.aligned_layout.group_filters`, or ``"auto"``) the sparse
+      layers are :class:`AlignedConv` on, the same for every layer; or a mapping from each
+      masked kernel's path (``jaxprune.paths.path_string``, e.g. ``"stages/0/0/conv1/conv/
+      kernel"``) to its groups: :func:`~jaxprune.clicktrain.filter_partition` of the optimizer
+      state, which holds the clustered partitions of ``filter_grouping="clustered"`` (the
+      layer's outputs come back in the conv's filter order). ``None``: the fine-grained
+      :class:`PatternConv`.
 
   Returns:
     ``(model, choices)``: one :class:`LayerChoice` per masked conv, in model order.
 
   Raises:
     ValueError: a mask whose shape or content does not fit its kernel (named), a masked
-      conv that is already sparse, a bad threshold / backend, or measuring without
-      ``input_shape``.
+      conv that is already sparse or missing from a ``filter_groups`` mapping, a bad
+      threshold / backend, or measuring without ``input_shape``.
   """
   backend = default_backend() if backend is None else backend
   if backend not in BACKENDS:
@@ -312,8 +317,13 @@ def convert_model(
       raise ValueError(
         f"weight_masks: mask of {name} has shape {mask.shape}, kernel {module.kernel.shape}"
       )
+    groups = filter_groups
+    if isinstance(filter_groups, Mapping):
+      groups = filter_groups.get(f"{name}/kernel")
+      if groups is None:
+        raise ValueError(f"filter_groups: no groups for the masked kernel {name}/kernel")
     sparsity, balanced, build, timing_fn = _sparse_layer(
-      mask, name, filter_groups, nnz_per_kernel, backend
+      mask, name, groups, nnz_per_kernel, backend
     )
     kind = "aligned" if filter_groups is not None else backend
     dense_ms = sparse_ms = None
@@ -386,7 +396,10 @@ class SparseExecution(Callback):
 
   Args:
     threshold, backend, nnz_per_kernel, repeats, filter_groups: as :func:`convert_model`
-      (by default every layer is timed both ways once, at the conversion).
+      (by default every layer is timed both ways once, at the conversion); and
+      ``filter_groups="from_state"``: each layer's groups as the ClickTrain state holds them
+      (:func:`~jaxprune.clicktrain.filter_partition`, read at every conversion, so a resumed or
+      reconfigured run uses its own), what ``filter_grouping="clustered"`` needs.
     input_shape: the input batch shape to time the layers at; default: the training loader's
       batch size and ``dataset.image_shape`` (a ``jaxprune.data.Loader``), read each epoch.
 
@@ -451,7 +464,11 @@ class SparseExecution(Callback):
       nnz_per_kernel=self.nnz_per_kernel,
       input_shape=self._input_shape(),
       repeats=self.repeats,
-      filter_groups=self.filter_groups,
+      filter_groups=(
+        filter_partition(trainer.opt_state)
+        if isinstance(self.filter_groups, str) and self.filter_groups == "from_state"
+        else self.filter_groups
+      ),
     )
     trainer.replace(model, trainer.opt_state)
     self._converted = model

@@ -54,6 +54,10 @@ class ClickTrainLayerState(NamedTuple):
   pattern_id: jax.Array  # (Cin, Cout) int32 id into all_patterns(4, k); -1 = none
   kernel_keep: jax.Array  # (Cin, Cout) bool
   pattern_mask: jax.Array  # (kh, kw, Cin, Cout) P (ones before it is final)
+  # (Cout,) int32: each filter's group in the aligned mode (consecutive runs, or the clustered
+  # partition once chosen: filter_grouping="clustered"); arange(Cout) (one filter per group)
+  # in the paper mode. Present in every mode and stage, so the tree keeps one structure.
+  filter_group: jax.Array
 
 
 class ClickTrainState(NamedTuple):

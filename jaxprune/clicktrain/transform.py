@@ -88,6 +88,7 @@ def clicktrain(
   importance_every: int = 1,
   balanced_kernels: bool = False,
   filter_groups: int | None = None,
+  filter_grouping: str = "consecutive",
   eps: float = 1e-8,
 ) -> optax.GradientTransformationExtraArgs:
   """ClickTrain pattern + connectivity pruning around an inner optimizer.
@@ -141,6 +142,16 @@ def clicktrain(
           PruneTrain's reconfiguration, give it ``channel_multiple=filter_groups`` so the
           widths stay divisible.
           ``None`` (default): the paper's per-kernel patterns.
+      filter_grouping: aligned mode: how the ``filter_groups`` groups are formed.
+          ``"consecutive"`` (default): runs of consecutive filters, fixed from the start.
+          ``"clustered"``: a balanced partition into groups of ``Cout / filter_groups``
+          filters whose Eq. 2 kernel scores and pattern preferences agree, chosen once per
+          layer when the patterns are finalized (paper mode: at the end of the finalization
+          stage, from the per-kernel Eq. 2 sums and votes, which are kept per kernel until
+          then; one_shot: from the picking batch's per-kernel scores), then used by every
+          lifting (:func:`jaxprune.clicktrain.filter_partition` reads it; see
+          ``docs/design.md``, aligned mode). The layer's outputs keep their order: the
+          aligned layers permute them back.
       eps: ε inside the group-lasso square roots.
 
   Returns:

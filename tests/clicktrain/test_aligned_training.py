@@ -31,7 +31,7 @@ def _model():
   )
 
 
-def _tx(steps_per_epoch):
+def _tx(steps_per_epoch, **kw):
   return clicktrain.clicktrain(
     optax.sgd(0.05, momentum=0.9),
     steps_per_epoch=steps_per_epoch,
@@ -40,13 +40,14 @@ def _tx(steps_per_epoch):
     hard_prune_epoch=2,
     kernel_prune_ratio=0.5,
     filter_groups=GROUPS,
+    **kw,
   )
 
 
-def _run(hooks, *, epochs=4, checkpoint_dir=None):
+def _run(hooks, *, epochs=4, checkpoint_dir=None, **kw):
   loader = _loader()
   trainer = train.Trainer(
-    _model(), _tx(len(loader)), callbacks=hooks, checkpoint_dir=checkpoint_dir, progress=False
+    _model(), _tx(len(loader), **kw), callbacks=hooks, checkpoint_dir=checkpoint_dir, progress=False
   )
   return trainer, trainer.fit(loader, epochs=epochs)
 
@@ -95,6 +96,32 @@ def test_resume_across_the_switch_is_exact(tmp_path):
     np.testing.assert_array_equal,
     nnx.state(resumed.model, nnx.Param),
     nnx.state(straight.model, nnx.Param),
+  )
+
+
+def test_clustered_groups_convert_from_the_state_and_train_as_the_masked_dense_model():
+  # The clustered partition is read from the optimizer state; the aligned layers produce their
+  # filters group by group and must permute them back: the next epoch (trained on the aligned
+  # layers) matches the masked dense model's.
+  hook = SparseExecution(threshold=0.0, filter_groups="from_state")
+  sparse, h_sparse = _run([hook], epochs=3, filter_grouping="clustered")
+  dense, h_dense = _run([], epochs=3, filter_grouping="clustered")
+  assert [r.get("sparse_layers") is not None for r in h_sparse] == [False, True, False]
+  partition = clicktrain.filter_partition(sparse.opt_state)
+  layers = pattern_convs(sparse.model)
+  assert len(layers) == len(partition)
+  shuffled = 0
+  for path, layer in layers.items():
+    assert isinstance(layer, AlignedConv), path
+    assert [g.filters for g in layer.layout.groups] == list(partition[f"{path}/kernel"])
+    shuffled += layer.layout.filter_order != tuple(range(len(layer.layout.filter_order)))
+  assert shuffled  # some layer's groups are not consecutive: its outputs are permuted back
+  for a, b in zip(h_sparse, h_dense):
+    np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=1e-4)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5),
+    nnx.as_pure(nnx.state(sparse.model, nnx.Param)),
+    nnx.as_pure(nnx.state(dense.model, nnx.Param)),
   )
 
 

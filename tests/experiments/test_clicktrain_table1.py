@@ -112,6 +112,7 @@ def test_filter_groups_reach_clicktrain_and_the_aligned_page(monkeypatch, tmp_pa
   args = clicktrain_table1._parse(["--budget", "cpu", "--rows", "vgg11", "--filter-groups", "2"])
   clicktrain_table1._method(args, "vgg11").make_tx(optax.sgd(0.1), methods.Run(390, args.epochs))
   assert calls[0]["filter_groups"] == 2
+  assert calls[0]["filter_grouping"] == "consecutive"
   # The page: the aligned run beside the row's dense and fine-grained runs, epoch times after
   # the prune compared with the dense run's.
   for method in ("dense", "clicktrain"):
@@ -128,3 +129,32 @@ def test_filter_groups_reach_clicktrain_and_the_aligned_page(monkeypatch, tmp_pa
   dense = json.loads((RESULTS / "table1_cpu_vgg11_dense.json").read_text())
   assert "| 10 / 10 | 1.00× |" in rows[2]  # every epoch 10 s: after / before = 1
   assert f"{100 * (0.5 - dense['test_acc']):+.2f}" in rows[2]
+
+
+def test_clustered_filter_grouping_reaches_clicktrain_and_the_aligned_page(monkeypatch, tmp_path):
+  calls = []
+  real = preset.clicktrain
+
+  @functools.wraps(real)
+  def recording(inner, **kwargs):
+    calls.append(kwargs)
+    return real(inner, **kwargs)
+
+  monkeypatch.setattr(preset, "clicktrain", recording)
+  argv = ["--budget", "cpu", "--rows", "vgg11", "--filter-groups", "2"]
+  args = clicktrain_table1._parse([*argv, "--filter-grouping", "clustered"])
+  clicktrain_table1._method(args, "vgg11").make_tx(optax.sgd(0.1), methods.Run(390, args.epochs))
+  assert (calls[0]["filter_groups"], calls[0]["filter_grouping"]) == (2, "clustered")
+  with pytest.raises(SystemExit):
+    clicktrain_table1._parse(["--budget", "cpu", "--filter-grouping", "clustered"])
+  # The page lists the clustered run after the consecutive one of the same G.
+  for method in ("dense", "clicktrain"):
+    name = f"table1_cpu_vgg11_{method}.json"
+    (tmp_path / name).write_text((RESULTS / name).read_text())
+  for method in ("aligned-g2", "aligned-g2c"):
+    (tmp_path / f"table1_cpu_vgg11_{method}.json").write_text(
+      (RESULTS / "table1_cpu_vgg11_clicktrain.json").read_text()
+    )
+  page = clicktrain_table1.aligned_markdown(tmp_path, "cpu")
+  rows = [line for line in page.splitlines() if line.startswith("| vgg11 |")]
+  assert [r.split(" | ")[1] for r in rows] == ["dense", "clicktrain", "aligned-g2", "aligned-g2c"]
