@@ -33,8 +33,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -54,6 +52,7 @@ from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv
 from jaxprune.masking import count_refilled
 from jaxprune.models import replace_submodule
 from jaxprune.paths import flatten_with_paths
+from jaxprune.timing import median_call_ms
 from jaxprune.train import Callback
 
 __all__ = [
@@ -98,17 +97,6 @@ def default_backend(platform: str | None = None) -> str:
   if platform == "gpu" and "pallas" in BACKENDS:
     return "pallas"
   return "reference"
-
-
-def median_call_ms(fn, *args, repeats: int) -> float:
-  """Median wall-clock milliseconds of ``fn(*args)`` over ``repeats`` calls after a warm-up."""
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
 
 
 def time_layer(
