@@ -19,7 +19,9 @@ Backends, chosen per call (per layer by :mod:`jaxprune.clicktrain.sparse_executi
   (``dXt = Wᵀ · dYt``, folded back by the patch extraction's VJP), and the kept-position
   weight gradient. Compiled when lowered for CUDA, interpreted (slow, exact) elsewhere.
 * ``"auto"`` — the Pallas kernels when lowered for CUDA and the shapes are supported, the
-  reference otherwise (chosen per lowering platform, so one jitted function serves both).
+  reference otherwise (chosen per lowering platform, so one jitted function serves both), and
+  the reference everywhere when this JAX has no Pallas Triton backend
+  (:func:`pallas_kernels.triton_available`), where an explicit ``"pallas"`` raises.
 * ``"dense"`` — the dense masked convolution (cuDNN / XLA), the fallback for layers whose
   sparsity is too low to pay (§5.2: 65% on the paper's GPU).
 
@@ -37,10 +39,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import pallas_kernels
 from jaxprune._conv_args import canonical_padding, spatial_pair
 from jaxprune.clicktrain.layout import PatternLayout, to_dense, to_values, transposed_values
 
-__all__ = ["BACKENDS", "canonical_padding", "pattern_conv", "pattern_conv_values"]
+__all__ = ["BACKENDS", "canonical_padding", "check_backend", "pattern_conv", "pattern_conv_values"]
 
 BACKENDS = ("reference", "pallas", "auto", "dense")
 _NHWC = ("NHWC", "HWIO", "NHWC")
@@ -115,11 +118,24 @@ def _reference_bwd(hw, strides, padding, residuals, dy):
 _reference_conv.defvjp(_reference_fwd, _reference_bwd)
 
 
+def check_backend(backend: str) -> None:
+  """Raises unless ``backend`` is one of :data:`BACKENDS` and usable in this JAX.
+
+  Raises:
+    ValueError: an unknown ``backend``, or ``"pallas"`` where this JAX has no Pallas Triton
+      backend (the message says to use ``"reference"``).
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "pallas":
+    pallas_kernels.check_triton("backend", backend)
+
+
 # ---- Pallas backend: Yt = W · Xt on the transposed, coalesced form (ClickTrain §5.2) ----
 
 
 def _kernels():
-  # Imported on use: a JAX without Pallas Triton still runs the other backends.
+  # Imported on use, after the probe: a JAX without Pallas Triton runs the other backends.
   from pallas_kernels import pattern_spmm
 
   return pattern_spmm
@@ -200,10 +216,10 @@ def pattern_conv_values(
     ``(N, OH, OW, Cout)``, equal to the dense conv with the masked kernel.
 
   Raises:
-    ValueError: an unknown backend, bad strides / padding, or shapes that do not match.
+    ValueError: an unknown backend (or ``"pallas"`` without Pallas's Triton backend), bad
+      strides / padding, or shapes that do not match.
   """
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  check_backend(backend)
   kh, kw, cin, cout = layout.kernel_shape
   if x.ndim != 4 or x.shape[-1] != cin:
     raise ValueError(f"x must be NHWC with {cin} channels, got shape {tuple(x.shape)}")
@@ -238,12 +254,9 @@ def _pallas_or_reference(x, values, layout, backend, reference, strides, pad):
     if backend == "pallas":
       raise ValueError("layout has no transposed index arrays; build it with build_layout")
     return reference(x, values)
-  try:
-    supported = _pallas_supported(layout, x, layout.kernel_shape[:2], strides, pad)
-  except ImportError:  # a JAX without Pallas Triton: "auto" falls back to the reference
-    if backend == "pallas":
-      raise
+  if not pallas_kernels.triton_available():  # "pallas" was refused by check_backend
     return reference(x, values)
+  supported = _pallas_supported(layout, x, layout.kernel_shape[:2], strides, pad)
   if backend == "auto" and not supported:
     return reference(x, values)
   if not supported:

@@ -33,8 +33,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -44,16 +42,23 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+import pallas_kernels
 from jaxprune import flops
 from jaxprune.clicktrain.aligned_conv import aligned_conv
 from jaxprune.clicktrain.aligned_layout import build_aligned_layout
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
-from jaxprune.clicktrain.pattern_conv import BACKENDS, pattern_conv, pattern_conv_values
+from jaxprune.clicktrain.pattern_conv import (
+  BACKENDS,
+  check_backend,
+  pattern_conv,
+  pattern_conv_values,
+)
 from jaxprune.clicktrain.readouts import filter_partition, masks, stage_name
 from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv
 from jaxprune.masking import count_refilled
 from jaxprune.models import replace_submodule
 from jaxprune.paths import flatten_with_paths
+from jaxprune.timing import median_call_ms
 from jaxprune.train import Callback
 
 __all__ = [
@@ -93,22 +98,12 @@ def fixed_threshold(platform: str | None = None) -> float:
 
 
 def default_backend(platform: str | None = None) -> str:
-  """The sparse kernel used on ``platform``: the Pallas kernels on GPU when available."""
+  """The sparse kernel used on ``platform``: the Pallas kernels on GPU when this JAX still has
+  Pallas's Triton backend (:func:`pallas_kernels.triton_available`), else the reference."""
   platform = platform or jax.default_backend()
-  if platform == "gpu" and "pallas" in BACKENDS:
+  if platform == "gpu" and "pallas" in BACKENDS and pallas_kernels.triton_available():
     return "pallas"
   return "reference"
-
-
-def median_call_ms(fn, *args, repeats: int) -> float:
-  """Median wall-clock milliseconds of ``fn(*args)`` over ``repeats`` calls after a warm-up."""
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
 
 
 def time_layer(
@@ -277,11 +272,11 @@ def convert_model(
   Raises:
     ValueError: a mask whose shape or content does not fit its kernel (named), a masked
       conv that is already sparse or missing from a ``filter_groups`` mapping, a bad
-      threshold / backend, or measuring without ``input_shape``.
+      threshold / backend (``"pallas"`` where this JAX has no Pallas Triton backend), or
+      measuring without ``input_shape``.
   """
   backend = default_backend() if backend is None else backend
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  check_backend(backend)
   threshold = default_threshold() if threshold is None else threshold
   if threshold == "fixed":
     threshold = fixed_threshold()
@@ -422,8 +417,8 @@ class SparseExecution(Callback):
     repeats: int = 3,
     filter_groups: Any = None,
   ):
-    if backend is not None and backend not in BACKENDS:
-      raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend is not None:
+      check_backend(backend)
     self.threshold = threshold
     self.backend = backend
     self.nnz_per_kernel = nnz_per_kernel

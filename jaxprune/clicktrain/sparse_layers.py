@@ -25,7 +25,7 @@ from flax import nnx
 from jaxprune.clicktrain.aligned_conv import AlignedConvFn
 from jaxprune.clicktrain.aligned_layout import AlignedLayout
 from jaxprune.clicktrain.layout import PatternLayout
-from jaxprune.clicktrain.pattern_conv import BACKENDS, canonical_padding, pattern_conv
+from jaxprune.clicktrain.pattern_conv import canonical_padding, check_backend, pattern_conv
 from jaxprune.models import PluggableConv, base_function, conv_sharing_variables, with_base
 
 __all__ = ["AlignedConv", "PatternConv", "check_convertible"]
@@ -105,11 +105,11 @@ class PatternConv(PluggableConv):
     """A ``PatternConv`` sharing ``conv``'s Variables, running on ``layout``.
 
     Raises:
-      ValueError: an unknown backend, a layout of another kernel shape, or a conv that the
-        sparse path cannot run (grouped, dilated, circular padding, its own mask).
+      ValueError: an unknown backend (or ``"pallas"`` without Pallas's Triton backend), a
+        layout of another kernel shape, or a conv that the sparse path cannot run (grouped,
+        dilated, circular padding, its own mask).
     """
-    if backend not in BACKENDS:
-      raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     return _replacing(cls, conv, layout, _PatternConvFunction(_StaticLayout(layout), backend), name)
 
   @property

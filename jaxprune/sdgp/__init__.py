@@ -5,6 +5,9 @@ computed from the N:M-pruned output gradient, ``SDGPConv`` is its Flax NNX modul
 ``convert_model`` swaps the convolutions of an existing model. ``SDGPSettings`` holds the N:M
 settings (checked once, passed down as they are); ``PrunedDataGradient`` is SDGP's backward as
 a wrapper of the shared conv-function protocol (``jaxprune.models.PluggableConv``).
+``backend="auto"`` runs, per lowering platform, the N:M backend that measured faster there
+(``MEASURED_FASTER``, ``auto_backend``: the pure-JAX reference on CUDA today);
+``time_backends`` times both on the current device.
 
 Example:
   >>> from jaxprune import sdgp
@@ -29,7 +32,15 @@ from jaxprune.sdgp.conv import (
   sdgp_conv,
   with_pruned_data_gradient,
 )
-from jaxprune.sdgp.prune import BACKENDS, SDGPSettings, nm_prune, nm_prune_reference
+from jaxprune.sdgp.prune import (
+  BACKENDS,
+  MEASURED_FASTER,
+  SDGPSettings,
+  auto_backend,
+  nm_prune,
+  nm_prune_reference,
+  time_backends,
+)
 from jaxprune.sdgp.preset import PAPER_MODELS, method, paper_method, paper_model
 
 __all__ = [
@@ -38,6 +49,7 @@ __all__ = [
   "paper_method",
   "paper_model",
   "BACKENDS",
+  "MEASURED_FASTER",
   "MAX_GROUP",
   "METHODS",
   "RESCALE_EPS",
@@ -46,10 +58,12 @@ __all__ = [
   "SDGPConversion",
   "SDGPKey",
   "SDGPSettings",
+  "auto_backend",
   "convert_model",
   "nm_prune",
   "nm_prune_reference",
   "next_layer_key",
   "sdgp_conv",
+  "time_backends",
   "with_pruned_data_gradient",
 ]

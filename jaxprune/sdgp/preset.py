@@ -49,7 +49,10 @@ def method(
     method: ``"random"``, ``"magnitude"``, ``"rescaled_magnitude"`` or ``"mvue"``.
     min_in_channels, seed, backend, reinit: as :func:`jaxprune.sdgp.convert_model`
       (``reinit=True``: the released code's Kaiming-uniform re-initialisation; off here,
-      on in :func:`paper_method`).
+      on in :func:`paper_method`). ``backend="auto"`` runs, per lowering platform, the N:M
+      backend that made the train step faster there (:data:`jaxprune.sdgp.MEASURED_FASTER`:
+      the pure-JAX reference on CUDA, where it beat the Pallas kernel on an H100);
+      ``"pallas"`` forces the kernel.
 
   Returns:
     A :class:`jaxprune.methods.Method` named ``"sdgp"``.
@@ -104,7 +107,7 @@ def paper_method(
     dataset: ``"cifar10"`` or ``"imagenet"`` (its network: :data:`PAPER_MODELS`,
       :func:`paper_model`).
     n, m: the N:M setting of the pruned rows (Table I: 2:4; Fig. 8 sweeps it).
-    seed, backend: as :func:`jaxprune.sdgp.convert_model`.
+    seed, backend: as :func:`jaxprune.sdgp.convert_model` (``"auto"``: see :func:`method`).
 
   Returns:
     A :class:`jaxprune.methods.Method`, named ``"dense"`` for the dense row.

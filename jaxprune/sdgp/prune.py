@@ -1,6 +1,10 @@
 """N:M pruning of a data gradient (SDGP Algorithm 1, §III-B) with backend dispatch, and
 :class:`SDGPSettings`, the one home of SDGP's N:M settings.
 
+``backend="auto"`` runs, on each lowering platform, the backend that measured faster there
+(:data:`MEASURED_FASTER`, :func:`auto_backend`); :func:`time_backends` times both on the
+current device, so a user can check their own GPU.
+
 References:
   McDanel, Dinh and Magallanes, "Accelerating DNN Training with Structured Data Gradient
   Pruning", arXiv 2022. https://arxiv.org/abs/2202.00774
@@ -18,11 +22,60 @@ import math
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+from jaxprune.timing import median_call_ms
 from pallas_kernels import nm_math
 
 Array = jax.Array
 
 BACKENDS = ("auto", "reference", "pallas")
+
+# What ``backend="auto"`` runs when lowered for each platform: the backend that made the whole
+# SDGP train step faster there; a platform not listed runs the reference. One NVIDIA H100, JAX
+# 0.11.2, batch 128, float32, SDGP 2:4 step time over the dense step's (lower is faster):
+#   sdgp-resnet9 (CIFAR)          magnitude 1.063x Pallas, 1.054x reference; MVUE 1.103x Pallas
+#   imagenet-resnet18 (224x224)   magnitude 1.094x Pallas, 1.065x reference; MVUE 1.114x Pallas
+# The Pallas kernel lost, so CUDA runs the reference. When the step benchmark shows the kernel
+# winning on a platform, that platform's entry becomes "pallas". Read when ``nm_prune`` is
+# traced: a function already compiled keeps the choice it was traced with.
+MEASURED_FASTER = {"cuda": "reference"}
+
+
+def auto_backend(platform: str) -> str:
+  """The backend ``backend="auto"`` runs when lowered for ``platform``.
+
+  :data:`MEASURED_FASTER`'s entry for ``platform`` (``"reference"`` when it has none), and
+  ``"reference"`` whenever this JAX has no Pallas Triton backend
+  (:func:`pallas_kernels.triton_available`).
+
+  Args:
+    platform: a lowering platform, as ``jax.lax.platform_dependent`` names them (``"cpu"``,
+      ``"cuda"``, ``"rocm"``, ``"tpu"``).
+
+  Returns:
+    ``"reference"`` or ``"pallas"``.
+
+  Raises:
+    ValueError: :data:`MEASURED_FASTER` holds something else for ``platform``.
+
+  Example:
+    >>> auto_backend("cuda")
+    'reference'
+  """
+  choice = MEASURED_FASTER.get(platform, "reference")
+  if choice not in ("reference", "pallas"):
+    raise ValueError(
+      f"MEASURED_FASTER[{platform!r}] must be 'reference' or 'pallas', got {choice!r}"
+    )
+  if choice == "pallas" and not pallas_kernels.triton_available():
+    return "reference"
+  return choice
+
+
+def _auto_pallas_platforms() -> tuple[str, ...]:
+  """The platforms where ``"auto"`` runs the kernel, read now (a static argument of the jit,
+  so a changed table or probe compiles anew instead of reusing a cached trace)."""
+  return tuple(sorted(p for p in MEASURED_FASTER if auto_backend(p) == "pallas"))
 
 
 def draw_uniforms(key: Array | None, shape, n: int, m: int, method: str) -> Array | None:
@@ -192,15 +245,18 @@ def nm_prune(
     m: group size, ``1 <= m <= 32``, must divide ``x.shape[-1]``.
     method: ``"random"``, ``"magnitude"``, ``"rescaled_magnitude"`` or ``"mvue"``.
     key: PRNG key, required for ``"random"`` and ``"mvue"``.
-    backend: ``"auto"`` (the Pallas kernel when lowered for a GPU, the reference
-      otherwise; chosen per lowering platform, so one jitted function serves both),
-      ``"reference"`` or ``"pallas"`` (the kernel; interpreted on CPU).
+    backend: ``"auto"`` (per lowering platform, the backend that measured faster there:
+      :func:`auto_backend`; the reference on CUDA today, where it beat the kernel on an H100,
+      and wherever the kernel does not support the shape; one jitted function serves every
+      platform), ``"reference"`` (pure JAX) or ``"pallas"`` (the Pallas Triton kernel;
+      interpreted off GPU; needs :func:`pallas_kernels.triton_available`).
 
   Returns:
     The pruned array, same shape and dtype as ``x``.
 
   Raises:
-    ValueError: naming the offending argument.
+    ValueError: naming the offending argument (``backend="pallas"`` too, where this JAX has
+      no Pallas Triton backend).
 
   Example:
     >>> nm_prune(jnp.array([1., 7., -3., 2.]), 2, 4, "magnitude")
@@ -209,12 +265,16 @@ def nm_prune(
   x = jnp.asarray(x)
   nm_math.validate(x.shape, x.dtype, n, m, method, key)
   _check_backend(backend)
-  return _nm_prune_jit(x, key, n=n, m=m, method=method, backend=backend)
+  return _nm_prune_jit(
+    x, key, n=n, m=m, method=method, backend=backend, auto_pallas=_auto_pallas_platforms()
+  )
 
 
 def _check_backend(backend: str) -> None:
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "pallas":
+    pallas_kernels.check_triton("backend", backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,10 +286,14 @@ class SDGPSettings:
 
   Attributes:
     n, m, method, backend: as in :func:`nm_prune` (keep ``n`` of every ``m`` consecutive
-      entries of the last axis, selected by ``method``).
+      entries of the last axis, selected by ``method``). ``backend="auto"`` (the default)
+      runs, per lowering platform, the backend that measured faster there
+      (:data:`MEASURED_FASTER`: the reference on CUDA today), read when the backward pass is
+      traced.
 
   Raises:
-    ValueError: a bad ``n``, ``m``, ``method`` or ``backend`` (named in the message).
+    ValueError: a bad ``n``, ``m``, ``method`` or ``backend`` (named in the message;
+      ``"pallas"`` where this JAX has no Pallas Triton backend).
 
   Example:
     >>> settings = SDGPSettings(n=2, m=4, method="mvue")
@@ -257,34 +321,101 @@ class SDGPSettings:
     The caller guarantees the rest of :func:`nm_prune`'s contract: a floating ``x`` of at
     least 2 axes whose last axis is divisible by ``m``, and a key when :attr:`uses_key`.
     """
-    return _nm_prune_jit(x, key, n=self.n, m=self.m, method=self.method, backend=self.backend)
+    return _nm_prune_jit(
+      x,
+      key,
+      n=self.n,
+      m=self.m,
+      method=self.method,
+      backend=self.backend,
+      auto_pallas=_auto_pallas_platforms(),
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("n", "m", "method", "backend"))
-def _nm_prune_jit(x, key, *, n, m, method, backend):
+@functools.partial(jax.jit, static_argnames=("n", "m", "method", "backend", "auto_pallas"))
+def _nm_prune_jit(x, key, *, n, m, method, backend, auto_pallas):
+  """``auto_pallas``: the lowering platforms where ``"auto"`` runs the kernel."""
   seeds = None if key is None else nm_math.seeds_from_key(key)
 
   def reference(x_, seeds_):
     uniforms = _uniforms_from_seeds(seeds_, x_.shape, n, m, method)
     return nm_prune_reference(x_, n, m, method, uniforms)
 
-  if backend == "reference":
+  if backend == "reference" or (backend == "auto" and not auto_pallas):
     return reference(x, seeds)
-  # Imported here: pallas_kernels imports this package's shared definitions.
-  try:
-    from pallas_kernels import nm_prune as kernel_module
-  except ImportError:  # a JAX without Pallas Triton: "auto" falls back to the reference
-    if backend == "pallas":
-      raise
-    return reference(x, seeds)
+  # Imported on use, after the probe (_check_backend, auto_backend): the module needs the
+  # Pallas Triton backend, which a future JAX may lack.
+  from pallas_kernels import nm_prune as kernel_module
 
+  def kernel_on(platform):
+    # Compiled Triton when lowered for CUDA; elsewhere the kernel's own default (compiled on
+    # a GPU backend, interpreted otherwise).
+    interpret = False if platform == "cuda" else None
+    return lambda x_, s_: kernel_module.nm_prune_pallas(x_, n, m, method, s_, interpret=interpret)
+
+  # Chosen per lowering platform, so one jitted function serves every platform.
   if backend == "pallas":
-    return kernel_module.nm_prune_pallas(x, n, m, method, seeds)
+    return jax.lax.platform_dependent(x, seeds, cuda=kernel_on("cuda"), default=kernel_on(None))
   if not kernel_module.supports(x.shape, n, m, method):
     return reference(x, seeds)
-  return jax.lax.platform_dependent(
-    x,
-    seeds,
-    cuda=lambda x_, s_: kernel_module.nm_prune_pallas(x_, n, m, method, s_, interpret=False),
-    default=reference,
-  )
+  branches = {platform: kernel_on(platform) for platform in auto_pallas}
+  return jax.lax.platform_dependent(x, seeds, default=reference, **branches)
+
+
+def time_backends(
+  shape,
+  n: int,
+  m: int,
+  method: str,
+  *,
+  dtype=jnp.float32,
+  repeats: int = 10,
+  seed: int = 0,
+) -> dict[str, float]:
+  """Milliseconds of :func:`nm_prune` with each backend on the default device.
+
+  Each is the median of ``repeats`` calls of one jitted ``nm_prune`` after a warm-up call
+  (compilation not counted), on the same normal random gradient. Run it on a GPU at a layer's
+  output-gradient shape to check :data:`MEASURED_FASTER` there; the table itself was filled
+  from whole train steps (the step benchmark), which is what a choice should rest on. Off
+  GPU the kernel runs in the Pallas interpreter, so its time there says nothing about a GPU.
+
+  Args:
+    shape: the gradient's shape (NHWC for a conv), last axis divisible by ``m``.
+    n, m, method: as in :func:`nm_prune`.
+    dtype: the gradient's floating dtype.
+    repeats: timed calls per backend.
+    seed: seed of the gradient and of the random methods' key.
+
+  Returns:
+    ``{"reference": ms, "pallas": ms}``; ``"pallas"`` only where this JAX has the Pallas Triton
+    backend (:func:`pallas_kernels.triton_available`).
+
+  Raises:
+    ValueError: as :func:`nm_prune` (bad ``shape``, ``n``, ``m``, ``method``, ``dtype``), a
+      ``shape`` the kernel does not support, or ``repeats < 1``.
+
+  Example:
+    >>> time_backends((128, 32, 32, 256), 2, 4, "magnitude")  # doctest: +SKIP
+    {'reference': 0.41, 'pallas': 0.52}
+  """
+  shape = tuple(int(d) for d in shape)
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+  dtype = jnp.dtype(dtype)
+  key = jax.random.key(seed)
+  nm_math.validate(shape, dtype, n, m, method, key)
+  x = jax.random.normal(jax.random.fold_in(key, 1), shape).astype(dtype)
+  key = key if method in nm_math.RANDOM_METHODS else None
+  backends = ["reference"]
+  if pallas_kernels.triton_available():
+    from pallas_kernels import nm_prune as kernel_module
+
+    if not kernel_module.supports(shape, n, m, method):
+      raise ValueError(f"shape: {shape} is not supported by the Pallas kernel for {method!r}")
+    backends.append("pallas")
+  times = {}
+  for backend in backends:
+    fn = jax.jit(lambda x, k, b=backend: nm_prune(x, n, m, method, key=k, backend=b))
+    times[backend] = median_call_ms(fn, x, key, repeats=repeats)
+  return times

@@ -6,11 +6,17 @@ import numpy as np
 import pytest
 from jax import lax
 
+import pallas_kernels
 from jaxprune.clicktrain import patterns
 from jaxprune.clicktrain.layout import build_layout, to_dense, to_values, transposed_values
 from jaxprune.clicktrain.pattern_conv import pattern_conv, pattern_conv_values
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
+# The interpreted Pallas kernels need Pallas's Triton backend, which a future JAX may drop.
+_NEEDS_TRITON = pytest.mark.skipif(
+  not pallas_kernels.triton_available(),
+  reason="this JAX has no Pallas Triton backend: the kernels are unavailable (the reference runs)",
+)
 
 
 def _pattern_mask(rng, cin, cout, kernel_keep=0.6, balanced=False):
@@ -166,6 +172,7 @@ def test_pattern_conv_equals_dense_masked_conv(balanced, strides, padding, backe
     (2, "SAME", True),
   ],
 )
+@_NEEDS_TRITON
 def test_pallas_pattern_conv_equals_dense_masked_conv(strides, padding, balanced):
   # The Pallas kernels, interpreted on CPU (slow: tiny 7x6 input, 3 -> 5 channels); the
   # unbalanced masks also have one filter fully pruned.
@@ -209,7 +216,9 @@ def test_pattern_conv_rejects_bad_arguments():
     pattern_conv_values(x, jnp.zeros((2, 3)), layout)
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas", "dense"])
+@pytest.mark.parametrize(
+  "backend", ["reference", pytest.param("pallas", marks=_NEEDS_TRITON), "dense"]
+)
 def test_pattern_conv_non_finite_values(backend):
   # Pruned entries of the kernel are never read (the layout drops them), so a NaN there does
   # not propagate; a NaN input read by a kept weight propagates as in the dense conv.
@@ -251,3 +260,28 @@ def test_reference_data_gradient_without_the_transposed_layout():
   for layout in (full, bare):
     (dx,) = jax.vjp(lambda x: pattern_conv(x, w, layout, backend="reference"), x)[1](cot)
     np.testing.assert_allclose(dx, dx0, rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_triton_backend_auto_runs_the_reference_and_pallas_raises(monkeypatch):
+  # What a JAX that dropped jax.experimental.pallas.triton does: "auto" lowered for CUDA (forced
+  # here) runs the reference, with no Triton call; an explicit "pallas" says why it cannot.
+  monkeypatch.setattr(pallas_kernels, "triton_available", lambda: False)
+  rng = np.random.default_rng(4)
+  mask = _pattern_mask(rng, 4, 8)
+  layout = build_layout(mask)
+  x = jnp.asarray(rng.normal(size=(2, 6, 6, 4)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=mask.shape), jnp.float32)
+
+  def loss(x, w, backend):
+    return jnp.sum(pattern_conv(x, w, layout, backend=backend) ** 2)
+
+  grad = jax.grad(lambda x, w: loss(x, w, "auto"), argnums=(0, 1))
+  text = jax.export.export(jax.jit(grad), platforms=["cuda"])(x, w).mlir_module()
+  assert "__gpu$xla.gpu.triton" not in text
+  reference = jax.grad(lambda x, w: loss(x, w, "reference"), argnums=(0, 1))(x, w)
+  for got, want in zip(grad(x, w), reference):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(
+    ValueError, match=r"^backend='pallas': the Pallas Triton backend .*'reference'"
+  ):
+    pattern_conv(x, w, layout, backend="pallas")

@@ -323,3 +323,31 @@ def test_default_dispatch_measures_and_keeps_dense_where_dense_is_faster(monkeyp
   assert all(c.dense_ms == 1.0 and c.sparse_ms == 5.0 for c in choices)
   assert not pattern_convs(model)
   assert len(calls) == 6  # each layer timed both ways, once
+
+
+def test_default_backend_is_the_reference_without_the_triton_backend(monkeypatch):
+  # The Pallas kernels are the GPU default only while this JAX has Pallas's Triton backend; a
+  # JAX without it gets the reference, and asking for "pallas" says why it cannot.
+  import pallas_kernels
+  from jaxprune.clicktrain import sparse_execution
+  from jaxprune.clicktrain.layout import build_layout
+
+  monkeypatch.setattr(pallas_kernels, "triton_available", lambda: True)
+  assert sparse_execution.default_backend("gpu") == "pallas"
+  assert sparse_execution.default_backend("cpu") == "reference"
+  monkeypatch.setattr(pallas_kernels, "triton_available", lambda: False)
+  assert sparse_execution.default_backend("gpu") == "reference"
+  model = _Net(nnx.Rngs(0))
+  masks = _masks(model)
+  unavailable = r"^backend='pallas': the Pallas Triton backend .* unavailable"
+  with pytest.raises(ValueError, match=unavailable):
+    convert_model(model, masks, threshold=0.0, backend="pallas")
+  with pytest.raises(ValueError, match=unavailable):
+    SparseExecution(backend="pallas")
+  with pytest.raises(ValueError, match=unavailable):
+    layout = build_layout(np.asarray(masks["conv1"]["kernel"]))
+    PatternConv.from_conv(model.conv1, layout, backend="pallas")
+  monkeypatch.setattr(sparse_execution.jax, "default_backend", lambda: "gpu")
+  _, choices = convert_model(model, masks, threshold=0.0)
+  assert [c.backend for c in choices] == ["reference"] * 3
+  assert {m.backend for m in pattern_convs(model).values()} == {"reference"}
