@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels
 from experiments import _tables
 from experiments._machine import machine_description
 from experiments.clicktrain_table1 import kernel_ratio_fn
@@ -58,6 +59,7 @@ from jaxprune import prunetrain as pt
 from jaxprune.clicktrain import masks as clicktrain_masks
 from jaxprune.clicktrain import stage_name
 from jaxprune.clicktrain.sparse_execution import convert_model, default_backend
+from jaxprune.sdgp import auto_backend
 from jaxprune.train.step import Metrics, default_loss, split_model, step_functions
 
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -203,18 +205,23 @@ def clicktrain_variants(
 def sdgp_variants(
   model: nnx.Module, batch, sdgp_methods: Sequence[str]
 ) -> Iterator[tuple[str, _Stepper, dict[str, Any]]]:
-  """SDGP 2:4 with each method and each backend that compiles here (on CPU the Pallas kernel
-  would run interpreted, which times the interpreter)."""
-  backends = ["reference"] + (["pallas"] if jax.default_backend() == "gpu" else [])
+  """SDGP 2:4 with each method and each backend that compiles here: the Pallas kernel only on
+  a GPU whose JAX has the Pallas Triton backend (on CPU it would run interpreted, which times
+  the interpreter). The row of the backend ``backend="auto"`` picks here is marked."""
+  platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+  backends = ["reference"]
+  if jax.default_backend() == "gpu" and pallas_kernels.triton_available():
+    backends.append("pallas")
   run = methods.Run(steps_per_epoch=1, epochs=1)
   for method in sdgp_methods:
     for backend in backends:
       sdgp = methods.get("sdgp", n=2, m=4, method=method, backend=backend)
       converted = sdgp.convert(nnx.clone(model))
+      facts = {"auto": backend == auto_backend(platform)}
       yield (
         f"sdgp 2:4 {method} ({backend})",
         _Stepper(converted, sdgp.make_tx(_inner(), run), batch),
-        {},
+        facts,
       )
 
 
@@ -286,6 +293,8 @@ def _notes(row: dict[str, Any]) -> str:
     notes.append(f"{row['sparse_layers']} layers sparse")
   if "convert_s" in row:
     notes.append(f"conversion {row['convert_s']:.1f} s")
+  if row.get("auto"):
+    notes.append('what `backend="auto"` runs here')
   if "flops" in row:
     notes.append(f"training FLOPs {row['flops']:.2f}× dense")
   if "error" in row:

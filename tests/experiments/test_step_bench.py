@@ -32,6 +32,7 @@ def test_tiny_run_writes_a_table_of_ratios_to_its_own_dense_step(tmp_path):
     dense = next(d for d in rows if d["suite"] == r["suite"] and d["variant"] == "dense")
     assert r["dtype"] == "bf16" and r["ms"] > 0 and r["compile_s"] > 0
     assert r["ratio"] == pytest.approx(r["ms"] / dense["ms"])  # same run's dense step
+  assert rows[1]["auto"]  # backend="auto" runs the reference on CPU
   assert rows[3]["flops"] == 1.0 and 0 < rows[4]["flops"] < 0.5  # half the channels: < 1/2
   saved = json.loads((tmp_path / "step_time_cpu_small.json").read_text())
   assert saved["rows"] == rows
