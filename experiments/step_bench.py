@@ -368,7 +368,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--small",
     action="store_true",
-    help="quarter width, CIFAR batch 16, ImageNet 64×64 batch 4, 5 repeats, G=1, two SDGP "
+    help="quarter width, CIFAR batch 16, ImageNet 64×64 batch 4, 10 repeats, G=1, two SDGP "
     "methods: minutes on a 2-core CPU",
   )
   parser.add_argument("--seed", type=int, default=0)
@@ -378,7 +378,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   defaults = {
     "width": 0.25 if small else 1.0,
     "imagenet_size": 64 if small else 224,
-    "repeats": 5 if small else 20,
+    "repeats": 10 if small else 20,
     "groups": [1] if small else [1, 2],
     "sdgp_methods": ["magnitude", "mvue"] if small else list(_SDGP_METHODS),
     "max_seconds": 840.0 if jax.default_backend() == "cpu" else 270.0,
