@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -32,47 +33,78 @@ class TinyCNN(nnx.Module):
   The stem has ``in_channels`` inputs (SDGP and ClickTrain leave a 1- or 3-channel stem dense);
   the 3x3 conv gets ClickTrain's patterns and kernel pruning, the 1x1 conv kernel pruning only;
   both get SDGP (8 input channels, 8 outputs: a multiple of m = 4).
+
+  ``dtype`` is the compute dtype of the convs and the head (``None``: float32), as in the
+  library's models: parameters stay float32, BatchNorm normalises in float32 (its float32
+  statistics promote the input) and the logits are float32.
   """
 
-  def __init__(self, *, in_channels: int, num_classes: int, rngs: nnx.Rngs):
-    self.stem = nnx.Conv(in_channels, 8, (3, 3), use_bias=False, rngs=rngs)
-    self.conv1 = nnx.Conv(8, 8, (3, 3), use_bias=False, rngs=rngs)
+  def __init__(self, *, in_channels: int, num_classes: int, rngs: nnx.Rngs, dtype=None):
+    self.stem = nnx.Conv(in_channels, 8, (3, 3), use_bias=False, dtype=dtype, rngs=rngs)
+    self.conv1 = nnx.Conv(8, 8, (3, 3), use_bias=False, dtype=dtype, rngs=rngs)
     self.bn = nnx.BatchNorm(8, rngs=rngs)
-    self.conv2 = nnx.Conv(8, 8, (1, 1), use_bias=False, rngs=rngs)
-    self.head = nnx.Linear(8, num_classes, rngs=rngs)
+    self.conv2 = nnx.Conv(8, 8, (1, 1), use_bias=False, dtype=dtype, rngs=rngs)
+    self.head = nnx.Linear(8, num_classes, dtype=dtype, rngs=rngs)
 
   def __call__(self, x):
     x = nnx.relu(self.stem(x))
     x = nnx.relu(self.bn(self.conv1(x)))
     x = nnx.relu(self.conv2(x))
-    return self.head(x.mean((1, 2)))
+    return self.head(x.mean((1, 2))).astype(jnp.float32)  # a no-op in float32
 
 
 @pytest.fixture
 def tiny_cnn():
-  """``build(seed=0, in_channels=1, num_classes=4) -> TinyCNN``."""
+  """``build(seed=0, in_channels=1, num_classes=4, dtype=None) -> TinyCNN``."""
 
-  def build(seed: int = 0, in_channels: int = 1, num_classes: int = 4) -> TinyCNN:
-    return TinyCNN(in_channels=in_channels, num_classes=num_classes, rngs=nnx.Rngs(seed))
+  def build(seed: int = 0, in_channels: int = 1, num_classes: int = 4, dtype=None) -> TinyCNN:
+    return TinyCNN(
+      in_channels=in_channels, num_classes=num_classes, rngs=nnx.Rngs(seed), dtype=dtype
+    )
 
   return build
 
 
 @pytest.fixture
 def tiny_resnet():
-  """``build(seed=0, in_channels=1, num_classes=4) -> models.ResNet``: PruneTrain's ResNet-8
-  (one basic block per stage, 1x1 projections) at half width, stages 8/16/32.
+  """``build(seed=0, in_channels=1, num_classes=4, dtype=None) -> models.ResNet``: PruneTrain's
+  ResNet-8 (one basic block per stage, 1x1 projections) at half width, stages 8/16/32, computing
+  in ``dtype`` (``None``: float32).
 
   Built from a ``jaxprune.models`` spec, so PruneTrain can reconfigure and rebuild it.
   """
 
-  def build(seed: int = 0, in_channels: int = 1, num_classes: int = 4) -> models.ResNet:
+  def build(seed: int = 0, in_channels: int = 1, num_classes: int = 4, dtype=None) -> models.ResNet:
     spec = dataclasses.replace(
       models.prunetrain_resnet_spec(8).scaled(0.5), in_channels=in_channels
     )
-    return models.ResNet(spec, num_classes=num_classes, rngs=nnx.Rngs(seed))
+    return models.ResNet(spec, num_classes=num_classes, rngs=nnx.Rngs(seed), dtype=dtype)
 
   return build
+
+
+def _scale_stream_channel(model: models.ResNet, c, factor: float) -> None:
+  """Scales stage-0 stream channel(s) ``c`` (an index or a slice) of a ResNet with one block in
+  its first two stages where it is written (stem, the block's conv2) and read (the block's
+  conv1, the stage-1 projection and first conv)."""
+  for param, index in [
+    (model.stem.conv.kernel, (..., c)),
+    (model.stages[0][0].conv2.conv.kernel, (..., c)),
+    (model.stages[0][0].conv1.conv.kernel, (slice(None), slice(None), c)),
+    (model.stages[1][0].shortcut.conv.kernel, (slice(None), slice(None), c)),
+    (model.stages[1][0].conv1.conv.kernel, (slice(None), slice(None), c)),
+  ]:
+    array = np.array(param[...])
+    array[index] *= factor
+    param[...] = array
+
+
+@pytest.fixture
+def scale_stream_channel():
+  """``scale(model, c, factor)``: a stage-0 stream channel of a small ResNet (``tiny_resnet``,
+  PruneTrain's ResNet-8) scaled wherever it is written and read; factor 0 makes it dead (what
+  PruneTrain's reconfiguration removes), a small factor weak."""
+  return _scale_stream_channel
 
 
 def digits_like(n: int, *, num_classes: int = 4, size: int = 8, seed: int = 0) -> data.Dataset:

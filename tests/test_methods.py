@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -12,6 +13,12 @@ from flax import nnx
 
 from jaxprune import clicktrain, methods, sdgp, train
 from jaxprune.clicktrain import preset
+from jaxprune.clicktrain.sparse_execution import (
+  AlignedConv,
+  PatternConv,
+  SparseExecution,
+  pattern_convs,
+)
 
 EPOCHS = {"dense": 2, "sdgp": 2, "prunetrain": 2, "clicktrain": 5, "clicktrain-one-shot": 3}
 
@@ -246,3 +253,105 @@ def test_methods_refuse_a_model_without_convs_before_training(name, config, says
     )
     trainer.fit(loader, epochs=2)
   assert trainer is None or trainer.step == 0  # refused at set-up: not one step trained
+
+
+# ----------------------------------------------------------------------------- bfloat16
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+
+# Every method on a model computing in bfloat16, scheduled to reach its steady state within the
+# run. ClickTrain's runs hard-prune, switch the pruned convs to the sparse layers (SparseExecution
+# at threshold 0: every pruned conv converts) and train two more epochs on them: clicktrain and
+# clicktrain+sdgp on the fine-grained PatternConv, clicktrain-one-shot in the aligned mode
+# (AlignedConv, 2 filter groups). PruneTrain's runs start with four dead stream channels (a
+# whole group of SDGP's m = 4, which its reconfiguration keeps widths a multiple of); the group
+# lasso in its proximal form keeps them at exactly zero, the first reconfiguration removes them
+# and the rebuilt model trains on.
+_PRUNETRAIN_BF16 = {**_PRUNETRAIN, "every_epochs": 1, "proximal": True, "penalty_ratio": 0.99}
+TINY_BF16 = {
+  **TINY,
+  "clicktrain-one-shot": {**TINY["clicktrain-one-shot"], "filter_groups": 2},
+  "prunetrain": _PRUNETRAIN_BF16,
+  "prunetrain+sdgp": {**_PRUNETRAIN_BF16, **_SDGP, "method": "rescaled_magnitude"},
+}
+EPOCHS_BF16 = {**EPOCHS, "prunetrain": 3, "clicktrain": 6, "clicktrain-one-shot": 4}
+
+
+def _float_dtypes(tree):
+  return {jnp.dtype(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)}
+
+
+def _sdgp_layers(model):
+  """Convs whose conv function is SDGP's (an SDGPConv, or a sparse layer that kept it)."""
+  return sum(
+    isinstance(getattr(m, "conv_general_dilated", None), sdgp.PrunedDataGradient)
+    for _, m in nnx.iter_modules(model)
+  )
+
+
+def _conv_channels(model):
+  return sum(m.kernel.shape[-1] for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Conv))
+
+
+def test_every_registered_method_has_a_tiny_bf16_config():
+  assert set(TINY_BF16) == set(methods.available())
+
+
+@pytest.mark.parametrize("name", sorted(TINY_BF16))
+def test_method_trains_a_tiny_bf16_model(
+  name, tiny_cnn, tiny_resnet, digits_loader, scale_stream_channel
+):
+  parts = _parts(name)
+  config = TINY_BF16[name]
+  method = methods.get(name, **config)
+  epochs = max(EPOCHS_BF16[p] for p in parts)
+  build = tiny_resnet if "prunetrain" in parts else tiny_cnn
+  model = method.convert(build(dtype=jnp.bfloat16))
+  if "prunetrain" in parts:
+    scale_stream_channel(model, slice(4, 8), 0.0)
+  channels, sdgp_layers = _conv_channels(model), _sdgp_layers(model)
+  loader = digits_loader()
+  run = methods.Run.from_loader(loader, epochs=epochs)
+  callbacks = method.callbacks(run)
+  clicktrains = any(p.startswith("clicktrain") for p in parts)
+  groups = config.get("filter_groups")
+  if clicktrains:
+    callbacks.append(SparseExecution(threshold=0.0, backend="reference", filter_groups=groups))
+  trainer = train.Trainer(
+    model,
+    method.make_tx(train.sgd(0.05, momentum=0.9), run),
+    callbacks=callbacks,
+    progress=False,
+  )
+  history = trainer.fit(loader, epochs=epochs)
+
+  losses = [r["train_loss"] for r in history]
+  assert all(math.isfinite(v) for v in losses)
+  assert losses[-1] < losses[0]
+  assert history[-1]["train_acc"] > 0.5  # 4 classes: chance is 0.25
+  # bf16 compute all along, float32 parameters, statistics and optimizer state.
+  convs = [m for _, m in nnx.iter_modules(trainer.model) if isinstance(m, nnx.Conv)]
+  assert convs and {jnp.dtype(m.dtype) for m in convs} == {BF16}
+  assert _float_dtypes(nnx.state(trainer.model, nnx.Param)) == {F32}
+  assert _float_dtypes(nnx.state(trainer.model, nnx.BatchStat)) == {F32}
+  assert _float_dtypes(trainer.opt_state) == {F32}
+  # SDGP's pruned data gradients stay (also under the sparse layers, which keep its wrapper).
+  assert _sdgp_layers(trainer.model) == sdgp_layers and (sdgp_layers > 0) == ("sdgp" in parts)
+  if clicktrains:
+    # Converted once, at the epoch end where the stage became "pruned"; two epochs after it
+    # trained the sparse layers without the loss rising.
+    assert clicktrain.stage_name(trainer.opt_state) == "pruned"
+    switched = [i for i, r in enumerate(history) if r.get("sparse_layers")]
+    assert len(switched) == 1 and switched[0] <= len(history) - 3
+    sparse = pattern_convs(trainer.model)
+    assert len(sparse) == history[switched[0]]["sparse_layers"] == 2  # conv1 and conv2
+    layer = PatternConv if groups is None else AlignedConv
+    assert all(isinstance(m, layer) and jnp.dtype(m.dtype) == BF16 for m in sparse.values())
+    assert losses[-1] <= losses[switched[0] + 1]
+  if "prunetrain" in parts:
+    # The first reconfiguration removed the dead channels where written (stem, block conv2),
+    # and the smaller model trained on.
+    assert history[0]["pt_reconfigured"] and history[0]["pt_channels_removed"] == 8
+    assert _conv_channels(trainer.model) == channels - 8
+    assert trainer.model.spec.stem_width == 4
+    assert trainer.model.dtype == BF16

@@ -248,8 +248,9 @@ def convert_model(
       pruned conv kernel and ``None`` elsewhere (``jaxprune.clicktrain.masks(opt_state,
       params)``).
     threshold: ``"measure"`` (the default, :func:`default_threshold`): time each layer both
-      ways at its real input shape (forward + both gradients, :func:`time_train_pass`; layers
-      of one geometry and sparsity are timed once) and keep the faster. A number: the
+      ways at its real input shape, in its compute dtype (forward + both gradients,
+      :func:`time_train_pass`; layers of one geometry and sparsity are timed once) and keep
+      the faster. A number: the
       sparsity above which a layer goes sparse; ``"fixed"``: :func:`fixed_threshold` of the
       platform.
     backend: the fine-grained sparse backend; default :func:`default_backend`.
@@ -326,12 +327,16 @@ def convert_model(
       layer = traced[tuple(path) + ("kernel",)]
       strides = tuple(layer.strides)
       pad = tuple(tuple(p) for p in layer.padding)
-      key = (mask.shape, tuple(layer.input_shape), strides, pad, int(mask.sum()), kind)
+      # Timed in the conv's compute dtype (a bfloat16 model's layers run in bfloat16); the
+      # mask is cast to it, or it would promote the dense conv to float32.
+      dtype = jnp.dtype(module.dtype if module.dtype is not None else jnp.float32)
+      key = (mask.shape, tuple(layer.input_shape), strides, pad, int(mask.sum()), kind, dtype)
       if key not in timed:
-        kernel = jnp.asarray(np.random.default_rng(0).normal(size=mask.shape) * mask, jnp.float32)
+        kernel = jnp.asarray(np.random.default_rng(0).normal(size=mask.shape) * mask, dtype)
+        kept = jnp.asarray(mask, dtype)
 
         def dense(x, w):
-          return lax.conv_general_dilated(x, w * mask, strides, pad, dimension_numbers=_NHWC)
+          return lax.conv_general_dilated(x, w * kept, strides, pad, dimension_numbers=_NHWC)
 
         timed[key] = (
           time_train_pass(dense, layer.input_shape, kernel, repeats=repeats),

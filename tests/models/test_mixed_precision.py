@@ -194,6 +194,29 @@ def test_clicktrain_sparse_layers_keep_bf16(filter_groups):
   assert float(jnp.max(jnp.abs(got - want))) <= _FORWARD_RTOL * float(jnp.max(jnp.abs(want)))
 
 
+def test_measured_dispatch_times_the_layers_in_bf16(monkeypatch):
+  """The default dispatch times each layer in its compute dtype: a bf16 model's pruned convs
+  dense and sparse in bf16 (before, a float32 kernel and mask timed float32 convolutions)."""
+  from jaxprune.clicktrain import sparse_execution
+
+  seen = []
+
+  def spy(conv, input_shape, kernel, *, repeats):
+    x = jax.ShapeDtypeStruct(tuple(input_shape), kernel.dtype)
+    seen.append((jnp.dtype(kernel.dtype), jnp.dtype(jax.eval_shape(conv, x, kernel).dtype)))
+    return 2.0 if len(seen) % 2 else 1.0  # dense, then sparse: the sparse layer is faster
+
+  monkeypatch.setattr(sparse_execution, "time_train_pass", spy)
+  model = _create("prunetrain-vgg11", jnp.bfloat16)
+  masks = _shared_pattern_masks(model)
+  _, choices = sparse_convert(
+    model, masks, backend="reference", filter_groups=1, input_shape=(2, 32, 32, 3)
+  )
+  assert seen and set(seen) == {(BF16, BF16)}
+  assert {c.backend for c in choices} == {"aligned"}
+  assert {m.dtype for _, m in nnx.iter_modules(model) if isinstance(m, AlignedConv)} == {BF16}
+
+
 def test_prunetrain_reconfigure_keeps_bf16():
   model = sdgp.convert_model(
     _create("prunetrain-resnet20", jnp.bfloat16, width_multiplier=0.5),

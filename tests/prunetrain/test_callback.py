@@ -117,25 +117,10 @@ def _small_resnet():
   )
 
 
-def _scale_stream_channel(model, c, factor):
-  """Scale stage-0 stream channel ``c`` where it is written (stem, the block's conv2) and
-  read (the block's conv1, the stage-1 projection and first conv)."""
-  for param, index in [
-    (model.stem.conv.kernel, (..., c)),
-    (model.stages[0][0].conv2.conv.kernel, (..., c)),
-    (model.stages[0][0].conv1.conv.kernel, (slice(None), slice(None), c)),
-    (model.stages[1][0].shortcut.conv.kernel, (slice(None), slice(None), c)),
-    (model.stages[1][0].conv1.conv.kernel, (slice(None), slice(None), c)),
-  ]:
-    array = np.array(param[...])
-    array[index] *= factor
-    param[...] = array
-
-
-def test_callback_reconfigures_inside_the_trainer():
+def test_callback_reconfigures_inside_the_trainer(scale_stream_channel):
   loader, model = _loader(0), _small_resnet()
   # Kill one stem channel everywhere it is written and read; LR 0 keeps it dead.
-  _scale_stream_channel(model, 3, 0.0)
+  scale_stream_channel(model, 3, 0.0)
   callback = pt.PruneTrainCallback(
     every_epochs=1, image_shape=(8, 8, 3), granularity=16, max_batch_size=64
   )
@@ -205,10 +190,10 @@ def test_num_devices_bad_value_raises(bad):
     pt.PruneTrainCallback(num_devices=bad)
 
 
-def test_min_flops_saving_skips_small_reconfigurations():
+def test_min_flops_saving_skips_small_reconfigurations(scale_stream_channel):
   def dead_channel_model():  # one dead stream channel: a small FLOP saving
     model = _small_resnet()
-    _scale_stream_channel(model, 3, 0.0)
+    scale_stream_channel(model, 3, 0.0)
     return model
 
   dense_spec = _small_resnet().spec
@@ -252,7 +237,7 @@ def test_callback_refuses_to_reconfigure_a_diverged_model():
   assert trainer.model is model and callback.reports == []
 
 
-def _weak_channel_run(proximal):
+def _weak_channel_run(proximal, scale_stream_channel):
   """Two epochs of PruneTrain on a small ResNet whose stage-0 stream channel 3 starts weak.
 
   The channel's writer and reader groups are scaled to 2% (norm ~0.03, the others ~1);
@@ -260,7 +245,7 @@ def _weak_channel_run(proximal):
   zeroes the weak channel in the first steps while the others only shrink.
   """
   loader, model = _loader(1), _small_resnet()
-  _scale_stream_channel(model, 3, 0.02)
+  scale_stream_channel(model, 3, 0.02)
   # threshold 1e-30: only groups at exactly zero count as dead
   callback = pt.PruneTrainCallback(
     every_epochs=1, threshold=1e-30, image_shape=(8, 8, 3), dynamic_batch=False
@@ -271,14 +256,14 @@ def _weak_channel_run(proximal):
   return sum(r.get("pt_channels_removed", 0) for r in history), trainer
 
 
-def test_proximal_group_lasso_reaches_exact_zeros_in_training():
-  removed, trainer = _weak_channel_run(proximal=True)
+def test_proximal_group_lasso_reaches_exact_zeros_in_training(scale_stream_channel):
+  removed, trainer = _weak_channel_run(True, scale_stream_channel)
   assert removed == 2  # the weak stream channel, in its two writers (stem, block conv2)
   assert trainer.model.spec.stem_width == 7 and trainer.model.spec.stages[0].width == 7
   assert trainer.model.spec.stages[1:] == _small_resnet().spec.stages[1:]
   assert np.isfinite(trainer.history[-1]["train_loss"])
   # The paper's subgradient form, same λ and steps: the groups get small, never zero.
-  removed_subgradient, _ = _weak_channel_run(proximal=False)
+  removed_subgradient, _ = _weak_channel_run(False, scale_stream_channel)
   assert removed_subgradient == 0
 
 
