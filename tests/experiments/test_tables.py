@@ -340,7 +340,7 @@ _SCHEME = {
   "clicktrain": (
     ["table1", "table1-aligned"],
     [*clicktrain_table1.PAPER, *clicktrain_table1.EXTRA_ROWS],
-    ["dense", "clicktrain", r"aligned-g\d+"],
+    ["dense", "clicktrain", r"aligned-g\d+c?"],
   ),
   "prunetrain": (["table1"], prunetrain_table1.ROWS, ["dense", "prunetrain"]),
   "sdgp": (
