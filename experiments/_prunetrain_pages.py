@@ -14,17 +14,29 @@ from experiments import _tables
 from experiments._machine import machine_description
 
 
-def table_page(folder: Path, budget_name: str, command: str, rows: Sequence[str]) -> Path:
+def table_page(
+  folder: Path, budget_name: str, command: str, rows: Sequence[str], dtype: str = "fp32"
+) -> Path:
   """``table1_<budget>.md``: every row of ``rows`` of this budget in ``folder`` beside the
   paper's Table 1 (the rows' JSON files are the source, so rows run separately share one page,
-  which names each row's command; ``command`` for a row saved without one)."""
+  which names each row's command; ``command`` for a row saved without one). Rows trained at
+  another ``dtype`` than fp32 have their own files and page (``table1_<budget>_bf16.md``)."""
   budget = _tables.as_saved(_tables.get_budget("prunetrain_table1", budget_name))
+  tag = f"{budget_name}{_tables.dtype_suffix(dtype)}"
   table_rows, logs, shown = [], {}, []
   for row in rows:
-    path = folder / f"table1_{budget_name}_{row}.json"
+    path = folder / f"table1_{tag}_{row}.json"
     if not path.exists():
       continue
     saved = json.loads(path.read_text())
+    if saved["args"].get("dtype", "fp32") != dtype:  # saved before --dtype existed: fp32
+      warnings.warn(
+        f"{path.name}: trained at dtype {saved['args'].get('dtype', 'fp32')}, not {dtype}; "
+        "left off the table page",
+        RuntimeWarning,
+        stacklevel=2,
+      )
+      continue
     ran_with = {key: saved["args"].get(key) for key in budget}
     if ran_with != budget:
       # A row run before the budget changed would not compare with the others.
@@ -80,9 +92,10 @@ def table_page(folder: Path, budget_name: str, command: str, rows: Sequence[str]
         "Each row links its page: per-epoch test accuracy, batch size, inference FLOPs, params "
         "and channels removed, and the channels / FLOPs-over-training plot."
       ),
+      *_tables.dtype_notes(dtype),
     ],
   )
-  out = folder / f"table1_{budget_name}.md"
+  out = folder / f"table1_{tag}.md"
   out.write_text(page)
   return out
 
@@ -203,6 +216,7 @@ def row_page(
       else ""
     )
     + ".",
+    *(f"- {note}" for note in _tables.dtype_notes(args)),
   ]
   if args.budget != "paper":
     lines.append(

@@ -11,7 +11,8 @@ Runs write to ``runs/<paper>/`` (git-ignored) unless ``--publish`` is given, whi
 ``experiments/results/<paper>/``, the pages the repository links. Names follow one scheme:
 pages ``<table>_<budget>[_<row>].md`` (JSON beside them), per-epoch logs
 ``logs/<table>_<budget>_<row>_<method>.jsonl``, and runs that are not rows of a table (probes)
-under ``probes/`` (:func:`probes_dir`).
+under ``probes/`` (:func:`probes_dir`). A run with ``--dtype`` other than fp32
+(:func:`add_dtype_argument`) marks its budget: ``table1_cpu_bf16_vgg11_dense.json``.
 
     parser = argparse.ArgumentParser()
     add_table_arguments(parser, "sdgp_table1")
@@ -288,6 +289,78 @@ def start_or_resume(trainer: Any, train_loader: Any, resume: bool) -> bool:
   else:
     print(f"--resume: no checkpoint in {where}; starting afresh", flush=True)
   return restored
+
+
+# ``--dtype``: the compute dtype of the models a command trains (``models.create(dtype=...)``);
+# parameters, BatchNorm statistics, optimizer state and logits stay float32 whatever it is.
+DTYPES: Mapping[str, str] = MappingProxyType({"fp32": "float32", "bf16": "bfloat16"})
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+  """``--dtype {fp32,bf16}`` (default fp32, as every published run): the models' compute dtype.
+
+  A run at another dtype than fp32 keeps its results apart (:func:`dtype_suffix` in its file
+  names, :func:`dtype_config` in the configuration a resume is checked against), so it never
+  replaces an fp32 result.
+  """
+  parser.add_argument(
+    "--dtype",
+    choices=list(DTYPES),
+    default="fp32",
+    help="compute dtype of the models (parameters, BatchNorm statistics and optimizer state "
+    "stay float32); a bf16 run's files carry _bf16 in their names",
+  )
+
+
+def _dtype_name(args: Any) -> str:
+  """``args.dtype`` (a namespace without one: ``"fp32"``) or the name itself, checked."""
+  name = args if isinstance(args, str) else getattr(args, "dtype", "fp32")
+  if name not in DTYPES:
+    raise ValueError(f"dtype: unknown {name!r}; choose from {list(DTYPES)}")
+  return name
+
+
+def compute_dtype(args: Any) -> Any:
+  """The ``dtype`` for ``models.create`` of a run with ``args.dtype`` (or a name of
+  :data:`DTYPES`): ``None`` for fp32 (the models' float32 default: the same model as before
+  the flag), else the ``jnp.dtype``.
+
+  Raises:
+    ValueError: a name that is not a key of :data:`DTYPES`.
+  """
+  name = _dtype_name(args)
+  if name == "fp32":
+    return None
+  import jax.numpy as jnp  # here: this module stays importable before JAX is set up
+
+  return jnp.dtype(DTYPES[name])
+
+
+def dtype_suffix(args: Any) -> str:
+  """``""`` for fp32 (the published names stay), ``"_<dtype>"`` (``"_bf16"``) otherwise: the
+  marker in a run's file stems and page names."""
+  name = _dtype_name(args)
+  return "" if name == "fp32" else f"_{name}"
+
+
+def dtype_config(args: Any) -> dict[str, str]:
+  """The dtype entry of a run's saved configuration: ``{}`` for fp32 (configurations written
+  before the flag, whose checkpoints still resume, are fp32 runs), ``{"dtype": "bf16"}``
+  otherwise, so a resume or a reuse across dtypes is refused."""
+  name = _dtype_name(args)
+  return {} if name == "fp32" else {"dtype": name}
+
+
+def dtype_notes(args: Any) -> list[str]:
+  """The line a results page adds for a run at another dtype than fp32 (none for fp32)."""
+  name = _dtype_name(args)
+  if name == "fp32":
+    return []
+  note = (
+    f"Compute dtype: {name} ({DTYPES[name]} activations and convolutions; parameters, "
+    "BatchNorm statistics, optimizer state and logits float32)."
+  )
+  return [note]
 
 
 def add_table_arguments(parser: argparse.ArgumentParser, table: str) -> None:

@@ -15,7 +15,9 @@ VGG-11 35-85%; a library pattern per kept (group, channel)):
   kept channels already contiguous (no channel gather: the gather's cost), and with
   ``--fine`` the fine-grained conv;
 * the whole train step (forward, backward, SGD with the masks kept) of both CIFAR models with
-  every pruned conv dense-masked, aligned at each ``G``, and (``--fine``) fine-grained.
+  every pruned conv dense-masked, aligned at each ``G``, and (``--fine``) fine-grained, with the
+  model computing in each of ``--dtypes`` (parameters float32; every dtype's rows use the same
+  masks and batch).
 
 Times are medians of ``--repeats`` jitted calls after a warm-up, ``block_until_ready`` after
 each; every ratio compares two functions timed in the same run. Rows are printed and saved
@@ -64,7 +66,6 @@ from jaxprune.paths import path_string
 from jaxprune.train.step import Metrics, split_model, step_functions
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
-_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 # The 3x3 convs of an ImageNet ResNet-50's four stages: (H, C), stride 1, batch 64.
 _RESNET50_3X3 = ((56, 64), (28, 128), (14, 256), (7, 512))
 
@@ -137,7 +138,7 @@ def _layers(args) -> list[dict[str, Any]]:
 def bench_layer(spec: dict[str, Any], dtype: str, args, rng) -> dict[str, Any]:
   """One layer, one dtype: ms of forward + both gradients per variant."""
   kshape, strides, padding = spec["kernel"], spec["strides"], spec["padding"]
-  w = jnp.asarray(rng.normal(size=kshape) * 0.1, _DTYPES[dtype])
+  w = jnp.asarray(rng.normal(size=kshape) * 0.1, _tables.DTYPES[dtype])
 
   def timed(conv):  # forward + both gradients, jitted, at the layer's input shape
     return time_train_pass(conv, spec["input"], w, repeats=args.repeats)
@@ -189,11 +190,16 @@ def _model_masks(model: nnx.Module, name: str, groups: int, rng, *, fine: bool =
   return jax.tree_util.tree_map_with_path(leaf_mask, nnx.as_pure(params))
 
 
-def bench_step(name: str, variant: str, args, rng) -> tuple[float, float]:
-  """ms per train step of ``clicktrain-<name>`` with its pruned convs run as ``variant``, and
-  the compression of the pruned layers (their weights / kept weights)."""
+def bench_step(name: str, variant: str, args, rng, dtype: str = "fp32") -> tuple[float, float]:
+  """ms per train step of ``clicktrain-<name>`` computing in ``dtype`` (a key of
+  ``_tables.DTYPES``) with its pruned convs run as ``variant``, and the compression of the
+  pruned layers (their weights / kept weights)."""
   model = models.create(
-    f"clicktrain-{name}", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width
+    f"clicktrain-{name}",
+    num_classes=10,
+    rngs=nnx.Rngs(0),
+    width_multiplier=args.width,
+    dtype=_tables.compute_dtype(dtype),
   )
   fine = variant.startswith("fine")
   groups = int(variant.split("=")[1]) if "G=" in variant else 1
@@ -238,13 +244,17 @@ def to_markdown(result: dict[str, Any]) -> str:
     "in the same run (below 1: faster than dense).",
     "",
   ]
-  if result["steps"]:
-    lines += ["## Whole train step (forward, backward, SGD), fp32", ""]
+  # Rows saved before the step rows had a dtype were fp32.
+  step_dtypes = dict.fromkeys(r.get("dtype", "fp32") for r in result["steps"])
+  for dtype in step_dtypes:
+    lines += [f"## Whole train step (forward, backward, SGD), {dtype}", ""]
     lines += [
       "| model | variant | pruned layers' compression | ms / step | vs dense |",
       "|---|---|---:|---:|---:|",
     ]
     for r in result["steps"]:
+      if r.get("dtype", "fp32") != dtype:
+        continue
       lines.append(
         f"| {r['model']} | {r['variant']} | {r['compression']:.1f}× | {r['ms']:.2f} | "
         f"{r['ms'] / r['dense_ms']:.2f}× |"
@@ -276,7 +286,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="aligned_bench", description=__doc__.split("\n")[0])
   parser.add_argument("--models", nargs="+", default=["vgg11", "resnet32"])
   parser.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4])
-  parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(_DTYPES))
+  parser.add_argument(
+    "--dtypes",
+    nargs="+",
+    default=["fp32", "bf16"],
+    choices=list(_tables.DTYPES),
+    help="compute dtypes of the per-layer and whole-step rows",
+  )
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--imagenet-batch", type=int, default=64)
   parser.add_argument("--width", type=float, default=1.0)
@@ -320,25 +336,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     (out / f"aligned_bench{suffix}.md").write_text(to_markdown(result))
 
   if "steps" not in args.skip:
-    for name in args.models:
-      variants = ["dense"] + [f"aligned G={g}" for g in args.groups]
-      variants += [f"measured G={g}" for g in args.measured]
-      variants += ["fine-grained"] if args.fine else []
-      dense_ms = None
-      for variant in variants:
-        ms, compression = bench_step(name, variant, args, rng)
-        dense_ms = ms if variant == "dense" else dense_ms
-        result["steps"].append(
-          {
-            "model": f"clicktrain-{name}",
-            "variant": variant,
-            "compression": compression,
-            "ms": ms,
-            "dense_ms": dense_ms,
-          }
-        )
-        print(f"step {name} {variant}: {ms:.2f} ms ({ms / dense_ms:.2f}x)", flush=True)
-        save()
+    for i, dtype in enumerate(args.dtypes):
+      # The first dtype draws from the run's generator (as the fp32-only step rows did, so the
+      # layer rows after them draw what they drew); each other dtype replays the same draws from
+      # a fresh one: the same masks and batch in every dtype.
+      step_rng = rng if i == 0 else np.random.default_rng(args.seed)
+      for name in args.models:
+        variants = ["dense"] + [f"aligned G={g}" for g in args.groups]
+        variants += [f"measured G={g}" for g in args.measured]
+        variants += ["fine-grained"] if args.fine else []
+        dense_ms = None
+        for variant in variants:
+          ms, compression = bench_step(name, variant, args, step_rng, dtype)
+          dense_ms = ms if variant == "dense" else dense_ms
+          result["steps"].append(
+            {
+              "model": f"clicktrain-{name}",
+              "variant": variant,
+              "dtype": dtype,
+              "compression": compression,
+              "ms": ms,
+              "dense_ms": dense_ms,
+            }
+          )
+          print(f"step {name} {variant} {dtype}: {ms:.2f} ms ({ms / dense_ms:.2f}x)", flush=True)
+          save()
   if "layers" not in args.skip:
     for dtype in args.dtypes:
       for spec in _layers(args)[: args.layers]:

@@ -25,7 +25,9 @@ Each row writes ``table1_<budget>_<row>_<method>.json``, its epoch log (``logs/`
 of the final pattern pool (usage counts) and per-layer sparsity; the table page
 ``table1_<budget>.md`` gathers every row of the budget present in the folder beside the
 paper's Table 1. All go to ``runs/clicktrain/``, or ``experiments/results/clicktrain/`` with
-``--publish``.
+``--publish``. ``--dtype bf16`` trains the models in bfloat16 (parameters float32); its files
+are named with the budget ``<budget>_bf16`` (``table1_cpu_bf16_vgg11_dense.json``, page
+``table1_cpu_bf16.md``), so they never replace the fp32 rows.
 
 A row too long for one sitting runs in parts: every run checkpoints after each epoch
 (``runs/checkpoints/``), and the same command with ``--resume`` continues it exactly.
@@ -118,6 +120,7 @@ def _parse(argv):
     "aligned-g<G>c)",
   )
   _tables.add_resume_argument(p)
+  _tables.add_dtype_argument(p)
   a = p.parse_args(argv)
   if a.filter_grouping != "consecutive" and a.filter_groups is None:
     p.error("--filter-grouping needs --filter-groups")
@@ -168,6 +171,12 @@ def _method(args, row: str) -> methods.Method:
   )
 
 
+def _tag(budget: str, dtype: str = "fp32") -> str:
+  """The budget part of a run's file names: ``budget``, with the dtype's marker when it is not
+  fp32 (``cpu_bf16``): a bf16 run's rows and pages stand apart from the fp32 ones."""
+  return f"{budget}{_tables.dtype_suffix(dtype)}"
+
+
 def _pruned_at(run: dict[str, Any]) -> int | None:
   """The epoch after which a saved run's stage first read ``pruned`` (its hard prune)."""
   return next((r["epoch"] for r in run.get("history", ()) if r.get("stage") == "pruned"), None)
@@ -180,7 +189,7 @@ def _run(
   if prune and args.filter_groups is not None:
     clustered = args.filter_grouping == "clustered"
     label = f"aligned-g{args.filter_groups}{'c' if clustered else ''}"
-  stem = f"table1_{args.budget}_{row}_{label}"
+  stem = f"table1_{_tag(args.budget, args.dtype)}_{row}_{label}"
   loader = data.Loader(
     train_set, args.batch_size, shuffle=True, seed=args.seed, augment="clicktrain", drop_last=True
   )
@@ -198,6 +207,7 @@ def _run(
     num_classes=10,
     rngs=nnx.Rngs(args.seed),
     width_multiplier=_tables.row_width(args.width, row),
+    dtype=_tables.compute_dtype(args),
     **overrides,
   )
   if prune:
@@ -226,7 +236,14 @@ def _run(
     progress=False,
     checkpoint_dir=checkpoints,
     # A resume under other settings is refused, not mixed in.
-    run_config={"row": row, "method": label, "mode": args.mode, "seed": args.seed, **budget},
+    run_config={
+      "row": row,
+      "method": label,
+      "mode": args.mode,
+      "seed": args.seed,
+      **budget,
+      **_tables.dtype_config(args),
+    },
   )
   _tables.start_or_resume(trainer, loader, args.resume)
   if prune and args.mode == "one_shot":
@@ -246,6 +263,7 @@ def _run(
   result = {
     "row": row,
     "method": label,
+    **_tables.dtype_config(args),
     "test_acc": history[-1]["test_acc"],
     "compression": flops.compression_ratio(trainer.params),
     "wall_time_s": history[-1]["wall_time_s"],
@@ -391,13 +409,14 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
         if args.budget != "paper"
         else []
       ),
+      *_tables.dtype_notes(args),
     ],
   )
   lines = [page]
   for row, res in results.items():
     clk = res.get("clicktrain")
     if clk:
-      stem = f"table1_{args.budget}_{row}_clicktrain"
+      stem = f"table1_{_tag(args.budget, args.dtype)}_{row}_clicktrain"
       lines += [
         f"## {row}: pattern pool and per-layer sparsity",
         "",
@@ -432,14 +451,16 @@ def _epoch_s(run: dict[str, Any], pruned_at: int | None, after: bool) -> float |
   return sum(times) / len(times) if times else None
 
 
-def aligned_markdown(folder: Path, budget: str) -> str:
+def aligned_markdown(folder: Path, budget: str, dtype: str = "fp32") -> str:
   """The aligned mode's page (beyond the paper): every row with aligned runs beside its dense and
-  fine-grained ClickTrain runs of the same budget and seed."""
-  lines = [
-    f"# ClickTrain's aligned mode at the `{budget}` budget (beyond the paper)",
-    "",
+  fine-grained ClickTrain runs of the same budget, seed and ``dtype``."""
+  tag = _tag(budget, dtype)
+  lines = [f"# ClickTrain's aligned mode at the `{budget}` budget (beyond the paper)", ""]
+  if notes := _tables.dtype_notes(dtype):
+    lines += [*notes, ""]
+  lines += [
     (
-      f"Each row's runs share the budget and seed of Table 1's rows (`table1_{budget}.md`); "
+      f"Each row's runs share the budget and seed of Table 1's rows (`table1_{tag}.md`); "
       "`aligned-gG` is `clicktrain(..., filter_groups=G)` with the pruned convs switched to the "
       "aligned layers after the hard prune (`SparseExecution`, each layer kept where it measures "
       "faster); `aligned-gGc` the same with `filter_grouping=\"clustered\"` (groups of filters "
@@ -461,8 +482,8 @@ def aligned_markdown(folder: Path, budget: str) -> str:
   commands = []
   for row in (*PAPER, *EXTRA_ROWS):
     runs = {
-      p.stem.split(f"table1_{budget}_{row}_", 1)[1]: json.loads(p.read_text())
-      for p in sorted(folder.glob(f"table1_{budget}_{row}_*.json"))
+      p.stem.split(f"table1_{tag}_{row}_", 1)[1]: json.loads(p.read_text())
+      for p in sorted(folder.glob(f"table1_{tag}_{row}_*.json"))
     }
     if not any(m.startswith("aligned") for m in runs) or "dense" not in runs:
       continue
@@ -494,12 +515,13 @@ def aligned_markdown(folder: Path, budget: str) -> str:
   return "\n".join([*lines, "", "Commands:", "", *commands]) + "\n"
 
 
-def _saved_rows(folder: Path, budget: str) -> dict[str, dict[str, Any]]:
-  """Every row of ``budget`` whose JSON is in ``folder`` (rows run separately share a page)."""
+def _saved_rows(folder: Path, budget: str, dtype: str = "fp32") -> dict[str, dict[str, Any]]:
+  """Every row of ``budget`` at ``dtype`` whose JSON is in ``folder`` (rows run separately
+  share a page)."""
   results: dict[str, dict[str, Any]] = {}
   for row in (*PAPER, *EXTRA_ROWS):
     for method in ("dense", "clicktrain"):
-      path = folder / f"table1_{budget}_{row}_{method}.json"
+      path = folder / f"table1_{_tag(budget, dtype)}_{row}_{method}.json"
       if path.exists():
         results.setdefault(row, {})[method] = json.loads(path.read_text())
   return results
@@ -519,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
     args.test_subset, args.seed + 1
   )
-  out = folder / f"table1_{args.budget}.md"
+  tag = _tag(args.budget, args.dtype)
+  out = folder / f"table1_{tag}.md"
   results: dict[str, dict[str, Any]] = {}
   for row in rows:
     results[row] = {}
@@ -527,10 +550,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       res = _run(args, row, prune, train_set, test_set, folder, command)
       results[row]["clicktrain" if prune else "dense"] = res
       if args.filter_groups is None:
-        out.write_text(_markdown(args, _saved_rows(folder, args.budget), command))
+        out.write_text(_markdown(args, _saved_rows(folder, args.budget, args.dtype), command))
       else:  # the aligned runs have their own page
-        page = aligned_markdown(folder, args.budget)
-        (folder / f"table1-aligned_{args.budget}.md").write_text(page)
+        page = aligned_markdown(folder, args.budget, args.dtype)
+        (folder / f"table1-aligned_{tag}.md").write_text(page)
       print(
         f"{row} {res['method']}: acc {100 * res['test_acc']:.2f}% "
         f"compression {res['compression']:.2f}x",

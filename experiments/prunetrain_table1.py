@@ -28,10 +28,12 @@ and the plot ``table1_<budget>_<row>_over_training.png``) and its runs' epoch lo
 (``logs/table1_<budget>_<row>_<method>.jsonl``); the table page ``table1_<budget>.md``
 gathers every row present in the folder beside the paper's Table 1.  All go to
 ``runs/prunetrain/``, or to ``experiments/results/prunetrain/`` with ``--publish``; a probe
-(``--name-suffix``) to ``probes/`` there.  A row too long for one sitting runs
-in parts: each run checkpoints after every epoch (``runs/checkpoints/``) and the same command
-with ``--resume`` continues it exactly (a row whose dense run is already saved goes on with
-``--skip-dense --reuse-dense --resume``).
+(``--name-suffix``) to ``probes/`` there.  ``--dtype bf16`` trains the models in bfloat16
+(parameters float32) and names its files with the budget ``<budget>_bf16``
+(``table1_cpu_bf16_resnet32.json``, page ``table1_cpu_bf16.md``), apart from the fp32 rows.
+A row too long for one sitting runs in parts: each run checkpoints after every epoch
+(``runs/checkpoints/``) and the same command with ``--resume`` continues it exactly (a row
+whose dense run is already saved goes on with ``--skip-dense --reuse-dense --resume``).
 
 ``--proximal`` applies the group lasso as a proximal step (``with_group_lasso(...,
 proximal=True)``: groups reach exact zero, so the paper's 1e-4 threshold applies);
@@ -109,6 +111,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="prunetrain_table1", description=__doc__.splitlines()[0])
   _tables.add_table_arguments(parser, "prunetrain_table1")
   _tables.add_resume_argument(parser)
+  _tables.add_dtype_argument(parser)
   parser.add_argument(
     "--rows",
     default="resnet32",
@@ -199,7 +202,8 @@ def _reused_dense_run(
   """The dense run of ``--reuse-dense``'s JSON (None without the flag).
 
   Raises:
-    ValueError: that JSON was run with other dense settings (:data:`_DENSE_SETTINGS`).
+    ValueError: that JSON was run with other dense settings (:data:`_DENSE_SETTINGS`) or
+      another ``--dtype``.
   """
   if args.reuse_dense is None:
     return None
@@ -212,6 +216,9 @@ def _reused_dense_run(
     ).with_suffix(".json")
   earlier = json.loads(previous.read_text())
   different = [k for k in _DENSE_SETTINGS if earlier["args"].get(k) != getattr(args, k)]
+  # A run saved before --dtype existed trained in fp32.
+  if earlier["args"].get("dtype", "fp32") != args.dtype:
+    different.append("dtype")
   if different:
     raise ValueError(f"--reuse-dense: {previous} was run with other {', '.join(different)}")
   return earlier["runs"]["dense"]
@@ -294,6 +301,7 @@ def _build(
     num_classes=train_set.num_classes,
     rngs=nnx.Rngs(args.seed),
     width_multiplier=args.width,
+    dtype=_tables.compute_dtype(args),
   )
   image_shape = tuple(train_set.images.shape[1:])
   config = {}
@@ -328,6 +336,7 @@ def _build(
       "method": method,
       **{k: getattr(args, k) for k in _DENSE_SETTINGS},
       **config,
+      **_tables.dtype_config(args),
     },
   )
   built = _Run(method, trainer, train_loader, test_loader, callback, dense_costs, image_shape)
@@ -422,18 +431,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   out = {}
   for row in args.rows:
     args.model = f"prunetrain-{row}"
-    out[row] = _run_row(
-      args, f"table1_{args.budget}_{row}{args.name_suffix}", folder, command, train_set, test_set
-    )
+    name = f"table1_{args.budget}{_tables.dtype_suffix(args)}_{row}{args.name_suffix}"
+    out[row] = _run_row(args, name, folder, command, train_set, test_set)
     if not args.name_suffix:  # a probe (named by its suffix) is not a row of the table
-      write_table_page(folder, args.budget, command)
+      write_table_page(folder, args.budget, command, args.dtype)
   return out
 
 
-def write_table_page(folder: Path, budget_name: str, command: str) -> Path:
-  """``table1_<budget>.md`` in ``folder``: every row of :data:`ROWS` saved there under the
-  budget, beside the paper's Table 1 (:func:`experiments._prunetrain_pages.table_page`)."""
-  return _prunetrain_pages.table_page(folder, budget_name, command, ROWS)
+def write_table_page(folder: Path, budget_name: str, command: str, dtype: str = "fp32") -> Path:
+  """``table1_<budget>.md`` in ``folder`` (``table1_<budget>_bf16.md`` for ``dtype`` bf16):
+  every row of :data:`ROWS` saved there under the budget and dtype, beside the paper's Table 1
+  (:func:`experiments._prunetrain_pages.table_page`)."""
+  return _prunetrain_pages.table_page(folder, budget_name, command, ROWS, dtype)
 
 
 def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]:

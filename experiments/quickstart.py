@@ -10,7 +10,8 @@ baseline:
 
 It writes the table to ``runs/quickstart.md`` (with the command, date and machine; JSON beside
 it), or to ``experiments/results/quickstart.md``, the page the README quotes, with
-``--publish``.
+``--publish``. ``--dtype bf16`` trains the models in bfloat16 (parameters float32) and writes
+``quickstart_bf16.md`` instead.
 
 Floating-point summation order differs between machines (and XLA builds), so the same command
 moves every number a little elsewhere; ``--seeds 0,1,2`` trains each row once per seed (data
@@ -121,14 +122,16 @@ METHODS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
 DEFAULT_METHODS = ("dense", "sdgp rescaled 2:4", "sdgp mvue 2:4", "prunetrain", "clicktrain")
 
 
-def build_model(num_classes: int, seed: int) -> nnx.Module:
-  """PruneTrain's ResNet-20 at half width (8-16-32 channels) for 8x8 grey images."""
+def build_model(num_classes: int, seed: int, dtype: Any = None) -> nnx.Module:
+  """PruneTrain's ResNet-20 at half width (8-16-32 channels) for 8x8 grey images, computing in
+  ``dtype`` (``None``: float32)."""
   return models.create(
     "prunetrain-resnet20",
     num_classes=num_classes,
     rngs=nnx.Rngs(seed),
     width_multiplier=0.5,
     in_channels=1,
+    dtype=dtype,
   )
 
 
@@ -151,7 +154,7 @@ def run_method(name: str, args: argparse.Namespace) -> dict[str, Any]:
   )
   test_loader = data.Loader(test_set, 256, shuffle=False, drop_last=False)
   run = methods.Run.from_loader(train_loader, epochs=args.epochs)
-  model = build_model(train_set.num_classes, args.seed)
+  model = build_model(train_set.num_classes, args.seed, _tables.compute_dtype(args))
   dense_total, _ = _conv_weights(model)
   model = method.convert(model)
   inner = dense_tx(args.lr, args.weight_decay, run.steps_per_epoch, run.epochs)
@@ -179,6 +182,7 @@ def run_method(name: str, args: argparse.Namespace) -> dict[str, Any]:
     "train_time_s": train_time,
     "epochs": args.epochs,
     "seed": args.seed,
+    **_tables.dtype_config(args),
   }
 
 
@@ -242,6 +246,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     help=f"comma-separated subset of: {', '.join(METHODS)}",
   )
   _tables.add_output_arguments(parser, "quickstart.md")
+  _tables.add_dtype_argument(parser)
   parser.add_argument("--progress", action="store_true", help="show per-epoch progress bars")
   args = parser.parse_args(argv)
   if args.epochs < 1:
@@ -272,8 +277,9 @@ def write_page(
   folder: Path, rows: Sequence[dict[str, Any]], command: str, args: argparse.Namespace
 ) -> Path:
   """Writes ``quickstart.md`` (the table, the command, date and machine) and
-  ``quickstart.json`` to ``folder``; returns the page's path."""
-  page = folder / "quickstart.md"
+  ``quickstart.json`` to ``folder`` (``quickstart_bf16.*`` for ``--dtype bf16``); returns the
+  page's path."""
+  page = folder / f"quickstart{_tables.dtype_suffix(args)}.md"
   lines = [
     "# Quickstart: the methods on scikit-learn's digits",
     "",
@@ -285,6 +291,7 @@ def write_page(
       f"batch {args.batch_size}, SGD momentum 0.9, triangular lr peak {args.lr}, weight decay "
       f"{args.weight_decay}, {_seed_words(args.seed_list)}; the same for every row."
     ),
+    *(f"- {note}" for note in _tables.dtype_notes(args)),
     "",
     format_table(rows),
     "",

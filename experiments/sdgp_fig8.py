@@ -18,6 +18,10 @@ Two cells are Table I rows: the dense reference and the 2:4 cell of the Table I 
 ``table1_<budget>.json`` in the same folder was written under the same budget, those rows are
 taken from it instead of being trained again (same budget, seed and code: the same run; the
 page says which cells came from Table I); ``--no-table1`` trains them here.
+
+``--dtype bf16`` trains in bfloat16 (parameters float32), writes ``fig8_<budget>_bf16.*`` and
+takes cells from ``table1_<budget>_bf16.json`` only: results of one dtype never mix with or
+replace the other's.
 """
 
 from __future__ import annotations
@@ -91,16 +95,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   budget = sdgp_table1.resolve_budget("sdgp_fig8", args)
-  name = args.name or f"fig8_{args.budget}"
+  suffix = _tables.dtype_suffix(args)
+  name = args.name or f"fig8_{args.budget}{suffix}"
   command = _tables.command_line("sdgp_fig8", argv)
   folder = _tables.output_dir("sdgp", args.publish, args.out)
   train_set, test_set = sdgp_table1.load_data(args, budget)
   cells = [("dense", 1, 1)] if not args.no_dense else []
   cells += [(args.method, n, m) for n, m in args.settings]
-  results = _previous_cells(folder / name, budget, args.method) if args.resume else []
+  results = _previous_cells(folder / name, budget, args.method, args.dtype) if args.resume else []
   done = {(r["method"], r["n"], r["m"]) for r in results}
   if not args.no_table1:
-    for cell in table1_cells(folder / f"table1_{args.budget}", budget, cells):
+    for cell in table1_cells(folder / f"table1_{args.budget}{suffix}", budget, cells, args.dtype):
       if (cell["method"], cell["n"], cell["m"]) not in done:
         results.append(cell)
         done.add((cell["method"], cell["n"], cell["m"]))
@@ -127,19 +132,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       args.method,
       results,
       planned,
+      args.dtype,
     )
   return {"budget": budget, "cells": results}
 
 
 def table1_cells(
-  table1_stem: Path, budget: dict[str, Any], cells: Sequence[tuple[str, int, int]]
+  table1_stem: Path,
+  budget: dict[str, Any],
+  cells: Sequence[tuple[str, int, int]],
+  dtype: str = "fp32",
 ) -> list[dict[str, Any]]:
   """The cells of ``cells`` that Table I's result file (``table1_stem.json``) already holds,
-  trained under the same ``budget``: its dense row as the dense reference, its 2:4 rows as the
-  2:4 cell of their method. Each is marked ``"from": "table1"``; none when the file is missing
-  or was written under another budget."""
+  trained under the same ``budget`` and ``dtype``: its dense row as the dense reference, its
+  2:4 rows as the 2:4 cell of their method. Each is marked ``"from": "table1"``; none when the
+  file is missing or was written under another budget or dtype."""
   table1, same_budget = _tables.saved_result(table1_stem, budget)
-  if not same_budget:
+  # A file written before --dtype existed holds fp32 rows.
+  if not same_budget or table1.get("dtype", "fp32") != dtype:
     return []
   found = []
   for row in table1.get("rows", []):
@@ -151,14 +161,25 @@ def table1_cells(
   return found
 
 
-def _previous_cells(stem: Path, budget: dict[str, Any], method: str) -> list[dict[str, Any]]:
-  """Cells of an earlier run with the same budget and method (``--resume``), else none."""
+def _previous_cells(
+  stem: Path, budget: dict[str, Any], method: str, dtype: str = "fp32"
+) -> list[dict[str, Any]]:
+  """Cells of an earlier run with the same budget, dtype and method (``--resume``), else none.
+
+  Raises:
+    ValueError: ``stem.json`` was written under another budget or dtype.
+  """
   previous, same_budget = _tables.saved_result(stem, budget)
   if previous is None:
     return []
   if not same_budget:
     raise ValueError(
       f"--resume: {stem.name}.json was written with budget {previous.get('budget')}, not {budget}"
+    )
+  if previous.get("dtype", "fp32") != dtype:
+    raise ValueError(
+      f"--resume: {stem.name}.json was written at dtype {previous.get('dtype', 'fp32')}, "
+      f"not {dtype}"
     )
   cells = [c for c in previous["cells"] if c["method"] in ("dense", method)]
   for cell in cells:
@@ -175,11 +196,11 @@ def _write(
   method: str,
   results: list[dict[str, Any]],
   planned: int,
+  dtype: str = "fp32",
 ) -> None:
   date = _tables.utc_now()
-  stem.with_suffix(".json").write_text(
-    json.dumps({"command": command, "date": date, "budget": budget, "cells": results}, indent=1)
-  )
+  saved = {"command": command, "date": date, "budget": budget, **_tables.dtype_config(dtype)}
+  stem.with_suffix(".json").write_text(json.dumps({**saved, "cells": results}, indent=1))
   sparse = {(r["n"], r["m"]): r for r in results if r["method"] != "dense"}
   dense = [r for r in results if r["method"] == "dense"]
   group_sizes = sorted({m for _, m in sparse} | {m for _, m in SWEEP})
@@ -201,6 +222,7 @@ def _write(
       "and full width. Its trend, to compare ours with: accuracy falls as m/n grows and, at a "
       "fixed ratio, rises with group size m."
     ),
+    *(f"- {note}" for note in _tables.dtype_notes(dtype)),
   ]
   if dense:
     lines.append(f"- Dense reference (same budget): {100 * dense[0]['test_acc']:.2f}%")

@@ -19,6 +19,8 @@ Writes ``table1_<budget>.{md,json}`` and per-row epoch logs (``logs/``) to ``run
 ``experiments/results/sdgp/`` with ``--publish``. Rows run separately (``--rows dense``, then
 ``--rows random``, ...) share the page: the rows already in the folder's JSON for the same
 budget are kept (each with its own command and date), a row run again replaces its old result.
+``--dtype bf16`` trains in bfloat16 (parameters float32) and writes ``table1_<budget>_bf16.*``,
+apart from the fp32 page.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ MODEL = "sdgp-resnet9"
 def add_budget_arguments(parser: argparse.ArgumentParser, table: str) -> None:
   """Arguments shared by the SDGP training experiments (Table I, Fig. 8)."""
   _tables.add_table_arguments(parser, table)
+  _tables.add_dtype_argument(parser)
   parser.add_argument("--backend", choices=sdgp.BACKENDS, default="auto")
   parser.add_argument("--progress", action="store_true")
 
@@ -107,12 +110,14 @@ def train_row(
   log_path: Path | None = None,
 ) -> dict[str, Any]:
   """Trains one row (``method="dense"`` = no SDGP) and returns its result record, with the
-  per-epoch history (test accuracy after every epoch); ``log_path`` gets it as JSON lines."""
+  per-epoch history (test accuracy after every epoch); ``log_path`` gets it as JSON lines.
+  The model computes in ``args.dtype`` (:func:`experiments._tables.compute_dtype`)."""
   model = models.create(
     MODEL,
     num_classes=train_set.num_classes,
     rngs=nnx.Rngs(args.seed),
     width_multiplier=budget["width"],
+    dtype=_tables.compute_dtype(args),
   )
   chosen = row_method(method, n, m, budget, args.seed, args.backend)
   model = chosen.convert(model)
@@ -175,12 +180,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   budget = resolve_budget("sdgp_table1", args)
-  name = args.name or f"table1_{args.budget}"
+  name = args.name or f"table1_{args.budget}{_tables.dtype_suffix(args)}"
   command = _tables.command_line("sdgp_table1", argv)
   folder = _tables.output_dir("sdgp", args.publish, args.out)
   train_set, test_set = load_data(args, budget)
   # Warn once, before training, if the page holds rows of other budget settings.
-  results = saved_rows(folder / name, args.budget, budget, exclude=args.rows)
+  results = saved_rows(folder / name, args.budget, budget, exclude=args.rows, dtype=args.dtype)
   trained: list[dict[str, Any]] = []
   for method in args.rows:
     t0 = time.perf_counter()
@@ -194,7 +199,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # Read the page again before writing: another invocation (``--rows random`` beside
     # ``--rows magnitude``) may have added its row since this one started.
     others = saved_rows(
-      folder / name, args.budget, budget, exclude=[r["method"] for r in trained], warn=False
+      folder / name,
+      args.budget,
+      budget,
+      exclude=[r["method"] for r in trained],
+      warn=False,
+      dtype=args.dtype,
     )
     results = sorted([*others, *trained], key=lambda r: ROWS.index(r["method"]))
     print(
@@ -202,7 +212,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       flush=True,
     )
     # The rows of one page may come from several invocations: the page names each command.
-    _write(folder / name, _tables.joined_commands(results), args.budget, budget, results, len(ROWS))
+    _write(
+      folder / name,
+      _tables.joined_commands(results),
+      args.budget,
+      budget,
+      results,
+      len(ROWS),
+      dtype=args.dtype,
+    )
   return {"budget": budget, "rows": results}
 
 
@@ -213,18 +231,22 @@ def saved_rows(
   exclude: Sequence[str] = (),
   *,
   warn: bool = True,
+  dtype: str = "fp32",
 ) -> list[dict[str, Any]]:
-  """The rows already written to ``stem.json`` under the same budget, but those in ``exclude``
-  (to be run again). A JSON written under other settings of the budget is not mixed in: its
-  rows would not compare (the call warns, unless ``warn`` is false, and starts the page
-  afresh)."""
+  """The rows already written to ``stem.json`` under the same budget and ``dtype``, but those
+  in ``exclude`` (to be run again). A JSON written under other settings of the budget or
+  another dtype is not mixed in: its rows would not compare (the call warns, unless ``warn``
+  is false, and starts the page afresh)."""
   saved, same_budget = _tables.saved_result(stem, budget)
   if saved is None:
     return []
-  if not (same_budget and saved.get("budget_name") == budget_name):
+  # A page written before --dtype existed holds fp32 rows.
+  same_dtype = saved.get("dtype", "fp32") == dtype
+  if not (same_budget and same_dtype and saved.get("budget_name") == budget_name):
     if warn:
       warnings.warn(
-        f"{stem}.json: written under other budget settings; its rows are replaced, not gathered",
+        f"{stem}.json: written under other budget settings or dtype; its rows are replaced, "
+        "not gathered",
         RuntimeWarning,
         stacklevel=2,
       )
@@ -255,6 +277,7 @@ def _write(
   results: list[dict[str, Any]],
   planned: int,
   date: str | None = None,
+  dtype: str = "fp32",
 ) -> None:
   date = date or _tables.utc_now()
   stem.with_suffix(".json").write_text(
@@ -264,6 +287,7 @@ def _write(
         "date": date,
         "budget_name": budget_name,
         "budget": budget,
+        **_tables.dtype_config(dtype),
         "rows": results,
       },
       indent=1,
@@ -308,6 +332,7 @@ def _write(
         f"{accuracy_standard_error(results, test_images):.1f} points. Train times follow the "
         "shared machine's load, not the method."
       ),
+      *_tables.dtype_notes(dtype),
     ],
   )
   stem.with_suffix(".md").write_text(page)

@@ -21,3 +21,66 @@ def test_aligned_bench_tiny_run_writes_tables(tmp_path):
   page = (tmp_path / "aligned_bench_cpu_small.md").read_text()
   ratio = steps[1]["ms"] / steps[0]["ms"]
   assert f"{ratio:.2f}×" in page
+
+
+def test_step_rows_follow_dtypes_with_the_same_masks_and_the_fp32_rows_unchanged(
+  tmp_path, monkeypatch
+):
+  """``--dtypes`` reaches the whole-step rows: each dtype's rows are labelled and drawn from the
+  same masks and batch; the fp32 rows, the layer rows after them and the fp32 page section are
+  what an fp32-only run writes. (Timings faked: what is checked is the plumbing.)"""
+  draws = []
+
+  def fake_step(name, variant, args, rng, dtype="fp32"):
+    draw = int(rng.integers(1 << 30))  # stands for the masks and batch bench_step draws
+    draws.append((variant, dtype, draw))
+    return 1.0 + draw % 7, 2.0
+
+  def fake_layer(spec, dtype, args, rng):
+    return {**spec, "dtype": dtype, "compression": 2.0, "ms": {"dense": 1.0 + rng.random()}}
+
+  monkeypatch.setattr(aligned_bench, "bench_step", fake_step)
+  monkeypatch.setattr(aligned_bench, "bench_layer", fake_layer)
+  argv = "--small --width 0.125 --models vgg11 --groups 1 --measured --no-imagenet --layers 1"
+  fp32 = aligned_bench.main([*argv.split(), "--dtypes", "fp32", "--out", str(tmp_path / "a")])
+  both = aligned_bench.main(
+    [*argv.split(), "--dtypes", "fp32", "bf16", "--out", str(tmp_path / "b")]
+  )
+  assert [s for s in both["steps"] if s["dtype"] == "fp32"] == fp32["steps"]
+  assert both["layers"][0] == fp32["layers"][0]
+  bf16 = [s for s in both["steps"] if s["dtype"] == "bf16"]
+  assert [s["variant"] for s in bf16] == ["dense", "aligned G=1"]
+  assert [s["ms"] for s in bf16] == [s["ms"] for s in fp32["steps"]]  # the same draws
+  one = (tmp_path / "a" / "aligned_bench_cpu_small.md").read_text()
+  two = (tmp_path / "b" / "aligned_bench_cpu_small.md").read_text()
+  fp32_section = one.split("## Per layer")[0].split("## Whole train step")[1]
+  assert fp32_section.startswith(" (forward, backward, SGD), fp32\n")
+  assert "## Whole train step" + fp32_section in two
+  assert "## Whole train step (forward, backward, SGD), bf16" in two
+  assert "bf16" not in one.split("## Per layer")[0]
+
+
+def test_bench_step_builds_the_model_in_its_dtype(monkeypatch):
+  """A bf16 step row times a model computing in bf16, its pruned convs aligned bf16 layers."""
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from jaxprune.clicktrain.sparse_layers import AlignedConv
+
+  converted = []
+  convert = aligned_bench.convert_model
+  monkeypatch.setattr(
+    aligned_bench,
+    "convert_model",
+    lambda model, *a, **k: converted.append(model) or convert(model, *a, **k),
+  )
+  monkeypatch.setattr(aligned_bench, "median_call_ms", lambda step, repeats: 1.0)  # no timing
+  args = aligned_bench._parse(["--small", "--width", "0.125", "--batch", "2"])
+  rng = np.random.default_rng(0)
+  _, compression = aligned_bench.bench_step("vgg11", "aligned G=1", args, rng, "bf16")
+  assert compression > 2.25
+  (model,) = converted
+  assert model.dtype == jnp.bfloat16
+  aligned = [m for _, m in nnx.iter_modules(model) if isinstance(m, AlignedConv)]
+  assert aligned and {m.dtype for m in aligned} == {jnp.dtype(jnp.bfloat16)}

@@ -42,6 +42,22 @@ def test_reuse_dense_rejects_other_dense_settings(tmp_path):
     prunetrain_table1._reused_dense_run(args, "any_name")
 
 
+def test_reuse_dense_rejects_a_run_of_another_dtype(tmp_path):
+  path = tmp_path / "earlier.json"
+  argv = ["--budget", "cpu", "--skip-dense", "--reuse-dense", str(path)]
+  fp32, bf16 = prunetrain_table1._parse(argv), prunetrain_table1._parse([*argv, "--dtype", "bf16"])
+  _write_earlier(path, fp32, {"test_acc": 0.5})  # saved without a dtype, as before the flag
+  assert prunetrain_table1._reused_dense_run(fp32, "any_name") == {"test_acc": 0.5}
+  with pytest.raises(ValueError, match=r"--reuse-dense: .* other dtype"):
+    prunetrain_table1._reused_dense_run(bf16, "any_name")
+  earlier = json.loads(path.read_text())
+  earlier["args"]["dtype"] = "bf16"
+  path.write_text(json.dumps(earlier))
+  assert prunetrain_table1._reused_dense_run(bf16, "any_name") == {"test_acc": 0.5}
+  with pytest.raises(ValueError, match=r"--reuse-dense: .* other dtype"):
+    prunetrain_table1._reused_dense_run(fp32, "any_name")
+
+
 def test_reuse_dense_without_skip_dense_is_an_error(tmp_path):
   with pytest.raises(SystemExit):
     prunetrain_table1._parse(["--budget", "cpu", "--reuse-dense", str(tmp_path / "x.json")])

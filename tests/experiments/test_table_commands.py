@@ -1,15 +1,19 @@
 """Table pages: SDGP Table I end to end on a tiny budget and a generated data set (two steps),
 and the ClickTrain page from saved rows: the paper's numbers beside ours, logs linked."""
 
+import importlib
 import json
+import math
 import re
+from pathlib import Path
 from types import MappingProxyType
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import _tables, clicktrain_table1, sdgp_fig8, sdgp_table1
-from jaxprune import data
+from jaxprune import data, models, train
 
 
 @pytest.fixture
@@ -238,3 +242,85 @@ def test_clicktrain_one_shot_row_switches_to_mixup_after_the_epoch_of_its_hard_p
   plain = [(start, end) for start, end, augment in seen if augment == "clicktrain"]
   assert plain[0][0] == 0 and max(end for _, end in plain) == 4
   assert seen[-1] == (4, 5, "clicktrain-mixup")
+
+
+class _Built(Exception):
+  """Raised where a command builds its trainer: what it set up is checked, nothing trained."""
+
+
+# Per command: a tiny invocation and the per-epoch log of its first run (None: it keeps none).
+_COMMANDS = {
+  "clicktrain_table1": (["--rows", "resnet18"], "table1_cpu{}_resnet18_dense.jsonl"),
+  "prunetrain_table1": (["--rows", "resnet32"], "table1_cpu{}_resnet32_dense.jsonl"),
+  "sdgp_table1": (["--rows", "dense"], "table1_cpu{}_resnet9_dense.jsonl"),
+  "sdgp_fig8": (
+    ["--settings", "2:4", "--no-dense", "--no-table1"],
+    "fig8_cpu{}_resnet9_rescaled_magnitude_2-4.jsonl",
+  ),
+  "quickstart": (["--methods", "dense", "--epochs", "1", "--batch-size", "16"], None),
+}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("command", sorted(_COMMANDS))
+def test_dtype_reaches_the_model_and_names_a_bf16_run_apart(
+  command, dtype, tmp_path, monkeypatch, request
+):
+  """``--dtype`` is the compute dtype ``models.create`` gets (fp32: the models' default, as
+  the published runs); a bf16 run's log and resume configuration say so, an fp32 run's are
+  named as before."""
+  if command != "quickstart":  # the quickstart's digits ship with scikit-learn
+    request.getfixturevalue("tiny_cifar")
+  widths = {"clicktrain_table1": MappingProxyType({"resnet": 0.0625})}
+  for table in ("clicktrain_table1", "prunetrain_table1", "sdgp_table1", "sdgp_fig8"):
+    _tiny(monkeypatch, table, width=widths.get(table, 0.0625), batch_size=16)
+  created, built = [], []
+  create = models.create
+
+  def recording_create(name, **kwargs):
+    created.append(kwargs.get("dtype"))
+    return create(name, **kwargs)
+
+  def stop(self, model, tx, **kwargs):
+    built.append(kwargs)
+    raise _Built
+
+  monkeypatch.setattr(models, "create", recording_create)
+  monkeypatch.setattr(train.Trainer, "__init__", stop)
+  argv, log = _COMMANDS[command]
+  argv = [*argv, "--out", str(tmp_path), *(["--dtype", "bf16"] if dtype == "bf16" else [])]
+  with pytest.raises(_Built):
+    importlib.import_module(f"experiments.{command}").main(argv)
+  assert created == [None if dtype == "fp32" else jnp.dtype(jnp.bfloat16)]
+  (kwargs,) = built
+  if log is not None:
+    assert Path(kwargs["log_path"]).name == log.format("" if dtype == "fp32" else "_bf16")
+  if kwargs.get("run_config") is not None:  # the commands that checkpoint (and resume)
+    assert kwargs["run_config"].get("dtype") == (None if dtype == "fp32" else "bf16")
+    assert ("_bf16" in str(kwargs["checkpoint_dir"])) == (dtype == "bf16")
+
+
+def test_sdgp_table1_bf16_run_trains_in_bf16_beside_the_fp32_page(
+  tmp_path, monkeypatch, tiny_cifar
+):
+  """A tiny Table I row at ``--dtype bf16``: trained with a bf16 model, written to its own
+  page and JSON (which say so), the fp32 page of the folder left as it was."""
+  _tiny(monkeypatch, "sdgp_table1", width=0.0625, epochs=1, batch_size=16)
+  fp32 = {"table1_cpu.json": '{"rows": []}', "table1_cpu.md": "the fp32 page\n"}
+  for name, text in fp32.items():
+    (tmp_path / name).write_text(text)
+  dtypes = []
+  create = models.create
+  monkeypatch.setattr(
+    models, "create", lambda name, **kw: dtypes.append(kw.get("dtype")) or create(name, **kw)
+  )
+  out = sdgp_table1.main(["--rows", "magnitude", "--dtype", "bf16", "--out", str(tmp_path)])
+  assert dtypes == [jnp.dtype(jnp.bfloat16)]
+  assert {name: (tmp_path / name).read_text() for name in fp32} == fp32
+  saved = json.loads((tmp_path / "table1_cpu_bf16.json").read_text())
+  assert saved["dtype"] == "bf16" and [r["method"] for r in saved["rows"]] == ["magnitude"]
+  assert math.isfinite(out["rows"][0]["final_train_loss"])
+  page = (tmp_path / "table1_cpu_bf16.md").read_text()
+  assert "- Compute dtype: bf16" in page
+  for link in _links(page):
+    assert (tmp_path / link).exists() and "_bf16_" in link, link

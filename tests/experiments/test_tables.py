@@ -1,9 +1,11 @@
 """The table commands' shared plumbing: named budgets, output folders, results pages, links."""
 
+import argparse
 import json
 import re
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from experiments import (
@@ -168,6 +170,41 @@ def test_timemodel_and_quickstart_take_the_output_flags():
   assert quickstart._parse([]).publish is False
 
 
+def test_dtype_argument_maps_its_names_to_the_models_compute_dtype():
+  parser = argparse.ArgumentParser()
+  _tables.add_dtype_argument(parser)
+  fp32, bf16 = parser.parse_args([]), parser.parse_args(["--dtype", "bf16"])
+  assert (fp32.dtype, bf16.dtype) == ("fp32", "bf16")
+  # fp32 is the models' own float32 default (None), as the published runs created them.
+  assert _tables.compute_dtype(fp32) is None
+  assert _tables.compute_dtype(bf16) == jnp.dtype(jnp.bfloat16)
+  assert _tables.compute_dtype("bf16") == jnp.dtype(jnp.bfloat16)
+  assert _tables.compute_dtype(argparse.Namespace()) is None  # a namespace without the flag
+  # fp32 names and saved configurations stay as they were; bf16 ones are marked.
+  assert (_tables.dtype_suffix(fp32), _tables.dtype_suffix(bf16)) == ("", "_bf16")
+  assert (_tables.dtype_config(fp32), _tables.dtype_config(bf16)) == ({}, {"dtype": "bf16"})
+  assert _tables.dtype_notes(fp32) == [] and "bfloat16" in _tables.dtype_notes(bf16)[0]
+  with pytest.raises(SystemExit):
+    parser.parse_args(["--dtype", "fp16"])
+  with pytest.raises(ValueError, match="dtype"):
+    _tables.compute_dtype("fp16")
+
+
+@pytest.mark.parametrize(
+  "parse",
+  [
+    clicktrain_table1._parse,
+    prunetrain_table1._parse,
+    sdgp_table1._parse,
+    sdgp_fig8._parse,
+    quickstart._parse,
+  ],
+)
+def test_training_commands_take_the_dtype(parse):
+  assert parse([]).dtype == "fp32"
+  assert parse(["--dtype", "bf16"]).dtype == "bf16"
+
+
 def test_quickstart_page_states_command_and_table(tmp_path):
   rows = [
     {"method": "dense", "test_acc": 0.9, "compression": 1.0, "train_time_s": 3.0, "epochs": 2},
@@ -179,6 +216,10 @@ def test_quickstart_page_states_command_and_table(tmp_path):
   text = page.read_text()
   assert "`python -m experiments.run quickstart`" in text and "- Machine:" in text
   assert "| clicktrain | 80.00% | 4.00x | 5.0 |" in text
+  assert "Compute dtype" not in text
+  bf16 = quickstart.write_page(tmp_path, rows, "cmd", quickstart._parse(["--dtype", "bf16"]))
+  assert bf16.name == "quickstart_bf16.md" and page.read_text() == text  # beside, not over it
+  assert "- Compute dtype: bf16" in bf16.read_text()
 
 
 def _cells(line):
@@ -353,11 +394,13 @@ _SCHEME = {
 
 @pytest.mark.parametrize("paper", sorted(_SCHEME))
 def test_results_follow_one_naming_scheme(paper):
-  """``<table>_<budget>[_<row>...]`` for pages, JSON and plots, ``logs/<table>_<budget>_<row>_
-  <method>.jsonl`` for logs, anything else (probes) under ``probes/``, nothing more."""
+  """``<table>_<budget>[_<dtype>][_<row>...]`` for pages, JSON and plots (the dtype marker of a
+  run that is not fp32), ``logs/<table>_<budget>[_<dtype>]_<row>_<method>.jsonl`` for logs,
+  anything else (probes) under ``probes/``, nothing more."""
   tables, rows, methods = _SCHEME[paper]
   budgets = {name for table in _tables.BUDGETS.values() for name in table}
-  head = f"{_alternatives(tables)}_{_alternatives(sorted(budgets))}"
+  dtypes = [name for name in _tables.DTYPES if name != "fp32"]
+  head = f"{_alternatives(tables)}_{_alternatives(sorted(budgets))}(?:_{_alternatives(dtypes)})?"
   row, method = _alternatives(rows), "(?:" + "|".join(methods) + ")"
   plot = "(?:_(?:patterns|sparsity|over_training))?"
   page = rf"{head}(?:_{row}(?:_{method})?{plot})?\.(?:md|json|png)"
