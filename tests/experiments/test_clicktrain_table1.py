@@ -40,25 +40,33 @@ def _before(budget: str, row: str, mode: str) -> dict:
   }
 
 
+@pytest.fixture
+def clicktrain_calls(monkeypatch):
+  """The keyword arguments of every ``clicktrain(...)`` the preset builds during the test."""
+  calls = []
+  real = preset.clicktrain
+
+  @functools.wraps(real)
+  def recording(inner, **kwargs):
+    calls.append(kwargs)
+    return real(inner, **kwargs)
+
+  monkeypatch.setattr(preset, "clicktrain", recording)
+  return calls
+
+
 @pytest.mark.parametrize("budget", ["cpu", "paper"])
 @pytest.mark.parametrize("mode", ["paper", "one_shot"])
 @pytest.mark.parametrize("row", sorted(_PAPER_HARD))
 def test_preset_reaches_clicktrain_with_the_arguments_the_published_runs_used(
-  monkeypatch, budget, mode, row
+  clicktrain_calls, budget, mode, row
 ):
-  calls = []
-  real = preset.clicktrain
-
-  @functools.wraps(real)  # the preset reads the accepted keywords off the signature
-  def recording(inner, **kwargs):
-    calls.append(inspect.signature(real).bind(inner, **kwargs))
-    return real(inner, **kwargs)
-
-  monkeypatch.setattr(preset, "clicktrain", recording)
+  real = inspect.unwrap(preset.clicktrain)
   args = clicktrain_table1._parse(["--budget", budget, "--mode", mode, "--rows", row])
   inner = optax.sgd(0.1)
   clicktrain_table1._method(args, row).make_tx(inner, methods.Run(390, args.epochs))
-  (got,) = calls
+  (kwargs,) = clicktrain_calls
+  got = inspect.signature(real).bind(inner, **kwargs)
   got.apply_defaults()
   ratio = got.arguments.pop("kernel_prune_ratio")
   expected = inspect.signature(real).bind(
@@ -99,16 +107,8 @@ def test_published_page_is_rebuilt_from_its_saved_rows():
   assert published.count("hard prune at epoch 7;") == 4
 
 
-def test_filter_groups_reach_clicktrain_and_the_aligned_page(monkeypatch, tmp_path):
-  calls = []
-  real = preset.clicktrain
-
-  @functools.wraps(real)
-  def recording(inner, **kwargs):
-    calls.append(kwargs)
-    return real(inner, **kwargs)
-
-  monkeypatch.setattr(preset, "clicktrain", recording)
+def test_filter_groups_reach_clicktrain_and_the_aligned_page(clicktrain_calls, tmp_path):
+  calls = clicktrain_calls
   args = clicktrain_table1._parse(["--budget", "cpu", "--rows", "vgg11", "--filter-groups", "2"])
   clicktrain_table1._method(args, "vgg11").make_tx(optax.sgd(0.1), methods.Run(390, args.epochs))
   assert calls[0]["filter_groups"] == 2
@@ -140,16 +140,10 @@ def test_filter_groups_reach_clicktrain_and_the_aligned_page(monkeypatch, tmp_pa
   )
 
 
-def test_clustered_filter_grouping_reaches_clicktrain_and_the_aligned_page(monkeypatch, tmp_path):
-  calls = []
-  real = preset.clicktrain
-
-  @functools.wraps(real)
-  def recording(inner, **kwargs):
-    calls.append(kwargs)
-    return real(inner, **kwargs)
-
-  monkeypatch.setattr(preset, "clicktrain", recording)
+def test_clustered_filter_grouping_reaches_clicktrain_and_the_aligned_page(
+  clicktrain_calls, tmp_path
+):
+  calls = clicktrain_calls
   argv = ["--budget", "cpu", "--rows", "vgg11", "--filter-groups", "2"]
   args = clicktrain_table1._parse([*argv, "--filter-grouping", "clustered"])
   clicktrain_table1._method(args, "vgg11").make_tx(optax.sgd(0.1), methods.Run(390, args.epochs))
