@@ -46,6 +46,15 @@ TINY = {
 }
 
 
+def _assert_learned(history):
+  """Finite losses that fell, and training accuracy above chance; returns the losses."""
+  losses = [r["train_loss"] for r in history]
+  assert all(math.isfinite(v) for v in losses)
+  assert losses[-1] < losses[0]
+  assert history[-1]["train_acc"] > 0.5  # 4 classes: chance is 0.25
+  return losses
+
+
 def _parts(name):
   return name.split("+")
 
@@ -86,10 +95,7 @@ def test_method_trains_a_tiny_model(name, tiny_cnn, tiny_resnet, digits_loader):
 
   # Training metrics (train-mode BatchNorm): a few steps leave the running statistics of
   # evaluation far from the batch statistics.
-  losses = [r["train_loss"] for r in history]
-  assert all(math.isfinite(v) for v in losses)
-  assert losses[-1] < losses[0]
-  assert history[-1]["train_acc"] > 0.5  # 4 classes: chance is 0.25
+  _assert_learned(history)
   assert _sdgp_convs(trainer.model) == expected_convs
   if "prunetrain" in parts:
     # The callback accounted every epoch's costs and checked for dead channels at the end.
@@ -325,10 +331,7 @@ def test_method_trains_a_tiny_bf16_model(
   )
   history = trainer.fit(loader, epochs=epochs)
 
-  losses = [r["train_loss"] for r in history]
-  assert all(math.isfinite(v) for v in losses)
-  assert losses[-1] < losses[0]
-  assert history[-1]["train_acc"] > 0.5  # 4 classes: chance is 0.25
+  losses = _assert_learned(history)
   # bf16 compute all along, float32 parameters, statistics and optimizer state.
   convs = [m for _, m in nnx.iter_modules(trainer.model) if isinstance(m, nnx.Conv)]
   assert convs and {jnp.dtype(m.dtype) for m in convs} == {BF16}
