@@ -49,14 +49,21 @@ def group_lasso_grad(
 
   With ``groups`` (aligned mode) a "kernel" is a (filter group, input channel) pair: the
   squared norms are summed over the group's filters (the state's ``filter_group`` ids) before
-  the square root.
+  the square root, and each pair's term is weighted by ``sqrt(|g|)``, the number of filters in
+  its group (Yuan & Lin's group-size weight). Without it a norm over ``|g|`` kernels of like
+  size pulls each weight ``sqrt(|g|)`` times more weakly than the paper's per-kernel norm (22x
+  for a 512-filter layer at ``G = 1``), the weights the hard prune removes are still large
+  when it comes, and the network collapses there. With it each weight feels the paper mode's
+  pull when its group's kernels are alike; one filter per group is the paper mode exactly.
   """
   ids = ls.filter_group
+  # sqrt(filters in each filter's group), (Cout,): 1 in the paper mode (lift is the identity).
+  weight = jnp.sqrt(lift(jnp.ones(w.shape[-1:], w.dtype), groups, ids=ids))
   z = w * (1 - ls.pattern_mask)
   gz = z * jax.lax.rsqrt(lift(jnp.sum(z * z, axis=(0, 1), keepdims=True), groups, ids=ids) + eps)
   u = w * (~ls.kernel_keep).astype(w.dtype)
   gu = u * jax.lax.rsqrt(lift(jnp.sum(u * u, axis=(0, 1), keepdims=True), groups, ids=ids) + eps)
-  return gz + gu
+  return (gz + gu) * weight
 
 
 def _kernel_keep(scores: jax.Array, layer, ids: jax.Array) -> jax.Array:

@@ -191,7 +191,13 @@ def flops_saved(model: Any, opt_state: Any, input_shape: Sequence[int]) -> dict[
 
 def group_lasso_penalty(params: PyTree, opt_state: Any, eps: float = 1e-8) -> jax.Array:
   """The modified group lasso term (without λ) for the current masks (ClickTrain §4.4):
-  ``Σ_kernels [sqrt(‖W⊙¬P‖² + ε) + sqrt(‖W⊙¬K‖² + ε)]``. Differentiable in ``params``."""
+  ``Σ_kernels [sqrt(‖W⊙¬P‖² + ε) + sqrt(‖W⊙¬K‖² + ε)]``. Differentiable in ``params``; its
+  gradient times λ is what the transform adds while regularizing.
+
+  In the aligned mode a "kernel" is a (filter group, input channel) pair of the state's
+  partition: ``Σ_{g,c} sqrt(|g|) [sqrt(Σ_{f∈g} ‖W_f⊙¬P‖² + ε) + sqrt(Σ_{f∈g} ‖W_f⊙¬K‖² + ε)]``
+  (the paper mode's partition is one filter per group, which gives the formula above).
+  """
   st = find_state(opt_state)
   named = {path_string(p): w for p, w in jax.tree_util.tree_flatten_with_path(as_pure(params))[0]}
   total = jnp.float32(0)
@@ -199,6 +205,16 @@ def group_lasso_penalty(params: PyTree, opt_state: Any, eps: float = 1e-8) -> ja
     w = named[name]
     z = w * (1 - ls.pattern_mask)
     u = w * (~ls.kernel_keep).astype(w.dtype)
-    total += jnp.sum(jnp.sqrt(jnp.sum(z * z, axis=(0, 1)) + eps))
-    total += jnp.sum(jnp.sqrt(jnp.sum(u * u, axis=(0, 1)) + eps))
+    for v in (z, u):
+      total += _grouped_norms(jnp.sum(v * v, axis=(0, 1)), ls.filter_group, eps)
   return total
+
+
+def _grouped_norms(sq: jax.Array, ids: jax.Array, eps: float) -> jax.Array:
+  """``Σ_{g,c} sqrt(|g|) sqrt(Σ_{f∈g} sq[c, f] + ε)`` over the non-empty groups of ``ids``
+  (``sq``: ``(Cin, Cout)`` squared kernel norms; ``ids``: ``(Cout,)`` group of each filter)."""
+  cout = sq.shape[-1]
+  sums = jax.ops.segment_sum(sq.T, ids, num_segments=cout)  # (groups <= Cout, Cin)
+  size = jax.ops.segment_sum(jnp.ones((cout,), sq.dtype), ids, num_segments=cout)
+  terms = jnp.sqrt(size)[:, None] * jnp.sqrt(sums + eps)
+  return jnp.sum(jnp.where(size[:, None] > 0, terms, 0.0))

@@ -135,7 +135,7 @@ def test_paper_mode_aligned_masks_and_lifted_group_lasso(kit):
     for group in layout.groups:
       assert len(group.channels) == cin - math.ceil(ratio * cin)
   # The emitted update (identity inner) is g + λ ∂(lifted group lasso): each norm is over a
-  # (group, input channel) pair, all the group's filters together.
+  # (group, input channel) pair, all the group's filters together, weighted by sqrt(|g|).
   w = np.asarray(p["block"]["conv1"]["kernel"], np.float64)
   ls = st.layers[kit.CONV1]
   g = np.asarray(kit.fake_grads(p, 6)["block"]["conv1"]["kernel"], np.float64)
@@ -146,8 +146,14 @@ def test_paper_mode_aligned_masks_and_lifted_group_lasso(kit):
   ):
     z = w * m
     norms = _np_group_sum((z * z).sum((0, 1), keepdims=True), groups, 3)
-    want += lam * z / np.sqrt(np.repeat(norms, w.shape[3] // groups, 3) + eps)
+    size = w.shape[3] // groups
+    want += lam * math.sqrt(size) * z / np.sqrt(np.repeat(norms, size, 3) + eps)
   np.testing.assert_allclose(update["block"]["conv1"]["kernel"], want, rtol=2e-5, atol=1e-7)
+  # The read-out penalty is the lifted one: λ times its autodiff gradient is what was added.
+  penalty_grad = jax.grad(lambda q: readouts.group_lasso_penalty(q, st, eps))(p)
+  np.testing.assert_allclose(
+    lam * np.asarray(penalty_grad["block"]["conv1"]["kernel"]), want - g, rtol=1e-4, atol=1e-7
+  )
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5])

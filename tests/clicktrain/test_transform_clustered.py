@@ -205,7 +205,7 @@ def test_paper_mode_clusters_the_per_kernel_sums_and_lifts_them(kit):
     cin = mask.shape[2]
     for group in layout.groups:
       assert len(group.channels) == cin - math.ceil(ratio * cin)
-  # The group lasso's norms run over the clustered groups.
+  # The group lasso's norms run over the clustered groups, each weighted by sqrt(|g|).
   w = np.asarray(p["block"]["conv1"]["kernel"], np.float64)
   ls = st.layers[kit.CONV1]
   ids = np.asarray(ls.filter_group)
@@ -215,7 +215,8 @@ def test_paper_mode_clusters_the_per_kernel_sums_and_lifts_them(kit):
     z = w * m
     sq = (z * z).sum((0, 1))  # (Cin, Cout)
     norms = np.stack([sq[:, ids == k].sum(1) for k in range(groups)], 1)[:, ids]
-    want += lam * z / np.sqrt(norms + eps)
+    size = np.bincount(ids, minlength=groups)[ids]  # filters in each filter's group
+    want += lam * np.sqrt(size) * z / np.sqrt(norms + eps)
   np.testing.assert_allclose(update["block"]["conv1"]["kernel"], want, rtol=2e-5, atol=1e-7)
 
 
