@@ -451,6 +451,12 @@ def _epoch_s(run: dict[str, Any], pruned_at: int | None, after: bool) -> float |
   return sum(times) / len(times) if times else None
 
 
+def _aligned_order(method: str) -> tuple[int, str]:
+  """``aligned-g<G>[c]`` by ``G`` (numerically), the consecutive groups before the clustered."""
+  groups = method.removeprefix("aligned-g")
+  return int(groups.rstrip("c")), groups
+
+
 def aligned_markdown(folder: Path, budget: str, dtype: str = "fp32") -> str:
   """The aligned mode's page (beyond the paper): every row with aligned runs beside its dense and
   fine-grained ClickTrain runs of the same budget, seed and ``dtype``."""
@@ -470,14 +476,18 @@ def aligned_markdown(folder: Path, budget: str, dtype: str = "fp32") -> str:
       "times are means over one run's epochs before the hard prune (from the second: the first "
       "compiles) and after it (the first of those measures the layers and compiles the new step); "
       "their ratio compares a run with itself, so runs made under different machine load stay "
-      "comparable."
+      "comparable. Two read-outs say where accuracy goes: the test accuracy evaluated at the end "
+      "of the hard prune's epoch (BatchNorm statistics re-estimated after the masks), and the "
+      "train loss of the last epoch (a pruned network that fits its training data less well "
+      "lost capacity, not generalization)."
     ),
     "",
     (
       "| row | method | test acc | Δ vs dense | Δ vs fine-grained | compression "
-      "| epoch s before / after the prune | after / before |"
+      "| test acc at the prune | last train loss | epoch s before / after the prune "
+      "| after / before |"
     ),
-    "|---|---|---:|---:|---:|---:|---:|---:|",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   commands = []
   for row in (*PAPER, *EXTRA_ROWS):
@@ -491,16 +501,18 @@ def aligned_markdown(folder: Path, budget: str, dtype: str = "fp32") -> str:
       base, delta, compression = PAPER[row][:3]
       lines.append(
         f"| {row} | paper: ClickTrain (fine-grained, 190 epochs) | {base + delta:.1f}% | "
-        f"{delta:+.1f} | – | {compression:.1f}× | – | – |"
+        f"{delta:+.1f} | – | {compression:.1f}× | – | – | – | – |"
       )
     pruned_at = _pruned_at(runs.get("clicktrain", next(iter(runs.values()))))
     dense, fine = runs["dense"], runs.get("clicktrain")
-    for method in ["dense", "clicktrain"] + sorted(m for m in runs if m.startswith("aligned")):
+    aligned = sorted((m for m in runs if m.startswith("aligned")), key=_aligned_order)
+    for method in ["dense", "clicktrain", *aligned]:
       if method not in runs:
         continue
       r = runs[method]
       at = _pruned_at(r) or pruned_at
       before, after = _epoch_s(r, at, False), _epoch_s(r, at, True)
+      at_prune = next(h["test_acc"] for h in r["history"] if h["epoch"] == at)
       vs_fine = (
         f"{100 * (r['test_acc'] - fine['test_acc']):+.2f}"
         if fine is not None and method.startswith("aligned")
@@ -509,7 +521,8 @@ def aligned_markdown(folder: Path, budget: str, dtype: str = "fp32") -> str:
       lines.append(
         f"| {row} | {method} | {100 * r['test_acc']:.2f}% | "
         f"{100 * (r['test_acc'] - dense['test_acc']):+.2f} | {vs_fine} | "
-        f"{r['compression']:.2f}× | {before:.0f} / {after:.0f} | {after / before:.2f}× |"
+        f"{r['compression']:.2f}× | {100 * at_prune:.2f}% | {r['history'][-1]['train_loss']:.3f} | "
+        f"{before:.0f} / {after:.0f} | {after / before:.2f}× |"
       )
       commands.append(f"- {row} {method}: `{r.get('command', '')}`")
   return "\n".join([*lines, "", "Commands:", "", *commands]) + "\n"

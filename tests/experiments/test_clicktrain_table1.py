@@ -135,6 +135,10 @@ def test_filter_groups_reach_clicktrain_and_the_aligned_page(clicktrain_calls, t
   dense = json.loads((RESULTS / "table1_cpu_vgg11_dense.json").read_text())
   fine = json.loads((RESULTS / "table1_cpu_vgg11_clicktrain.json").read_text())
   assert "| 10 / 10 | 1.00× |" in rows[3]  # every epoch 10 s: after / before = 1
+  # The read-outs: test accuracy at the end of the prune's epoch, the last epoch's train loss.
+  at = next(h for h in fine["history"] if h["stage"] == "pruned")
+  last = fine["history"][-1]["train_loss"]
+  assert f"| {100 * at['test_acc']:.2f}% | {last:.3f} |" in rows[3]
   assert (
     f"| {100 * (0.5 - dense['test_acc']):+.2f} | {100 * (0.5 - fine['test_acc']):+.2f} |" in rows[3]
   )
@@ -150,11 +154,11 @@ def test_clustered_filter_grouping_reaches_clicktrain_and_the_aligned_page(
   assert (calls[0]["filter_groups"], calls[0]["filter_grouping"]) == (2, "clustered")
   with pytest.raises(SystemExit):
     clicktrain_table1._parse(["--budget", "cpu", "--filter-grouping", "clustered"])
-  # The page lists the clustered run after the consecutive one of the same G.
+  # The page lists the runs by G (16 after 2), the clustered after the consecutive of one G.
   for method in ("dense", "clicktrain"):
     name = f"table1_cpu_vgg11_{method}.json"
     (tmp_path / name).write_text((RESULTS / name).read_text())
-  for method in ("aligned-g2", "aligned-g2c"):
+  for method in ("aligned-g16", "aligned-g2c", "aligned-g2"):
     (tmp_path / f"table1_cpu_vgg11_{method}.json").write_text(
       (RESULTS / "table1_cpu_vgg11_clicktrain.json").read_text()
     )
@@ -165,4 +169,5 @@ def test_clustered_filter_grouping_reaches_clicktrain_and_the_aligned_page(
     "clicktrain",
     "aligned-g2",
     "aligned-g2c",
+    "aligned-g16",
   ]
