@@ -12,8 +12,13 @@ shape, once per conversion) and keeps the faster: on an H100 the fine-grained ke
 5-9x slower than cuDNN per layer and a whole step with every pruned conv sparse 6.6x
 (VGG-11) and 12.5x (ResNet-32) slower than the dense masked step; on the 2-core CPU the
 reference SpMM also loses at ClickTrain's sparsities; the aligned layout wins on some layers
-and loses on others on both (``docs/design.md``, ``experiments/results/benchmarks/``). A
-fixed sparsity threshold (the paper's 65% on its GPU, §5.2) stays available.
+and loses on others on both (``docs/design.md``, ``experiments/results/benchmarks/``). Layers
+timed in isolation do not add up to a step: on the H100 the per-layer choice sent 4 of
+VGG-11's 7 pruned convs to the aligned path and the whole step came out 1.20x the dense one,
+slower than all-dense or all-aligned. So the measured dispatch then times **the whole model's
+training pass** three ways (all dense, the per-layer choice, every pruned conv sparse) and keeps
+the fastest (:class:`ConversionReport`). A fixed sparsity threshold (the paper's 65% on its
+GPU, §5.2) stays available.
 
 The layout is a static attribute of the layer, not part of its state: a checkpoint holds the
 same arrays before and after the switch, and a resumed run rebuilds the layouts from the masks
@@ -64,6 +69,7 @@ from jaxprune.train import Callback
 __all__ = [
   "DEFAULT_THRESHOLDS",
   "AlignedConv",
+  "ConversionReport",
   "LayerChoice",
   "PatternConv",
   "SparseExecution",
@@ -74,6 +80,7 @@ __all__ = [
   "median_call_ms",
   "pattern_convs",
   "time_layer",
+  "time_model_pass",
   "time_train_pass",
 ]
 
@@ -180,6 +187,42 @@ def time_train_pass(
   return median_call_ms(jax.jit(train_pass), x, kernel, cot, repeats=repeats)
 
 
+def time_model_pass(
+  model: nnx.Module, input_shape: Sequence[int], *, repeats: int = 3, seed: int = 0
+) -> float:
+  """Median milliseconds of one training pass of the whole ``model`` on a random batch of
+  ``input_shape``: the forward and the gradients of its parameters and input in one jitted
+  ``jax.vjp`` (a train step without the optimizer, which every conversion leaves alike). The
+  model is not changed (its other state, e.g. BatchNorm statistics, is updated on a copy)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=tuple(input_shape)), jnp.float32)
+
+  def train_pass(params, rest, x):
+    y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, x)
+    return y, vjp(jnp.ones_like(y))
+
+  params, rest = nnx.as_pure(params), nnx.as_pure(rest)
+  return median_call_ms(jax.jit(train_pass), params, rest, x, repeats=repeats)
+
+
+class ConversionReport(list):
+  """:func:`convert_model`'s per-layer :class:`LayerChoice` list, with the whole-model check.
+
+  Attributes:
+    model_ms: the measured training pass of the whole model (:func:`time_model_pass`) per
+      candidate: ``"dense"`` (no layer switched), ``"per-layer"`` (each layer on its own
+      faster path) and ``"all sparse"`` (every pruned conv switched), those that differ; empty
+      when the check did not run (a fixed threshold, no layer faster sparse, or turned off).
+    kept: the candidate kept (the fastest), or ``None`` when the check did not run.
+  """
+
+  def __init__(self, choices=(), model_ms: Mapping[str, float] | None = None, kept=None):
+    super().__init__(choices)
+    self.model_ms = dict(model_ms or {})
+    self.kept = kept
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerChoice:
   """What :func:`convert_model` decided for one pruned conv.
@@ -191,6 +234,8 @@ class LayerChoice:
     balanced: every filter keeps the same number of weights.
     backend: ``"dense"`` (left as it was), ``"aligned"``, or the fine-grained backend it runs.
     dense_ms, sparse_ms: measured forward + backward times (when measured).
+    layer_backend: what the layer's own timing chose, where the whole-model check overruled
+      it (``None`` elsewhere).
   """
 
   path: str
@@ -200,6 +245,7 @@ class LayerChoice:
   backend: str
   dense_ms: float | None = None
   sparse_ms: float | None = None
+  layer_backend: str | None = None
 
 
 def _sparse_layer(mask: np.ndarray, name: str, filter_groups, nnz_per_kernel, backend):
@@ -239,7 +285,8 @@ def convert_model(
   input_shape: Sequence[int] | None = None,
   repeats: int = 3,
   filter_groups: Any = None,
-) -> tuple[nnx.Module, list[LayerChoice]]:
+  check_model: bool | None = None,
+) -> tuple[nnx.Module, ConversionReport]:
   """Switches the pruned convs of ``model`` to a sparse layer where it pays, in place.
 
   Args:
@@ -266,15 +313,21 @@ def convert_model(
       state, which holds the clustered partitions of ``filter_grouping="clustered"`` (the
       layer's outputs come back in the conv's filter order). ``None``: the fine-grained
       :class:`PatternConv`.
+    check_model: with ``threshold="measure"`` (default there: on), when some layer measures
+      faster sparse, also time the whole model's training pass all dense, as the layers chose
+      and with every pruned conv sparse (:func:`time_model_pass`, at ``input_shape``), and keep
+      the fastest: switching between the dense convolutions and the sparse layers costs what
+      no single layer's timing sees.
 
   Returns:
-    ``(model, choices)``: one :class:`LayerChoice` per masked conv, in model order.
+    ``(model, choices)``: a :class:`ConversionReport`, one :class:`LayerChoice` per masked
+    conv in model order, with the whole-model times.
 
   Raises:
     ValueError: a mask whose shape or content does not fit its kernel (named), a masked
       conv that is already sparse or missing from a ``filter_groups`` mapping, a bad
       threshold / backend (``"pallas"`` where this JAX has no Pallas Triton backend), or
-      measuring without ``input_shape``.
+      measuring without ``input_shape``, ``check_model`` without measuring.
   """
   backend = default_backend() if backend is None else backend
   check_backend(backend)
@@ -282,6 +335,9 @@ def convert_model(
   if threshold == "fixed":
     threshold = fixed_threshold()
   measure = isinstance(threshold, str)
+  if check_model and not measure:
+    raise ValueError("check_model: the whole-model check needs threshold='measure'")
+  check_model = measure if check_model is None else bool(check_model)
   if measure:
     if threshold != "measure":
       raise ValueError(f"threshold must be a number, 'measure' or 'fixed', got {threshold!r}")
@@ -297,8 +353,9 @@ def convert_model(
     if not np.isfinite(threshold) or threshold < 0:
       raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
   masks_by_path = {path: np.asarray(m) for path, m in flatten_with_paths(weight_masks)}
+  kind = "aligned" if filter_groups is not None else backend
   choices: list[LayerChoice] = []
-  swaps = []
+  builds = {}  # path -> build(conv) of every masked conv's sparse layer
   timed: dict[tuple, tuple[float, float]] = {}  # one measurement per geometry and sparsity
   for path, module in nnx.iter_modules(model):
     if not isinstance(module, nnx.Conv):
@@ -321,7 +378,6 @@ def convert_model(
     sparsity, balanced, build, timing_fn = _sparse_layer(
       mask, name, groups, nnz_per_kernel, backend
     )
-    kind = "aligned" if filter_groups is not None else backend
     dense_ms = sparse_ms = None
     if measure:
       layer = traced[tuple(path) + ("kernel",)]
@@ -346,16 +402,49 @@ def convert_model(
       use = kind if sparse_ms < dense_ms else "dense"
     else:
       use = kind if sparsity > threshold else "dense"
-    if use != "dense":  # (build checks that the conv can be replaced)
-      swaps.append((tuple(path), build(module)))
+    if not path:
+      raise ValueError("model: pass a model containing convs, not a conv itself")
+    builds[tuple(path)] = build
     choices.append(
       LayerChoice(name, tuple(module.kernel.shape), sparsity, balanced, use, dense_ms, sparse_ms)
     )
-  for path, new in swaps:
-    if not path:
-      raise ValueError("model: pass a model containing convs, not a conv itself")
-    replace_submodule(model, path, new)
-  return model, choices
+  paths = list(builds)
+  chosen = [p for p, c in zip(paths, choices) if c.backend != "dense"]
+  report = ConversionReport(choices)
+  if check_model and chosen:
+    chosen, report = _check_model(model, builds, chosen, choices, kind, input_shape, repeats)
+  for path in chosen:  # (build checks that the conv can be replaced)
+    replace_submodule(model, path, builds[path](_submodule(model, path)))
+  return model, report
+
+
+def _submodule(model: nnx.Module, path: tuple) -> nnx.Module:
+  return dict(nnx.iter_modules(model))[path]
+
+
+def _check_model(model, builds, chosen, choices, kind, input_shape, repeats):
+  """The whole-model check of :func:`convert_model`: the fastest of all dense, the per-layer
+  choice and all sparse (each timed on a copy of ``model``), and the choices it leaves."""
+  candidates = {"per-layer": chosen, "all sparse": list(builds), "dense": []}
+  distinct = {}
+  for label, paths in candidates.items():
+    if paths not in distinct.values():
+      distinct[label] = paths
+  model_ms = {}
+  for label, paths in distinct.items():
+    trial = nnx.clone(model)
+    for path in paths:
+      replace_submodule(trial, path, builds[path](_submodule(trial, path)))
+    model_ms[label] = time_model_pass(trial, input_shape, repeats=repeats)
+  kept = min(model_ms, key=model_ms.get)
+  final = distinct[kept]
+  out = []
+  for path, c in zip(builds, choices):
+    use = kind if path in final else "dense"
+    out.append(
+      c if use == c.backend else dataclasses.replace(c, backend=use, layer_backend=c.backend)
+    )
+  return final, ConversionReport(out, model_ms, kept)
 
 
 def pattern_convs(model: nnx.Module) -> dict[str, PatternConv | AlignedConv]:
@@ -379,6 +468,10 @@ def format_report(choices: list[LayerChoice]) -> str:
       f"| `{c.path}` | {'×'.join(map(str, c.kernel_shape))} | {c.sparsity:.1%} "
       f"| {'yes' if c.balanced else 'no'} | {times} | {c.backend} |"
     )
+  model_ms = getattr(choices, "model_ms", None)
+  if model_ms:
+    times = ", ".join(f"{label} {ms:.2f} ms" for label, ms in model_ms.items())
+    lines += ["", f"Whole model (forward + backward): {times}; kept: {choices.kept}."]
   return "\n".join(lines)
 
 
@@ -395,8 +488,9 @@ class SparseExecution(Callback):
   is converted with its sliced masks.
 
   Args:
-    threshold, backend, nnz_per_kernel, repeats, filter_groups: as :func:`convert_model`
-      (by default every layer is timed both ways once, at the conversion); and
+    threshold, backend, nnz_per_kernel, repeats, filter_groups, check_model: as
+      :func:`convert_model` (by default every layer is timed both ways once, at the
+      conversion, then the whole model three ways); and
       ``filter_groups="from_state"``: each layer's groups as the ClickTrain state holds them
       (:func:`~jaxprune.clicktrain.filter_partition`, read at every conversion, so a resumed or
       reconfigured run uses its own), what ``filter_grouping="clustered"`` needs.
@@ -404,7 +498,7 @@ class SparseExecution(Callback):
       batch size and ``dataset.image_shape`` (a ``jaxprune.data.Loader``), read each epoch.
 
   Attributes:
-    choices: the per-layer decisions, once converted.
+    choices: the per-layer decisions (a :class:`ConversionReport`), once converted.
 
   Example::
 
@@ -421,16 +515,20 @@ class SparseExecution(Callback):
     input_shape: Sequence[int] | None = None,
     repeats: int = 3,
     filter_groups: Any = None,
+    check_model: bool | None = None,
   ):
     if backend is not None:
       check_backend(backend)
+    if check_model and threshold not in (None, "measure"):
+      raise ValueError("check_model: the whole-model check needs threshold='measure'")
     self.threshold = threshold
     self.backend = backend
     self.nnz_per_kernel = nnz_per_kernel
     self.input_shape = None if input_shape is None else tuple(input_shape)
     self.repeats = repeats
     self.filter_groups = filter_groups
-    self.choices: list[LayerChoice] | None = None
+    self.check_model = check_model
+    self.choices: ConversionReport | None = None
     self._loader_shape: tuple[int, ...] | None = None
     # The model last converted: a model rebuilt since (PruneTrain's reconfiguration) is
     # converted again, with the sliced masks.
@@ -469,6 +567,7 @@ class SparseExecution(Callback):
         if isinstance(self.filter_groups, str) and self.filter_groups == "from_state"
         else self.filter_groups
       ),
+      check_model=self.check_model,
     )
     trainer.replace(model, trainer.opt_state)
     self._converted = model

@@ -283,7 +283,10 @@ def test_measured_dispatch_keeps_the_faster_path_per_layer(monkeypatch):
 
   monkeypatch.setattr(sparse_execution, "time_train_pass", fake_time_train_pass)
   _apply(model, masks)
-  _, choices = convert_model(model, masks, threshold="measure", input_shape=(2, 9, 9, 1))
+  _, choices = convert_model(
+    model, masks, threshold="measure", input_shape=(2, 9, 9, 1), check_model=False
+  )
+  assert choices.model_ms == {} and choices.kept is None
   by_path = {c.path: c for c in choices}
   assert {p: c.backend != "dense" for p, c in by_path.items()} == {
     "conv1": False,
@@ -299,6 +302,81 @@ def test_measured_dispatch_keeps_the_faster_path_per_layer(monkeypatch):
   with pytest.raises(ValueError, match="threshold"):
     convert_model(_Net(nnx.Rngs(0)), masks, threshold="fastest", input_shape=(1, 9, 9, 1))
   assert convert_model(_Net(nnx.Rngs(0)), masks, threshold="fixed")[1][0].backend == "dense"
+
+
+def _sparse_paths(model):
+  return tuple(sorted(pattern_convs(model)))
+
+
+@pytest.mark.parametrize(
+  "fastest, sparse",
+  [("per-layer", ("conv2",)), ("dense", ()), ("all sparse", ("conv1", "conv2", "conv3"))],
+)
+def test_whole_model_check_keeps_the_fastest_of_dense_per_layer_and_all_sparse(
+  monkeypatch, fastest, sparse
+):
+  # conv2 alone measures faster sparse; the whole model is then timed the three ways, each
+  # on a copy (the model is switched only once, to the winner), and the fastest kept.
+  from jaxprune.clicktrain import sparse_execution
+
+  def per_layer(conv, input_shape, kernel, *, repeats):
+    per_layer.calls.append(kernel.shape)
+    is_sparse = per_layer.calls.count(kernel.shape) == 2
+    return 1.0 if is_sparse == (kernel.shape[-1] == 12) else 2.0
+
+  per_layer.calls = []
+  labels = {(): "dense", ("conv2",): "per-layer", ("conv1", "conv2", "conv3"): "all sparse"}
+  timed = []
+
+  def whole(model, input_shape, *, repeats):
+    label = labels[_sparse_paths(model)]
+    timed.append((label, tuple(input_shape)))
+    return 1.0 if label == fastest else 5.0
+
+  monkeypatch.setattr(sparse_execution, "time_train_pass", per_layer)
+  monkeypatch.setattr(sparse_execution, "time_model_pass", whole)
+  model = _Net(nnx.Rngs(0))
+  masks = _masks(model)
+  _apply(model, masks)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 9, 9, 1)), jnp.float32)
+  before = model(x)
+  model, report = convert_model(model, masks, input_shape=(2, 9, 9, 1))
+  assert sorted(timed) == sorted((label, (2, 9, 9, 1)) for label in labels.values())
+  assert report.kept == fastest
+  assert report.model_ms == {label: 1.0 if label == fastest else 5.0 for label in labels.values()}
+  assert _sparse_paths(model) == sparse
+  # Each choice says where it runs, and which layer-level pick the check overruled.
+  for c in report:
+    assert c.backend == ("reference" if c.path in sparse else "dense")
+    own = "reference" if c.path == "conv2" else "dense"
+    assert c.layer_backend == (None if own == c.backend else own)
+  assert f"kept: {fastest}." in format_report(report)
+  np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-6)
+
+
+def test_whole_model_check_is_skipped_when_no_layer_goes_sparse_and_needs_measuring(monkeypatch):
+  from jaxprune.clicktrain import sparse_execution
+
+  monkeypatch.setattr(sparse_execution, "time_train_pass", lambda *a, repeats: 1.0)  # a tie
+  monkeypatch.setattr(sparse_execution, "time_model_pass", lambda *a, **k: pytest.fail("timed"))
+  model = _Net(nnx.Rngs(0))
+  masks = _masks(model)
+  _, report = convert_model(model, masks, input_shape=(2, 9, 9, 1))
+  assert [c.backend for c in report] == ["dense"] * 3 and report.kept is None
+  for threshold in (0.5, "fixed"):
+    with pytest.raises(ValueError, match="check_model"):
+      convert_model(_Net(nnx.Rngs(0)), masks, threshold=threshold, check_model=True)
+  with pytest.raises(ValueError, match="check_model"):
+    SparseExecution(threshold=0.5, check_model=True)
+
+
+def test_time_model_pass_times_a_real_pass_and_leaves_the_model_alone():
+  model = _Net(nnx.Rngs(0))
+  state = jax.tree.map(np.asarray, nnx.state(model))
+  from jaxprune.clicktrain.sparse_execution import time_model_pass
+
+  assert time_model_pass(model, (2, 9, 9, 1), repeats=1) > 0
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(model), state)
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
