@@ -63,9 +63,10 @@ RATIOS = (0.25, 0.55)  # conv1, conv2 in flatten order
 LAMBDA = 0.01
 
 
-@functools.lru_cache(maxsize=None)
-def _paper_run():
-  tx = ct.clicktrain(
+def _paper_tx(**kw):
+  """The paper-mode schedule of the shared run (pool, finalization, then regularizing from
+  step 6), identity inner; ``kw``: further ``clicktrain`` keywords (the aligned mode's)."""
+  return ct.clicktrain(
     optax.identity(),
     steps_per_epoch=2,
     hard_prune_epoch=50,
@@ -75,7 +76,26 @@ def _paper_run():
     pool_size=5,
     kernel_prune_ratio=RATIOS,
     group_lasso_coefficient=LAMBDA,
+    **kw,
   )
+
+
+def _run(tx, steps=7):
+  """``tx`` on the toy params for ``steps`` steps of falling loss: ``(params, states (the
+  initial one first), last update)``."""
+  p = _params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  states, out = [st], None
+  for i in range(steps):
+    out, st = update(_fake_grads(p, i), st, p, value=jnp.float32(1.0 - 0.01 * i))
+    states.append(st)
+  return p, states, out
+
+
+@functools.lru_cache(maxsize=None)
+def _paper_run():
+  tx = _paper_tx()
   p = _params()
   st = tx.init(p)
   update = jax.jit(tx.update)
@@ -118,6 +138,7 @@ def _one_shot_reference(w, g, ratio, num_patterns=4):
   mask = np.stack([blocks[i] for i in pat.ravel()]).reshape(cin, cout, 3, 3)
   return pat, keep.reshape(cin, cout), np.moveaxis(mask, (2, 3), (0, 1)) * keep.reshape(cin, cout)
 
+
 @pytest.fixture
 def kit():
   """The transform tests' toy params, batches and gradients, the shared paper-mode run and the
@@ -130,6 +151,8 @@ def kit():
     CONV1=CONV1,
     CONV2=CONV2,
     paper_run=_paper_run,
+    paper_tx=_paper_tx,
+    run=_run,
     LOSSES=LOSSES,
     RATIOS=RATIOS,
     LAMBDA=LAMBDA,

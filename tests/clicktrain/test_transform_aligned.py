@@ -86,36 +86,12 @@ def test_one_shot_aligned_matches_a_numpy_group_rule(kit):
     assert all(len(taps) == 4 for taps, _ in group.blocks)
 
 
-def _paper(**kw):
-  return ct.clicktrain(
-    optax.identity(),
-    steps_per_epoch=2,
-    hard_prune_epoch=50,
-    pool_start_epoch=0,
-    pool_epochs=1,
-    finalize_epochs=2,
-    pool_size=5,
-    kernel_prune_ratio=(0.25, 0.55),
-    group_lasso_coefficient=0.01,
-    **kw,
-  )
-
-
-def _run(tx, kit, steps=7):
-  p = kit.params()
-  st = tx.init(p)
-  update = jax.jit(tx.update)
-  out = None
-  for i in range(steps):
-    out, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0 - 0.01 * i))
-  return p, st, out
-
-
 def test_filter_groups_equal_to_the_filters_is_the_balanced_paper_mode(kit):
   # One filter per group: every lifted quantity is the kernel's own, and each group pruning
   # ceil(ratio * Cin) channels is the per-filter load balance of balanced_kernels.
-  _, aligned, u_aligned = _run(_paper(filter_groups=8), kit)
-  _, balanced, u_balanced = _run(_paper(balanced_kernels=True), kit)
+  _, aligned, u_aligned = kit.run(kit.paper_tx(filter_groups=8))
+  _, balanced, u_balanced = kit.run(kit.paper_tx(balanced_kernels=True))
+  aligned, balanced = aligned[-1], balanced[-1]
   assert int(aligned.stage) == ct.REGULARIZE
   for a, b in zip(jax.tree.leaves(aligned.layers), jax.tree.leaves(balanced.layers)):
     np.testing.assert_array_equal(a, b)
@@ -125,7 +101,8 @@ def test_filter_groups_equal_to_the_filters_is_the_balanced_paper_mode(kit):
 
 def test_paper_mode_aligned_masks_and_lifted_group_lasso(kit):
   groups, lam, eps = 2, 0.01, 1e-8
-  p, st, update = _run(_paper(filter_groups=groups), kit)
+  p, states, update = kit.run(kit.paper_tx(filter_groups=groups))
+  st = states[-1]
   assert int(st.stage) == ct.REGULARIZE
   for name, ratio in ((kit.CONV1, 0.25), (kit.CONV2, 0.55)):
     ls = st.layers[name]

@@ -46,36 +46,24 @@ def _as_groups(ids):
   return {tuple(np.flatnonzero(ids == k).tolist()) for k in np.unique(ids)}
 
 
-def _paper(**kw):
+def _one_shot_clustered(groups, **kw):
+  """Clustered groups picked at the first step (one_shot), the hard prune at the second."""
   return ct.clicktrain(
-    optax.identity(),
-    steps_per_epoch=2,
-    hard_prune_epoch=50,
-    pool_start_epoch=0,
-    pool_epochs=1,
-    finalize_epochs=2,
-    pool_size=5,
-    kernel_prune_ratio=(0.25, 0.55),
-    group_lasso_coefficient=0.01,
+    optax.sgd(0.0),
+    steps_per_epoch=1,
+    hard_prune_epoch=2,
+    mode="one_shot",
+    one_shot_epoch=0,
+    filter_groups=groups,
+    filter_grouping="clustered",
     **kw,
   )
 
 
-def _run(tx, kit, steps=7):
-  p = kit.params()
-  st = tx.init(p)
-  update = jax.jit(tx.update)
-  states, out = [st], None
-  for i in range(steps):
-    out, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0 - 0.01 * i))
-    states.append(st)
-  return p, states, out
-
-
 @pytest.mark.parametrize("groups", [None, 2])
 def test_consecutive_ids_are_stored_in_every_stage(kit, groups):
-  _, states, _ = _run(_paper(filter_groups=groups), kit)
-  _, explicit, _ = _run(_paper(filter_groups=groups, filter_grouping="consecutive"), kit)
+  _, states, _ = kit.run(kit.paper_tx(filter_groups=groups))
+  _, explicit, _ = kit.run(kit.paper_tx(filter_groups=groups, filter_grouping="consecutive"))
   assert int(states[-1].stage) == ct.REGULARIZE
   for st in states:
     for ls in st.layers.values():
@@ -116,31 +104,14 @@ def test_one_shot_groups_filters_whose_weights_agree():
   w[..., 2], w[..., 3] = 1.5 * w[..., 0], w[..., 1]
   p = {"conv": {"kernel": jnp.asarray(w)}}
   g = {"conv": {"kernel": jnp.asarray(w)}}
-  tx = ct.clicktrain(
-    optax.sgd(0.0),
-    steps_per_epoch=1,
-    hard_prune_epoch=2,
-    mode="one_shot",
-    one_shot_epoch=0,
-    filter_groups=2,
-    filter_grouping="clustered",
-  )
+  tx = _one_shot_clustered(2)
   _, st = jax.jit(tx.update)(g, tx.init(p), p)
   assert clicktrain.filter_partition(st) == {"conv/kernel": ((0, 2), (1, 3))}
 
 
 def test_one_shot_clustered_matches_a_numpy_group_rule(kit):
   groups, ratio = 2, 0.35
-  tx = ct.clicktrain(
-    optax.sgd(0.0),
-    steps_per_epoch=1,
-    hard_prune_epoch=2,
-    mode="one_shot",
-    one_shot_epoch=0,
-    kernel_prune_ratio=ratio,
-    filter_groups=groups,
-    filter_grouping="clustered",
-  )
+  tx = _one_shot_clustered(groups, kernel_prune_ratio=ratio)
   p = kit.params()
   g = kit.fake_grads(p, 0)
   _, st = jax.jit(tx.update)(g, tx.init(p), p)
@@ -171,8 +142,8 @@ def test_paper_mode_clusters_the_per_kernel_sums_and_lifts_them(kit):
   groups, lam, eps = 2, 0.01, 1e-8
   # Before the partition is chosen every quantity is per kernel: the pool, votes and Eq. 2
   # sums are the paper mode's.
-  p, fine, _ = _run(_paper(), kit)
-  _, states, update = _run(_paper(filter_groups=groups, filter_grouping="clustered"), kit)
+  p, fine, _ = kit.run(kit.paper_tx())
+  _, states, update = kit.run(kit.paper_tx(filter_groups=groups, filter_grouping="clustered"))
   st = states[-1]
   assert int(st.stage) == ct.REGULARIZE
   partitions = readouts.filter_partition(st)
@@ -222,15 +193,7 @@ def test_paper_mode_clusters_the_per_kernel_sums_and_lifts_them(kit):
 
 def test_the_partition_follows_its_filters_through_channel_removal(kit):
   p = kit.params()
-  tx = ct.clicktrain(
-    optax.sgd(0.0),
-    steps_per_epoch=1,
-    hard_prune_epoch=2,
-    mode="one_shot",
-    one_shot_epoch=0,
-    filter_groups=2,
-    filter_grouping="clustered",
-  )
+  tx = _one_shot_clustered(2)
   _, st = jax.jit(tx.update)(kit.fake_grads(p, 0), tx.init(p), p)
   kept_out = np.array([0, 3, 4, 6, 7])
   new_p = jax.tree.map(lambda x: x, p)
