@@ -93,6 +93,20 @@ def _run(tx, steps=7):
   return p, states, out
 
 
+def _one_shot_tx(filter_groups, **kw):
+  """The one_shot rule picking its masks at the first step and pruning at the second, inner
+  SGD at rate 0; ``kw``: further ``clicktrain`` keywords (ratios, the filter grouping)."""
+  return ct.clicktrain(
+    optax.sgd(0.0),
+    steps_per_epoch=1,
+    hard_prune_epoch=2,
+    mode="one_shot",
+    one_shot_epoch=0,
+    filter_groups=filter_groups,
+    **kw,
+  )
+
+
 @functools.lru_cache(maxsize=None)
 def _paper_run():
   tx = _paper_tx()
@@ -152,6 +166,7 @@ def kit():
     CONV2=CONV2,
     paper_run=_paper_run,
     paper_tx=_paper_tx,
+    one_shot_tx=_one_shot_tx,
     run=_run,
     LOSSES=LOSSES,
     RATIOS=RATIOS,

@@ -5,7 +5,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from jaxprune.clicktrain import importance, patterns, readouts
@@ -39,22 +38,9 @@ def test_lifted_importance_is_the_numpy_sum_over_the_group(groups):
   np.testing.assert_array_equal(lift(eq2, 0), eq2)  # 0: the paper's per-kernel mode
 
 
-def _one_shot(filter_groups, ratio=0.35, **kw):
-  return ct.clicktrain(
-    optax.sgd(0.0),
-    steps_per_epoch=1,
-    hard_prune_epoch=2,
-    mode="one_shot",
-    one_shot_epoch=0,
-    kernel_prune_ratio=ratio,
-    filter_groups=filter_groups,
-    **kw,
-  )
-
-
 def test_one_shot_aligned_matches_a_numpy_group_rule(kit):
   groups, ratio = 2, 0.35
-  tx = _one_shot(groups, ratio)
+  tx = kit.one_shot_tx(groups, kernel_prune_ratio=ratio)
   p = kit.params()
   st = tx.init(p)
   g = kit.fake_grads(p, 0)
@@ -134,11 +120,11 @@ def test_paper_mode_aligned_masks_and_lifted_group_lasso(kit):
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5])
-def test_bad_filter_groups_raise_when_built(bad):
+def test_bad_filter_groups_raise_when_built(kit, bad):
   with pytest.raises(ValueError, match="filter_groups"):
-    _one_shot(bad)
+    kit.one_shot_tx(bad)
 
 
 def test_filter_groups_not_dividing_a_layer_raise_at_init(kit):
   with pytest.raises(ValueError, match="filter_groups \\(3\\) must divide the 8 filters.*conv1"):
-    _one_shot(3).init(kit.params())
+    kit.one_shot_tx(3).init(kit.params())

@@ -46,20 +46,6 @@ def _as_groups(ids):
   return {tuple(np.flatnonzero(ids == k).tolist()) for k in np.unique(ids)}
 
 
-def _one_shot_clustered(groups, **kw):
-  """Clustered groups picked at the first step (one_shot), the hard prune at the second."""
-  return ct.clicktrain(
-    optax.sgd(0.0),
-    steps_per_epoch=1,
-    hard_prune_epoch=2,
-    mode="one_shot",
-    one_shot_epoch=0,
-    filter_groups=groups,
-    filter_grouping="clustered",
-    **kw,
-  )
-
-
 @pytest.mark.parametrize("groups", [None, 2])
 def test_consecutive_ids_are_stored_in_every_stage(kit, groups):
   _, states, _ = kit.run(kit.paper_tx(filter_groups=groups))
@@ -96,7 +82,7 @@ def test_filters_that_agree_are_grouped():
   np.testing.assert_array_equal(cluster_filters(np.ones((4, 4)), None, 2), [0, 0, 1, 1])
 
 
-def test_one_shot_groups_filters_whose_weights_agree():
+def test_one_shot_groups_filters_whose_weights_agree(kit):
   # The same through the transform: (g ⊙ w) of filter 2 is that of filter 0 (x 1.5), of
   # filter 3 that of filter 1, so their Eq. 1 / Eq. 2 profiles agree.
   rng = np.random.default_rng(3)
@@ -104,14 +90,14 @@ def test_one_shot_groups_filters_whose_weights_agree():
   w[..., 2], w[..., 3] = 1.5 * w[..., 0], w[..., 1]
   p = {"conv": {"kernel": jnp.asarray(w)}}
   g = {"conv": {"kernel": jnp.asarray(w)}}
-  tx = _one_shot_clustered(2)
+  tx = kit.one_shot_tx(2, filter_grouping="clustered")
   _, st = jax.jit(tx.update)(g, tx.init(p), p)
   assert clicktrain.filter_partition(st) == {"conv/kernel": ((0, 2), (1, 3))}
 
 
 def test_one_shot_clustered_matches_a_numpy_group_rule(kit):
   groups, ratio = 2, 0.35
-  tx = _one_shot_clustered(groups, kernel_prune_ratio=ratio)
+  tx = kit.one_shot_tx(groups, kernel_prune_ratio=ratio, filter_grouping="clustered")
   p = kit.params()
   g = kit.fake_grads(p, 0)
   _, st = jax.jit(tx.update)(g, tx.init(p), p)
@@ -193,7 +179,7 @@ def test_paper_mode_clusters_the_per_kernel_sums_and_lifts_them(kit):
 
 def test_the_partition_follows_its_filters_through_channel_removal(kit):
   p = kit.params()
-  tx = _one_shot_clustered(2)
+  tx = kit.one_shot_tx(2, filter_grouping="clustered")
   _, st = jax.jit(tx.update)(kit.fake_grads(p, 0), tx.init(p), p)
   kept_out = np.array([0, 3, 4, 6, 7])
   new_p = jax.tree.map(lambda x: x, p)
