@@ -13,12 +13,10 @@ shape, once per conversion) and keeps the faster: on an H100 the fine-grained ke
 (VGG-11) and 12.5x (ResNet-32) slower than the dense masked step; on the 2-core CPU the
 reference SpMM also loses at ClickTrain's sparsities; the aligned layout wins on some layers
 and loses on others on both (``docs/design.md``, ``experiments/results/benchmarks/``). Layers
-timed in isolation do not add up to a step: on the H100 the per-layer choice sent 4 of
-VGG-11's 7 pruned convs to the aligned path and the whole step came out 1.20x the dense one,
-slower than all-dense or all-aligned. So the measured dispatch then times **the whole model's
-training pass** three ways (all dense, the per-layer choice, every pruned conv sparse) and keeps
-the fastest (:class:`ConversionReport`). A fixed sparsity threshold (the paper's 65% on its
-GPU, §5.2) stays available.
+timed in isolation do not add up to a step (on the H100 the per-layer choice made VGG-11's
+step 1.20x dense, slower than all-dense or all-aligned), so the dispatch then times **the whole
+model's training pass** all dense, as the layers chose and all sparse, and keeps the fastest
+(:class:`ConversionReport`). A fixed threshold (the paper's 65% on its GPU, §5.2) stays.
 
 The layout is a static attribute of the layer, not part of its state: a checkpoint holds the
 same arrays before and after the switch, and a resumed run rebuilds the layouts from the masks
@@ -59,7 +57,7 @@ from jaxprune.clicktrain.pattern_conv import (
   pattern_conv_values,
 )
 from jaxprune.clicktrain.readouts import filter_partition, masks, stage_name
-from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv
+from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv, check_convertible
 from jaxprune.masking import count_refilled
 from jaxprune.models import replace_submodule
 from jaxprune.paths import flatten_with_paths
@@ -356,6 +354,7 @@ def convert_model(
   kind = "aligned" if filter_groups is not None else backend
   choices: list[LayerChoice] = []
   builds = {}  # path -> build(conv) of every masked conv's sparse layer
+  convertible = []  # the masked convs a sparse layer can replace
   timed: dict[tuple, tuple[float, float]] = {}  # one measurement per geometry and sparsity
   for path, module in nnx.iter_modules(model):
     if not isinstance(module, nnx.Conv):
@@ -405,6 +404,11 @@ def convert_model(
     if not path:
       raise ValueError("model: pass a model containing convs, not a conv itself")
     builds[tuple(path)] = build
+    try:  # an unconvertible conv raises where chosen, and is never in "all sparse"
+      check_convertible(module, name)
+      convertible.append(tuple(path))
+    except ValueError:
+      pass
     choices.append(
       LayerChoice(name, tuple(module.kernel.shape), sparsity, balanced, use, dense_ms, sparse_ms)
     )
@@ -412,20 +416,23 @@ def convert_model(
   chosen = [p for p, c in zip(paths, choices) if c.backend != "dense"]
   report = ConversionReport(choices)
   if check_model and chosen:
-    chosen, report = _check_model(model, builds, chosen, choices, kind, input_shape, repeats)
+    chosen, report = _check_model(
+      model, builds, chosen, convertible, choices, kind, input_shape, repeats
+    )
   for path in chosen:  # (build checks that the conv can be replaced)
     replace_submodule(model, path, builds[path](_submodule(model, path)))
   return model, report
 
 
-def _submodule(model: nnx.Module, path: tuple) -> nnx.Module:
+def _submodule(model: nnx.Module, path: tuple) -> nnx.Module:  # path as nnx.iter_modules
   return dict(nnx.iter_modules(model))[path]
 
 
-def _check_model(model, builds, chosen, choices, kind, input_shape, repeats):
+def _check_model(model, builds, chosen, convertible, choices, kind, input_shape, repeats):
   """The whole-model check of :func:`convert_model`: the fastest of all dense, the per-layer
-  choice and all sparse (each timed on a copy of ``model``), and the choices it leaves."""
-  candidates = {"per-layer": chosen, "all sparse": list(builds), "dense": []}
+  choice and all sparse (every ``convertible`` conv; each timed on a copy of ``model``), and
+  the choices it leaves."""
+  candidates = {"per-layer": chosen, "all sparse": convertible, "dense": []}
   distinct = {}
   for label, paths in candidates.items():
     if paths not in distinct.values():

@@ -354,6 +354,33 @@ def test_whole_model_check_keeps_the_fastest_of_dense_per_layer_and_all_sparse(
   np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-6)
 
 
+def test_whole_model_check_leaves_a_conv_no_sparse_layer_can_run_out_of_all_sparse(monkeypatch):
+  # conv3 dilated (a 1x1 kernel: the same function): no sparse layer runs it, so the
+  # "all sparse" candidate switches the other two, and the check does not raise.
+  from jaxprune.clicktrain import sparse_execution
+
+  def per_layer(conv, input_shape, kernel, *, repeats):
+    per_layer.calls.append(kernel.shape)
+    is_sparse = per_layer.calls.count(kernel.shape) == 2
+    return 1.0 if is_sparse == (kernel.shape[-1] == 12) else 2.0
+
+  per_layer.calls = []
+  timed = []
+
+  def whole(model, input_shape, *, repeats):
+    timed.append(_sparse_paths(model))
+    return 1.0 if len(timed[-1]) == 2 else 5.0
+
+  monkeypatch.setattr(sparse_execution, "time_train_pass", per_layer)
+  monkeypatch.setattr(sparse_execution, "time_model_pass", whole)
+  model = _Net(nnx.Rngs(0))
+  model.conv3.kernel_dilation = (2, 2)
+  masks = _masks(model)
+  model, report = convert_model(model, masks, input_shape=(2, 9, 9, 1))
+  assert sorted(timed) == [(), ("conv1", "conv2"), ("conv2",)]
+  assert report.kept == "all sparse" and _sparse_paths(model) == ("conv1", "conv2")
+
+
 def test_whole_model_check_is_skipped_when_no_layer_goes_sparse_and_needs_measuring(monkeypatch):
   from jaxprune.clicktrain import sparse_execution
 
