@@ -59,7 +59,7 @@ from jaxprune.clicktrain.pattern_conv import (
 from jaxprune.clicktrain.readouts import filter_partition, masks, stage_name
 from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv, check_convertible
 from jaxprune.masking import count_refilled
-from jaxprune.models import replace_submodule
+from jaxprune.models import replace_submodule, submodule
 from jaxprune.paths import flatten_with_paths
 from jaxprune.timing import median_call_ms
 from jaxprune.train import Callback
@@ -420,12 +420,8 @@ def convert_model(
       model, builds, chosen, convertible, choices, kind, input_shape, repeats
     )
   for path in chosen:  # (build checks that the conv can be replaced)
-    replace_submodule(model, path, builds[path](_submodule(model, path)))
+    replace_submodule(model, path, builds[path](submodule(model, path)))
   return model, report
-
-
-def _submodule(model: nnx.Module, path: tuple) -> nnx.Module:  # path as nnx.iter_modules
-  return dict(nnx.iter_modules(model))[path]
 
 
 def _check_model(model, builds, chosen, convertible, choices, kind, input_shape, repeats):
@@ -441,7 +437,7 @@ def _check_model(model, builds, chosen, convertible, choices, kind, input_shape,
   for label, paths in distinct.items():
     trial = nnx.clone(model)
     for path in paths:
-      replace_submodule(trial, path, builds[path](_submodule(trial, path)))
+      replace_submodule(trial, path, builds[path](submodule(trial, path)))
     model_ms[label] = time_model_pass(trial, input_shape, repeats=repeats)
   kept = min(model_ms, key=model_ms.get)
   final = distinct[kept]

@@ -23,6 +23,7 @@ from jaxprune.models.conversions import (
   rebuild,
   record_conversion,
   replace_submodule,
+  submodule,
 )
 from jaxprune.models.layers import BasicBlock, BlurPool, Bottleneck, ConvBN
 from jaxprune.models.pluggable_conv import (
@@ -55,6 +56,7 @@ __all__ = [
   "rebuild",
   "record_conversion",
   "replace_submodule",
+  "submodule",
   "BoundConv",
   "ConvFunction",
   "ConvKey",

@@ -31,6 +31,7 @@ __all__ = [
   "rebuild",
   "record_conversion",
   "replace_submodule",
+  "submodule",
 ]
 
 Conversion = Callable[[nnx.Module], nnx.Module]
@@ -69,12 +70,18 @@ def record_conversion(model: nnx.Module, conversion: Conversion) -> nnx.Module:
   return model
 
 
+def submodule(model: nnx.Module, path: tuple) -> nnx.Module:
+  """The module at ``path`` (as given by ``nnx.iter_modules``: attribute names and list
+  indices) inside ``model``."""
+  for part in path:
+    model = model[part] if isinstance(part, int) else getattr(model, part)
+  return model
+
+
 def replace_submodule(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
   """Puts ``new`` at ``path`` (as given by ``nnx.iter_modules``: attribute names and list
   indices) inside ``model``: what a converter does to each module it swaps."""
-  parent = model
-  for part in path[:-1]:
-    parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+  parent = submodule(model, path[:-1])
   if isinstance(path[-1], int):
     parent[path[-1]] = new
   else:
