@@ -27,7 +27,9 @@ of the final pattern pool (usage counts) and per-layer sparsity; the table page
 paper's Table 1. All go to ``runs/clicktrain/``, or ``experiments/results/clicktrain/`` with
 ``--publish``. ``--dtype bf16`` trains the models in bfloat16 (parameters float32); its files
 are named with the budget ``<budget>_bf16`` (``table1_cpu_bf16_vgg11_dense.json``, page
-``table1_cpu_bf16.md``), so they never replace the fp32 rows.
+``table1_cpu_bf16.md``), so they never replace the fp32 rows. A run under a ``--seed`` other
+than 0 is named with ``_seed<S>`` at the end and goes to the aligned page's seeds table
+(``table1-aligned_<budget>.md``), never to the Table 1 page.
 
 A row too long for one sitting runs in parts: every run checkpoints after each epoch
 (``runs/checkpoints/``), and the same command with ``--resume`` continues it exactly.
@@ -46,7 +48,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments import _tables
+from experiments import _clicktrain_aligned_page, _tables
 from experiments._machine import machine_description
 from jaxprune import data, flops, methods, models, train
 from jaxprune.clicktrain import patterns, readouts
@@ -177,11 +179,6 @@ def _tag(budget: str, dtype: str = "fp32") -> str:
   return f"{budget}{_tables.dtype_suffix(dtype)}"
 
 
-def _pruned_at(run: dict[str, Any]) -> int | None:
-  """The epoch after which a saved run's stage first read ``pruned`` (its hard prune)."""
-  return next((r["epoch"] for r in run.get("history", ()) if r.get("stage") == "pruned"), None)
-
-
 def _run(
   args, row: str, prune: bool, train_set, test_set, folder: Path, command: str
 ) -> dict[str, Any]:
@@ -189,7 +186,7 @@ def _run(
   if prune and args.filter_groups is not None:
     clustered = args.filter_grouping == "clustered"
     label = f"aligned-g{args.filter_groups}{'c' if clustered else ''}"
-  stem = f"table1_{_tag(args.budget, args.dtype)}_{row}_{label}"
+  stem = _clicktrain_aligned_page.run_stem(_tag(args.budget, args.dtype), row, label, args.seed)
   loader = data.Loader(
     train_set, args.batch_size, shuffle=True, seed=args.seed, augment="clicktrain", drop_last=True
   )
@@ -263,6 +260,7 @@ def _run(
   result = {
     "row": row,
     "method": label,
+    "seed": args.seed,
     **_tables.dtype_config(args),
     "test_acc": history[-1]["test_acc"],
     "compression": flops.compression_ratio(trainer.params),
@@ -422,7 +420,7 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
         "",
         (
           f"- final stage: {clk['stage']}; hard prune at epoch "
-          f"{_pruned_at(clk) or '—'}; pool (ids into `all_patterns(4, 3)`, "
+          f"{_clicktrain_aligned_page.pruned_at(clk) or '—'}; pool (ids into `all_patterns(4, 3)`, "
           f"most competitive first): {clk['pool']}"
         ),
         "- patterns used by kept kernels (id: count): "
@@ -438,94 +436,13 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
   return "\n".join(lines) + "\n"
 
 
-def _epoch_s(run: dict[str, Any], pruned_at: int | None, after: bool) -> float | None:
-  """Mean epoch time of a run before (epochs 2..``pruned_at``: the first compiles) or after the
-  hard prune's epoch ``pruned_at``."""
-  if not pruned_at:
-    return None
-  times = [
-    r["epoch_time_s"]
-    for r in run["history"]
-    if (r["epoch"] > pruned_at if after else 1 < r["epoch"] <= pruned_at)
-  ]
-  return sum(times) / len(times) if times else None
-
-
-def _aligned_order(method: str) -> tuple[int, str]:
-  """``aligned-g<G>[c]`` by ``G`` (numerically), the consecutive groups before the clustered."""
-  groups = method.removeprefix("aligned-g")
-  return int(groups.rstrip("c")), groups
-
-
 def aligned_markdown(folder: Path, budget: str, dtype: str = "fp32") -> str:
   """The aligned mode's page (beyond the paper): every row with aligned runs beside its dense and
-  fine-grained ClickTrain runs of the same budget, seed and ``dtype``."""
-  tag = _tag(budget, dtype)
-  lines = [f"# ClickTrain's aligned mode at the `{budget}` budget (beyond the paper)", ""]
-  if notes := _tables.dtype_notes(dtype):
-    lines += [*notes, ""]
-  lines += [
-    (
-      f"Each row's runs share the budget and seed of Table 1's rows (`table1_{tag}.md`); "
-      "`aligned-gG` is `clicktrain(..., filter_groups=G)` with the pruned convs switched to the "
-      "aligned layers after the hard prune (`SparseExecution`, each layer kept where it measures "
-      "faster); `aligned-gGc` the same with `filter_grouping=\"clustered\"` (groups of filters "
-      "whose Eq. 2 and pattern scores agree, chosen when the patterns are finalized). The paper "
-      "has no aligned mode: its row is the fine-grained ClickTrain of Table 1 at the full recipe "
-      f"(190 epochs), ours the `{budget}` recipe. Compression counts every conv weight. Epoch "
-      "times are means over one run's epochs before the hard prune (from the second: the first "
-      "compiles) and after it (the first of those measures the layers and compiles the new step); "
-      "their ratio compares a run with itself, so runs made under different machine load stay "
-      "comparable. Two read-outs say where accuracy goes: the test accuracy evaluated at the end "
-      "of the hard prune's epoch (BatchNorm statistics re-estimated after the masks), and the "
-      "train loss of the last epoch (a pruned network that fits its training data less well "
-      "lost capacity, not generalization)."
-    ),
-    "",
-    (
-      "| row | method | test acc | Δ vs dense | Δ vs fine-grained | compression "
-      "| test acc at the prune | last train loss | epoch s before / after the prune "
-      "| after / before |"
-    ),
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-  ]
-  commands = []
-  for row in (*PAPER, *EXTRA_ROWS):
-    runs = {
-      p.stem.split(f"table1_{tag}_{row}_", 1)[1]: json.loads(p.read_text())
-      for p in sorted(folder.glob(f"table1_{tag}_{row}_*.json"))
-    }
-    if not any(m.startswith("aligned") for m in runs) or "dense" not in runs:
-      continue
-    if row in PAPER:
-      base, delta, compression = PAPER[row][:3]
-      lines.append(
-        f"| {row} | paper: ClickTrain (fine-grained, 190 epochs) | {base + delta:.1f}% | "
-        f"{delta:+.1f} | – | {compression:.1f}× | – | – | – | – |"
-      )
-    pruned_at = _pruned_at(runs.get("clicktrain", next(iter(runs.values()))))
-    dense, fine = runs["dense"], runs.get("clicktrain")
-    aligned = sorted((m for m in runs if m.startswith("aligned")), key=_aligned_order)
-    for method in ["dense", "clicktrain", *aligned]:
-      if method not in runs:
-        continue
-      r = runs[method]
-      at = _pruned_at(r) or pruned_at
-      before, after = _epoch_s(r, at, False), _epoch_s(r, at, True)
-      at_prune = next(h["test_acc"] for h in r["history"] if h["epoch"] == at)
-      vs_fine = (
-        f"{100 * (r['test_acc'] - fine['test_acc']):+.2f}"
-        if fine is not None and method.startswith("aligned")
-        else "–"
-      )
-      lines.append(
-        f"| {row} | {method} | {100 * r['test_acc']:.2f}% | "
-        f"{100 * (r['test_acc'] - dense['test_acc']):+.2f} | {vs_fine} | "
-        f"{r['compression']:.2f}× | {100 * at_prune:.2f}% | {r['history'][-1]['train_loss']:.3f} | "
-        f"{before:.0f} / {after:.0f} | {after / before:.2f}× |"
-      )
-      commands.append(f"- {row} {method}: `{r.get('command', '')}`")
-  return "\n".join([*lines, "", "Commands:", "", *commands]) + "\n"
+  fine-grained ClickTrain runs of the same budget, seed and ``dtype``, and the runs of other
+  seeds below (:mod:`experiments._clicktrain_aligned_page`)."""
+  return _clicktrain_aligned_page.aligned_markdown(
+    folder, budget, _tag(budget, dtype), PAPER, (*PAPER, *EXTRA_ROWS), _tables.dtype_notes(dtype)
+  )
 
 
 def _saved_rows(folder: Path, budget: str, dtype: str = "fp32") -> dict[str, dict[str, Any]]:
@@ -562,9 +479,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for prune in (True,) if args.skip_dense else (False, True):
       res = _run(args, row, prune, train_set, test_set, folder, command)
       results[row]["clicktrain" if prune else "dense"] = res
-      if args.filter_groups is None:
+      if args.filter_groups is None and not args.seed:
         out.write_text(_markdown(args, _saved_rows(folder, args.budget, args.dtype), command))
-      else:  # the aligned runs have their own page
+      else:  # the aligned runs, and the runs of other seeds, have their own page
         page = aligned_markdown(folder, args.budget, args.dtype)
         (folder / f"table1-aligned_{tag}.md").write_text(page)
       print(

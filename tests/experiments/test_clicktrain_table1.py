@@ -171,3 +171,45 @@ def test_clustered_filter_grouping_reaches_clicktrain_and_the_aligned_page(
     "aligned-g2c",
     "aligned-g16",
   ]
+
+
+def test_runs_of_other_seeds_go_to_the_aligned_pages_seeds_table(tmp_path):
+  """A ``--seed 1`` run is named ``..._seed1``: the main aligned table and the Table 1 page read
+  seed 0 only, and the seeds table gives each method's accuracy per seed, the mean, and the mean
+  of the seed-by-seed differences to the fine-grained run."""
+  assert clicktrain_table1._parse(["--seed", "1"]).seed == 1
+  fine = json.loads((RESULTS / "table1_cpu_vgg11_clicktrain.json").read_text())
+  accs = {
+    ("dense", 0): 0.80,
+    ("clicktrain", 0): 0.70,
+    ("clicktrain", 1): 0.72,
+    ("aligned-g2", 0): 0.65,
+    ("aligned-g2", 1): 0.69,
+    ("aligned-g4", 1): 0.60,
+  }
+  stems = {}
+  for (method, seed), acc in accs.items():
+    stem = clicktrain_table1._clicktrain_aligned_page.run_stem("cpu", "vgg11", method, seed)
+    stems[method, seed] = stem
+    (tmp_path / f"{stem}.json").write_text(json.dumps({**fine, "test_acc": acc}))
+  assert stems["aligned-g2", 0] == "table1_cpu_vgg11_aligned-g2"
+  assert stems["aligned-g2", 1] == "table1_cpu_vgg11_aligned-g2_seed1"
+  assert set(clicktrain_table1._saved_rows(tmp_path, "cpu")["vgg11"]) == {"dense", "clicktrain"}
+  assert clicktrain_table1._saved_rows(tmp_path, "cpu")["vgg11"]["clicktrain"]["test_acc"] == 0.70
+
+  page = clicktrain_table1.aligned_markdown(tmp_path, "cpu")
+  main, seeds = page.split("## Over seeds")
+  rows = [line for line in main.splitlines() if line.startswith("| vgg11 |")]
+  assert [r.split(" | ")[1] for r in rows][1:] == ["dense", "clicktrain", "aligned-g2"]
+  assert "| 65.00% | -15.00 | -5.00 |" in rows[3]
+  seed_rows = {
+    line.split(" | ")[1]: line.split(" | ")[2:]
+    for line in seeds.splitlines()
+    if line.startswith("| vgg11 |")
+  }
+  assert seed_rows["dense"] == ["80.00%", "–", "80.00%", "– |"]
+  assert seed_rows["clicktrain"] == ["70.00%", "72.00%", "71.00%", "– |"]
+  # (65 - 70) and (69 - 72): a mean of -4 points over two seeds
+  assert seed_rows["aligned-g2"] == ["65.00%", "69.00%", "67.00%", "-4.00 (2) |"]
+  assert seed_rows["aligned-g4"] == ["–", "60.00%", "60.00%", "-12.00 (1) |"]
+  assert "- vgg11 aligned-g4 seed 1: `" in page

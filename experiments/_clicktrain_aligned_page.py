@@ -1,0 +1,198 @@
+"""The page of ClickTrain's aligned mode (beyond the paper): each row's aligned runs beside its
+dense and fine-grained runs of one budget and seed, and, where a row was run under more seeds,
+a table of every seed's accuracy and their mean.
+
+A run's files are named ``table1_<tag>_<row>_<method>[_seed<S>]``: seed 0 (the table's seed)
+has no suffix, so the Table 1 page, which reads the seed-0 names only, is unchanged by a run
+under another seed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+_SEED = "_seed"
+
+
+def run_stem(tag: str, row: str, method: str, seed: int) -> str:
+  """The file stem of one run: ``table1_<tag>_<row>_<method>``, ``_seed<S>`` added for a seed
+  other than 0."""
+  return f"table1_{tag}_{row}_{method}" + (f"{_SEED}{seed}" if seed else "")
+
+
+def _saved_runs(folder: Path, tag: str, row: str) -> dict[tuple[str, int], dict[str, Any]]:
+  """Every saved run of ``row`` at ``tag`` in ``folder``, keyed by (method, seed)."""
+  runs = {}
+  for path in sorted(folder.glob(f"table1_{tag}_{row}_*.json")):
+    name = path.stem.split(f"table1_{tag}_{row}_", 1)[1]
+    method, _, seed = name.partition(_SEED)
+    runs[method, int(seed or 0)] = json.loads(path.read_text())
+  return runs
+
+
+def pruned_at(run: Mapping[str, Any]) -> int | None:
+  """The epoch after which a saved run's stage first read ``pruned`` (its hard prune)."""
+  return next((r["epoch"] for r in run.get("history", ()) if r.get("stage") == "pruned"), None)
+
+
+def _epoch_s(run: Mapping[str, Any], at: int | None, after: bool) -> float | None:
+  """Mean epoch time of a run before (epochs 2..``at``: the first compiles) or after the hard
+  prune's epoch ``at``."""
+  if not at:
+    return None
+  times = [
+    r["epoch_time_s"]
+    for r in run["history"]
+    if (r["epoch"] > at if after else 1 < r["epoch"] <= at)
+  ]
+  return sum(times) / len(times) if times else None
+
+
+def _aligned_order(method: str) -> tuple[int, str]:
+  """``aligned-g<G>[c]`` by ``G`` (numerically), the consecutive groups before the clustered."""
+  groups = method.removeprefix("aligned-g")
+  return int(groups.rstrip("c")), groups
+
+
+def _methods(runs: Mapping[tuple[str, int], Any]) -> list[str]:
+  """The methods of ``runs`` in page order: dense, fine-grained, then aligned by G."""
+  names = {m for m, _ in runs}
+  aligned = sorted((m for m in names if m.startswith("aligned")), key=_aligned_order)
+  return [m for m in ("dense", "clicktrain") if m in names] + aligned
+
+
+def _run_lines(row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> list[str]:
+  """The main table's lines for ``row``: its seed-0 runs."""
+  dense, fine = runs[("dense", 0)], runs.get(("clicktrain", 0))
+  default_at = pruned_at(fine or next(iter(runs.values())))
+  lines = []
+  for method in _methods({k: v for k, v in runs.items() if k[1] == 0}):
+    r = runs[method, 0]
+    at = pruned_at(r) or default_at
+    before, after = _epoch_s(r, at, False), _epoch_s(r, at, True)
+    at_prune = next(h["test_acc"] for h in r["history"] if h["epoch"] == at)
+    vs_fine = (
+      f"{100 * (r['test_acc'] - fine['test_acc']):+.2f}"
+      if fine is not None and method.startswith("aligned")
+      else "–"
+    )
+    lines.append(
+      f"| {row} | {method} | {100 * r['test_acc']:.2f}% | "
+      f"{100 * (r['test_acc'] - dense['test_acc']):+.2f} | {vs_fine} | "
+      f"{r['compression']:.2f}× | {100 * at_prune:.2f}% | {r['history'][-1]['train_loss']:.3f} | "
+      f"{before:.0f} / {after:.0f} | {after / before:.2f}× |"
+    )
+  return lines
+
+
+def _seed_lines(row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> list[str]:
+  """The seeds table of ``row`` (empty where every run is seed 0): each method's accuracy per
+  seed, their mean, and the mean of its differences to the fine-grained run of the same seed
+  (over the seeds that have both)."""
+  seeds = sorted({s for _, s in runs})
+  if seeds == [0]:
+    return []
+  lines = [
+    f"| row | method | {' | '.join(f'seed {s}' for s in seeds)} | mean | mean Δ vs fine-grained |",
+    "|---|---|" + "---:|" * (len(seeds) + 2),
+  ]
+  for method in _methods(runs):
+    accs = {s: runs[method, s]["test_acc"] for s in seeds if (method, s) in runs}
+    deltas = [
+      accs[s] - runs["clicktrain", s]["test_acc"] for s in accs if ("clicktrain", s) in runs
+    ]
+    cells = [f"{100 * accs[s]:.2f}%" if s in accs else "–" for s in seeds]
+    mean_delta = (
+      f"{100 * sum(deltas) / len(deltas):+.2f} ({len(deltas)})"
+      if method.startswith("aligned") and deltas
+      else "–"
+    )
+    mean = 100 * sum(accs.values()) / len(accs)
+    lines.append(f"| {row} | {method} | {' | '.join(cells)} | {mean:.2f}% | {mean_delta} |")
+  return [*lines, ""]
+
+
+def aligned_markdown(
+  folder: Path,
+  budget: str,
+  tag: str,
+  paper: Mapping[str, Sequence[float]],
+  rows: Sequence[str],
+  notes: Sequence[str] = (),
+) -> str:
+  """The aligned mode's page.
+
+  Args:
+    folder: where the runs' JSON files are.
+    budget: the budget's name, as the page states it.
+    tag: the budget part of the file names (the budget, with the dtype's marker).
+    paper: Table 1's rows, ``row -> (base acc, Δ, compression, ...)``, for the paper's line.
+    rows: the rows to look for, in page order.
+    notes: lines placed under the title (the dtype's notes).
+
+  Returns:
+    The page: one line per seed-0 run of each row that has aligned runs and a dense run, the
+    seeds table below where some row was run under other seeds, and every run's command.
+  """
+  lines = [f"# ClickTrain's aligned mode at the `{budget}` budget (beyond the paper)", ""]
+  if notes:
+    lines += [*notes, ""]
+  lines += [
+    (
+      f"Each row's runs share the budget and seed of Table 1's rows (`table1_{tag}.md`); "
+      "`aligned-gG` is `clicktrain(..., filter_groups=G)` with the pruned convs switched to the "
+      "aligned layers after the hard prune (`SparseExecution`, each layer kept where it measures "
+      "faster); `aligned-gGc` the same with `filter_grouping=\"clustered\"` (groups of filters "
+      "whose Eq. 2 and pattern scores agree, chosen when the patterns are finalized). The paper "
+      "has no aligned mode: its row is the fine-grained ClickTrain of Table 1 at the full recipe "
+      f"(190 epochs), ours the `{budget}` recipe. Compression counts every conv weight. Epoch "
+      "times are means over one run's epochs before the hard prune (from the second: the first "
+      "compiles) and after it (the first of those measures the layers and compiles the new step); "
+      "their ratio compares a run with itself, so runs made under different machine load stay "
+      "comparable. Two read-outs say where accuracy goes: the test accuracy evaluated at the end "
+      "of the hard prune's epoch (BatchNorm statistics re-estimated after the masks), and the "
+      "train loss of the last epoch (a pruned network that fits its training data less well "
+      "lost capacity, not generalization)."
+    ),
+    "",
+    (
+      "| row | method | test acc | Δ vs dense | Δ vs fine-grained | compression "
+      "| test acc at the prune | last train loss | epoch s before / after the prune "
+      "| after / before |"
+    ),
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  seeds, commands = [], []
+  for row in rows:
+    runs = _saved_runs(folder, tag, row)
+    if not any(m.startswith("aligned") for m, _ in runs) or ("dense", 0) not in runs:
+      continue
+    if row in paper:
+      base, delta, compression = paper[row][:3]
+      lines.append(
+        f"| {row} | paper: ClickTrain (fine-grained, 190 epochs) | {base + delta:.1f}% | "
+        f"{delta:+.1f} | – | {compression:.1f}× | – | – | – | – |"
+      )
+    lines += _run_lines(row, runs)
+    seeds += _seed_lines(row, runs)
+    for seed in sorted({s for _, s in runs}):
+      for method in (m for m in _methods(runs) if (m, seed) in runs):
+        name = method + (f" seed {seed}" if seed else "")
+        commands.append(f"- {row} {name}: `{runs[method, seed].get('command', '')}`")
+  if seeds:
+    lines += [
+      "",
+      "## Over seeds",
+      "",
+      (
+        "The same runs under other `--seed`s (initialisation, data order and the balanced "
+        "subsets all follow the seed). The mean difference to the fine-grained run is taken "
+        "seed by seed, over the seeds (count in brackets) that have both runs."
+      ),
+      "",
+      *seeds[:-1],
+    ]
+  return "\n".join([*lines, "", "Commands:", "", *commands]) + "\n"
