@@ -276,6 +276,7 @@ def _run(
       stage=readouts.stage_name(st),
       flops_saved=saved,
       layer_sparsity=_layer_sparsity(trainer.params),
+      live_input_channels=_live_input_channels(trainer.params),
       pattern_usage={
         int(k): [v[0].tolist(), v[1].tolist()] for k, v in readouts.pattern_usage(st).items()
       },
@@ -289,14 +290,26 @@ def _run(
   return result
 
 
+def _conv_kernels(params) -> dict[str, np.ndarray]:
+  """Every conv kernel (4-D parameter) of ``params`` by its layer's path."""
+  return {
+    "/".join(str(getattr(k, "key", k)) for k in path[:-1]): np.asarray(w)
+    for path, w in jax.tree_util.tree_flatten_with_path(params)[0]
+    if np.ndim(w) == 4
+  }
+
+
 def _layer_sparsity(params) -> dict[str, float]:
   """Fraction of exactly-zero weights per conv layer (after the hard prune: the masks)."""
-  out = {}
-  for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
-    if np.ndim(w) == 4:
-      name = "/".join(str(getattr(k, "key", k)) for k in path[:-1])
-      out[name] = float(np.mean(np.asarray(w) == 0))
-  return out
+  return {name: float(np.mean(w == 0)) for name, w in _conv_kernels(params).items()}
+
+
+def _live_input_channels(params) -> dict[str, float]:
+  """Fraction of each conv's input channels that some filter still reads (a kept weight): in
+  the aligned mode, the union of the channels its filter groups keep."""
+  return {
+    name: float(np.mean((w != 0).any(axis=(0, 1, 3)))) for name, w in _conv_kernels(params).items()
+  }
 
 
 def _plots(result: dict[str, Any], stem: Path) -> None:

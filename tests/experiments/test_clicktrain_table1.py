@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import optax
 import pytest
 
@@ -213,3 +214,16 @@ def test_runs_of_other_seeds_go_to_the_aligned_pages_seeds_table(tmp_path):
   assert seed_rows["aligned-g2"] == ["65.00%", "69.00%", "67.00%", "-4.00 (2) |"]
   assert seed_rows["aligned-g4"] == ["–", "60.00%", "60.00%", "-12.00 (1) |"]
   assert "- vgg11 aligned-g4 seed 1: `" in page
+
+
+def test_layer_read_outs_count_zero_weights_and_live_input_channels():
+  """Per conv: the fraction of zero weights, and of input channels some filter still reads
+  (hand-counted on a 3x3, 4-in, 2-out kernel with channels 1 and 3 pruned for both filters)."""
+  kernel = np.ones((3, 3, 4, 2), np.float32)
+  kernel[:, :, 1, :] = 0
+  kernel[:, :, 3, 0] = 0
+  kernel[:, :, 3, 1] = 0
+  kernel[0, 0, 2, 1] = 0
+  params = {"features": {"1": {"conv": {"kernel": kernel, "bias": np.ones(2)}}}}
+  assert clicktrain_table1._layer_sparsity(params) == {"features/1/conv": (36 + 1) / 72}
+  assert clicktrain_table1._live_input_channels(params) == {"features/1/conv": 0.5}
