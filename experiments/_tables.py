@@ -416,6 +416,14 @@ def command_line(name: str, argv: Sequence[str] | None) -> str:
   return f"python -m experiments.run {name} {shlex.join(args)}".rstrip()
 
 
+def write_result(stem: Path, result: Mapping[str, Any], page: str) -> None:
+  """A benchmark's saved record: ``<stem>.json`` (the result) and ``<stem>.md`` (its page),
+  rewritten whole each time (benchmarks save after every row, so a cut-short run keeps its
+  rows)."""
+  stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+  stem.with_suffix(".md").write_text(page)
+
+
 def utc_now() -> str:
   """The date and time a page states, in UTC."""
   return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

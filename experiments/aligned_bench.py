@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -320,8 +318,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   out = _tables.output_dir("benchmarks", args.publish, args.out)
   rng = np.random.default_rng(args.seed)
   result: dict[str, Any] = {
-    "command": "python -m experiments.run aligned_bench "
-    + " ".join(sys.argv[2:] if argv is None else argv),
+    "command": _tables.command_line("aligned_bench", argv),
     "date": datetime.date.today().isoformat(),
     "machine": machine_description(),
     "repeats": args.repeats,
@@ -332,8 +329,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   suffix = f"_{jax.default_backend()}" + ("_small" if args.small else "")
 
   def save():
-    (out / f"aligned_bench{suffix}.json").write_text(json.dumps(result, indent=1))
-    (out / f"aligned_bench{suffix}.md").write_text(to_markdown(result))
+    _tables.write_result(out / f"aligned_bench{suffix}", result, to_markdown(result))
 
   if "steps" not in args.skip:
     for i, dtype in enumerate(args.dtypes):

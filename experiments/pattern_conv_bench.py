@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import sys
 from collections.abc import Sequence
@@ -257,7 +256,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["models"][f"clicktrain-{name}"] = rows
   args.out.mkdir(parents=True, exist_ok=True)
   stem = args.out / f"pattern_conv_bench{args.name_suffix}"
-  stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-  stem.with_suffix(".md").write_text(to_markdown(result))
+  _tables.write_result(stem, result, to_markdown(result))
   print(to_markdown(result))
   return result

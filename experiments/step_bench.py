@@ -37,9 +37,7 @@ import argparse
 import dataclasses
 import datetime
 import itertools
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -400,8 +398,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   out = _tables.output_dir("benchmarks", args.publish, args.out)
   device = jax.devices()[0]
   result: dict[str, Any] = {
-    "command": "python -m experiments.run step_bench "
-    + " ".join(sys.argv[2:] if argv is None else argv),
+    "command": _tables.command_line("step_bench", argv),
     "date": datetime.date.today().isoformat(),
     "machine": machine_description(),
     "device": f"{device.platform} ({device.device_kind})",
@@ -413,8 +410,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   stem = f"step_time_{jax.default_backend()}" + ("_small" if args.small else "")
 
   def save():
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{stem}.md").write_text(to_markdown(result))
+    _tables.write_result(out / stem, result, to_markdown(result))
 
   deadline = time.perf_counter() + args.max_seconds
   specs = _models(args)
