@@ -276,7 +276,8 @@ def _run(
       stage=readouts.stage_name(st),
       flops_saved=saved,
       layer_sparsity=_layer_sparsity(trainer.params),
-      live_input_channels=_live_input_channels(trainer.params),
+      live_input_channels=_live_inputs(trainer.params, (0, 1, 3)),
+      live_input_taps=_live_inputs(trainer.params, (3,)),
       pattern_usage={
         int(k): [v[0].tolist(), v[1].tolist()] for k, v in readouts.pattern_usage(st).items()
       },
@@ -304,11 +305,12 @@ def _layer_sparsity(params) -> dict[str, float]:
   return {name: float(np.mean(w == 0)) for name, w in _conv_kernels(params).items()}
 
 
-def _live_input_channels(params) -> dict[str, float]:
-  """Fraction of each conv's input channels that some filter still reads (a kept weight): in
-  the aligned mode, the union of the channels its filter groups keep."""
+def _live_inputs(params, axis: tuple[int, ...]) -> dict[str, float]:
+  """Fraction of each conv's input channels (``axis=(0, 1, 3)``) or (tap, input channel) pairs
+  (``axis=(3,)``) that some filter still reads through a kept weight: in the aligned mode, the
+  union over its filter groups, which is what columns shared by the groups would hold."""
   return {
-    name: float(np.mean((w != 0).any(axis=(0, 1, 3)))) for name, w in _conv_kernels(params).items()
+    name: float(np.mean((w != 0).any(axis=axis))) for name, w in _conv_kernels(params).items()
   }
 
 

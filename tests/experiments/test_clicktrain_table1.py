@@ -226,4 +226,8 @@ def test_layer_read_outs_count_zero_weights_and_live_input_channels():
   kernel[0, 0, 2, 1] = 0
   params = {"features": {"1": {"conv": {"kernel": kernel, "bias": np.ones(2)}}}}
   assert clicktrain_table1._layer_sparsity(params) == {"features/1/conv": (36 + 1) / 72}
-  assert clicktrain_table1._live_input_channels(params) == {"features/1/conv": 0.5}
+  assert clicktrain_table1._live_inputs(params, (0, 1, 3)) == {"features/1/conv": 0.5}
+  # (tap, channel) pairs: channels 0 and 2 at all 9 taps (filter 0 reads (0, 0, 2))
+  assert clicktrain_table1._live_inputs(params, (3,)) == {"features/1/conv": 18 / 36}
+  kernel[0, 0, 2, 0] = 0
+  assert clicktrain_table1._live_inputs(params, (3,)) == {"features/1/conv": 17 / 36}
