@@ -11,11 +11,15 @@ VGG-11 35-85%; a library pattern per kept (group, channel)):
 * per layer, the forward pass plus both gradients (one jitted ``jax.vjp``) of every distinct
   pruned 3x3 layer of ``clicktrain-vgg11`` and ``clicktrain-resnet32`` (CIFAR, batch 128) and
   of the four 3x3 layers of an ImageNet ResNet-50's stages (batch 64), fp32 and bf16, for the
-  dense masked conv, the aligned conv at each ``G``, the aligned conv at ``G = 1`` with its
+  dense masked conv, the aligned conv at each ``G`` (for ``G > 1`` with its columns made per
+  group and, ``shared``, once for every group: ``aligned_conv(columns=...)``; random masks
+  share few (tap, channel) pairs between groups, so they are the shared columns' worst
+  case), the aligned conv at ``G = 1`` with its
   kept channels already contiguous (no channel gather: the gather's cost), and with
   ``--fine`` the fine-grained conv;
 * the whole train step (forward, backward, SGD with the masks kept) of both CIFAR models with
-  every pruned conv dense-masked, aligned at each ``G``, and (``--fine``) fine-grained, with the
+  every pruned conv dense-masked, aligned at each ``G`` (and ``G > 1`` with shared columns),
+  with the default measured dispatch (``measured G=...``), and (``--fine``) fine-grained, with the
   model computing in each of ``--dtypes`` (parameters float32; every dtype's rows use the same
   masks and batch).
 
@@ -49,7 +53,7 @@ from experiments.clicktrain_table1 import kernel_ratio_fn
 from experiments.pattern_conv_bench import _pruned_layers, clicktrain_like_mask
 from jaxprune import masking, models, train
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.aligned_conv import aligned_conv
+from jaxprune.clicktrain.aligned_conv import COLUMNS, aligned_conv
 from jaxprune.clicktrain.aligned_layout import aligned_mask, build_aligned_layout
 from jaxprune.clicktrain.layout import build_layout
 from jaxprune.clicktrain.pattern_conv import pattern_conv
@@ -158,9 +162,12 @@ def bench_layer(spec: dict[str, Any], dtype: str, args, rng) -> dict[str, Any]:
       else aligned_random_mask(kshape, spec["ratio"], g, rng, contiguous=contiguous)
     )
     layout = build_aligned_layout(mask, g)
-    row["ms"][label] = timed(
-      lambda x, w, layout=layout: aligned_conv(x, w, layout, strides=strides, padding=padding)
-    )
+    for columns in COLUMNS if g > 1 and not contiguous else COLUMNS[:1]:
+      row["ms"][label + (" shared" if columns == "shared" else "")] = timed(
+        lambda x, w, layout=layout, c=columns: aligned_conv(
+          x, w, layout, strides=strides, padding=padding, columns=c
+        )
+      )
   if args.fine:
     layout = build_layout(clicktrain_like_mask(kshape, spec["ratio"], rng), nnz_per_kernel=None)
     backend = default_backend()
@@ -200,11 +207,12 @@ def bench_step(name: str, variant: str, args, rng, dtype: str = "fp32") -> tuple
     dtype=_tables.compute_dtype(dtype),
   )
   fine = variant.startswith("fine")
-  groups = int(variant.split("=")[1]) if "G=" in variant else 1
+  groups = int(variant.split("=")[1].split()[0]) if "G=" in variant else 1
   masks = _model_masks(model, name, groups, rng, fine=fine)
   nnx.update(model, masking.apply_masks(nnx.as_pure(nnx.state(model, nnx.Param)), masks))
   if variant.startswith("aligned"):
-    convert_model(model, masks, threshold=0.0, filter_groups=groups)
+    columns = "shared" if variant.endswith("shared") else "per_group"
+    convert_model(model, masks, threshold=0.0, filter_groups=groups, columns=columns)
   elif variant.startswith("measured"):  # the default dispatch: each layer timed both ways
     shape = (args.batch, 32, 32, 3)
     _, choices = convert_model(model, masks, filter_groups=groups, input_shape=shape)
@@ -339,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       step_rng = rng if i == 0 else np.random.default_rng(args.seed)
       for name in args.models:
         variants = ["dense"] + [f"aligned G={g}" for g in args.groups]
+        variants += [f"aligned G={g} shared" for g in args.groups if g > 1]
         variants += [f"measured G={g}" for g in args.measured]
         variants += ["fine-grained"] if args.fine else []
         dense_ms = None

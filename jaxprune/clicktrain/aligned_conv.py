@@ -41,7 +41,19 @@ from jax import lax
 from jaxprune._conv_args import canonical_padding, spatial_pair
 from jaxprune.clicktrain.aligned_layout import AlignedGroup, AlignedLayout
 
-__all__ = ["AlignedConvFn", "aligned_conv"]
+__all__ = ["COLUMNS", "AlignedConvFn", "aligned_conv", "check_columns", "shared_columns"]
+
+# How an aligned conv of several filter groups makes its im2col columns (see aligned_conv).
+COLUMNS = ("per_group", "shared")
+
+
+def check_columns(columns: str | None, *, optional: bool = False) -> None:
+  """Raises ``ValueError`` naming ``columns`` unless it is one of :data:`COLUMNS` (or None,
+  where ``optional``: the dispatch measures both)."""
+  if columns in COLUMNS or (optional and columns is None):
+    return
+  allowed = ("None", *COLUMNS) if optional else COLUMNS
+  raise ValueError(f"columns must be one of {', '.join(allowed)}; got {columns!r}")
 
 
 def _inverse_positions(channels: tuple[int, ...], cin: int) -> np.ndarray:
@@ -116,14 +128,47 @@ def _packed_weights(kernel: jax.Array, group: AlignedGroup) -> jax.Array:
   return kernel[i[:, None], j[:, None], c[:, None], f[None, :]]
 
 
-def _group_products(x, kernel, groups, pads, out_hw, strides, precision, preferred):
+@functools.lru_cache(maxsize=256)
+def shared_columns(layout: AlignedLayout) -> tuple[AlignedGroup, np.ndarray]:
+  """The layout's groups folded into one over the union of their (tap, input channel) pairs.
+
+  Every (tap, channel) pair that some group reads becomes one column, materialized once and
+  read by every filter: one matrix product with no filter permutation, whose contraction is
+  the union's size rather than each group's. The group's packed weights are masked by the
+  returned ``(contraction, Cout)`` 0/1 array (a group that does not read a column multiplies
+  it by an exact zero, and its weight there gets a zero gradient).
+
+  Returns:
+    ``(group, packed_mask)``: an :class:`AlignedGroup` of every filter whose blocks are the
+    union's tap sets, and the mask of its packed weights.
+  """
+  m = layout.mask()
+  union = m.any(axis=3)
+  by_taps: dict[tuple[tuple[int, int], ...], list[int]] = {}
+  for c in range(m.shape[2]):
+    taps = tuple((int(i), int(j)) for i, j in np.argwhere(union[:, :, c]))
+    if taps:
+      by_taps.setdefault(taps, []).append(c)
+  blocks = tuple((taps, tuple(by_taps[taps])) for taps in sorted(by_taps))
+  group = AlignedGroup(tuple(range(m.shape[3])), blocks)
+  rows = [(i, j, c) for taps, chans in blocks for i, j in taps for c in chans]
+  packed_mask = m[tuple(np.asarray(v, np.int32) for v in zip(*rows))] if rows else m[0, 0, :0]
+  return group, packed_mask
+
+
+def _group_products(
+  x, kernel, groups, pads, out_hw, strides, precision, preferred, weight_mask=None
+):
   """``(N, OH, OW, Σ F_g)`` of ``groups`` of one contraction size: one channel gather, one
-  concat of static slices, one matrix product batched over the groups."""
+  concat of static slices, one matrix product batched over the groups (``weight_mask``: the
+  packed weights' 0/1 mask of a single shared group)."""
   xg = _take_channels(x, tuple(c for g in groups for c in g.channels))
   xg = jnp.pad(xg, ((0, 0), *pads, (0, 0)))
   cols = _columns(xg, groups, out_hw, strides)
   cols = cols.reshape(-1, len(groups), groups[0].contraction)
   weights = jnp.stack([_packed_weights(kernel, g) for g in groups]).astype(cols.dtype)
+  if weight_mask is not None:
+    weights = weights * jnp.asarray(weight_mask, weights.dtype)
   y = jnp.einsum(
     "mgr,grf->mgf", cols, weights, precision=precision, preferred_element_type=preferred
   )
@@ -139,6 +184,7 @@ def aligned_conv(
   padding: Any = "SAME",
   precision: Any = None,
   preferred_element_type: Any = None,
+  columns: str = "per_group",
 ) -> jax.Array:
   """``conv(x, kernel * layout.mask())`` (NHWC × HWIO) as slices + one GEMM per group.
 
@@ -150,14 +196,21 @@ def aligned_conv(
     strides: an int or ``(sh, sw)``.
     padding: ``"SAME"``, ``"VALID"`` or explicit ``((top, bottom), (left, right))``.
     precision, preferred_element_type: passed to the matrix products.
+    columns: ``"per_group"``: each group's columns, one product batched over the groups (the
+      fewest multiply-adds; the columns of a pair two groups read are made twice);
+      ``"shared"``: the union of the groups' (tap, channel) pairs made once and one product
+      over every filter (:func:`shared_columns`: fewer columns to write when the groups keep
+      much the same inputs, more multiply-adds). One group: the same either way.
 
   Returns:
     ``(N, OH, OW, Cout)``. A pruned weight is absent rather than a multiplying zero: a
     non-finite input reaches only the outputs that read it through a kept weight.
 
   Raises:
-    ValueError: shapes that do not match the layout, or bad strides / padding.
+    ValueError: shapes that do not match the layout, bad strides / padding, or ``columns``
+      not one of :data:`COLUMNS`.
   """
+  check_columns(columns)
   kh, kw, cin, cout = layout.kernel_shape
   if tuple(kernel.shape) != tuple(layout.kernel_shape):
     raise ValueError(f"kernel shape {tuple(kernel.shape)} != layout's {layout.kernel_shape}")
@@ -174,6 +227,14 @@ def aligned_conv(
   )
   if min(out_hw) < 1:
     raise ValueError(f"x {tuple(x.shape)} is smaller than the kernel after padding {padding}")
+  if columns == "shared" and len(layout.groups) > 1:
+    group, packed_mask = shared_columns(layout)
+    if not group.blocks:
+      dtype = preferred_element_type or jnp.result_type(x.dtype, kernel.dtype)
+      return jnp.zeros((x.shape[0], *out_hw, cout), dtype)
+    return _group_products(
+      x, kernel, [group], padding, out_hw, strides, precision, preferred_element_type, packed_mask
+    )
   kept = [g for g in layout.groups if g.blocks]
   # Groups of one contraction size (the same number of channels kept in each: the usual
   # case) run as one batched product, others as one product each.
@@ -204,6 +265,7 @@ class AlignedConvFn:
   """
 
   layout: AlignedLayout
+  columns: str = "per_group"
 
   def __call__(
     self,
@@ -233,4 +295,5 @@ class AlignedConvFn:
       padding=padding,
       precision=precision,
       preferred_element_type=preferred_element_type,
+      columns=self.columns,
     )

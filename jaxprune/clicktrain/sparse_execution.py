@@ -36,7 +36,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -47,15 +47,16 @@ from jax import lax
 
 import pallas_kernels
 from jaxprune import flops
-from jaxprune.clicktrain.aligned_conv import aligned_conv
-from jaxprune.clicktrain.aligned_layout import build_aligned_layout
-from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
-from jaxprune.clicktrain.pattern_conv import (
-  BACKENDS,
-  check_backend,
-  pattern_conv,
-  pattern_conv_values,
+from jaxprune.clicktrain.aligned_conv import (
+  COLUMNS,
+  aligned_conv,
+  check_columns,
+  shared_columns,
 )
+from jaxprune.clicktrain.aligned_layout import build_aligned_layout
+from jaxprune.clicktrain.layer_timing import time_layer, time_model_pass, time_train_pass
+from jaxprune.clicktrain.layout import build_layout
+from jaxprune.clicktrain.pattern_conv import BACKENDS, check_backend, pattern_conv
 from jaxprune.clicktrain.readouts import filter_partition, masks, stage_name
 from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv, check_convertible
 from jaxprune.masking import count_refilled
@@ -111,97 +112,7 @@ def default_backend(platform: str | None = None) -> str:
   return "reference"
 
 
-def time_layer(
-  layout: PatternLayout,
-  input_shape: Sequence[int],
-  *,
-  strides=(1, 1),
-  padding="SAME",
-  backend: str = "reference",
-  repeats: int = 3,
-  seed: int = 0,
-) -> dict[str, float]:
-  """Wall-clock milliseconds of one conv, sparse path against the dense masked conv.
-
-  Times, on the default device, the forward pass, the data gradient and the weight gradient
-  of :func:`~jaxprune.clicktrain.pattern_conv.pattern_conv_values` with ``backend`` and of
-  ``lax.conv_general_dilated`` with the masked kernel, each the median of ``repeats`` calls of
-  the jitted function after a warm-up call (so compilation is not counted).
-
-  Returns:
-    ``dense_fwd_ms``, ``sparse_fwd_ms``, ``dense_dx_ms``, ``sparse_dx_ms``, ``dense_dw_ms``,
-    ``sparse_dw_ms``.
-  """
-  rng = np.random.default_rng(seed)
-  mask = np.asarray(to_dense(jnp.ones((layout.kernel_shape[3], layout.width)), layout))
-  kernel = jnp.asarray(rng.normal(size=layout.kernel_shape) * mask, jnp.float32)
-  values = to_values(kernel, layout)
-  x = jnp.asarray(rng.normal(size=tuple(input_shape)), jnp.float32)
-  strides = (strides, strides) if isinstance(strides, int) else tuple(strides)
-  pad = padding if isinstance(padding, str) else tuple(tuple(p) for p in padding)
-
-  def dense(x, w):
-    return lax.conv_general_dilated(x, w, strides, pad, dimension_numbers=("NHWC", "HWIO", "NHWC"))
-
-  def sparse(x, v):
-    return pattern_conv_values(x, v, layout, strides=strides, padding=pad, backend=backend)
-
-  cot = jnp.asarray(rng.normal(size=jax.eval_shape(dense, x, kernel).shape), jnp.float32)
-
-  def grad(f, argnum):
-    return jax.jit(lambda x, w, c: jax.vjp(f, x, w)[1](c)[argnum])
-
-  return {
-    "dense_fwd_ms": median_call_ms(jax.jit(dense), x, kernel, repeats=repeats),
-    "sparse_fwd_ms": median_call_ms(jax.jit(sparse), x, values, repeats=repeats),
-    "dense_dx_ms": median_call_ms(grad(dense, 0), x, kernel, cot, repeats=repeats),
-    "sparse_dx_ms": median_call_ms(grad(sparse, 0), x, values, cot, repeats=repeats),
-    "dense_dw_ms": median_call_ms(grad(dense, 1), x, kernel, cot, repeats=repeats),
-    "sparse_dw_ms": median_call_ms(grad(sparse, 1), x, values, cot, repeats=repeats),
-  }
-
-
 _NHWC = ("NHWC", "HWIO", "NHWC")
-
-
-def time_train_pass(
-  conv: Callable[[jax.Array, jax.Array], jax.Array],
-  input_shape: Sequence[int],
-  kernel: jax.Array,
-  *,
-  repeats: int = 3,
-  seed: int = 0,
-) -> float:
-  """Median milliseconds of one training pass of ``conv(x, kernel)``: the forward and both
-  gradients in one jitted ``jax.vjp`` (what a train step pays for the layer)."""
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.normal(size=tuple(input_shape)), kernel.dtype)
-  cot = jnp.asarray(rng.normal(size=jax.eval_shape(conv, x, kernel).shape), kernel.dtype)
-
-  def train_pass(x, w, c):
-    y, vjp = jax.vjp(conv, x, w)
-    return (y, *vjp(c))
-
-  return median_call_ms(jax.jit(train_pass), x, kernel, cot, repeats=repeats)
-
-
-def time_model_pass(
-  model: nnx.Module, input_shape: Sequence[int], *, repeats: int = 3, seed: int = 0
-) -> float:
-  """Median milliseconds of one training pass of the whole ``model`` on a random batch of
-  ``input_shape``: the forward and the gradients of its parameters and input in one jitted
-  ``jax.vjp`` (a train step without the optimizer, which every conversion leaves alike). The
-  model is not changed (its other state, e.g. BatchNorm statistics, is updated on a copy)."""
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.normal(size=tuple(input_shape)), jnp.float32)
-
-  def train_pass(params, rest, x):
-    y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, x)
-    return y, vjp(jnp.ones_like(y))
-
-  params, rest = nnx.as_pure(params), nnx.as_pure(rest)
-  return median_call_ms(jax.jit(train_pass), params, rest, x, repeats=repeats)
 
 
 class ConversionReport(list):
@@ -230,8 +141,11 @@ class LayerChoice:
     kernel_shape: its HWIO kernel shape.
     sparsity: fraction of zero weights under its mask.
     balanced: every filter keeps the same number of weights.
-    backend: ``"dense"`` (left as it was), ``"aligned"``, or the fine-grained backend it runs.
-    dense_ms, sparse_ms: measured forward + backward times (when measured).
+    backend: ``"dense"`` (left as it was), ``"aligned"`` (columns per filter group),
+      ``"aligned (shared columns)"`` (one set of columns for every group, measured faster),
+      or the fine-grained backend it runs.
+    dense_ms, sparse_ms: measured forward + backward times (when measured; ``sparse_ms`` of
+      the fastest sparse way).
     layer_backend: what the layer's own timing chose, where the whole-model check overruled
       it (``None`` elsewhere).
   """
@@ -246,31 +160,42 @@ class LayerChoice:
   layer_backend: str | None = None
 
 
-def _sparse_layer(mask: np.ndarray, name: str, filter_groups, nnz_per_kernel, backend):
-  """``(sparsity, balanced, build(conv) -> layer, conv_fn(x, w) for timing)`` of one mask."""
+def _sparse_layer(mask: np.ndarray, name: str, filter_groups, nnz_per_kernel, backend, columns):
+  """``(sparsity, balanced, variants, timing_key)`` of one mask. ``variants``: each way a
+  sparse layer can run it, by its label in the report (the default first), as ``(build(conv)
+  -> layer, conv_fn(strides, pad) -> f(x, w))``; ``timing_key``: what besides the geometry and
+  weight count sets its times (masks that agree on it are timed once)."""
   try:
     if filter_groups is not None:
       layout = build_aligned_layout(mask, filter_groups)
       balanced = len({g.contraction for g in layout.groups}) == 1
-      return (
-        layout.sparsity,
-        balanced,
-        lambda conv: AlignedConv.from_conv(conv, layout, name=name),
-        lambda strides, pad: lambda x, w: aligned_conv(x, w, layout, strides=strides, padding=pad),
-      )
+      # Several groups: their columns per group or shared (aligned_conv), whichever is faster.
+      modes = (columns,) if columns else COLUMNS if len(layout.groups) > 1 else COLUMNS[:1]
+      variants = {
+        ("aligned" if c == "per_group" else f"aligned ({c} columns)"): (
+          lambda conv, c=c: AlignedConv.from_conv(conv, layout, name=name, columns=c),
+          lambda strides, pad, c=c: (
+            lambda x, w: aligned_conv(x, w, layout, strides=strides, padding=pad, columns=c)
+          ),
+        )
+        for c in modes
+      }
+      groups = tuple(sorted(g.contraction for g in layout.groups))
+      return layout.sparsity, balanced, variants, (groups, shared_columns(layout)[0].contraction)
     kernel_size = mask.shape[0] * mask.shape[1]
     per_kernel = None if nnz_per_kernel is None else min(nnz_per_kernel, kernel_size)
     layout = build_layout(mask, nnz_per_kernel=per_kernel)
   except ValueError as err:
     raise ValueError(f"weight_masks: {name}: {err}") from None
-  return (
-    layout.sparsity,
-    layout.balanced,
-    lambda conv: PatternConv.from_conv(conv, layout, backend=backend, name=name),
-    lambda strides, pad: (
-      lambda x, w: pattern_conv(x, w, layout, strides=strides, padding=pad, backend=backend)
-    ),
-  )
+  variants = {
+    backend: (
+      lambda conv: PatternConv.from_conv(conv, layout, backend=backend, name=name),
+      lambda strides, pad: (
+        lambda x, w: pattern_conv(x, w, layout, strides=strides, padding=pad, backend=backend)
+      ),
+    )
+  }
+  return layout.sparsity, layout.balanced, variants, None
 
 
 def convert_model(
@@ -284,6 +209,7 @@ def convert_model(
   repeats: int = 3,
   filter_groups: Any = None,
   check_model: bool | None = None,
+  columns: str | None = None,
 ) -> tuple[nnx.Module, ConversionReport]:
   """Switches the pruned convs of ``model`` to a sparse layer where it pays, in place.
 
@@ -316,6 +242,10 @@ def convert_model(
       and with every pruned conv sparse (:func:`time_model_pass`, at ``input_shape``), and keep
       the fastest: switching between the dense convolutions and the sparse layers costs what
       no single layer's timing sees.
+    columns: how an aligned layer of several filter groups makes its columns
+      (:func:`~jaxprune.clicktrain.aligned_conv.aligned_conv`): ``"per_group"`` or
+      ``"shared"``; ``None`` (default): measured, both timed and the faster kept (under a
+      fixed threshold: per group).
 
   Returns:
     ``(model, choices)``: a :class:`ConversionReport`, one :class:`LayerChoice` per masked
@@ -325,8 +255,9 @@ def convert_model(
     ValueError: a mask whose shape or content does not fit its kernel (named), a masked
       conv that is already sparse or missing from a ``filter_groups`` mapping, a bad
       threshold / backend (``"pallas"`` where this JAX has no Pallas Triton backend), or
-      measuring without ``input_shape``, ``check_model`` without measuring.
+      measuring without ``input_shape``, ``check_model`` without measuring, bad ``columns``.
   """
+  check_columns(columns, optional=True)
   backend = default_backend() if backend is None else backend
   check_backend(backend)
   threshold = default_threshold() if threshold is None else threshold
@@ -351,11 +282,10 @@ def convert_model(
     if not np.isfinite(threshold) or threshold < 0:
       raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
   masks_by_path = {path: np.asarray(m) for path, m in flatten_with_paths(weight_masks)}
-  kind = "aligned" if filter_groups is not None else backend
   choices: list[LayerChoice] = []
-  builds = {}  # path -> build(conv) of every masked conv's sparse layer
+  builds = {}  # path -> (label, build(conv)) of every masked conv's sparse layer
   convertible = []  # the masked convs a sparse layer can replace
-  timed: dict[tuple, tuple[float, float]] = {}  # one measurement per geometry and sparsity
+  timed: dict[tuple, tuple[float, dict]] = {}  # one measurement per geometry and sparsity
   for path, module in nnx.iter_modules(model):
     if not isinstance(module, nnx.Conv):
       continue
@@ -374,9 +304,10 @@ def convert_model(
       groups = filter_groups.get(f"{name}/kernel")
       if groups is None:
         raise ValueError(f"filter_groups: no groups for the masked kernel {name}/kernel")
-    sparsity, balanced, build, timing_fn = _sparse_layer(
-      mask, name, groups, nnz_per_kernel, backend
+    sparsity, balanced, variants, timing_key = _sparse_layer(
+      mask, name, groups, nnz_per_kernel, backend, columns
     )
+    label = next(iter(variants))
     dense_ms = sparse_ms = None
     if measure:
       layer = traced[tuple(path) + ("kernel",)]
@@ -385,7 +316,8 @@ def convert_model(
       # Timed in the conv's compute dtype (a bfloat16 model's layers run in bfloat16); the
       # mask is cast to it, or it would promote the dense conv to float32.
       dtype = jnp.dtype(module.dtype if module.dtype is not None else jnp.float32)
-      key = (mask.shape, tuple(layer.input_shape), strides, pad, int(mask.sum()), kind, dtype)
+      key = (mask.shape, tuple(layer.input_shape), strides, pad, int(mask.sum()), dtype)
+      key += (tuple(variants), timing_key)
       if key not in timed:
         kernel = jnp.asarray(np.random.default_rng(0).normal(size=mask.shape) * mask, dtype)
         kept = jnp.asarray(mask, dtype)
@@ -395,15 +327,20 @@ def convert_model(
 
         timed[key] = (
           time_train_pass(dense, layer.input_shape, kernel, repeats=repeats),
-          time_train_pass(timing_fn(strides, pad), layer.input_shape, kernel, repeats=repeats),
+          {
+            v: time_train_pass(fn(strides, pad), layer.input_shape, kernel, repeats=repeats)
+            for v, (_, fn) in variants.items()
+          },
         )
-      dense_ms, sparse_ms = timed[key]
-      use = kind if sparse_ms < dense_ms else "dense"
+      dense_ms, sparse_times = timed[key]
+      label = min(sparse_times, key=sparse_times.get)  # the fastest way to run it sparse
+      sparse_ms = sparse_times[label]
+      use = label if sparse_ms < dense_ms else "dense"
     else:
-      use = kind if sparsity > threshold else "dense"
+      use = label if sparsity > threshold else "dense"
     if not path:
       raise ValueError("model: pass a model containing convs, not a conv itself")
-    builds[tuple(path)] = build
+    builds[tuple(path)] = (label, variants[label][0])
     try:  # an unconvertible conv raises where chosen, and is never in "all sparse"
       check_convertible(module, name)
       convertible.append(tuple(path))
@@ -416,15 +353,13 @@ def convert_model(
   chosen = [p for p, c in zip(paths, choices) if c.backend != "dense"]
   report = ConversionReport(choices)
   if check_model and chosen:
-    chosen, report = _check_model(
-      model, builds, chosen, convertible, choices, kind, input_shape, repeats
-    )
+    chosen, report = _check_model(model, builds, chosen, convertible, choices, input_shape, repeats)
   for path in chosen:  # (build checks that the conv can be replaced)
-    replace_submodule(model, path, builds[path](submodule(model, path)))
+    replace_submodule(model, path, builds[path][1](submodule(model, path)))
   return model, report
 
 
-def _check_model(model, builds, chosen, convertible, choices, kind, input_shape, repeats):
+def _check_model(model, builds, chosen, convertible, choices, input_shape, repeats):
   """The whole-model check of :func:`convert_model`: the fastest of all dense, the per-layer
   choice and all sparse (every ``convertible`` conv; each timed on a copy of ``model``), and
   the choices it leaves."""
@@ -437,13 +372,13 @@ def _check_model(model, builds, chosen, convertible, choices, kind, input_shape,
   for label, paths in distinct.items():
     trial = nnx.clone(model)
     for path in paths:
-      replace_submodule(trial, path, builds[path](submodule(trial, path)))
+      replace_submodule(trial, path, builds[path][1](submodule(trial, path)))
     model_ms[label] = time_model_pass(trial, input_shape, repeats=repeats)
   kept = min(model_ms, key=model_ms.get)
   final = distinct[kept]
   out = []
   for path, c in zip(builds, choices):
-    use = kind if path in final else "dense"
+    use = builds[path][0] if path in final else "dense"
     out.append(
       c if use == c.backend else dataclasses.replace(c, backend=use, layer_backend=c.backend)
     )
@@ -491,7 +426,7 @@ class SparseExecution(Callback):
   is converted with its sliced masks.
 
   Args:
-    threshold, backend, nnz_per_kernel, repeats, filter_groups, check_model: as
+    threshold, backend, nnz_per_kernel, repeats, filter_groups, check_model, columns: as
       :func:`convert_model` (by default every layer is timed both ways once, at the
       conversion, then the whole model three ways); and
       ``filter_groups="from_state"``: each layer's groups as the ClickTrain state holds them
@@ -519,6 +454,7 @@ class SparseExecution(Callback):
     repeats: int = 3,
     filter_groups: Any = None,
     check_model: bool | None = None,
+    columns: str | None = None,
   ):
     if backend is not None:
       check_backend(backend)
@@ -531,6 +467,8 @@ class SparseExecution(Callback):
     self.repeats = repeats
     self.filter_groups = filter_groups
     self.check_model = check_model
+    check_columns(columns, optional=True)
+    self.columns = columns
     self.choices: ConversionReport | None = None
     self._loader_shape: tuple[int, ...] | None = None
     # The model last converted: a model rebuilt since (PruneTrain's reconfiguration) is
@@ -571,6 +509,7 @@ class SparseExecution(Callback):
         else self.filter_groups
       ),
       check_model=self.check_model,
+      columns=self.columns,
     )
     trainer.replace(model, trainer.opt_state)
     self._converted = model

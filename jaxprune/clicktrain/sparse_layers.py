@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxprune.clicktrain.aligned_conv import AlignedConvFn
+from jaxprune.clicktrain.aligned_conv import AlignedConvFn, check_columns
 from jaxprune.clicktrain.aligned_layout import AlignedLayout
 from jaxprune.clicktrain.layout import PatternLayout
 from jaxprune.clicktrain.pattern_conv import canonical_padding, check_backend, pattern_conv
@@ -131,18 +131,27 @@ class AlignedConv(PluggableConv):
   """
 
   @classmethod
-  def from_conv(cls, conv: nnx.Conv, layout: AlignedLayout, *, name: str = "conv") -> AlignedConv:
-    """An ``AlignedConv`` sharing ``conv``'s Variables, running on ``layout``.
+  def from_conv(
+    cls, conv: nnx.Conv, layout: AlignedLayout, *, name: str = "conv", columns: str = "per_group"
+  ) -> AlignedConv:
+    """An ``AlignedConv`` sharing ``conv``'s Variables, running on ``layout`` with its columns
+    made per group or shared (:func:`~jaxprune.clicktrain.aligned_conv.aligned_conv`).
 
     Raises:
-      ValueError: a layout of another kernel shape, a conv that is already sparse, or one the
-        aligned path cannot run (grouped, dilated, circular padding, its own mask).
+      ValueError: a layout of another kernel shape, a conv that is already sparse, one the
+        aligned path cannot run (grouped, dilated, circular padding, its own mask), or bad
+        ``columns``.
     """
-    return _replacing(cls, conv, layout, AlignedConvFn(layout), name)
+    check_columns(columns)
+    return _replacing(cls, conv, layout, AlignedConvFn(layout, columns), name)
 
   @property
   def layout(self) -> AlignedLayout:
     return base_function(self.conv_general_dilated).layout
+
+  @property
+  def columns(self) -> str:
+    return base_function(self.conv_general_dilated).columns
 
 
 def _replacing(cls, conv: nnx.Conv, layout, base, name: str):

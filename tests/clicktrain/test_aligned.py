@@ -8,9 +8,9 @@ from flax import nnx
 from jax import lax
 
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.aligned_conv import aligned_conv
+from jaxprune.clicktrain.aligned_conv import COLUMNS, aligned_conv, shared_columns
 from jaxprune.clicktrain.aligned_layout import aligned_mask, build_aligned_layout, group_filters
-from jaxprune.clicktrain.sparse_execution import AlignedConv, convert_model
+from jaxprune.clicktrain.sparse_execution import AlignedConv, SparseExecution, convert_model
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
@@ -46,8 +46,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("columns", COLUMNS)
 @pytest.mark.parametrize("h,w,cin,cout,groups,k,strides,padding", CASES)
-def test_forward_and_gradients_match_dense_masked_vjp(h, w, cin, cout, groups, k, strides, padding):
+def test_forward_and_gradients_match_dense_masked_vjp(
+  h, w, cin, cout, groups, k, strides, padding, columns
+):
   rng = np.random.default_rng(h * 100 + cin * 10 + groups)
   mask = aligned_mask(_random_taps(rng, groups, cin, size=k), cout)
   layout = build_aligned_layout(mask, groups)
@@ -55,7 +58,9 @@ def test_forward_and_gradients_match_dense_masked_vjp(h, w, cin, cout, groups, k
   kernel = jnp.asarray(rng.normal(size=(k, k, cin, cout)), jnp.float32)
 
   def aligned(x, w):
-    return aligned_conv(x, w, layout, strides=strides, padding=padding, precision="highest")
+    return aligned_conv(
+      x, w, layout, strides=strides, padding=padding, precision="highest", columns=columns
+    )
 
   y_ref, vjp_ref = jax.vjp(_dense(mask, strides, padding), x, kernel)
   y, vjp = jax.vjp(aligned, x, kernel)
@@ -86,7 +91,8 @@ def test_layout_is_valid_and_counts_kept_weights():
     assert (kernels[:, :, lo : lo + 3] == kernels[:, :, lo : lo + 1]).all()
 
 
-def test_explicit_groups_permute_outputs_back():
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_explicit_groups_permute_outputs_back(columns):
   rng = np.random.default_rng(1)
   groups = [(0, 3, 4), (1, 2, 5)]
   mask = aligned_mask(_random_taps(rng, 2, 5), 6, groups)
@@ -95,20 +101,53 @@ def test_explicit_groups_permute_outputs_back():
   x = jnp.asarray(rng.normal(size=(2, 6, 6, 5)), jnp.float32)
   kernel = jnp.asarray(rng.normal(size=(3, 3, 5, 6)), jnp.float32)
   want = _dense(mask, (1, 1), "SAME")(x, kernel)
-  got = aligned_conv(x, kernel, layout, precision="highest")
+  got = aligned_conv(x, kernel, layout, precision="highest", columns=columns)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_all_pruned_group_gives_zeros():
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_all_pruned_group_gives_zeros(columns):
   taps = np.zeros((2, 3, 3, 3), np.float32)
   taps[0, 1] = patterns.library_patterns()[0]
   mask = aligned_mask(taps, 4)
   layout = build_aligned_layout(mask, 2)
   x = jnp.ones((1, 4, 4, 3))
-  y = aligned_conv(x, jnp.ones((3, 3, 3, 4)), layout)
+  y = aligned_conv(x, jnp.ones((3, 3, 3, 4)), layout, columns=columns)
   assert np.all(np.asarray(y[..., 2:]) == 0)
   want = _dense(mask, (1, 1), "SAME")(x, jnp.ones((3, 3, 3, 4)))
   np.testing.assert_allclose(y, want)
+  empty = build_aligned_layout(np.zeros((3, 3, 3, 4), np.float32), 2)
+  assert np.all(np.asarray(aligned_conv(x, jnp.ones((3, 3, 3, 4)), empty, columns=columns)) == 0)
+
+
+def test_shared_columns_hold_the_union_of_the_groups_pairs_once():
+  # Hand-built: channel 0 keeps taps A in group 0 and B in group 1 (|A ∪ B| = 6 here),
+  # channel 1 keeps A in group 0 only, channel 2 nothing: 6 + 4 columns, each read by the
+  # filters of the groups that keep it.
+  library = patterns.library_patterns()
+  a, b = library[0], next(p for p in library if (p * library[0]).sum() == 2)
+  taps = np.zeros((2, 3, 3, 3), np.float32)
+  taps[0, 0], taps[1, 0], taps[0, 1] = a, b, a
+  mask = aligned_mask(taps, 4)
+  group, packed_mask = shared_columns(build_aligned_layout(mask, 2))
+  assert group.filters == (0, 1, 2, 3) and group.contraction == 6 + 4
+  assert sorted(group.channels) == [0, 1]
+  rows = [(i, j, c) for t, chans in group.blocks for i, j in t for c in chans]
+  np.testing.assert_array_equal(packed_mask, np.stack([mask[i, j, c] for i, j, c in rows]))
+  assert packed_mask.sum() == mask.sum()  # every kept weight once
+
+
+def test_bad_columns_raise():
+  layout = build_aligned_layout(aligned_mask(_random_taps(np.random.default_rng(0), 2, 3), 4), 2)
+  with pytest.raises(ValueError, match="columns"):
+    aligned_conv(jnp.ones((1, 4, 4, 3)), jnp.ones((3, 3, 3, 4)), layout, columns="per_filter")
+  conv = nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="columns"):
+    AlignedConv.from_conv(conv, layout, columns="union")
+  with pytest.raises(ValueError, match="columns"):
+    convert_model(_Net(nnx.Rngs(0)), {}, threshold=0.0, filter_groups=2, columns="union")
+  with pytest.raises(ValueError, match="columns"):
+    SparseExecution(filter_groups=2, columns=1)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 3, 2.0, [(0, 1), (1, 2, 3)], [(0,), (1, 2)]])
@@ -150,6 +189,29 @@ def test_nonfinite_inputs_reach_exactly_the_outputs_of_kept_taps():
   assert got.any()
 
 
+def test_nonfinite_inputs_with_shared_columns_reach_the_outputs_of_every_kept_pair():
+  # Shared columns are read by every filter, a group that does not keep a pair multiplying it
+  # by an exact zero: a NaN pixel reaches the outputs whose window reads it through a (tap,
+  # channel) pair that any group keeps (as the dense masked conv would, through all pairs).
+  rng = np.random.default_rng(5)
+  taps = _random_taps(rng, 2, 3, keep=1.0)
+  taps[1, 0] = 0  # channel 0 only in group 0: group 1's outputs see its NaN all the same
+  mask = aligned_mask(taps, 4)
+  layout = build_aligned_layout(mask, 2)
+  x = np.zeros((1, 5, 5, 3), np.float32)
+  x[0, 2, 2, 0] = np.nan
+  got = np.isnan(
+    np.asarray(aligned_conv(jnp.asarray(x), jnp.ones((3, 3, 3, 4)), layout, columns="shared"))
+  )
+  union = np.repeat(mask.max(axis=3, keepdims=True), 4, axis=3)
+  reach = _dense(union, (1, 1), "SAME")(
+    jnp.asarray(np.isnan(x), jnp.float32), jnp.ones((3, 3, 3, 4))
+  )
+  np.testing.assert_array_equal(got, np.asarray(reach) > 0)
+  per_group = np.isnan(np.asarray(aligned_conv(jnp.asarray(x), jnp.ones((3, 3, 3, 4)), layout)))
+  assert got[..., 2:].any() and not per_group[..., 2:].any()
+
+
 class _Net(nnx.Module):
   def __init__(self, rngs):
     self.a = nnx.Conv(3, 8, (3, 3), rngs=rngs)
@@ -177,3 +239,50 @@ def test_convert_keeps_variables_and_function():
     np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="b: mask is not shared"):
     convert_model(_Net(nnx.Rngs(0)), masks, threshold=0.0, filter_groups=[(0,), tuple(range(1, 8))])
+
+
+@pytest.mark.parametrize("fastest", COLUMNS)
+def test_measured_dispatch_runs_several_groups_on_the_faster_columns(monkeypatch, fastest):
+  # A layer of two groups is timed dense, then with its columns per group, then shared
+  # (planted times), and runs the fastest; one group has one way only.
+  from jaxprune.clicktrain import sparse_execution
+
+  def planted(conv, input_shape, kernel, *, repeats):
+    planted.calls.append(tuple(kernel.shape))
+    nth = planted.calls.count(tuple(kernel.shape))
+    return {1: 5.0, 2: 1.0 if fastest == "per_group" else 3.0, 3: 2.0}[nth]
+
+  planted.calls = []
+  monkeypatch.setattr(sparse_execution, "time_train_pass", planted)
+  rng = np.random.default_rng(6)
+  model = _Net(nnx.Rngs(0))
+  mask = aligned_mask(_random_taps(rng, 2, 8), 8)
+  masks = jax.tree.map(lambda _: None, nnx.as_pure(nnx.state(model, nnx.Param)))
+  masks["b"]["kernel"] = jnp.asarray(mask)
+  model.b.kernel[...] = model.b.kernel[...] * mask
+  x = jnp.asarray(rng.normal(size=(2, 8, 8, 3)), jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    before = model(x)
+    _, choices = convert_model(
+      model, masks, input_shape=(2, 8, 8, 3), filter_groups=2, check_model=False
+    )
+    np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-5)
+  assert len(planted.calls) == 3  # dense, per group, shared
+  label = "aligned" if fastest == "per_group" else "aligned (shared columns)"
+  assert [(c.backend, c.dense_ms, c.sparse_ms) for c in choices] == [
+    (label, 5.0, 1.0 if fastest == "per_group" else 2.0)
+  ]
+  assert isinstance(model.b, AlignedConv) and model.b.columns == fastest
+  # Named, a way is built without timing the other.
+  planted.calls = []
+  model = _Net(nnx.Rngs(0))
+  convert_model(
+    model, masks, input_shape=(2, 8, 8, 3), filter_groups=2, check_model=False, columns=fastest
+  )
+  assert len(planted.calls) == 2 and model.b.columns == fastest
+  planted.calls = []
+  one = aligned_mask(_random_taps(rng, 1, 8), 8)
+  masks["b"]["kernel"] = jnp.asarray(one)
+  model = _Net(nnx.Rngs(0))
+  convert_model(model, masks, input_shape=(2, 8, 8, 3), filter_groups=1, check_model=False)
+  assert len(planted.calls) == 2 and model.b.columns == "per_group"

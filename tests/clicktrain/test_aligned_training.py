@@ -63,7 +63,8 @@ def test_training_after_the_switch_matches_the_masked_dense_model(measured_run):
   dense, h_dense = _run([])
   assert [r.get("sparse_layers") is not None for r in h_sparse] == [False, True, False, False]
   assert all(c.dense_ms > 0 and c.sparse_ms > 0 for c in hook.choices)  # timed, both ways
-  assert {c.backend for c in hook.choices} <= {"aligned", "dense"}
+  # G = 2: each layer's columns per group or shared, whichever measured faster
+  assert {c.backend for c in hook.choices} <= {"aligned", "aligned (shared columns)", "dense"}
   for a, b in zip(h_sparse, h_dense):
     np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=1e-4)
   params = nnx.as_pure(nnx.state(sparse.model, nnx.Param))
@@ -77,8 +78,11 @@ def test_training_after_the_switch_matches_the_masked_dense_model(measured_run):
     jax.tree.leaves(weight_masks), jax.tree.leaves(params, is_leaf=lambda x: x is None)
   ):
     build_aligned_layout(mask, GROUPS)  # the final masks are shared within each group
+  by_path = {c.path: c.backend for c in hook.choices}
   for path, layer in pattern_convs(sparse.model).items():
     assert isinstance(layer, AlignedConv), path
+    shared = by_path[path] == "aligned (shared columns)"
+    assert layer.columns == ("shared" if shared else "per_group"), path
 
 
 def test_resume_across_the_switch_is_exact(tmp_path):
