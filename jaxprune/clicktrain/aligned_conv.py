@@ -10,7 +10,10 @@ kept weights in one dense matrix product, batched over the groups:
 
     Y_g[(n, h, w), f] = Σ_r X_cols[(n, h, w), r] · W_g[r, f],   r = (pattern, tap, channel)
 
-a contraction of ``4 · kept`` instead of ``9 · Cin``. The kernel stays the dense HWIO
+a contraction of ``4 · kept`` instead of ``9 · Cin``. With several groups a (tap, channel)
+pair two groups keep is made twice; ``columns="shared"`` instead makes the union of the
+groups' pairs once and multiplies it by every filter's masked packed weights (one product,
+more multiply-adds, fewer columns written: :func:`shared_columns`). The kernel stays the dense HWIO
 parameter: the packed weights are gathered from it on every call (weights are far fewer than
 activations), so its gradient is the scattered packed gradient, zero at pruned positions. The
 data and weight gradients are autodiff's transposes of the slices and products; the channel
@@ -203,8 +206,10 @@ def aligned_conv(
       much the same inputs, more multiply-adds). One group: the same either way.
 
   Returns:
-    ``(N, OH, OW, Cout)``. A pruned weight is absent rather than a multiplying zero: a
-    non-finite input reaches only the outputs that read it through a kept weight.
+    ``(N, OH, OW, Cout)``. Per group, a pruned weight is absent rather than a multiplying
+    zero: a non-finite input reaches only the outputs that read it through a kept weight.
+    Shared, it reaches every filter's outputs that read it through a pair some group keeps
+    (``0 · nan``), as in the dense masked conv (which spreads it through every pair).
 
   Raises:
     ValueError: shapes that do not match the layout, bad strides / padding, or ``columns``
