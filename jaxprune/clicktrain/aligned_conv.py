@@ -132,18 +132,22 @@ def _packed_weights(kernel: jax.Array, group: AlignedGroup) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=256)
-def shared_columns(layout: AlignedLayout) -> tuple[AlignedGroup, np.ndarray]:
+def shared_columns(layout: AlignedLayout) -> tuple[AlignedGroup, np.ndarray, np.ndarray]:
   """The layout's groups folded into one over the union of their (tap, input channel) pairs.
 
   Every (tap, channel) pair that some group reads becomes one column, materialized once and
   read by every filter: one matrix product with no filter permutation, whose contraction is
-  the union's size rather than each group's. The group's packed weights are masked by the
-  returned ``(contraction, Cout)`` 0/1 array (a group that does not read a column multiplies
-  it by an exact zero, and its weight there gets a zero gradient).
+  the union's size rather than each group's. The group's packed weights are masked: a group
+  that does not read a column multiplies it by an exact zero, and its weight there gets a zero
+  gradient. The mask is kept per group and spread to the filters when called, so a compiled
+  step holds ``contraction × G`` booleans, not ``contraction × Cout`` (large constants make
+  XLA:CPU's compiler run out of memory on a whole ResNet).
 
   Returns:
-    ``(group, packed_mask)``: an :class:`AlignedGroup` of every filter whose blocks are the
-    union's tap sets, and the mask of its packed weights.
+    ``(group, group_mask, filter_group)``: an :class:`AlignedGroup` of every filter whose
+    blocks are the union's tap sets; the ``(contraction, G)`` bool mask of the pairs each
+    layout group keeps; each filter's group, ``(Cout,)`` int32 (the packed weights' mask is
+    ``group_mask[:, filter_group]``).
   """
   m = layout.mask()
   union = m.any(axis=3)
@@ -155,23 +159,27 @@ def shared_columns(layout: AlignedLayout) -> tuple[AlignedGroup, np.ndarray]:
   blocks = tuple((taps, tuple(by_taps[taps])) for taps in sorted(by_taps))
   group = AlignedGroup(tuple(range(m.shape[3])), blocks)
   rows = [(i, j, c) for taps, chans in blocks for i, j in taps for c in chans]
-  packed_mask = m[tuple(np.asarray(v, np.int32) for v in zip(*rows))] if rows else m[0, 0, :0]
-  return group, packed_mask
+  first = [g.filters[0] for g in layout.groups]
+  i, j, c = (np.asarray(v, np.int32) for v in zip(*rows)) if rows else [np.zeros(0, np.int32)] * 3
+  group_mask = m[i[:, None], j[:, None], c[:, None], np.asarray(first)[None, :]] > 0
+  filter_group = np.zeros(m.shape[3], np.int32)
+  for k, g in enumerate(layout.groups):
+    filter_group[list(g.filters)] = k
+  return group, group_mask, filter_group
 
 
-def _group_products(
-  x, kernel, groups, pads, out_hw, strides, precision, preferred, weight_mask=None
-):
+def _group_products(x, kernel, groups, pads, out_hw, strides, precision, preferred, shared=None):
   """``(N, OH, OW, Σ F_g)`` of ``groups`` of one contraction size: one channel gather, one
-  concat of static slices, one matrix product batched over the groups (``weight_mask``: the
-  packed weights' 0/1 mask of a single shared group)."""
+  concat of static slices, one matrix product batched over the groups (``shared``: the
+  ``(group_mask, filter_group)`` of a single shared group, :func:`shared_columns`)."""
   xg = _take_channels(x, tuple(c for g in groups for c in g.channels))
   xg = jnp.pad(xg, ((0, 0), *pads, (0, 0)))
   cols = _columns(xg, groups, out_hw, strides)
   cols = cols.reshape(-1, len(groups), groups[0].contraction)
   weights = jnp.stack([_packed_weights(kernel, g) for g in groups]).astype(cols.dtype)
-  if weight_mask is not None:
-    weights = weights * jnp.asarray(weight_mask, weights.dtype)
+  if shared is not None:
+    group_mask, filter_group = (jnp.asarray(a) for a in shared)
+    weights = jnp.where(group_mask[:, filter_group], weights, jnp.zeros((), weights.dtype))
   y = jnp.einsum(
     "mgr,grf->mgf", cols, weights, precision=precision, preferred_element_type=preferred
   )
@@ -233,12 +241,12 @@ def aligned_conv(
   if min(out_hw) < 1:
     raise ValueError(f"x {tuple(x.shape)} is smaller than the kernel after padding {padding}")
   if columns == "shared" and len(layout.groups) > 1:
-    group, packed_mask = shared_columns(layout)
+    group, *shared = shared_columns(layout)
     if not group.blocks:
       dtype = preferred_element_type or jnp.result_type(x.dtype, kernel.dtype)
       return jnp.zeros((x.shape[0], *out_hw, cout), dtype)
     return _group_products(
-      x, kernel, [group], padding, out_hw, strides, precision, preferred_element_type, packed_mask
+      x, kernel, [group], padding, out_hw, strides, precision, preferred_element_type, shared
     )
   kept = [g for g in layout.groups if g.blocks]
   # Groups of one contraction size (the same number of channels kept in each: the usual

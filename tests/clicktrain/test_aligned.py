@@ -129,12 +129,15 @@ def test_shared_columns_hold_the_union_of_the_groups_pairs_once():
   taps = np.zeros((2, 3, 3, 3), np.float32)
   taps[0, 0], taps[1, 0], taps[0, 1] = a, b, a
   mask = aligned_mask(taps, 4)
-  group, packed_mask = shared_columns(build_aligned_layout(mask, 2))
+  group, group_mask, filter_group = shared_columns(build_aligned_layout(mask, 2))
   assert group.filters == (0, 1, 2, 3) and group.contraction == 6 + 4
   assert sorted(group.channels) == [0, 1]
+  np.testing.assert_array_equal(filter_group, [0, 0, 1, 1])
   rows = [(i, j, c) for t, chans in group.blocks for i, j in t for c in chans]
+  packed_mask = group_mask[:, filter_group]
   np.testing.assert_array_equal(packed_mask, np.stack([mask[i, j, c] for i, j, c in rows]))
   assert packed_mask.sum() == mask.sum()  # every kept weight once
+  assert group_mask.sum(axis=0).tolist() == [8, 4]  # group 0: A at channels 0, 1; group 1: B
 
 
 def test_bad_columns_raise():
