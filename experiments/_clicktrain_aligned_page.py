@@ -89,9 +89,9 @@ def _run_lines(row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> l
 
 
 def _seed_lines(row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> list[str]:
-  """The seeds table of ``row`` (empty where every run is seed 0): each method's accuracy per
-  seed, their mean, and the mean of its differences to the fine-grained run of the same seed
-  (over the seeds that have both)."""
+  """The seeds table of ``row`` (empty where every run is seed 0): each method run under some
+  other seed, its accuracy per seed, their mean, and the mean of its differences to the
+  fine-grained run of the same seed (over the seeds that have both)."""
   seeds = sorted({s for _, s in runs})
   if seeds == [0]:
     return []
@@ -101,6 +101,8 @@ def _seed_lines(row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> 
   ]
   for method in _methods(runs):
     accs = {s: runs[method, s]["test_acc"] for s in seeds if (method, s) in runs}
+    if set(accs) == {0}:
+      continue  # one seed: the main table has it
     deltas = [
       accs[s] - runs["clicktrain", s]["test_acc"] for s in accs if ("clicktrain", s) in runs
     ]
