@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -239,6 +240,14 @@ def bench_step(name: str, variant: str, args, rng, dtype: str = "fp32") -> tuple
   return median_call_ms(step, repeats=args.repeats), compression
 
 
+def _release_compiled() -> None:
+  """Drops the compiled programs of the row just timed. A full run compiles hundreds of train
+  steps and layer passes; kept, their code mappings exhaust the process's memory maps and a
+  later compilation fails (XLA:CPU: "LLVM ERROR: Unable to allocate section memory")."""
+  jax.clear_caches()
+  gc.collect()
+
+
 def to_markdown(result: dict[str, Any]) -> str:
   lines = [
     "# ClickTrain's pruned stage: aligned vs fine-grained vs dense masked",
@@ -353,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         dense_ms = None
         for variant in variants:
           ms, compression = bench_step(name, variant, args, step_rng, dtype)
+          _release_compiled()
           dense_ms = ms if variant == "dense" else dense_ms
           result["steps"].append(
             {
@@ -370,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for dtype in args.dtypes:
       for spec in _layers(args)[: args.layers]:
         row = bench_layer(spec, dtype, args, rng)
+        _release_compiled()
         result["layers"].append(row)
         ratios = ", ".join(f"{k} {v / row['ms']['dense']:.2f}x" for k, v in row["ms"].items())
         print(f"{row['layer']} {dtype}: dense {row['ms']['dense']:.2f} ms; {ratios}", flush=True)
