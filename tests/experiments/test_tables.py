@@ -395,7 +395,8 @@ _SCHEME = {
 @pytest.mark.parametrize("paper", sorted(_SCHEME))
 def test_results_follow_one_naming_scheme(paper):
   """``<table>_<budget>[_<dtype>][_<row>...]`` for pages, JSON and plots (the dtype marker of a
-  run that is not fp32), ``logs/<table>_<budget>[_<dtype>]_<row>_<method>.jsonl`` for logs,
+  run that is not fp32; ``_seed<S>`` after the method of a run under another seed),
+  ``logs/<table>_<budget>[_<dtype>]_<row>_<method>[_seed<S>].jsonl`` for logs,
   anything else (probes) under ``probes/``, nothing more."""
   tables, rows, methods = _SCHEME[paper]
   budgets = {name for table in _tables.BUDGETS.values() for name in table}
@@ -403,8 +404,9 @@ def test_results_follow_one_naming_scheme(paper):
   head = f"{_alternatives(tables)}_{_alternatives(sorted(budgets))}(?:_{_alternatives(dtypes)})?"
   row, method = _alternatives(rows), "(?:" + "|".join(methods) + ")"
   plot = "(?:_(?:patterns|sparsity|over_training))?"
-  page = rf"{head}(?:_{row}(?:_{method})?{plot})?\.(?:md|json|png)"
-  log = rf"{head}_{row}_{method}\.jsonl"
+  seed = r"(?:_seed\d+)?"  # a run under a seed other than the table's 0
+  page = rf"{head}(?:_{row}(?:_{method}{seed})?{plot})?\.(?:md|json|png)"
+  log = rf"{head}_{row}_{method}{seed}\.jsonl"
   folder = _tables.RESULTS / paper
   odd = []
   for path in folder.rglob("*"):
