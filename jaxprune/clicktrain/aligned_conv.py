@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from jaxprune._conv_args import canonical_padding, spatial_pair
-from jaxprune.clicktrain.aligned_layout import AlignedGroup, AlignedLayout
+from jaxprune.clicktrain.aligned_layout import AlignedGroup, AlignedLayout, tap_blocks
 
 __all__ = ["COLUMNS", "AlignedConvFn", "aligned_conv", "check_columns", "shared_columns"]
 
@@ -150,13 +150,7 @@ def shared_columns(layout: AlignedLayout) -> tuple[AlignedGroup, np.ndarray, np.
     ``group_mask[:, filter_group]``).
   """
   m = layout.mask()
-  union = m.any(axis=3)
-  by_taps: dict[tuple[tuple[int, int], ...], list[int]] = {}
-  for c in range(m.shape[2]):
-    taps = tuple((int(i), int(j)) for i, j in np.argwhere(union[:, :, c]))
-    if taps:
-      by_taps.setdefault(taps, []).append(c)
-  blocks = tuple((taps, tuple(by_taps[taps])) for taps in sorted(by_taps))
+  blocks = tap_blocks(m.any(axis=3))
   group = AlignedGroup(tuple(range(m.shape[3])), blocks)
   rows = [(i, j, c) for taps, chans in blocks for i, j in taps for c in chans]
   first = [g.filters[0] for g in layout.groups]

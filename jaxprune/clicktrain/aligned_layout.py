@@ -31,6 +31,7 @@ __all__ = [
   "aligned_mask",
   "build_aligned_layout",
   "group_filters",
+  "tap_blocks",
 ]
 
 Taps = tuple[tuple[int, int], ...]
@@ -142,6 +143,18 @@ def _runs_of_equal_filters(m: np.ndarray) -> list[list[int]]:
   return runs
 
 
+def tap_blocks(channel_taps: np.ndarray) -> tuple[tuple[Taps, tuple[int, ...]], ...]:
+  """``(kh, kw, Cin)`` 0/1 taps per input channel → :attr:`AlignedGroup.blocks`: each distinct
+  tap set (row-major positions; sets ordered lexicographically) with its channels, increasing;
+  channels without a tap are left out."""
+  by_taps: dict[Taps, list[int]] = {}
+  for c in range(channel_taps.shape[2]):
+    taps = tuple((int(i), int(j)) for i, j in np.argwhere(channel_taps[:, :, c]))
+    if taps:
+      by_taps.setdefault(taps, []).append(c)
+  return tuple((taps, tuple(by_taps[taps])) for taps in sorted(by_taps))
+
+
 def build_aligned_layout(mask: Any, filter_groups: Any = 1) -> AlignedLayout:
   """The aligned layout of ``mask``, checking that it is shared within each filter group.
 
@@ -175,13 +188,7 @@ def build_aligned_layout(mask: Any, filter_groups: Any = 1) -> AlignedLayout:
         f"mask is not shared within filter group {filters[0]}..{filters[-1]}: filter "
         f"{filters[k]} differs from filter {filters[0]} at input channel {c}"
       )
-    by_taps: dict[Taps, list[int]] = {}
-    for c in range(cin):
-      taps = tuple((int(i), int(j)) for i, j in np.argwhere(sub[:, :, c, 0]))
-      if taps:
-        by_taps.setdefault(taps, []).append(c)
-    blocks = tuple((taps, tuple(by_taps[taps])) for taps in sorted(by_taps))
-    groups.append(AlignedGroup(tuple(filters), blocks))
+    groups.append(AlignedGroup(tuple(filters), tap_blocks(sub[..., 0])))
   return AlignedLayout((kh, kw, cin, cout), tuple(groups))
 
 
