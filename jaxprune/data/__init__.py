@@ -3,6 +3,8 @@
 * :func:`load` ``(name, *, root, split, cache_dir)`` → :class:`Dataset` (uint8 NHWC images,
   int32 labels, class names, training mean/std). Names: :func:`available`.
 * :class:`Loader`: seeded, resumable, prefetching batches of float32 normalised images.
+* :class:`DeviceLoader`: the same order and position, with the data set on the accelerator and
+  each batch augmented there (:mod:`jaxprune.data.device_augment`), inside the train step.
 * :mod:`jaxprune.data.augment`: batched NumPy augmentations and the papers' presets.
 * :func:`open_stream` ``("imagenet", ...)``: data sets too large for memory, read batch by batch
   by worker processes (:mod:`jaxprune.data.imagenet`, the ``imagenet`` extra).
@@ -29,7 +31,9 @@ from jaxprune.data.augment import (
   preset,
 )
 from jaxprune.data.cifar import CIFAR10_CLASSES
+from jaxprune.data import device_augment
 from jaxprune.data.dataset import Dataset, channel_stats
+from jaxprune.data.device_loader import DeviceLoader, Dispatch
 from jaxprune.data.loader import Loader
 from jaxprune.data.registry import (
   DATA_ENV,
@@ -49,6 +53,8 @@ __all__ = [
   "Cutout",
   "DATA_ENV",
   "Dataset",
+  "DeviceLoader",
+  "Dispatch",
   "Loader",
   "Mixup",
   "Normalize",
@@ -62,6 +68,7 @@ __all__ = [
   "channel_stats",
   "default_cache_dir",
   "default_data_dir",
+  "device_augment",
   "load",
   "open_stream",
   "preset",

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxprune.train import _checks
@@ -52,32 +54,20 @@ class EpochLoops:
     # CPU seconds of the whole process (XLA's threads, the loader's): unlike wall time, not
     # inflated when a shared host takes the cores away (steal time).
     cpu_start = time.process_time()
-    iterator = iter(loader)
-    while True:
-      t0 = time.perf_counter()
-      try:
-        images, labels = next(iterator)
-      except StopIteration:
-        break
-      data_wait += time.perf_counter() - t0
-      self._own_donated_state()
-      try:
-        self.params, self.rest, self.opt_state, metrics = self._steps.train(
-          self.params, self.rest, self.opt_state, metrics, images, labels
-        )
-      except (TypeError, ValueError) as e:  # raised while tracing: nothing was donated
-        self._raise_if_wrong_channels(images, e)
-        raise
+    run = self._device_steps if hasattr(loader, "dispatches") else self._host_steps
+    for metrics, count, batch, wait in run(loader, metrics, due):
       self._model_synced = False
-      self.step += 1
-      steps += 1
-      images_seen += int(np.shape(images)[0])
-      for c in due:
-        if self.step % c.every_steps == 0:
-          c.on_step(self, self.step)
+      data_wait += wait
+      for _ in range(count):
+        self.step += 1
+        steps += 1
+        images_seen += batch
+        for c in due:
+          if self.step % c.every_steps == 0:
+            c.on_step(self, self.step)
       if bar is not None:
-        bar.update(1)
-        if steps % 20 == 0:
+        bar.update(count)
+        if steps % 20 < count:
           bar.set_postfix(loss=f"{float(metrics.loss_sum / metrics.count):.4f}")
     summary = metrics.summary()  # blocks until the last step finished
     elapsed = time.perf_counter() - start
@@ -102,6 +92,54 @@ class EpochLoops:
       "cpu_time_s": cpu_time,
     }
 
+  def _host_steps(self, loader: Iterable, metrics: Metrics, due: list) -> Iterator:
+    """One step per batch of a host loader: yields ``(metrics, 1, batch size, data wait)``."""
+    iterator = iter(loader)
+    while True:
+      t0 = time.perf_counter()
+      try:
+        images, labels = next(iterator)
+      except StopIteration:
+        return
+      wait = time.perf_counter() - t0
+      self._own_donated_state()
+      try:
+        self.params, self.rest, self.opt_state, metrics = self._steps.train(
+          self.params, self.rest, self.opt_state, metrics, images, labels
+        )
+      except (TypeError, ValueError) as e:  # raised while tracing: nothing was donated
+        self._raise_if_wrong_channels(images, e)
+        raise
+      yield metrics, 1, int(np.shape(images)[0]), wait
+
+  def _device_steps(self, loader: Any, metrics: Metrics, due: list) -> Iterator:
+    """A :class:`~jaxprune.data.DeviceLoader`'s epoch, several steps per call of the fused
+    step (one per call while a callback wants every few steps): yields ``(metrics, steps,
+    batch size, data wait)`` per call."""
+    if self.mesh is not None:
+      raise ValueError(
+        "train_loader: a DeviceLoader trains on one device; with a mesh use jaxprune.data.Loader"
+      )
+    fused = self._steps.fused_train(loader.make_batch)
+    images_all, labels_all = loader.device_arrays
+    for dispatch in loader.dispatches():
+      indices, step_ids = dispatch.indices, dispatch.steps
+      if due:  # step hooks see every step
+        chunks = [(indices[i : i + 1], step_ids[i : i + 1]) for i in range(len(step_ids))]
+      else:
+        chunks = [(indices, step_ids)]
+      for chunk, ids in chunks:
+        self._own_donated_state()
+        try:
+          self.params, self.rest, self.opt_state, metrics = fused(
+            self.params, self.rest, self.opt_state, metrics, images_all, labels_all,
+            chunk, dispatch.seed, dispatch.epoch, ids,
+          )  # fmt: skip
+        except (TypeError, ValueError) as e:  # raised while tracing: nothing was donated
+          self._raise_if_wrong_channels(np.zeros((1, *images_all.shape[1:])), e)
+          raise
+        yield metrics, len(ids), chunk.shape[1], 0.0
+
   def evaluate(self, loader: Iterable) -> dict[str, float]:
     """Loss and accuracy over ``loader`` in eval mode (BatchNorm running statistics,
     no dropout), with flip TTA if enabled. Short batches are zero-padded and masked."""
@@ -113,15 +151,17 @@ class EpochLoops:
       multiple = self._steps.batch_multiple
     full = None
     for images, labels in loader:
-      images, labels = np.asarray(images), np.asarray(labels)
+      # Device arrays (a DeviceLoader's) stay where they are; only a short batch is padded.
+      xp = np if isinstance(images, np.ndarray) or not hasattr(images, "device") else jnp
+      images, labels = xp.asarray(images), xp.asarray(labels)
       n = images.shape[0]
       # Data parallel: padded up to a multiple of the devices too (padding rows weigh 0).
       full = max(full or 0, -(-n // multiple) * multiple)
       weights = np.ones(full, np.float32)
       if n < full:
         pad = full - n
-        images = np.concatenate([images, np.zeros((pad, *images.shape[1:]), images.dtype)])
-        labels = np.concatenate([labels, np.zeros((pad, *labels.shape[1:]), labels.dtype)])
+        images = xp.concatenate([images, xp.zeros((pad, *images.shape[1:]), images.dtype)])
+        labels = xp.concatenate([labels, xp.zeros((pad, *labels.shape[1:]), labels.dtype)])
         weights[n:] = 0
       try:
         metrics = self._steps.evaluate(self.params, self.rest, metrics, images, labels, weights)

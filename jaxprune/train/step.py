@@ -208,6 +208,33 @@ def _train_step(
   return params, new_rest, opt_state, count_step(metrics, sums, finite, flags, logits.shape[-1])
 
 
+def _fused_train_steps(
+  graphdef: nnx.GraphDef,
+  tx: optax.GradientTransformationExtraArgs,
+  loss_fn: PerExampleLoss,
+  make_batch: Callable,
+  params: Any,
+  rest: Any,
+  opt_state: Any,
+  metrics: Metrics,
+  images: jax.Array,
+  labels: jax.Array,
+  indices: jax.Array,
+  seed: jax.Array,
+  epoch: jax.Array,
+  steps: jax.Array,
+):
+  # K train steps in one call: each makes its batch from the device-resident data set, so
+  # the host neither builds nor copies batches and dispatches once per K steps.
+  def one_step(carry, xs):
+    batch_indices, step = xs
+    batch = make_batch(images, labels, batch_indices, seed, epoch, step)
+    return _train_step(graphdef, tx, loss_fn, *carry, *batch), None
+
+  carry, _ = jax.lax.scan(one_step, (params, rest, opt_state, metrics), (indices, steps))
+  return carry
+
+
 def eval_sums(
   graphdef: nnx.GraphDef,
   loss_fn: PerExampleLoss,
@@ -279,6 +306,7 @@ class StepFunctions:
   ``(params, rest, opt_state, metrics)``; its first four arguments are donated.
   ``evaluate(params, rest, metrics, images, labels, weights)`` returns metrics; rows with
   weight 0 are padding (so a short last batch reuses the compiled step).
+  :meth:`fused_train` runs several steps per call on batches made on the device.
   """
 
   def __init__(
@@ -292,14 +320,29 @@ class StepFunctions:
     donate: bool = True,
   ):
     tx = optax.with_extra_args_support(tx)
+    self._fused_parts = (train_graphdef, tx, loss_fn)
+    self._donate = (0, 1, 2, 3) if donate else ()
+    self._fused: dict[Callable, Callable] = {}
     self.train = jax.jit(
-      functools.partial(_train_step, train_graphdef, tx, loss_fn),
-      donate_argnums=(0, 1, 2, 3) if donate else (),
+      functools.partial(_train_step, train_graphdef, tx, loss_fn), donate_argnums=self._donate
     )
     self.evaluate = jax.jit(
       functools.partial(eval_step, eval_graphdef, loss_fn, flip_tta),
       donate_argnums=(2,) if donate else (),
     )
+
+  def fused_train(self, make_batch: Callable) -> Callable:
+    """The jitted ``fn(params, rest, opt_state, metrics, images, labels, indices, seed, epoch,
+    steps)``: ``len(steps)`` train steps in one ``lax.scan``, step ``k`` on
+    ``make_batch(images, labels, indices[k], seed, epoch, steps[k])`` (a
+    :class:`~jaxprune.data.DeviceLoader`'s :meth:`~jaxprune.data.DeviceLoader.make_batch`).
+    Each step is :attr:`train`'s, so K fused steps compute what K single steps compute."""
+    if make_batch not in self._fused:
+      self._fused[make_batch] = jax.jit(
+        functools.partial(_fused_train_steps, *self._fused_parts, make_batch),
+        donate_argnums=self._donate,
+      )
+    return self._fused[make_batch]
 
 
 def _abstract(tree: Any) -> Any:

@@ -1,0 +1,155 @@
+"""DeviceLoader: the host Loader's order and position, batches made on the device, and the
+trainer's fused steps over it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxprune import data, train
+from jaxprune.data import augment, device_augment
+
+
+def _dataset(n=96, seed=0):
+  rng = np.random.default_rng(seed)
+  images = rng.integers(0, 256, (n, 8, 8, 1), dtype=np.uint8)
+  labels = (np.arange(n) % 4).astype(np.int32)
+  return data.Dataset.from_arrays(images, labels, num_classes=4)
+
+
+def test_order_position_and_resume_are_the_host_loaders():
+  ds = _dataset()
+  host = data.Loader(ds, 16, seed=3, augment="none")
+  dev = data.DeviceLoader(ds, 16, seed=3, augment="none", steps_per_dispatch=2)
+  for epoch in range(2):
+    np.testing.assert_array_equal(host.order(epoch), dev.order(epoch))
+  seen = [d.indices for d in dev.dispatches()]
+  assert [len(i) for i in seen] == [2, 2, 2]
+  np.testing.assert_array_equal(np.concatenate(seen).ravel(), host.order(0)[:96])
+  assert dev.state() == {**host.state(), "epoch": 1}
+  # A restored position continues mid-epoch, re-aligned to whole dispatches.
+  dev.restore({"epoch": 4, "step": 1, "batch_size": 16, "seed": 3, "num_examples": 96})
+  steps = [d.steps.tolist() for d in dev.dispatches()]
+  assert steps == [[1], [2, 3], [4, 5]] and dev.epoch == 5
+
+
+def test_plain_iteration_gives_device_batches_of_the_fused_function():
+  ds = _dataset()
+  dev = data.DeviceLoader(ds, 16, seed=1, augment="prunetrain")
+  batches = list(dev)
+  assert len(batches) == 6 and isinstance(batches[0][0], jax.Array)
+  images, labels = dev.device_arrays
+  order = dev.order(0).astype(np.int32)
+  # Jitted, as the trainer's step runs it (XLA may fuse the normalisation's multiply-add).
+  x, y = jax.jit(dev.make_batch)(images, labels, order[16:32], 1, 0, 1)
+  np.testing.assert_array_equal(np.asarray(batches[1][0]), np.asarray(x))
+  np.testing.assert_array_equal(np.asarray(batches[1][1]), ds.labels[order[16:32]])
+
+
+def test_dispatch_size_is_the_closest_divisor_and_the_tail_is_its_own():
+  ds = _dataset(100)
+  dev = data.DeviceLoader(ds, 10, augment="none", steps_per_dispatch=4, drop_last=False)
+  assert dev.dispatch_steps() == 5  # divisors of 10: 5 is closest to 4 on a log scale
+  ds97 = _dataset(97 * 4)
+  assert data.DeviceLoader(ds97, 4, augment="none", steps_per_dispatch=50).dispatch_steps() == 97
+  tail = data.DeviceLoader(ds, 12, augment="none", steps_per_dispatch=8, drop_last=False)
+  shapes = [d.indices.shape for d in tail.dispatches()]
+  assert shapes == [(8, 12), (1, 4)]
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"steps_per_dispatch": 0}, "steps_per_dispatch"),
+    ({"steps_per_dispatch": 1.5}, "steps_per_dispatch"),
+    ({"augment": [augment.Normalize((0.5,), (0.2,))]}, "Normalize"),
+  ],
+)
+def test_bad_arguments_are_named(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    data.DeviceLoader(_dataset(), 16, **kwargs)
+
+
+class _Net(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+    self.bn = nnx.BatchNorm(4, rngs=rngs)
+    self.head = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.bn(self.conv(x))).mean((1, 2)))
+
+
+def _trainer(**kwargs):
+  return train.Trainer(_Net(nnx.Rngs(0)), train.sgd(0.05, 0.9), progress=False, **kwargs)
+
+
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_k_fused_steps_equal_k_single_steps_bit_for_bit():
+  ds = _dataset()
+  runs = []
+  for k in (1, 3):
+    loader = data.DeviceLoader(ds, 16, seed=2, augment="prunetrain", steps_per_dispatch=k)
+    trainer = _trainer()
+    history = trainer.fit(loader, epochs=2)
+    runs.append((trainer, history))
+  (a, ha), (b, hb) = runs
+  assert a.step == b.step == 12
+  for x, y in zip(_leaves((a.params, a.rest, a.opt_state)), _leaves((b.params, b.rest, b.opt_state))):
+    np.testing.assert_array_equal(x, y)
+  assert [h["train_loss"] for h in ha] == [h["train_loss"] for h in hb]
+
+
+class _Replay(augment.Augmentation):
+  """Hands the NumPy pipeline the draws the device made, in order (a loader without
+  prefetch builds its batches in order)."""
+
+  def __init__(self, inner, queue):
+    self.inner, self.queue = inner, queue
+
+  def sample(self, rng, batch_shape):
+    return self.queue.pop(0)
+
+  def apply(self, images, labels, params):
+    return self.inner.apply(images, labels, params)
+
+
+def test_device_and_host_loaders_reach_the_same_parameters_on_the_same_draws():
+  ds = _dataset()
+  dev = data.DeviceLoader(ds, 16, seed=4, augment="prunetrain", steps_per_dispatch=2)
+  pipeline = augment.preset("prunetrain").bind(ds)
+  queues = [[] for _ in pipeline]
+  for epoch in range(2):
+    for step in range(len(dev)):
+      key = jax.random.key(4)
+      for value in (1, epoch, step):  # the DeviceLoader's key of (seed, epoch, step)
+        key = jax.random.fold_in(key, value)
+      for queue, params in zip(queues, device_augment.draws(pipeline, key, (16, 8, 8, 1))):
+        queue.append(params)
+  replay = [_Replay(aug, q) for aug, q in zip(pipeline, queues)]
+  host = data.Loader(ds, 16, seed=4, augment=replay, prefetch=0)
+  a, b = _trainer(), _trainer()
+  a.fit(dev, epochs=2)
+  b.fit(host, epochs=2)
+  for x, y in zip(_leaves(a.params), _leaves(b.params)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_evaluation_on_a_device_loader_pads_the_short_batch():
+  ds = _dataset(40)
+  trainer = _trainer()
+  on_host = trainer.evaluate(data.Loader(ds, 16, shuffle=False, drop_last=False))
+  on_device = trainer.evaluate(data.DeviceLoader(ds, 16, shuffle=False, drop_last=False))
+  assert on_device["test_acc"] == pytest.approx(on_host["test_acc"])
+  assert on_device["test_loss"] == pytest.approx(on_host["test_loss"], rel=1e-5)
+
+
+def test_a_mesh_is_refused_by_name():
+  trainer = train.Trainer(_Net(nnx.Rngs(0)), train.sgd(0.05), mesh="auto", progress=False)
+  with pytest.raises(ValueError, match="train_loader: a DeviceLoader"):
+    trainer.fit(data.DeviceLoader(_dataset(), 16, augment="none"), epochs=1)
