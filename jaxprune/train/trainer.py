@@ -69,7 +69,12 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     checkpoint_dir: orbax checkpoint directory; ``fit`` resumes from its latest checkpoint.
       A fresh start (``fit(resume=False)``) refuses a folder that holds another run's
       checkpoints unless ``overwrite=True`` (see :meth:`fit`).
-    checkpoint_every: checkpoint every this many epochs (and after the last one).
+    checkpoint_every: checkpoint every this many epochs (and after the last one); ``0``:
+      only after the last epoch and when :meth:`fit` stops at ``max_seconds`` (a long run on
+      an accelerator, where each save of a large state costs seconds).
+    eval_every: evaluate ``test_loader`` every this many epochs; the last epoch of a
+      :meth:`fit` (also one cut short by ``max_seconds``) is always evaluated. Records of
+      the other epochs hold no ``test_*`` keys.
     max_to_keep: number of checkpoints kept.
     progress: show a tqdm bar; ``None`` = only when stderr is a terminal.
     model_builder: ``spec -> model`` used on resume when the checkpoint's
@@ -127,6 +132,7 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     log_path: str | os.PathLike | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int = 1,
+    eval_every: int = 1,
     max_to_keep: int | None = 2,
     progress: bool | None = None,
     model_builder: Callable[[Any], nnx.Module] | None = None,
@@ -137,8 +143,13 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
   ):
     if not 0.0 <= label_smoothing < 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if checkpoint_every < 1:
-      raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+    for name, value, least in (
+      ("checkpoint_every", checkpoint_every, 0),
+      ("eval_every", eval_every, 1),
+    ):
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    self.eval_every = int(eval_every)
     self.tx = optax.with_extra_args_support(tx)
     self.loss_fn = loss_fn if loss_fn is not None else default_loss(label_smoothing)
     self.flip_tta = flip_tta
@@ -172,6 +183,8 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     self.batch_size: int | None = None  # the training loader's batch size this epoch
     self._pending_batch_size: tuple[int, bool] | None = None
     self._elapsed_before = 0.0
+    # Why the last fit stopped before its epochs (None: it did not); see fit(max_seconds=...).
+    self.stopped_early: str | None = None
     self._memory_cache: dict[Any, dict[str, int]] = {}
     self._refill_check = masking.RefillCheck()  # pruned weights re-filled at an epoch end
     self._warned_nonfinite_inputs = False  # the non-finite input warning is shown once
@@ -179,6 +192,28 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     # empty, or cleared it with fit(overwrite=True)): only then may save_checkpoint write there.
     self._owns_store = False
     self._set_model(model, self.tx.init(nnx.as_pure(nnx.state(model, nnx.Param))))
+
+  def _stop_early(self, train_loader: Iterable, test_loader: Iterable | None, epochs: int) -> None:
+    """``fit`` stops at ``max_seconds``: the last record gets its evaluation if it had none,
+    a checkpoint is saved, and a warning says where the run stands."""
+    if self.history and test_loader is not None and "test_acc" not in self.history[-1]:
+      t0 = time.perf_counter()
+      self.history[-1].update(self.evaluate(test_loader))
+      self.history[-1]["eval_time_s"] = time.perf_counter() - t0
+      _run_log.rewrite(self.log_path, self.history)
+    if self.store is not None and self.store.latest_step() != self.epoch:
+      self.save_checkpoint(train_loader)  # (checkpoint_every may have saved this epoch)
+    where = (
+      f"; checkpoint in {self.store.directory}"
+      if self.store is not None
+      else " (no checkpoint_dir: nothing saved)"
+    )
+    warnings.warn(
+      f"fit stopped after epoch {self.epoch} of {epochs}: {self.stopped_early}{where}; fit "
+      "again with resume=True to continue",
+      RuntimeWarning,
+      stacklevel=3,
+    )
 
   def fit(
     self,
@@ -188,6 +223,8 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     *,
     resume: bool = True,
     overwrite: bool = False,
+    max_seconds: float | None = None,
+    must_finish: bool = False,
   ) -> list[dict[str, Any]]:
     """Train until ``epochs`` epochs are complete (resuming from the latest checkpoint).
 
@@ -203,6 +240,15 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       resume: restore the latest checkpoint of ``checkpoint_dir`` first.
       overwrite: with ``resume=False``, delete the checkpoints already in
         ``checkpoint_dir`` instead of refusing to start.
+      max_seconds: a time box for this call. Before each epoch (after the first) the trainer
+        estimates its end from the last epoch's cost (training, hooks, and the evaluation if
+        the next epoch is evaluated); when it would end past ``max_seconds`` after the call
+        began, it stops: the last trained epoch is evaluated and logged, a checkpoint is
+        saved, :attr:`stopped_early` says why, and a ``RuntimeWarning`` says how far it got.
+        The same ``fit`` again (``resume=True``) continues exactly.
+      must_finish: with ``max_seconds``, stop as soon as the estimate says the *remaining*
+        epochs cannot all end inside it (after the first epoch of the call), instead of
+        training as many as fit: for a time window whose partial result would be lost.
 
     If the run is already past ``epochs`` (e.g. a checkpoint at epoch 3 and ``epochs=2``),
     nothing is trained, a ``UserWarning`` says so and the whole history is returned.
@@ -211,7 +257,8 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       The per-epoch records (also written as JSON lines to ``log_path``).
 
     Raises:
-      ValueError: if ``epochs`` is not a positive int, if ``overwrite`` is given with
+      ValueError: if ``epochs`` is not a positive int, ``max_seconds`` not positive,
+        ``must_finish`` without ``max_seconds``, if ``overwrite`` is given with
         ``resume=True``, or if a fresh start finds another run's checkpoints in
         ``checkpoint_dir`` and ``overwrite`` is False.
     """
@@ -220,6 +267,11 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       raise ValueError(f"epochs must be a positive int, got {epochs!r}")
     if overwrite and resume:
       raise ValueError("overwrite=True deletes the checkpoints: it needs resume=False")
+    if max_seconds is not None and not (isinstance(max_seconds, (int, float)) and max_seconds > 0):
+      raise ValueError(f"max_seconds must be a positive number of seconds, got {max_seconds!r}")
+    if must_finish and max_seconds is None:
+      raise ValueError("must_finish=True needs max_seconds")
+    self.stopped_early = None
     if resume:
       self.restore_checkpoint(train_loader)
     self._claim_store(overwrite)
@@ -238,7 +290,13 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       self.reference_batch_size = _loaders.batch_size(train_loader)
     _run_log.rewrite(self.log_path, self.history)
     fit_start = time.perf_counter() - self._elapsed_before
+    box = _TimeBox(max_seconds, must_finish, self.eval_every, epochs)
     while self.epoch < epochs:
+      self.stopped_early = box.stop_reason(self.epoch)
+      if self.stopped_early is not None:
+        self._stop_early(train_loader, test_loader, epochs)
+        break
+      epoch_start = time.perf_counter()
       self._apply_pending_batch_size(train_loader)
       self.batch_size = _loaders.batch_size(train_loader)
       if hasattr(train_loader, "set_epoch"):
@@ -254,10 +312,11 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       record["batch_size"] = _loaders.batch_size(train_loader)
       for c in self.callbacks:
         c.on_train_epoch_end(self, self.epoch, train_loader)
-      if test_loader is not None:
+      eval_s = 0.0
+      if test_loader is not None and box.evaluates(self.epoch):
         t0 = time.perf_counter()
         record.update(self.evaluate(test_loader))
-        record["eval_time_s"] = time.perf_counter() - t0
+        eval_s = record["eval_time_s"] = time.perf_counter() - t0
       for c in self.callbacks:
         extra = c.on_epoch_end(self, self.epoch)
         if extra:
@@ -270,14 +329,57 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       record["step"] = self.step
       self.history.append(record)
       _run_log.append(self.log_path, record)
-      if self.epoch % self.checkpoint_every == 0 or self.epoch == epochs:
+      saved = self.checkpoint_every and self.epoch % self.checkpoint_every == 0
+      if saved or self.epoch == epochs:
         self.save_checkpoint(train_loader)
       for c in self.callbacks:
         c.after_epoch(self, record)
+      box.epoch_done(time.perf_counter() - epoch_start, eval_s)
     # The step donates its buffers, so the module the caller passed in would otherwise
     # point at deleted arrays after fit; sync it (a reconfigured run syncs its new model).
     _ = self.model
     return self.history
+
+
+class _TimeBox:
+  """When :meth:`Trainer.fit` stops before its epochs for ``max_seconds``: the next epoch's
+  cost is the last one's, less its evaluation, plus the last evaluation's when the next epoch
+  is evaluated."""
+
+  def __init__(self, max_seconds: float | None, must_finish: bool, eval_every: int, epochs: int):
+    self.max_seconds, self.must_finish = max_seconds, must_finish
+    self.eval_every, self.epochs = eval_every, epochs
+    self.start = time.perf_counter()
+    self.train_s: float | None = None  # the last epoch's cost without its evaluation
+    self.eval_s = 0.0  # the last evaluation's
+
+  def evaluates(self, epoch: int) -> bool:
+    """Whether the epoch that ends at ``epoch`` completed epochs is evaluated."""
+    return epoch % self.eval_every == 0 or epoch == self.epochs
+
+  def epoch_done(self, seconds: float, eval_s: float) -> None:
+    self.train_s = seconds - eval_s
+    if eval_s:
+      self.eval_s = eval_s
+
+  def _cost(self, first: int, last: int) -> float:
+    """Estimated seconds of epochs ``first+1 .. last`` (completed counts)."""
+    evals = sum(self.evaluates(e) for e in range(first + 1, last + 1))
+    return (last - first) * self.train_s + evals * self.eval_s
+
+  def stop_reason(self, epoch: int) -> str | None:
+    if self.max_seconds is None or self.train_s is None:
+      return None
+    spent = time.perf_counter() - self.start
+    last = self.epochs if self.must_finish else epoch + 1
+    need = self._cost(epoch, last)
+    if spent + need <= self.max_seconds:
+      return None
+    what = f"the remaining {self.epochs - epoch} epochs" if self.must_finish else "the next epoch"
+    return (
+      f"max_seconds={self.max_seconds:g}: {what} would end about {spent + need:.0f} s after "
+      f"fit began ({spent:.0f} s spent)"
+    )
 
 
 def fit(

@@ -1,0 +1,120 @@
+"""``fit(max_seconds=...)``: a run that stops for its time box saves, says so and resumes
+exactly; ``eval_every`` and ``checkpoint_every=0``."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxprune import data, train
+
+
+class _Net(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+    self.bn = nnx.BatchNorm(4, rngs=rngs)
+    self.head = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.bn(self.conv(x))).mean((1, 2)))
+
+
+def _data(n=64):
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (n, 8, 8, 1), dtype=np.uint8)
+  return data.Dataset.from_arrays(images, (np.arange(n) % 4).astype(np.int32), num_classes=4)
+
+
+def _loaders(device):
+  ds = _data()
+  make = data.DeviceLoader if device else data.Loader
+  extra = {"steps_per_dispatch": 2} if device else {"prefetch": 0}
+  return (
+    make(ds, 16, seed=1, augment="prunetrain", **extra),
+    make(ds, 32, shuffle=False, drop_last=False, **({} if device else {"prefetch": 0})),
+  )
+
+
+def _trainer(tmp_path, **kwargs):
+  return train.Trainer(
+    _Net(nnx.Rngs(0)),
+    train.sgd(0.05, 0.9),
+    progress=False,
+    checkpoint_dir=tmp_path / "ckpt",
+    log_path=tmp_path / "log.jsonl",
+    **kwargs,
+  )
+
+
+def _leaves(t):
+  return [np.asarray(x) for x in jax.tree.leaves((t.params, t.rest, t.opt_state))]
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_stopped_run_saves_warns_and_resumes_exactly(tmp_path, device):
+  whole = _trainer(tmp_path / "whole")
+  whole.fit(*_loaders(device), epochs=3)
+
+  first = _trainer(tmp_path / "cut", checkpoint_every=0, eval_every=2)
+  with pytest.warns(RuntimeWarning, match=r"fit stopped after epoch 1 of 3: max_seconds=1e-06"):
+    history = first.fit(*_loaders(device), epochs=3, max_seconds=1e-6)
+  # The first epoch has no estimate yet, so it runs; the second would not fit.
+  assert first.epoch == 1 and first.stopped_early.startswith("max_seconds")
+  assert "test_acc" in history[-1]  # the last trained epoch is always evaluated
+  assert [s.name for s in (tmp_path / "cut" / "ckpt").iterdir() if s.name.isdigit()] == ["1"]
+  lines = (tmp_path / "cut" / "log.jsonl").read_text().splitlines()
+  assert len(lines) == 1 and "test_acc" in json.loads(lines[0])
+
+  second = _trainer(tmp_path / "cut", checkpoint_every=0, eval_every=2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)
+    second.fit(*_loaders(device), epochs=3)
+  assert second.epoch == 3 and second.stopped_early is None
+  for a, b in zip(_leaves(whole), _leaves(second)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_must_finish_stops_when_the_rest_cannot_fit(tmp_path):
+  trainer = _trainer(tmp_path)
+  with pytest.warns(RuntimeWarning, match="the remaining 4 epochs would end"):
+    trainer.fit(*_loaders(False), epochs=5, max_seconds=1e-6, must_finish=True)
+  assert trainer.epoch == 1
+  # A generous box changes nothing.
+  trainer = _trainer(tmp_path / "b")
+  trainer.fit(*_loaders(False), epochs=2, max_seconds=1e6, must_finish=True)
+  assert trainer.epoch == 2 and trainer.stopped_early is None
+
+
+def test_eval_every_and_checkpoint_every_zero(tmp_path):
+  trainer = _trainer(tmp_path, eval_every=2, checkpoint_every=0)
+  history = trainer.fit(*_loaders(True), epochs=3)
+  assert ["test_acc" in h for h in history] == [False, True, True]  # the last is always
+  saved = sorted(s.name for s in (tmp_path / "ckpt").iterdir() if s.name.isdigit())
+  assert saved == ["3"]
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"eval_every": 0}, "eval_every"),
+    ({"checkpoint_every": -1}, "checkpoint_every"),
+    ({"eval_every": True}, "eval_every"),
+  ],
+)
+def test_bad_intervals_are_named(tmp_path, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    _trainer(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [({"max_seconds": 0}, "max_seconds"), ({"must_finish": True}, "must_finish")],
+)
+def test_bad_time_box_is_named(tmp_path, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    _trainer(tmp_path).fit(*_loaders(False), epochs=1, **kwargs)
