@@ -33,6 +33,10 @@ than 0 is named with ``_seed<S>`` at the end and goes to the aligned page's seed
 
 A row too long for one sitting runs in parts: every run checkpoints after each epoch
 (``runs/checkpoints/``), and the same command with ``--resume`` continues it exactly.
+``--loader``, ``--steps-per-dispatch``, ``--eval-every``, ``--checkpoint-every``,
+``--max-seconds`` and ``--must-finish`` fit a paper-budget row into one accelerator command
+(``experiments/_run_options.py``); ``--methods dense`` or ``--methods clicktrain`` runs one
+of a row's two trainings.
 """
 
 from __future__ import annotations
@@ -48,8 +52,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments import _clicktrain_aligned_page, _tables
-from experiments._machine import machine_description
+from experiments import _clicktrain_aligned_page, _run_options, _tables
 from jaxprune import data, flops, methods, models, train
 from jaxprune.clicktrain import patterns, readouts
 from jaxprune.clicktrain.sparse_execution import SparseExecution
@@ -105,7 +108,12 @@ def _parse(argv):
     help=f"comma list of {','.join(PAPER)} (and {','.join(EXTRA_ROWS)}, not a Table 1 row)",
   )
   p.add_argument("--mode", default="paper", choices=["paper", "one_shot"])
-  p.add_argument("--skip-dense", action="store_true")
+  p.add_argument("--skip-dense", action="store_true", help="the same as --methods clicktrain")
+  p.add_argument(
+    "--methods",
+    default="dense,clicktrain",
+    help="comma list of the row's trainings to run: dense, clicktrain (default both)",
+  )
   p.add_argument(
     "--filter-groups",
     type=int,
@@ -123,13 +131,19 @@ def _parse(argv):
   )
   _tables.add_resume_argument(p)
   _tables.add_dtype_argument(p)
+  _run_options.add_arguments(p)
   a = p.parse_args(argv)
+  a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+  if a.skip_dense:
+    a.methods = [m for m in a.methods if m != "dense"]
+  if not a.methods or set(a.methods) - {"dense", "clicktrain"}:
+    p.error(f"--methods: choose from dense, clicktrain, got {a.methods}")
   if a.filter_grouping != "consecutive" and a.filter_groups is None:
     p.error("--filter-grouping needs --filter-groups")
   # The budget's settings become attributes, as the page states them.
   for key, value in _tables.get_budget("clicktrain_table1", a.budget).items():
     setattr(a, key, value)
-  return a
+  return _run_options.resolve(a, a.budget)
 
 
 def _stage_epochs(args, row: str) -> dict[str, Any]:
@@ -181,18 +195,16 @@ def _tag(budget: str, dtype: str = "fp32") -> str:
 
 def _run(
   args, row: str, prune: bool, train_set, test_set, folder: Path, command: str
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
+  """Trains one of ``row``'s runs and saves its result; ``None`` if it stopped at the time box
+  (its checkpoint then stays for ``--resume``)."""
   label = "clicktrain" if prune else "dense"
   if prune and args.filter_groups is not None:
     clustered = args.filter_grouping == "clustered"
     label = f"aligned-g{args.filter_groups}{'c' if clustered else ''}"
   stem = _clicktrain_aligned_page.run_stem(_tag(args.budget, args.dtype), row, label, args.seed)
-  loader = data.Loader(
-    train_set, args.batch_size, shuffle=True, seed=args.seed, augment="clicktrain", drop_last=True
-  )
-  test_loader = data.Loader(
-    test_set, min(500, len(test_set.labels)), shuffle=False, drop_last=False
-  )
+  loader = _run_options.train_loader(args, train_set, args.batch_size, "clicktrain")
+  test_loader = _run_options.test_loader(args, test_set, min(500, len(test_set.labels)))
   spe = len(loader)
   milestones = [max(1, round(f * args.epochs)) for f in args.milestones]
   inner = train.sgd(train.step_schedule(args.lr, spe, milestones), momentum=0.9, weight_decay=5e-4)
@@ -240,7 +252,9 @@ def _run(
       "seed": args.seed,
       **budget,
       **_tables.dtype_config(args),
+      **_run_options.run_config(args),
     },
+    **_run_options.trainer_kwargs(args),
   )
   _tables.start_or_resume(trainer, loader, args.resume)
   if prune and args.mode == "one_shot":
@@ -248,15 +262,17 @@ def _run(
     # epoch whose end finds the stage pruned (the preset placed it), then mixup batches.
     while trainer.epoch < args.epochs and readouts.stage_name(trainer.opt_state) != "pruned":
       trainer.fit(loader, test_loader, epochs=trainer.epoch + 1, resume=False, overwrite=True)
-    loader = data.Loader(
-      train_set,
-      args.batch_size,
-      shuffle=True,
-      seed=args.seed,
-      augment="clicktrain-mixup",
-      drop_last=True,
-    )
-  history = trainer.fit(loader, test_loader, epochs=args.epochs, resume=False, overwrite=True)
+    loader = _run_options.train_loader(args, train_set, args.batch_size, "clicktrain-mixup")
+  history = trainer.fit(
+    loader,
+    test_loader,
+    epochs=args.epochs,
+    resume=False,
+    overwrite=True,
+    **_run_options.fit_kwargs(args),
+  )
+  if _run_options.stopped(trainer, f"{row} {label}"):
+    return None
   result = {
     "row": row,
     "method": label,
@@ -266,6 +282,8 @@ def _run(
     "compression": flops.compression_ratio(trainer.params),
     "wall_time_s": history[-1]["wall_time_s"],
     "command": command,
+    "loader": args.loader,
+    **_run_options.provenance(),
     "log": f"logs/{stem}.jsonl",
     "history": history,
   }
@@ -393,7 +411,7 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
     command=_tables.joined_commands(runs, default=command),
     budget_name=args.budget,
     budget=_tables.get_budget("clicktrain_table1", args.budget),
-    machine=machine_description(),
+    **_run_options.page_provenance(runs),
     columns=["acc (%)", "Δ acc (points)", "compression", "train / inference FLOPs saved"],
     rows=rows,
     logs=logs,
@@ -491,8 +509,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   results: dict[str, dict[str, Any]] = {}
   for row in rows:
     results[row] = {}
-    for prune in (True,) if args.skip_dense else (False, True):
+    for method in ("dense", "clicktrain"):
+      if method not in args.methods:
+        continue
+      prune = method == "clicktrain"
       res = _run(args, row, prune, train_set, test_set, folder, command)
+      if res is None:  # stopped at --max-seconds: the command ends here
+        return {"stopped": f"{row} {method}"}
       results[row]["clicktrain" if prune else "dense"] = res
       if args.filter_groups is None and not args.seed:
         out.write_text(_markdown(args, _saved_rows(folder, args.budget, args.dtype), command))

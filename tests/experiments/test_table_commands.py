@@ -324,3 +324,37 @@ def test_sdgp_table1_bf16_run_trains_in_bf16_beside_the_fp32_page(
   assert "- Compute dtype: bf16" in page
   for link in _links(page):
     assert (tmp_path / link).exists() and "_bf16_" in link, link
+
+
+def test_clicktrain_row_on_the_device_loader_stops_at_its_time_box_and_resumes(
+  tmp_path, monkeypatch, tiny_cifar
+):
+  """``--loader device --max-seconds``: the command stops after the first epoch (the second
+  would not fit), writes no result, keeps its checkpoint; ``--resume`` finishes the run, which
+  then records its loader, machine and date."""
+  _tiny(monkeypatch, "clicktrain_table1", width={"resnet": 0.0625}, epochs=2, batch_size=16)
+  argv = ["--rows", "resnet18", "--methods", "dense", "--loader", "device", "--out", str(tmp_path)]
+  argv += ["--steps-per-dispatch", "2", "--checkpoint-every", "0"]
+  with pytest.warns(RuntimeWarning, match="fit stopped after epoch 1 of 2"):
+    out = clicktrain_table1.main([*argv, "--max-seconds", "0.001"])
+  assert out == {"stopped": "resnet18 dense"}
+  assert not (tmp_path / "table1_cpu_resnet18_dense.json").exists()
+  assert (tmp_path / "checkpoints" / "table1_cpu_resnet18_dense" / "1").exists()
+  done = clicktrain_table1.main([*argv, "--resume"])["resnet18"]["dense"]
+  saved = json.loads((tmp_path / "table1_cpu_resnet18_dense.json").read_text())
+  assert done["loader"] == saved["loader"] == "device" and len(saved["history"]) == 2
+  assert "Machine" not in saved and saved["machine"] and saved["date"]
+
+
+@pytest.mark.parametrize(
+  "flags, match",
+  [
+    (["--eval-every", "0"], "--eval-every"),
+    (["--steps-per-dispatch", "0"], "--steps-per-dispatch"),
+    (["--must-finish"], "--must-finish needs --max-seconds"),
+    (["--max-seconds", "-1"], "--max-seconds"),
+  ],
+)
+def test_run_options_are_checked_by_name(flags, match):
+  with pytest.raises(ValueError, match=match):
+    clicktrain_table1._parse(["--budget", "cpu", *flags])
