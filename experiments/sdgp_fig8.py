@@ -117,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     log = sdgp_table1.log_name(name, method, n, m)
     (folder / log).parent.mkdir(parents=True, exist_ok=True)
     record = sdgp_table1.train_row(method, n, m, budget, train_set, test_set, args, folder / log)
+    if record is None:  # stopped at --max-seconds: the command ends here
+      return {"budget": budget, "cells": results, "stopped": f"{method} {n}:{m}"}
     record["command"], record["log"] = command, log
     results.append(record)
     print(

@@ -36,8 +36,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from experiments import _tables
-from experiments._machine import machine_description
+from experiments import _run_options, _tables
 from jaxprune import data, methods, models, sdgp, train
 
 # SDGP Table I, CIFAR-10 ResNet-9 top-1 (%); MVUE is not in the paper.
@@ -52,10 +51,13 @@ def add_budget_arguments(parser: argparse.ArgumentParser, table: str) -> None:
   _tables.add_dtype_argument(parser)
   parser.add_argument("--backend", choices=sdgp.BACKENDS, default="auto")
   parser.add_argument("--progress", action="store_true")
+  _run_options.add_arguments(parser)
 
 
 def resolve_budget(table: str, args: argparse.Namespace) -> dict[str, Any]:
-  """The named budget's settings for ``table`` (a plain dict, as recorded in the JSON)."""
+  """The named budget's settings for ``table`` (a plain dict, as recorded in the JSON); the
+  run options (:mod:`experiments._run_options`) get their defaults for it."""
+  _run_options.resolve(args, args.budget)
   return dict(_tables.get_budget(table, args.budget))
 
 
@@ -108,10 +110,12 @@ def train_row(
   test_set,
   args: argparse.Namespace,
   log_path: Path | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
   """Trains one row (``method="dense"`` = no SDGP) and returns its result record, with the
-  per-epoch history (test accuracy after every epoch); ``log_path`` gets it as JSON lines.
-  The model computes in ``args.dtype`` (:func:`experiments._tables.compute_dtype`)."""
+  per-epoch history (test accuracy after every epoch, or every ``--eval-every``); ``log_path``
+  gets it as JSON lines. The model computes in ``args.dtype``
+  (:func:`experiments._tables.compute_dtype`). ``None``: the row stopped at ``--max-seconds``
+  (SDGP's rows keep no checkpoint, so a stopped row is lost)."""
   model = models.create(
     MODEL,
     num_classes=train_set.num_classes,
@@ -121,10 +125,8 @@ def train_row(
   )
   chosen = row_method(method, n, m, budget, args.seed, args.backend)
   model = chosen.convert(model)
-  train_loader = data.Loader(
-    train_set, budget["batch_size"], shuffle=True, seed=args.seed, augment="sdgp", drop_last=True
-  )
-  test_loader = data.Loader(test_set, min(500, len(test_set)), shuffle=False, drop_last=False)
+  train_loader = _run_options.train_loader(args, train_set, budget["batch_size"], "sdgp")
+  test_loader = _run_options.test_loader(args, test_set, min(500, len(test_set)))
   schedule = train.triangular_schedule(
     budget["peak_lr"], len(train_loader), budget["peak_epoch"], budget["epochs"]
   )
@@ -139,8 +141,17 @@ def train_row(
     callbacks=[_EpochPrinter(label)],
     progress=bool(args.progress),
     log_path=log_path,
+    eval_every=args.eval_every,
   )
-  history = trainer.fit(train_loader, test_loader, epochs=budget["epochs"], resume=False)
+  history = trainer.fit(
+    train_loader,
+    test_loader,
+    epochs=budget["epochs"],
+    resume=False,
+    **_run_options.fit_kwargs(args),
+  )
+  if _run_options.stopped(trainer, label):
+    return None
   return {
     "method": method,
     "n": n,
@@ -148,8 +159,11 @@ def train_row(
     "test_acc": history[-1]["test_acc"],
     "final_train_loss": history[-1]["train_loss"],
     "train_time_s": sum(r["epoch_time_s"] for r in history),
+    "loader": args.loader,
+    **_run_options.provenance(),
     "history": [
-      {k: r[k] for k in ("epoch", "train_loss", "test_acc", "epoch_time_s")} for r in history
+      {k: r[k] for k in ("epoch", "train_loss", "test_acc", "epoch_time_s") if k in r}
+      for r in history
     ],
   }
 
@@ -192,9 +206,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     log = log_name(name, method, 2, 4)
     (folder / log).parent.mkdir(parents=True, exist_ok=True)
     record = train_row(method, 2, 4, budget, train_set, test_set, args, folder / log)
+    if record is None:  # stopped at --max-seconds: the command ends here
+      return {"budget": budget, "rows": results, "stopped": method}
     record["log"] = log
     record["command"] = command
-    record["date"] = _tables.utc_now()
     trained.append(record)
     # Read the page again before writing: another invocation (``--rows random`` beside
     # ``--rows magnitude``) may have added its row since this one started.
@@ -299,7 +314,7 @@ def _write(
     command=command,
     budget_name=budget_name,
     budget=budget,
-    machine=machine_description(),
+    machine=_run_options.page_provenance(results)["machine"],
     date=date,
     columns=["top-1 test acc (%)", "final train loss", "train time (min)"],
     rows=[
