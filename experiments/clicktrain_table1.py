@@ -490,6 +490,19 @@ def _saved_rows(folder: Path, budget: str, dtype: str = "fp32") -> dict[str, dic
   return results
 
 
+def write_pages(folder: Path, budget: str, dtype: str = "fp32") -> Path:
+  """Rewrites ``table1_<budget>.md`` in ``folder`` from the rows saved there (and the aligned
+  page when aligned runs are there), e.g. after rows trained elsewhere were copied in; returns
+  the Table 1 page."""
+  args = _parse(["--budget", budget, "--dtype", dtype])
+  tag = _tag(budget, dtype)
+  page = folder / f"table1_{tag}.md"
+  page.write_text(_markdown(args, _saved_rows(folder, budget, dtype), "-"))
+  if any(folder.glob(f"table1_{tag}_*_aligned-g*.json")):
+    (folder / f"table1-aligned_{tag}.md").write_text(aligned_markdown(folder, budget, dtype))
+  return page
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   command = _tables.command_line("clicktrain_table1", argv)

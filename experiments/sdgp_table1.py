@@ -239,6 +239,36 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   return {"budget": budget, "rows": results}
 
 
+def merge_rows(stem: Path, returned: dict[str, Any]) -> Path:
+  """Merges the rows of a page JSON written elsewhere (``returned``, e.g. trained on an
+  accelerator) into ``stem.json`` and rewrites the page; a returned row replaces a saved row
+  of the same method. Returns the page.
+
+  Raises:
+    ValueError: ``returned`` was written under another budget or dtype than ``stem.json``.
+  """
+  budget_name, budget = returned["budget_name"], returned["budget"]
+  dtype = returned.get("dtype", "fp32")
+  rows = returned["rows"]
+  saved, same = _tables.saved_result(stem, budget)
+  if saved is not None and not (same and saved.get("dtype", "fp32") == dtype):
+    raise ValueError(f"returned: {stem}.json holds rows of another budget or dtype; not merged")
+  others = saved_rows(stem, budget_name, budget, exclude=[r["method"] for r in rows], dtype=dtype)
+  results = sorted([*others, *rows], key=lambda r: ROWS.index(r["method"]))
+  date = max((r["date"] for r in results if "date" in r), default=None)
+  _write(
+    stem,
+    _tables.joined_commands(results),
+    budget_name,
+    budget,
+    results,
+    len(ROWS),
+    date=date,
+    dtype=dtype,
+  )
+  return stem.with_suffix(".md")
+
+
 def saved_rows(
   stem: Path,
   budget_name: str,

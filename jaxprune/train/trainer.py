@@ -247,8 +247,9 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
         saved, :attr:`stopped_early` says why, and a ``RuntimeWarning`` says how far it got.
         The same ``fit`` again (``resume=True``) continues exactly.
       must_finish: with ``max_seconds``, stop as soon as the estimate says the *remaining*
-        epochs cannot all end inside it (after the first epoch of the call), instead of
-        training as many as fit: for a time window whose partial result would be lost.
+        epochs cannot all end inside it (from the second epoch of the call on: the first
+        also compiles), instead of training as many as fit: for a time window whose partial
+        result would be lost.
 
     If the run is already past ``epochs`` (e.g. a checkpoint at epoch 3 and ``epochs=2``),
     nothing is trained, a ``UserWarning`` says so and the whole history is returned.
@@ -342,40 +343,57 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
 
 
 class _TimeBox:
-  """When :meth:`Trainer.fit` stops before its epochs for ``max_seconds``: the next epoch's
-  cost is the last one's, less its evaluation, plus the last evaluation's when the next epoch
-  is evaluated."""
+  """When :meth:`Trainer.fit` stops before its epochs for ``max_seconds``.
 
-  def __init__(self, max_seconds: float | None, must_finish: bool, eval_every: int, epochs: int):
+  An epoch's cost is its training and hooks plus, when it is evaluated, the last evaluation.
+  The first epoch of the call also compiles, so it only bounds the next epoch's cost; the
+  remaining epochs (``must_finish``) are estimated from the latest later epoch, once there is
+  one.
+  """
+
+  def __init__(
+    self,
+    max_seconds: float | None,
+    must_finish: bool,
+    eval_every: int,
+    epochs: int,
+    clock: Callable[[], float] = time.perf_counter,
+  ):
     self.max_seconds, self.must_finish = max_seconds, must_finish
     self.eval_every, self.epochs = eval_every, epochs
-    self.start = time.perf_counter()
-    self.train_s: float | None = None  # the last epoch's cost without its evaluation
-    self.eval_s = 0.0  # the last evaluation's
+    self.clock = clock
+    self.start = clock()
+    self.first_s: float | None = None  # the call's first epoch, compilation included
+    self.steady_s: float | None = None  # the latest epoch after it
+    self.eval_s = 0.0  # the latest evaluation
 
   def evaluates(self, epoch: int) -> bool:
     """Whether the epoch that ends at ``epoch`` completed epochs is evaluated."""
     return epoch % self.eval_every == 0 or epoch == self.epochs
 
   def epoch_done(self, seconds: float, eval_s: float) -> None:
-    self.train_s = seconds - eval_s
+    if self.first_s is None:
+      self.first_s = seconds - eval_s
+    else:
+      self.steady_s = seconds - eval_s
     if eval_s:
       self.eval_s = eval_s
 
-  def _cost(self, first: int, last: int) -> float:
+  def _cost(self, first: int, last: int, per_epoch: float) -> float:
     """Estimated seconds of epochs ``first+1 .. last`` (completed counts)."""
     evals = sum(self.evaluates(e) for e in range(first + 1, last + 1))
-    return (last - first) * self.train_s + evals * self.eval_s
+    return (last - first) * per_epoch + evals * self.eval_s
 
   def stop_reason(self, epoch: int) -> str | None:
-    if self.max_seconds is None or self.train_s is None:
+    if self.max_seconds is None or self.first_s is None:
       return None
-    spent = time.perf_counter() - self.start
-    last = self.epochs if self.must_finish else epoch + 1
-    need = self._cost(epoch, last)
+    spent = self.clock() - self.start
+    whole = self.must_finish and self.steady_s is not None
+    last = self.epochs if whole else epoch + 1
+    need = self._cost(epoch, last, self.steady_s if self.steady_s is not None else self.first_s)
     if spent + need <= self.max_seconds:
       return None
-    what = f"the remaining {self.epochs - epoch} epochs" if self.must_finish else "the next epoch"
+    what = f"the remaining {self.epochs - epoch} epochs" if whole else "the next epoch"
     return (
       f"max_seconds={self.max_seconds:g}: {what} would end about {spent + need:.0f} s after "
       f"fit began ({spent:.0f} s spent)"

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxprune import data, train
+from jaxprune.train.trainer import _TimeBox
 
 
 class _Net(nnx.Module):
@@ -81,13 +82,51 @@ def test_stopped_run_saves_warns_and_resumes_exactly(tmp_path, device):
 
 def test_must_finish_stops_when_the_rest_cannot_fit(tmp_path):
   trainer = _trainer(tmp_path)
-  with pytest.warns(RuntimeWarning, match="the remaining 4 epochs would end"):
+  # After the first epoch only the next epoch is judged (the first one also compiled).
+  with pytest.warns(RuntimeWarning, match="the next epoch would end"):
     trainer.fit(*_loaders(False), epochs=5, max_seconds=1e-6, must_finish=True)
   assert trainer.epoch == 1
   # A generous box changes nothing.
   trainer = _trainer(tmp_path / "b")
   trainer.fit(*_loaders(False), epochs=2, max_seconds=1e6, must_finish=True)
   assert trainer.epoch == 2 and trainer.stopped_early is None
+
+
+class _Clock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+@pytest.mark.parametrize("must_finish", [False, True])
+def test_time_box_decisions_on_a_planted_clock(must_finish):
+  """Epochs of 10 s after a first one of 30 s (compilation), evaluations of 4 s every 2 epochs,
+  a box of 100 s over 8 epochs."""
+  clock = _Clock()
+  box = _TimeBox(100.0, must_finish, eval_every=2, epochs=8, clock=clock)
+  assert box.stop_reason(0) is None  # nothing measured yet: the first epoch runs
+  clock.now = 30.0
+  box.epoch_done(30.0, 0.0)
+  # Next epoch judged on the first one's 30 s plus an evaluation never measured (0 s): 60 <= 100.
+  assert box.stop_reason(1) is None
+  clock.now = 44.0
+  box.epoch_done(14.0, 4.0)  # epoch 2: 10 s of training, 4 s of evaluation
+  reason = box.stop_reason(2)
+  if must_finish:
+    # 6 epochs x 10 s + 3 evaluations x 4 s = 72 s more: 116 s > 100 s.
+    assert reason == (
+      "max_seconds=100: the remaining 6 epochs would end about 116 s after fit began (44 s spent)"
+    )
+  else:
+    assert reason is None  # epoch 3: 54 s
+    for epoch, now in ((3, 54.0), (4, 68.0), (5, 78.0), (6, 92.0)):
+      clock.now = now
+      box.epoch_done(14.0 if epoch % 2 == 0 else 10.0, 4.0 if epoch % 2 == 0 else 0.0)
+      stop = box.stop_reason(epoch)
+      assert (stop is not None) == (epoch == 6), epoch  # epoch 7 would end at 102 s
+    assert "the next epoch would end about 102 s" in stop
 
 
 def test_eval_every_and_checkpoint_every_zero(tmp_path):

@@ -1,0 +1,444 @@
+"""Spend one accelerator command on the next paper-budget rows not yet published.
+
+    python -m experiments.run gpu_queue --max-seconds 520 --out /tmp/queue --bundle OUT/queue.tar.gz
+    python -m experiments.run gpu_queue --dry-run            # the plan and its estimates
+    python -m experiments.run gpu_queue --publish queue.tar.gz   # back on the CPU machine
+
+The queue (:data:`QUEUE`) lists every paper-budget training in a fixed priority order:
+ClickTrain VGG-11 dense, ClickTrain VGG-11, SDGP Table I (dense, mvue, magnitude, rescaled,
+random), ClickTrain VGG-11 aligned G = 1 and G = 16, then the rest. A row already published in
+``experiments/results/<paper>/`` is skipped. A row starts only when its time model says it
+ends inside what is left of ``--max-seconds``: its steps × its step time, plus its compile,
+evaluation and per-epoch costs. The step times are H100 measurements (the library's step on a
+batch already on the device); each finished row measures its own step time, and the ratio to
+its prior scales the priors of the rows after it. Every row also runs with ``--must-finish``:
+after its first epoch the trainer's own estimate stops it if it cannot end in the box.
+
+Each finished row's JSON, per-epoch log and plots land under ``--out/<paper>/`` as the table
+command writes them, and ``--bundle`` (a ``.tar.gz``) is rewritten after every row with
+everything but checkpoints, plus the device report (``device_report.md`` / ``.json``: device,
+JAX version, decode seconds, and per row the wall, compile and step times, data wait and
+evaluation cost). ``--publish BUNDLE`` merges the returned rows into
+``experiments/results/<paper>/`` and rewrites the ``table1_paper`` pages beside the papers'
+numbers, with the date and device each row was trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import shutil
+import tarfile
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments import _tables
+
+# One evaluation of the 10k test set at batch 500 on an H100 (fp32; the SDGP rows evaluate
+# twice per image for the flip TTA), and the per-epoch host work besides the steps (metrics,
+# a compression read-out of the params, the hooks): estimates, replaced by measured figures
+# in the device report.
+EVAL_S = 0.6
+EPOCH_OVERHEAD_S = 0.25
+DEFAULT_MAX_SECONDS = 520.0
+# Seconds the command spends besides the rows: imports, the first CIFAR-10 decode, the bundle.
+START_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One paper-budget training of the queue.
+
+  Attributes:
+    name: its name in the queue and the report.
+    table: the table command (a module of ``experiments``) and ``argv`` its arguments besides
+      ``--budget paper --out``.
+    paper: the results folder it publishes to.
+    result: what it writes there: a JSON file name, or ``(file, method)`` for a page whose JSON
+      holds several rows (SDGP Table I).
+    epochs, steps_per_epoch: its recipe's.
+    step_ms: prior step time on an H100 (fp32), to be replaced by measurement.
+    compile_s: prior compile seconds of its programs.
+    evals: how often it evaluates at the accelerator default (every 10 epochs and the last).
+    eval_factor: forward passes per evaluated image (2 with flip TTA).
+  """
+
+  name: str
+  table: str
+  argv: tuple[str, ...]
+  paper: str
+  result: str | tuple[str, str]
+  epochs: int
+  steps_per_epoch: int
+  step_ms: float
+  compile_s: float
+  eval_factor: float = 1.0
+
+  @property
+  def evals(self) -> int:
+    return self.epochs // 10 + (self.epochs % 10 != 0)
+
+  def estimate_s(self, speed: float = 1.0) -> float:
+    """Seconds from start to end on a device ``speed`` times slower than the priors' H100."""
+    steps = self.epochs * self.steps_per_epoch * self.step_ms / 1000 * speed
+    return (
+      self.compile_s
+      + steps
+      + self.evals * EVAL_S * self.eval_factor * speed
+      + self.epochs * EPOCH_OVERHEAD_S
+    )
+
+  def published(self, results: Path) -> bool:
+    """Whether ``results/<paper>/`` already holds this row."""
+    folder = results / self.paper
+    if isinstance(self.result, str):
+      return (folder / self.result).exists()
+    name, method = self.result
+    path = folder / name
+    if not path.exists():
+      return False
+    return any(r.get("method") == method for r in json.loads(path.read_text()).get("rows", []))
+
+
+def _clicktrain(name: str, row: str, method: str, step_ms: float, *extra: str) -> Row:
+  label = method
+  if "--filter-groups" in extra:
+    label = f"aligned-g{extra[extra.index('--filter-groups') + 1]}"
+  return Row(
+    name=name,
+    table="clicktrain_table1",
+    argv=("--rows", row, "--methods", method, *extra),
+    paper="clicktrain",
+    result=f"table1_paper_{row}_{label}.json",
+    epochs=190,
+    steps_per_epoch=390,
+    step_ms=step_ms,
+    # ClickTrain's step holds the stage machine: ≈2.8× the dense step's compile on the CPU.
+    compile_s=10.0 if method == "dense" else 25.0,
+  )
+
+
+def _sdgp(method: str, step_ms: float) -> Row:
+  return Row(
+    name=f"sdgp-table1-{method}",
+    table="sdgp_table1",
+    argv=("--rows", method),
+    paper="sdgp",
+    result=("table1_paper.json", method),
+    epochs=150,
+    steps_per_epoch=97,
+    step_ms=step_ms,
+    compile_s=8.0,
+    eval_factor=2.0,
+  )
+
+
+# Step times (ms, H100, fp32 with TF32 convolutions, batch 128 unless stated): ClickTrain
+# VGG-11 2.35 dense, ≈2.6 with ClickTrain's update (the CPU measured its update at 1.03-1.04×
+# and the library step adds ≈10%); SDGP ResNet-9 at batch 512 ≈4× its 5.71 ms at 128, 2:4
+# rows 1.05-1.10× of dense; VGG-13 scaled from VGG-11 by FLOPs; ResNet-32 10.1 / 11.2 ms.
+QUEUE: tuple[Row, ...] = (
+  _clicktrain("clicktrain-vgg11-dense", "vgg11", "dense", 2.35),
+  _clicktrain("clicktrain-vgg11", "vgg11", "clicktrain", 2.6),
+  _sdgp("dense", 21.0),
+  _sdgp("mvue", 23.0),
+  _sdgp("magnitude", 22.5),
+  _sdgp("rescaled_magnitude", 22.5),
+  _sdgp("random", 22.5),
+  _clicktrain("clicktrain-vgg11-aligned-g1", "vgg11", "clicktrain", 2.6, "--filter-groups", "1"),
+  _clicktrain("clicktrain-vgg11-aligned-g16", "vgg11", "clicktrain", 2.6, "--filter-groups", "16"),
+  _clicktrain("clicktrain-vgg13-dense", "vgg13", "dense", 3.5),
+  _clicktrain("clicktrain-vgg13", "vgg13", "clicktrain", 3.8),
+  _clicktrain("clicktrain-resnet32-dense", "resnet32", "dense", 10.1),
+  _clicktrain("clicktrain-resnet32", "resnet32", "clicktrain", 11.2),
+)
+
+
+def plan(
+  rows: Sequence[Row], results: Path, seconds: float, speed: float = 1.0
+) -> list[tuple[Row, str, float]]:
+  """``(row, decision, estimate)`` for every row in order: ``"published"``, ``"run"`` (fits
+  what is left after the rows before it) or ``"too long"``."""
+  left, out = seconds - START_S, []
+  for row in rows:
+    estimate = row.estimate_s(speed)
+    if row.published(results):
+      out.append((row, "published", estimate))
+    elif estimate <= left:
+      out.append((row, "run", estimate))
+      left -= estimate
+    else:
+      out.append((row, "too long", estimate))
+  return out
+
+
+def _measured(history: list[dict[str, Any]]) -> dict[str, float]:
+  """Compile, step and evaluation seconds read off a run's per-epoch records: the first
+  epoch's excess over the median epoch is its compile time."""
+  times = sorted(r["epoch_time_s"] for r in history)
+  median = times[len(times) // 2]
+  steps = history[0]["steps"]
+  evals = [r["eval_time_s"] for r in history if "eval_time_s" in r]
+  return {
+    "step_ms": 1000 * median / steps,
+    "compile_s": max(0.0, history[0]["epoch_time_s"] - median),
+    "eval_s": sorted(evals)[len(evals) // 2] if evals else 0.0,
+    "data_wait_s_per_epoch": sum(r.get("data_wait_s", 0.0) for r in history) / len(history),
+    "epochs": len(history),
+  }
+
+
+def _history(out: Path, row: Row) -> list[dict[str, Any]] | None:
+  """The finished row's per-epoch records, read from what its table command wrote."""
+  folder = out / row.paper
+  if isinstance(row.result, str):
+    path = folder / row.result
+    return json.loads(path.read_text())["history"] if path.exists() else None
+  name, method = row.result
+  path = folder / name
+  if not path.exists():
+    return None
+  found = [r for r in json.loads(path.read_text())["rows"] if r.get("method") == method]
+  return found[0]["history"] if found else None
+
+
+def _bundle(out: Path, bundle: Path | None) -> None:
+  """``bundle``: a tar.gz of ``out`` without checkpoints, written whole and then renamed, so a
+  command cut short leaves the last complete one."""
+  if bundle is None:
+    return
+  bundle.parent.mkdir(parents=True, exist_ok=True)
+  partial = bundle.with_name(bundle.name + ".partial")
+  with tarfile.open(partial, "w:gz") as tar:
+    for path in sorted(out.rglob("*")):
+      if path.is_file() and "checkpoints" not in path.relative_to(out).parts:
+        tar.add(path, arcname=str(path.relative_to(out)))
+  partial.replace(bundle)
+
+
+def _device() -> dict[str, Any]:
+  import jax
+
+  from experiments._machine import machine_description
+
+  return {
+    "machine": machine_description(),
+    "backend": jax.default_backend(),
+    "device": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+  }
+
+
+def _report_page(report: dict[str, Any]) -> str:
+  lines = [
+    "# gpu_queue device report",
+    "",
+    f"- Command: `{report['command']}`",
+    f"- Date: {report['date']}",
+    f"- Machine: {report['device']['machine']}",
+    f"- CIFAR-10 decode (first load on this machine): {report['decode_s']:.1f} s",
+    f"- Time box: {report['max_seconds']:.0f} s; used {report['elapsed_s']:.0f} s",
+    "",
+    ("| row | status | estimate (s) | wall (s) | step (ms, median epoch) | compile (s) | eval (s) "
+    "| data wait / epoch (s) | test acc |"),
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in report["rows"]:
+    m = r.get("measured", {})
+
+    def cell(key, fmt, m=m):
+      return fmt.format(m[key]) if key in m else "—"
+
+    acc = f"{100 * r['test_acc']:.2f}%" if r.get("test_acc") is not None else "—"
+    lines.append(
+      f"| {r['name']} | {r['status']} | {r['estimate_s']:.0f} | "
+      + (f"{r['wall_s']:.0f}" if "wall_s" in r else "—")
+      + f" | {cell('step_ms', '{:.2f}')} | {cell('compile_s', '{:.1f}')} | "
+      f"{cell('eval_s', '{:.2f}')} | {cell('data_wait_s_per_epoch', '{:.3f}')} | {acc} |"
+    )
+  errors = [r for r in report["rows"] if r.get("error")]
+  for r in errors:
+    lines += ["", f"## {r['name']}: error", "", "```", r["error"].rstrip(), "```"]
+  return "\n".join(lines) + "\n"
+
+
+def _write_report(out: Path, report: dict[str, Any]) -> None:
+  (out / "device_report.json").write_text(json.dumps(report, indent=1))
+  (out / "device_report.md").write_text(_report_page(report))
+
+
+def run_queue(
+  args: argparse.Namespace, command: str, tables: Callable[[str], Callable] | None = None
+) -> dict[str, Any]:
+  """Trains the planned rows one after another (see the module docstring); returns the
+  report. ``tables(name)`` gives a table command's ``main`` (default: the experiment)."""
+  from experiments import run as experiments_run
+  from jaxprune import data
+
+  tables = tables or experiments_run.load
+  start = time.perf_counter()
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  bundle = Path(args.bundle) if args.bundle else None
+  t0 = time.perf_counter()
+  for split in ("train", "test"):  # decoded once; the table commands then read the cache
+    data.load("cifar10", root=args.root, split=split)
+  report: dict[str, Any] = {
+    "command": command,
+    "date": _tables.utc_now(),
+    "device": _device(),
+    "decode_s": time.perf_counter() - t0,
+    "max_seconds": args.max_seconds,
+    "rows": [],
+  }
+  speed = 1.0  # measured step time over the priors', from the rows finished so far
+  for row in _selected(args.only):
+    left = args.max_seconds - (time.perf_counter() - start)
+    entry: dict[str, Any] = {"name": row.name, "estimate_s": row.estimate_s(speed)}
+    report["rows"].append(entry)
+    if row.published(_tables.RESULTS):
+      entry["status"] = "published"
+      continue
+    if entry["estimate_s"] > left - 5.0:  # 5 s for the bundle and the report
+      entry["status"] = f"too long ({left:.0f} s left)"
+      continue
+    argv = [*row.argv, "--budget", "paper", "--out", str(out / row.paper), "--dtype", args.dtype]
+    argv += ["--max-seconds", f"{left - 5.0:.0f}", "--must-finish"]
+    if args.root:
+      argv += ["--root", args.root]
+    print(
+      f"[gpu_queue] {row.name}: estimate {entry['estimate_s']:.0f} s, {left:.0f} s left", flush=True
+    )
+    t1 = time.perf_counter()
+    try:
+      result = tables(row.table)(argv)
+      entry["status"] = "stopped" if "stopped" in result else "done"
+    except Exception:  # one row's failure must not lose the rows already trained
+      entry["status"] = "error"
+      entry["error"] = traceback.format_exc()
+      print(entry["error"], flush=True)
+    entry["wall_s"] = time.perf_counter() - t1
+    history = _history(out, row) if entry["status"] == "done" else None
+    if history:
+      entry["measured"] = _measured(history)
+      entry["test_acc"] = history[-1].get("test_acc")
+      speed = entry["measured"]["step_ms"] / row.step_ms
+    report["elapsed_s"] = time.perf_counter() - start
+    _write_report(out, report)
+    _bundle(out, bundle)
+  report["elapsed_s"] = time.perf_counter() - start
+  _write_report(out, report)
+  _bundle(out, bundle)
+  return report
+
+
+def _selected(only: str | None) -> tuple[Row, ...]:
+  if not only:
+    return QUEUE
+  names = [n.strip() for n in only.split(",") if n.strip()]
+  known = {row.name: row for row in QUEUE}
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ValueError(f"--only: unknown rows {unknown}; choose from {list(known)}")
+  return tuple(known[n] for n in names)
+
+
+def publish(bundle: Path, results: Path = _tables.RESULTS) -> list[str]:
+  """Merges the rows of a returned bundle (or folder) into ``results`` and rewrites the paper
+  pages they belong to; returns the files written. The device report goes to
+  ``results/benchmarks/gpu_queue_report.md``."""
+  with tempfile.TemporaryDirectory() as tmp:
+    source = Path(bundle)
+    if source.is_file():
+      with tarfile.open(source) as tar:
+        tar.extractall(tmp, filter="data")
+      source = Path(tmp)
+    written = []
+    for paper in ("clicktrain", "sdgp"):
+      folder = source / paper
+      if folder.is_dir():
+        written += _PUBLISHERS[paper](folder, results / paper)
+    report = source / "device_report.md"
+    if report.exists():
+      target = results / "benchmarks" / "gpu_queue_report.md"
+      shutil.copyfile(report, target)
+      shutil.copyfile(source / "device_report.json", target.with_suffix(".json"))
+      written.append(str(target))
+  return written
+
+
+def _copy_paper_files(source: Path, target: Path, pattern: str) -> list[str]:
+  written = []
+  for path in sorted(source.rglob(pattern)):
+    if "checkpoints" in path.relative_to(source).parts:
+      continue
+    dest = target / path.relative_to(source)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, dest)
+    written.append(str(dest))
+  return written
+
+
+def _publish_clicktrain(source: Path, target: Path) -> list[str]:
+  from experiments import clicktrain_table1
+
+  written = _copy_paper_files(source, target, "table1_paper_*")
+  written += _copy_paper_files(source, target, "logs/table1_paper_*")
+  written.append(str(clicktrain_table1.write_pages(target, "paper")))
+  return written
+
+
+def _publish_sdgp(source: Path, target: Path) -> list[str]:
+  from experiments import sdgp_table1
+
+  written = _copy_paper_files(source, target, "logs/table1_paper_*")
+  returned = json.loads((source / "table1_paper.json").read_text())
+  written.append(str(sdgp_table1.merge_rows(target / "table1_paper", returned)))
+  return written
+
+
+_PUBLISHERS = {"clicktrain": _publish_clicktrain, "sdgp": _publish_sdgp}
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="gpu_queue", description=__doc__.splitlines()[0])
+  p.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS, help="time box")
+  p.add_argument("--out", default=None, help="where rows are written (default runs/gpu_queue)")
+  p.add_argument("--bundle", default=None, help="a .tar.gz of --out rewritten after each row")
+  p.add_argument("--only", default=None, help="comma list of queue rows to consider, in order")
+  p.add_argument("--dtype", choices=list(_tables.DTYPES), default="fp32")
+  p.add_argument("--root", default=None, help="CIFAR-10 source (default: data package's)")
+  p.add_argument("--dry-run", action="store_true", help="print the plan with its estimates")
+  p.add_argument("--publish", default=None, help="merge a returned bundle into the results")
+  args = p.parse_args(argv)
+  if args.max_seconds <= 0:
+    p.error(f"--max-seconds must be positive, got {args.max_seconds}")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = _parse(argv)
+  if args.publish:
+    written = publish(Path(args.publish))
+    print("\n".join(written))
+    return {"published": written}
+  if args.dry_run:
+    rows = plan(_selected(args.only), _tables.RESULTS, args.max_seconds)
+    buf = io.StringIO()
+    buf.write(f"plan for {args.max_seconds:.0f} s (priors: one H100, fp32):\n")
+    for row, decision, estimate in rows:
+      buf.write(f"  {row.name:32s} {estimate:7.0f} s  {decision}\n")
+    print(buf.getvalue(), end="", flush=True)
+    return {"plan": [(r.name, d, e) for r, d, e in rows]}
+  args.out = args.out or str(_tables.SCRATCH / "gpu_queue")
+  return run_queue(args, _tables.command_line("gpu_queue", argv))
+
+
+if __name__ == "__main__":
+  main()
