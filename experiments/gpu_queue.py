@@ -245,8 +245,10 @@ def _report_page(report: dict[str, Any]) -> str:
     f"- CIFAR-10 decode (first load on this machine): {report['decode_s']:.1f} s",
     f"- Time box: {report['max_seconds']:.0f} s; used {report['elapsed_s']:.0f} s",
     "",
-    ("| row | status | estimate (s) | wall (s) | step (ms, median epoch) | compile (s) | eval (s) "
-    "| data wait / epoch (s) | test acc |"),
+    (
+      "| row | status | estimate (s) | wall (s) | step (ms, median epoch) | compile (s) | eval (s) "
+      "| data wait / epoch (s) | test acc |"
+    ),
     "|---|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in report["rows"]:
@@ -319,7 +321,7 @@ def run_queue(
     try:
       result = tables(row.table)(argv)
       entry["status"] = "stopped" if "stopped" in result else "done"
-    except Exception:  # one row's failure must not lose the rows already trained
+    except Exception:  # noqa: BLE001 (one row's failure must not lose the rows already trained)
       entry["status"] = "error"
       entry["error"] = traceback.format_exc()
       print(entry["error"], flush=True)
@@ -363,6 +365,7 @@ def publish(bundle: Path, results: Path = _tables.RESULTS) -> list[str]:
     for paper in ("clicktrain", "sdgp"):
       folder = source / paper
       if folder.is_dir():
+        (results / paper).mkdir(parents=True, exist_ok=True)
         written += _PUBLISHERS[paper](folder, results / paper)
     report = source / "device_report.md"
     if report.exists():
