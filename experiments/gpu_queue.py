@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import _tables
+from experiments import _run_options, _tables
 
 # One evaluation of the 10k test set at batch 500 on an H100 (fp32; the SDGP rows evaluate
 # twice per image for the flip TTA), and the per-epoch host work besides the steps (metrics,
@@ -311,7 +311,7 @@ def run_queue(
       entry["status"] = f"too long ({left:.0f} s left)"
       continue
     argv = [*row.argv, "--budget", "paper", "--out", str(out / row.paper), "--dtype", args.dtype]
-    argv += ["--max-seconds", f"{left - 5.0:.0f}", "--must-finish"]
+    argv += ["--max-seconds", f"{left - 5.0:.0f}", "--must-finish", "--loader", args.loader]
     if args.root:
       argv += ["--root", args.root]
     print(
@@ -417,6 +417,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--only", default=None, help="comma list of queue rows to consider, in order")
   p.add_argument("--dtype", choices=list(_tables.DTYPES), default="fp32")
   p.add_argument("--root", default=None, help="CIFAR-10 source (default: data package's)")
+  p.add_argument(
+    "--loader",
+    choices=_run_options.LOADERS,
+    default="auto",
+    help="the table commands' --loader (auto: the device loader on an accelerator)",
+  )
   p.add_argument("--dry-run", action="store_true", help="print the plan with its estimates")
   p.add_argument("--publish", default=None, help="merge a returned bundle into the results")
   args = p.parse_args(argv)
