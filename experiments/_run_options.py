@@ -8,7 +8,7 @@ time a GPU gives one command:
   augments there, inside the train step (:class:`jaxprune.data.DeviceLoader`); ``host`` is the
   NumPy :class:`jaxprune.data.Loader`. ``auto``: device on an accelerator, host on a CPU.
 - ``--steps-per-dispatch K``: train steps fused into one device call (device loader only;
-  default 50 on an accelerator, 1 on a CPU).
+  default 1: the batch is made inside the step either way).
 - ``--eval-every N`` / ``--checkpoint-every N``: at the ``paper`` budget on an accelerator the
   defaults are 10 and 0 (a checkpoint only when the run stops or ends: a ClickTrain state is
   165-407 MiB), elsewhere 1 and 1. The last epoch is always evaluated.
@@ -24,9 +24,11 @@ import time
 from typing import Any
 
 LOADERS = ("auto", "host", "device")
-# Steps per device call on an accelerator: enough to hide the host's dispatch (tens of
-# microseconds per call) behind 2-20 ms steps, few enough to keep per-epoch metrics cheap.
-ACCELERATOR_STEPS_PER_DISPATCH = 50
+# Steps per device call on an accelerator. One: the batch is still made inside the step and
+# dispatch is asynchronous, so the host runs ahead of 2-20 ms steps; several steps per call
+# run as a lax.scan, which XLA:CPU ran 7x slower than the plain step (device_loader_bench)
+# and which has not been measured on a GPU yet.
+ACCELERATOR_STEPS_PER_DISPATCH = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "--steps-per-dispatch",
     type=int,
     default=None,
-    help="train steps per device call with the device loader (default 50 on an accelerator, "
-    "1 on a CPU; rounded to a divisor of the epoch's steps)",
+    help="train steps per device call with the device loader (default 1; more run as a "
+    "lax.scan, rounded to a divisor of the epoch's steps)",
   )
   parser.add_argument(
     "--eval-every",
