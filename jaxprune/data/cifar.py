@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxprune.data import _cache
 from jaxprune.data._archive import FileTree, open_tree
-from jaxprune.data._decode import decode_images
+from jaxprune.data._decode import check_processes, decode_images
 from jaxprune.data.dataset import Splits, make_splits
 
 __all__ = ["CIFAR10_CLASSES", "read_cifar10", "read_cifar100"]
@@ -231,15 +231,15 @@ def _jpeg_files(tree: FileTree, prefix: str, split: str) -> tuple[list[str], np.
   return names, np.asarray(labels, dtype=np.int32)
 
 
-def _cifar10_from_jpeg(tree: FileTree, prefix: str) -> Splits:
+def _cifar10_from_jpeg(tree: FileTree, prefix: str, processes: int | None) -> Splits:
   train_names, train_labels = _jpeg_files(tree, prefix, "train")
   test_names, test_labels = _jpeg_files(tree, prefix, "test")
-  train_images = decode_images(tree, train_names, 32, 32)
-  test_images = decode_images(tree, test_names, 32, 32)
+  train_images = decode_images(tree, train_names, 32, 32, processes=processes)
+  test_images = decode_images(tree, test_names, 32, 32, processes=processes)
   return make_splits(train_images, train_labels, test_images, test_labels, CIFAR10_CLASSES)
 
 
-def read_cifar10(path: Path, cache_dir: Path) -> Splits:
+def read_cifar10(path: Path, cache_dir: Path, *, processes: int | None = None) -> Splits:
   """Reads CIFAR-10 from the JPEG layout or the official pickles, whichever ``path`` holds.
 
   ``path`` may be a folder or an archive (tar, tar.gz, zip). JPEG layout:
@@ -247,11 +247,15 @@ def read_cifar10(path: Path, cache_dir: Path) -> Splits:
   are ordered by class index, then NNNN, decoded once and cached under ``cache_dir``.
   Pickle layout: ``[prefix/]data_batch_1..5``, ``test_batch`` (``batches.meta`` optional),
   in the official order, read without running code (see the module docstring).
+  ``processes``: how many processes decode JPEGs (see
+  :func:`~jaxprune.data._decode.decode_images`; default one per core, ``1`` in this process).
 
   Raises:
     ValueError: neither layout is found, or the one found is incomplete or corrupt, or a
-      pickle names a class or function that CIFAR's files do not hold (it is not called).
+      pickle names a class or function that CIFAR's files do not hold (it is not called), or
+      ``processes`` is not a positive int or None.
   """
+  check_processes(processes)  # here, not only when a cold cache decodes
   tree = open_tree(path)
   cache_file = _cache.cache_path(cache_dir, "cifar10", tree.fingerprint())
   cached = _cache.read_cached(cache_file)
@@ -271,7 +275,7 @@ def read_cifar10(path: Path, cache_dir: Path) -> Splits:
       f"{tree.description} does not hold CIFAR-10: expected {{train,test}}/<class>/NNNN.jpg "
       "or the pickles data_batch_1..5 + test_batch"
     )
-  return _cache.store(cache_file, _cifar10_from_jpeg(tree, jpeg_prefix))
+  return _cache.store(cache_file, _cifar10_from_jpeg(tree, jpeg_prefix, processes))
 
 
 def read_cifar100(path: Path, label_mode: str = "fine") -> Splits:

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxprune.data import _cache
 from jaxprune.data._archive import FileTree, open_tree
-from jaxprune.data._decode import decode_images
+from jaxprune.data._decode import check_processes, decode_images
 from jaxprune.data.dataset import Splits, make_splits
 
 __all__ = ["read_tiny_imagenet"]
@@ -99,25 +99,28 @@ def _layout(
   )
 
 
-def read_tiny_imagenet(path: Path, cache_dir: Path) -> Splits:
+def read_tiny_imagenet(path: Path, cache_dir: Path, *, processes: int | None = None) -> Splits:
   """Reads Tiny ImageNet; its labelled ``val`` set serves as the test split.
 
   Layout (folder or zip): ``wnids.txt``, ``train/<wnid>/images/*.JPEG``, ``val/images/*.JPEG``
   with ``val/val_annotations.txt``. Class index = position in sorted wnids; training images in
   class order then file number; validation images in annotation-file order. Greyscale images are
-  converted to RGB. Decoded once and cached under ``cache_dir``.
+  converted to RGB. Decoded once and cached under ``cache_dir``, by ``processes`` processes
+  (see :func:`~jaxprune.data._decode.decode_images`; default one per core).
 
   Raises:
-    ValueError: the layout is incomplete or an image is not 64x64.
+    ValueError: the layout is incomplete or an image is not 64x64, or ``processes`` is not a
+      positive int or None.
   """
+  check_processes(processes)  # here, not only when a cold cache decodes
   tree = open_tree(path)
   cache_file = _cache.cache_path(cache_dir, "tiny-imagenet", tree.fingerprint())
   cached = _cache.read_cached(cache_file)
   if cached is not None:
     return cached
   wnids, train_names, train_labels, val_names, val_labels = _layout(tree, _prefix(tree))
-  train_images = decode_images(tree, train_names, _SIZE, _SIZE)
-  val_images = decode_images(tree, val_names, _SIZE, _SIZE)
+  train_images = decode_images(tree, train_names, _SIZE, _SIZE, processes=processes)
+  val_images = decode_images(tree, val_names, _SIZE, _SIZE, processes=processes)
   return _cache.store(
     cache_file, make_splits(train_images, train_labels, val_images, val_labels, wnids)
   )

@@ -476,6 +476,18 @@ def test_bench_loader_writes_tables(jpeg_tarball, tmp_path):
   assert "| sdgp | 8 | 0 |" in table and out.with_suffix(".json").exists()
 
 
+def test_bench_decode_writes_tables(jpeg_tarball, tmp_path, monkeypatch):
+  from experiments import _tables, bench_decode
+
+  monkeypatch.setattr(_tables, "SCRATCH", tmp_path / "runs")
+  monkeypatch.setattr(_decode, "_MIN_IMAGES_PER_PROCESS", 10)  # 50 images: a pool of 2
+  result = bench_decode.main(["--root", str(jpeg_tarball), "--processes", "1,2", "--repeats", "1"])
+  assert [(r["processes"], r["images"]) for r in result["rows"]] == [(1, 50), (2, 50)]
+  assert result["rows"][0]["cpu_workers_s"] == 0 < result["rows"][1]["cpu_workers_s"]
+  page = (tmp_path / "runs" / "benchmarks" / "decode_cpu.md").read_text()
+  assert "| 2 |" in page and "Estimate for a 16-core host" in page and "Command: `python -m" in page
+
+
 def test_balanced_subset_equal_class_counts_and_seeded():
   labels = np.array([0] * 7 + [1] * 5 + [2] * 9, dtype=np.int32)
   images = np.arange(len(labels) * 2 * 2, dtype=np.uint8).reshape(len(labels), 2, 2, 1)
