@@ -59,6 +59,7 @@ from jaxprune.clicktrain.readouts import (
   masks,
   pattern_ids,
   pattern_usage,
+  removed_norm_fraction,
   stage_name,
 )
 from jaxprune.clicktrain.transform import (
@@ -145,6 +146,7 @@ __all__ = [
   "pattern_masks_from_ids",
   "pattern_scores",
   "pattern_usage",
+  "removed_norm_fraction",
   "select_pool",
   "stage_name",
   "to_dense",
