@@ -15,6 +15,9 @@ fraction of whole kernels is removed. The pieces:
   :func:`jaxprune.masking.mask`, which keeps them whatever is chained after the wrapper.
 * :mod:`~jaxprune.clicktrain.prune_batchnorm` — :class:`HardPruneBatchNorm`, the trainer hook
   re-estimating the BatchNorm statistics at the hard prune (on in the :func:`method` preset).
+* :mod:`~jaxprune.clicktrain.prune_readout` — :class:`HardPruneReadout`, the trainer hook
+  recording, just before the hard prune, the weight norm it removes and the test accuracy
+  with and without the masks.
 
 Example:
   >>> import optax
@@ -59,6 +62,7 @@ from jaxprune.clicktrain.readouts import (
   masks,
   pattern_ids,
   pattern_usage,
+  removed_norm_fraction,
   stage_name,
 )
 from jaxprune.clicktrain.transform import (
@@ -76,6 +80,7 @@ from jaxprune.clicktrain.transform import (
 )
 from jaxprune.clicktrain.preset import RELEASED_CIFAR10, method, released_method
 from jaxprune.clicktrain.prune_batchnorm import HardPruneBatchNorm
+from jaxprune.clicktrain.prune_readout import HardPruneReadout
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
 from jaxprune.clicktrain.pattern_conv import pattern_conv, pattern_conv_values
 from jaxprune.clicktrain.aligned_conv import aligned_conv
@@ -101,6 +106,7 @@ __all__ = [
   "ClickTrainLayerState",
   "ClickTrainState",
   "HardPruneBatchNorm",
+  "HardPruneReadout",
   "LayerChoice",
   "AlignedConv",
   "AlignedLayout",
@@ -145,6 +151,7 @@ __all__ = [
   "pattern_masks_from_ids",
   "pattern_scores",
   "pattern_usage",
+  "removed_norm_fraction",
   "select_pool",
   "stage_name",
   "to_dense",
