@@ -54,7 +54,7 @@ from flax import nnx
 
 from experiments import _clicktrain_aligned_page, _run_options, _tables
 from jaxprune import data, flops, methods, models, train
-from jaxprune.clicktrain import patterns, readouts
+from jaxprune.clicktrain import HardPruneReadout, patterns, preset, readouts
 from jaxprune.clicktrain.sparse_execution import SparseExecution
 
 # Paper Table 1, CIFAR-10, first ClickTrain row per model:
@@ -172,6 +172,13 @@ def _stage_epochs(args, row: str) -> dict[str, Any]:
   return {"pool_epochs": args.pool_epochs, "finalize_epochs": args.finalize_epochs, **epochs}
 
 
+def _hard_prune_epoch(args, row: str) -> int:
+  """The hard-prune epoch ``row``'s ClickTrain run is built with (the table's, else the
+  preset's half of the run)."""
+  hard = _stage_epochs(args, row).get("hard_prune_epoch")
+  return hard if hard is not None else max(1, round(preset._HARD_PRUNE_FRACTION * args.epochs))
+
+
 def _method(args, row: str) -> methods.Method:
   """ClickTrain for ``row``: the registered preset with this table's ratios and stage epochs
   (and ``--filter-groups``: the aligned mode)."""
@@ -233,9 +240,13 @@ def _run(
   # The aligned mode's point is cheaper epochs after the hard prune: switch the pruned convs
   # to the aligned layers there (each kept where it measures faster than the masked dense conv).
   hooks = []
+  if prune and args.mode == "paper":
+    # What the hard prune removes and costs, read at the epoch end before it (the group
+    # lasso's job, ClickTrain §4.4): saved in that epoch's record.
+    hooks.append(HardPruneReadout(test_loader, hard_prune_epoch=_hard_prune_epoch(args, row)))
   if prune and args.filter_groups is not None:
     # Each layer's groups as the ClickTrain state holds them (the clustered partition).
-    hooks = [SparseExecution(filter_groups="from_state")]
+    hooks.append(SparseExecution(filter_groups="from_state"))
   trainer = train.Trainer(
     model,
     tx,
