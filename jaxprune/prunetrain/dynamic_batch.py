@@ -16,7 +16,6 @@ References:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -43,9 +42,11 @@ def grow_batch_size(
   freed.  Each probe of ``memory_of`` compiles the step (seconds for a ResNet on a CPU), so
   the search spends as few as it can: the compiled step's memory is affine in the batch size
   to within bytes (its buffers scale with the batch; ResNet-32 at half width on the CPU:
-  61 476 480 to 61 476 992 bytes per 32 images from batch 128 to 1024), so two probes, at the
-  current batch and at about twice it, fit ``memory = a + b·batch``, the fit gives the largest
-  ``k`` whose step fits, and a third probe checks that batch.  It is kept when it fits and the
+  61 476 480 to 61 476 992 bytes per 32 images from batch 128 to 1024), so two probes, one
+  step above the current batch and at about twice it, fit ``memory = a + b·batch``, the fit
+  gives the largest ``k`` whose step fits, and a third probe checks that batch (the current
+  batch is not probed: it fits, since the step only shrank; when the first step does not
+  fit, that one probe settles it).  It is kept when it fits and the
   line through the check, lowered by a margin (twice how far the check fell off the first
   line, at least 0.1% of one step), puts the next multiple over the budget (otherwise one
   probe of the next multiple settles it); one step down follows a check that
@@ -53,7 +54,9 @@ def grow_batch_size(
   What the fit leaves open (memory far from affine) is settled by the exact search the fit
   replaced: doubling ``k`` from the largest size known to fit, then bisecting.  For affine
   memory the answer is the exhaustive search's in 3 probes (2 when the fit lands on a probed
-  size); for any non-decreasing memory the chosen step was probed and fits.
+  size, 1 when nothing larger fits); for any non-decreasing memory the chosen step was probed
+  and fits, and the train step later compiled at that size is the probe's program (JAX keeps
+  it), so only the other probes are extra compilations.
 
   Args:
     memory_of: ``batch_size -> bytes`` of the compiled training step (non-decreasing).
@@ -81,8 +84,10 @@ def grow_batch_size(
   if max_steps < 1:
     return batch_size
   search = _Search(lambda k: memory_of(batch_size + k * granularity), budget, max_steps)
-  if search.fits(0):
-    search.fit_affine(second=min(max_steps, max(1, batch_size // granularity)))
+  # The current batch is not probed (it fits: the step only shrank); the first growth step
+  # is, and when it does not fit nothing larger does.
+  if search.fits(1) and max_steps > 1:
+    search.fit_affine(second=min(max_steps, max(2, batch_size // granularity)))
   return batch_size + search.exact() * granularity
 
 
@@ -115,13 +120,13 @@ class _Search:
     return fits
 
   def fit_affine(self, second: int) -> None:
-    """Narrows ``[low, high)`` from a line through the probes at 0 and ``second`` and one
+    """Narrows ``[low, high)`` from a line through the probes at 1 and ``second`` and one
     probe at the batch the line picks (and one step below it if that one does not fit)."""
-    base = self.memory(0)
+    first = self.memory(1)
     self.fits(second)
-    slope = (self.memory(second) - base) / second
-    line = lambda k: base + slope * k
-    guess = self.high - 1 if slope <= 0 else int((self.budget - base) // slope)
+    slope = (self.memory(second) - first) / (second - 1)
+    line = lambda k: first + slope * (k - 1)
+    guess = self.high - 1 if slope <= 0 else 1 + int((self.budget - first) // slope)
     guess = min(max(guess, self.low), self.high - 1)
     if self.fits(guess):
       # The next size, from the check along the slope nearest it, less a margin: twice how
@@ -174,8 +179,7 @@ def largest_batch_size(
   """
   if granularity < 1 or limit < granularity:
     raise ValueError(f"granularity must be in [1, limit], got {granularity} (limit {limit})")
-  # Cached: grow_batch_size probes the same first size again.
-  memory_of = functools.cache(lambda batch: trainer.step_memory(batch, tuple(image_shape))["total"])
+  memory_of = lambda batch: trainer.step_memory(batch, tuple(image_shape))["total"]
   if memory_of(granularity) > budget_bytes:
     raise ValueError(
       f"budget_bytes {budget_bytes} is below the step's memory at batch {granularity}"
