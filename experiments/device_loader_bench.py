@@ -9,7 +9,7 @@ on CIFAR-10 for two epochs of ``--steps`` steps at batch 128 and reads the secon
 :class:`~jaxprune.data.DeviceLoader` at 1 and ``--steps-per-dispatch`` steps per call. The
 configurations alternate ``--repeats`` times, so a drift in the host's load reaches them alike;
 the page gives the median and each ratio to the host loader of the same repeat. Writes
-``experiments/results/benchmarks/device_loader_<platform>.{md,json}`` (``runs/benchmarks/``
+``experiments/results/benchmarks/device_loader_<method>_<platform>.{md,json}`` (``runs/benchmarks/``
 without ``--publish``).
 """
 
@@ -33,6 +33,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=60, help="steps per epoch (batch 128)")
   p.add_argument("--steps-per-dispatch", type=int, default=10)
   p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--method", choices=["clicktrain", "dense"], default="clicktrain")
   p.add_argument("--root", default=None, help="CIFAR-10 source (default: data package's)")
   _tables.add_publish_argument(p, "benchmarks")
   a = p.parse_args(argv)
@@ -42,13 +43,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   return a
 
 
-def _epoch_rate(loader: Any, width: float) -> float:
+def _epoch_rate(loader: Any, width: float, method: str) -> float:
   """Images per second of the second of two epochs (the first compiles)."""
   model = models.create(
     "clicktrain-vgg11", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=width
   )
   inner = train.sgd(0.05, momentum=0.9, weight_decay=5e-4)
-  tx = methods.get("clicktrain").make_tx(inner, methods.Run.from_loader(loader, epochs=2))
+  tx = methods.get(method).make_tx(inner, methods.Run.from_loader(loader, epochs=2))
   trainer = train.Trainer(model, tx, progress=False)
   return trainer.fit(loader, epochs=2)[-1]["images_per_s"]
 
@@ -72,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   rates: dict[str, list[float]] = {name: [] for name in configs}
   for repeat in range(args.repeats):
     for name, make in configs.items():
-      rates[name].append(_epoch_rate(make(), args.width))
+      rates[name].append(_epoch_rate(make(), args.width, args.method))
       print(f"repeat {repeat + 1}: {name}: {rates[name][-1]:.1f} images/s", flush=True)
   host = rates["host Loader"]
   rows = [
@@ -87,12 +88,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   command = _tables.command_line("device_loader_bench", argv)
   machine = machine_description()
   lines = [
-    "# Host loader vs device loader: ClickTrain VGG-11 training epoch",
+    f"# Host loader vs device loader: a {args.method} VGG-11 training epoch",
     "",
     f"- Command: `{command}`",
     f"- Date: {_tables.utc_now()}",
     f"- Machine: {machine}",
-    f"- Model: clicktrain-vgg11 at width ×{args.width:g} with ClickTrain's transform, batch 128, "
+    f"- Model: clicktrain-vgg11 at width ×{args.width:g}, method {args.method}, batch 128, "
     f"{args.steps} steps per epoch of CIFAR-10 (crop + flip); the second of two epochs; "
     f"{args.repeats} alternating repeats (median).",
     "",
@@ -103,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   ]
   result = {"command": command, "machine": machine, "args": vars(args), "rows": rows}
   folder = _tables.output_dir("benchmarks", args.publish)
-  _tables.write_result(folder / f"device_loader_{jax.default_backend()}", result, "\n".join(lines))
+  stem = f"device_loader_{args.method}_{jax.default_backend()}"
+  _tables.write_result(folder / stem, result, "\n".join(lines))
   return result
 
 

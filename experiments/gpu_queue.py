@@ -9,8 +9,8 @@ ClickTrain VGG-11 dense, ClickTrain VGG-11, SDGP Table I (dense, mvue, magnitude
 random), ClickTrain VGG-11 aligned G = 1 and G = 16, then the rest. A row already published in
 ``experiments/results/<paper>/`` is skipped. A row starts only when its time model says it
 ends inside what is left of ``--max-seconds``: its steps × its step time, plus its compile,
-evaluation and per-epoch costs. The step times are H100 measurements (the library's step on a
-batch already on the device); each finished row measures its own step time, and the ratio to
+evaluation and per-epoch costs. The step times are accelerator measurements (:data:`QUEUE`);
+each finished row measures its own step time, and the ratio to
 its prior scales the priors of the rows after it. Every row also runs with ``--must-finish``:
 after its first epoch the trainer's own estimate stops it if it cannot end in the box.
 
@@ -40,15 +40,16 @@ from typing import Any
 
 from experiments import _run_options, _tables
 
-# One evaluation of the 10k test set at batch 500 on an H100 (fp32; the SDGP rows evaluate
-# twice per image for the flip TTA), and the per-epoch host work besides the steps (metrics,
-# a compression read-out of the params, the hooks): estimates, replaced by measured figures
-# in the device report.
-EVAL_S = 0.6
-EPOCH_OVERHEAD_S = 0.25
+# One evaluation of the 10k test set at batch 500 (the SDGP rows evaluate twice per image for
+# the flip TTA), and the per-epoch host work besides the steps (metrics, a compression read-out
+# of the params, the hooks), on the device loader: H200, 2026-11-27 (gpu_queue_report.md:
+# 0.02 s and about 0.01 s for VGG-11), with room to spare.
+EVAL_S = 0.05
+EPOCH_OVERHEAD_S = 0.05
 DEFAULT_MAX_SECONDS = 520.0
-# Seconds the command spends besides the rows: imports, the first CIFAR-10 decode, the bundle.
-START_S = 30.0
+# Seconds the command spends besides the rows: imports, the first CIFAR-10 decode (5.3 s on
+# the H200 host), the bundle.
+START_S = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,22 +140,25 @@ def _sdgp(method: str, step_ms: float) -> Row:
   )
 
 
-# Step times (ms, H100, fp32 with TF32 convolutions, batch 128 unless stated): ClickTrain
-# VGG-11 2.35 dense, ≈2.6 with ClickTrain's update (the CPU measured its update at 1.03-1.04×
-# and the library step adds ≈10%); SDGP ResNet-9 at batch 512 ≈4× its 5.71 ms at 128, 2:4
-# rows 1.05-1.10× of dense; VGG-13 scaled from VGG-11 by FLOPs; ResNet-32 10.1 / 11.2 ms.
+# Step times (ms, fp32 with TF32 convolutions, batch 128 unless stated), measured on one H200
+# through the device loader (2026-11-27, benchmarks/device_loader_*_gpu.md, 13 steps per call):
+# ClickTrain VGG-11 dense 1.64, with ClickTrain 2.17 (at one step per call its stage machine
+# made it 5.3); SDGP ResNet-9 dense at batch 512 about 19 (one step per call, the whole epoch of
+# 97 steps per call now). The others are H100 measurements of the plain step (the 2:4 SDGP rows
+# 1.05-1.10x of dense, VGG-13 scaled from VGG-11 by FLOPs, ResNet-32 10.1 / 11.2 ms) and scale
+# with the rows measured in the same call.
 QUEUE: tuple[Row, ...] = (
-  _clicktrain("clicktrain-vgg11-dense", "vgg11", "dense", 2.35),
-  _clicktrain("clicktrain-vgg11", "vgg11", "clicktrain", 2.6),
-  _sdgp("dense", 21.0),
-  _sdgp("mvue", 23.0),
-  _sdgp("magnitude", 22.5),
-  _sdgp("rescaled_magnitude", 22.5),
-  _sdgp("random", 22.5),
-  _clicktrain("clicktrain-vgg11-aligned-g1", "vgg11", "clicktrain", 2.6, "--filter-groups", "1"),
-  _clicktrain("clicktrain-vgg11-aligned-g16", "vgg11", "clicktrain", 2.6, "--filter-groups", "16"),
-  _clicktrain("clicktrain-vgg13-dense", "vgg13", "dense", 3.5),
-  _clicktrain("clicktrain-vgg13", "vgg13", "clicktrain", 3.8),
+  _clicktrain("clicktrain-vgg11-dense", "vgg11", "dense", 1.64),
+  _clicktrain("clicktrain-vgg11", "vgg11", "clicktrain", 2.17),
+  _sdgp("dense", 19.0),
+  _sdgp("mvue", 21.0),
+  _sdgp("magnitude", 20.5),
+  _sdgp("rescaled_magnitude", 20.5),
+  _sdgp("random", 20.5),
+  _clicktrain("clicktrain-vgg11-aligned-g1", "vgg11", "clicktrain", 2.17, "--filter-groups", "1"),
+  _clicktrain("clicktrain-vgg11-aligned-g16", "vgg11", "clicktrain", 2.17, "--filter-groups", "16"),
+  _clicktrain("clicktrain-vgg13-dense", "vgg13", "dense", 2.4),
+  _clicktrain("clicktrain-vgg13", "vgg13", "clicktrain", 3.2),
   _clicktrain("clicktrain-resnet32-dense", "resnet32", "dense", 10.1),
   _clicktrain("clicktrain-resnet32", "resnet32", "clicktrain", 11.2),
 )
@@ -178,12 +182,13 @@ def plan(
   return out
 
 
-def _measured(history: list[dict[str, Any]]) -> dict[str, float]:
+def _measured(history: list[dict[str, Any]], steps_per_epoch: int) -> dict[str, float]:
   """Compile, step and evaluation seconds read off a run's per-epoch records: the first
-  epoch's excess over the median epoch is its compile time."""
+  epoch's excess over the median epoch is its compile time (records without ``steps`` have
+  the recipe's ``steps_per_epoch``)."""
   times = sorted(r["epoch_time_s"] for r in history)
   median = times[len(times) // 2]
-  steps = history[0]["steps"]
+  steps = history[0].get("steps", steps_per_epoch)
   evals = [r["eval_time_s"] for r in history if "eval_time_s" in r]
   return {
     "step_ms": 1000 * median / steps,
@@ -326,11 +331,15 @@ def run_queue(
       entry["error"] = traceback.format_exc()
       print(entry["error"], flush=True)
     entry["wall_s"] = time.perf_counter() - t1
-    history = _history(out, row) if entry["status"] == "done" else None
-    if history:
-      entry["measured"] = _measured(history)
-      entry["test_acc"] = history[-1].get("test_acc")
-      speed = entry["measured"]["step_ms"] / row.step_ms
+    _bundle(out, bundle)  # the row's files first: a failure below must not lose them
+    try:
+      history = _history(out, row) if entry["status"] == "done" else None
+      if history:
+        entry["measured"] = _measured(history, row.steps_per_epoch)
+        entry["test_acc"] = history[-1].get("test_acc")
+        speed = entry["measured"]["step_ms"] / row.step_ms
+    except Exception:  # noqa: BLE001 (a read-out of the report; the row itself is saved)
+      entry["report_error"] = traceback.format_exc()
     report["elapsed_s"] = time.perf_counter() - start
     _write_report(out, report)
     _bundle(out, bundle)
@@ -440,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if args.dry_run:
     rows = plan(_selected(args.only), _tables.RESULTS, args.max_seconds)
     buf = io.StringIO()
-    buf.write(f"plan for {args.max_seconds:.0f} s (priors: one H100, fp32):\n")
+    buf.write(f"plan for {args.max_seconds:.0f} s (priors: accelerator step times, fp32):\n")
     for row, decision, estimate in rows:
       buf.write(f"  {row.name:32s} {estimate:7.0f} s  {decision}\n")
     print(buf.getvalue(), end="", flush=True)

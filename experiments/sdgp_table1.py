@@ -162,7 +162,11 @@ def train_row(
     "loader": args.loader,
     **_run_options.provenance(),
     "history": [
-      {k: r[k] for k in ("epoch", "train_loss", "test_acc", "epoch_time_s") if k in r}
+      {
+        k: r[k]
+        for k in ("epoch", "train_loss", "test_acc", "epoch_time_s", "steps", "eval_time_s")
+        if k in r
+      }
       for r in history
     ],
   }

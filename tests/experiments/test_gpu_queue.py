@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tarfile
 
@@ -14,8 +15,8 @@ from jaxprune import data
 
 
 def test_estimate_by_hand():
-  row = gpu_queue.QUEUE[0]  # ClickTrain VGG-11 dense: 190 x 390 steps at 2.35 ms
-  steps = 190 * 390 * 2.35 / 1000
+  row = gpu_queue.QUEUE[0]  # ClickTrain VGG-11 dense: 190 x 390 steps
+  steps = 190 * 390 * row.step_ms / 1000
   evals = 19 * gpu_queue.EVAL_S
   want = row.compile_s + steps + evals + 190 * gpu_queue.EPOCH_OVERHEAD_S
   assert row.estimate_s() == pytest.approx(want)
@@ -28,19 +29,31 @@ def test_plan_skips_published_rows_and_those_that_do_not_fit(tmp_path):
   (tmp_path / "sdgp").mkdir()
   rows = {"budget_name": "paper", "rows": [{"method": "dense"}]}
   (tmp_path / "sdgp" / "table1_paper.json").write_text(json.dumps(rows))
-  decisions = {r.name: d for r, d, _ in gpu_queue.plan(gpu_queue.QUEUE, tmp_path, 700)}
-  assert decisions["clicktrain-vgg11-dense"] == "published"
-  assert decisions["sdgp-table1-dense"] == "published"
-  # 670 s after start-up: ClickTrain VGG-11 (277 s) leaves 393 s; SDGP mvue (398 s) does not
-  # fit them, SDGP magnitude (391 s) does, and then nothing else does.
-  est = {r.name: e for r, _, e in gpu_queue.plan(gpu_queue.QUEUE, tmp_path, 700)}
-  left = 700 - gpu_queue.START_S - est["clicktrain-vgg11"]
+  by_name = {r.name: r for r in gpu_queue.QUEUE}
+  # Planted step times: 100, 340, 200 and 150 s of steps (plus compile and per-epoch costs).
+  steps = {"clicktrain-vgg11": 100, "sdgp-table1-mvue": 340, "sdgp-table1-magnitude": 200}
+  steps["clicktrain-vgg13-dense"] = 150
+  rows = [by_name["clicktrain-vgg11-dense"], by_name["sdgp-table1-dense"]]
+  for name, seconds in steps.items():
+    row = by_name[name]
+    rows.append(
+      dataclasses.replace(row, step_ms=1000 * seconds / (row.epochs * row.steps_per_epoch))
+    )
+  decisions = [(r.name, d) for r, d, _ in gpu_queue.plan(rows, tmp_path, 500)]
+  est = {r.name: r.estimate_s() for r in rows}
+  # 480 s after start-up: ClickTrain VGG-11 leaves 480 - est; mvue no longer fits, magnitude
+  # does, and the VGG-13 row does not fit what magnitude leaves.
+  left = 500 - gpu_queue.START_S - est["clicktrain-vgg11"]
   assert est["sdgp-table1-mvue"] > left >= est["sdgp-table1-magnitude"]
-  assert [n for n, d in decisions.items() if d == "run"] == [
-    "clicktrain-vgg11",
-    "sdgp-table1-magnitude",
+  assert left - est["sdgp-table1-magnitude"] < est["clicktrain-vgg13-dense"]
+  assert decisions == [
+    ("clicktrain-vgg11-dense", "published"),
+    ("sdgp-table1-dense", "published"),
+    ("clicktrain-vgg11", "run"),
+    ("sdgp-table1-mvue", "too long"),
+    ("sdgp-table1-magnitude", "run"),
+    ("clicktrain-vgg13-dense", "too long"),
   ]
-  assert decisions["clicktrain-resnet32"] == "too long"
 
 
 def _history(epochs, steps, first, later, eval_s):
@@ -68,7 +81,10 @@ def _fake_tables(calls):
       folder.mkdir(parents=True, exist_ok=True)
       if "clicktrain" in argv:
         raise RuntimeError("planted failure")
-      run = {"test_acc": 0.9, "command": "c", "history": _history(190, 390, 12.0, 1.0, 0.5)}
+      history = _history(190, 390, 12.0, 1.0, 0.5)
+      for record in history:  # a table whose records keep no step count (SDGP's)
+        del record["steps"]
+      run = {"test_acc": 0.9, "command": "c", "history": history}
       (folder / "table1_paper_vgg11_dense.json").write_text(json.dumps(run))
       (folder / "logs").mkdir(exist_ok=True)
       (folder / "logs" / "table1_paper_vgg11_dense.jsonl").write_text("{}\n")

@@ -102,31 +102,29 @@ class _Clock:
 
 @pytest.mark.parametrize("must_finish", [False, True])
 def test_time_box_decisions_on_a_planted_clock(must_finish):
-  """Epochs of 10 s after a first one of 30 s (compilation), evaluations of 4 s every 2 epochs,
-  a box of 100 s over 8 epochs."""
+  """A box of 130 s over 8 epochs evaluated every 2: the first epoch takes 30 s and the first
+  evaluation 20 s (both compile), later epochs 10 s and evaluations 4 s."""
   clock = _Clock()
-  box = _TimeBox(100.0, must_finish, eval_every=2, epochs=8, clock=clock)
+  box = _TimeBox(130.0, must_finish, eval_every=2, epochs=8, clock=clock)
   assert box.stop_reason(0) is None  # nothing measured yet: the first epoch runs
-  clock.now = 30.0
-  box.epoch_done(30.0, 0.0)
-  # Next epoch judged on the first one's 30 s plus an evaluation never measured (0 s): 60 <= 100.
-  assert box.stop_reason(1) is None
-  clock.now = 44.0
-  box.epoch_done(14.0, 4.0)  # epoch 2: 10 s of training, 4 s of evaluation
-  reason = box.stop_reason(2)
+  timeline = [(30, 0), (10, 20), (10, 0), (10, 4), (10, 0), (10, 4), (10, 0)]
+  stops = {}
+  for epoch, (train_s, eval_s) in enumerate(timeline, start=1):
+    clock.now += train_s + eval_s
+    box.epoch_done(train_s + eval_s, eval_s)
+    stops[epoch] = box.stop_reason(epoch)
   if must_finish:
-    # 6 epochs x 10 s + 3 evaluations x 4 s = 72 s more: 116 s > 100 s.
-    assert reason == (
-      "max_seconds=100: the remaining 6 epochs would end about 116 s after fit began (44 s spent)"
+    # At epoch 2 the remaining 6 epochs cost 60 s and their evaluations nothing yet (the only
+    # one measured compiled): 120 s fits. Charging 20 s an evaluation would have stopped here.
+    assert stops[1] is None and stops[2] is None and stops[3] is None
+    # At epoch 4: 4 epochs x 10 s + 2 evaluations x 4 s after 84 s: 132 s.
+    assert stops[4] == (
+      "max_seconds=130: the remaining 4 epochs would end about 132 s after fit began (84 s spent)"
     )
   else:
-    assert reason is None  # epoch 3: 54 s
-    for epoch, now in ((3, 54.0), (4, 68.0), (5, 78.0), (6, 92.0)):
-      clock.now = now
-      box.epoch_done(14.0 if epoch % 2 == 0 else 10.0, 4.0 if epoch % 2 == 0 else 0.0)
-      stop = box.stop_reason(epoch)
-      assert (stop is not None) == (epoch == 6), epoch  # epoch 7 would end at 102 s
-    assert "the next epoch would end about 102 s" in stop
+    # Only the next epoch is judged: epoch 8 (10 s + a 4-s evaluation) would end at 132 s.
+    assert [e for e, stop in stops.items() if stop] == [7]
+    assert "the next epoch would end about 132 s" in stops[7]
 
 
 def test_eval_every_and_checkpoint_every_zero(tmp_path):
