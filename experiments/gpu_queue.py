@@ -387,7 +387,7 @@ def publish(bundle: Path, results: Path = _tables.RESULTS) -> list[str]:
 
 def _copy_paper_files(source: Path, target: Path, pattern: str) -> list[str]:
   written = []
-  for path in sorted(source.rglob(pattern)):
+  for path in sorted(source.glob(pattern)):
     if "checkpoints" in path.relative_to(source).parts:
       continue
     dest = target / path.relative_to(source)
@@ -401,7 +401,11 @@ def _publish_clicktrain(source: Path, target: Path) -> list[str]:
   from experiments import clicktrain_table1
 
   written = _copy_paper_files(source, target, "table1_paper_*")
-  written += _copy_paper_files(source, target, "logs/table1_paper_*")
+  # The logs of the rows returned (not those of runs stopped at the box, which return none).
+  for run in source.glob("table1_paper_*.json"):
+    log = json.loads(run.read_text()).get("log")
+    if log and (source / log).exists():
+      written += _copy_paper_files(source, target, log)
   written.append(str(clicktrain_table1.write_pages(target, "paper")))
   return written
 

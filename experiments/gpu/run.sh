@@ -31,9 +31,9 @@ if [ ! -f "$JAXPRUNE_DATA/cifar10-jpeg.tar.gz" ]; then
 fi
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
 left=$(( max - ($(date +%s) - start) ))
-python3 -m experiments.run gpu_queue --max-seconds "$left" --out /tmp/gpu_queue \
+python3 -m experiments.run gpu_queue --max-seconds "$left" --out runs/gpu_queue \
   --bundle "$out/gpu_queue.tar.gz" "$@" 2>&1 | tee "$out/gpu_queue.log"
 status=${PIPESTATUS[0]}
-cp /tmp/gpu_queue/device_report.md "$out/" 2>/dev/null
+cp runs/gpu_queue/device_report.md "$out/" 2>/dev/null
 echo "gpu_queue exit $status after $(( $(date +%s) - start )) s"
 exit "$status"

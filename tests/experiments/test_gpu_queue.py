@@ -147,6 +147,7 @@ def test_publish_merges_returned_rows_beside_the_papers(tmp_path):
   }
   (folder / "table1_paper_vgg11_dense.json").write_text(json.dumps(run))
   (folder / "logs" / "table1_paper_vgg11_dense.jsonl").write_text("{}\n")
+  (folder / "logs" / "table1_paper_vgg11_clicktrain.jsonl").write_text("{}\n")  # stopped run
   sdgp_rows = {
     "budget_name": "paper",
     "budget": dict(_tables.get_budget("sdgp_table1", "paper")),
@@ -173,6 +174,7 @@ def test_publish_merges_returned_rows_beside_the_papers(tmp_path):
   assert "| vgg11 dense | 92.1 | 91.23 |" in page
   assert "- Machine: an accelerator" in page and "2026-11-27 10:00 UTC" in page
   assert (results / "clicktrain" / "logs" / "table1_paper_vgg11_dense.jsonl").exists()
+  assert not (results / "clicktrain" / "logs" / "table1_paper_vgg11_clicktrain.jsonl").exists()
   sdgp_page = (results / "sdgp" / "table1_paper.md").read_text()
   assert "| MVUE 2:4 (not in paper) | — | 95.00 |" in sdgp_page
   assert str(results / "benchmarks" / "gpu_queue_report.md") in written
