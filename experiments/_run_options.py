@@ -12,6 +12,8 @@ time a GPU gives one command:
 - ``--eval-every N`` / ``--checkpoint-every N``: at the ``paper`` budget on an accelerator the
   defaults are 10 and 0 (a checkpoint only when the run stops or ends: a ClickTrain state is
   165-407 MiB), elsewhere 1 and 1. The last epoch is always evaluated.
+- ``--compile-cache {auto,on,off}``: JAX's persistent compilation cache
+  (:mod:`experiments._compile_cache`), on by default on an accelerator.
 - ``--max-seconds S``: the whole command stops, checkpointed, before an epoch that would end
   past ``S`` seconds after it began; ``--resume`` continues it. ``--must-finish``: a run
   stops as soon as it cannot end inside the box (for a window whose partial runs are lost).
@@ -70,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     "past it (--resume continues)",
   )
   parser.add_argument(
+    "--compile-cache",
+    choices=("auto", "on", "off"),
+    default="auto",
+    help="JAX's persistent compilation cache (runs/jax_cache, or $JAXPRUNE_COMPILE_CACHE): a "
+    "program compiled once is read back by later runs; auto: on on an accelerator",
+  )
+  parser.add_argument(
     "--must-finish",
     action="store_true",
     help="with --max-seconds: stop a run as soon as its remaining epochs cannot end in the box",
@@ -108,6 +117,10 @@ def resolve(args: argparse.Namespace, budget: str) -> argparse.Namespace:
     raise ValueError(f"--max-seconds must be positive, got {args.max_seconds}")
   if args.must_finish and args.max_seconds is None:
     raise ValueError("--must-finish needs --max-seconds")
+  if args.compile_cache == "on" or (args.compile_cache == "auto" and accelerator):
+    from experiments import _compile_cache
+
+    args.compile_cache = str(_compile_cache.enable())
   args.started = time.perf_counter()
   return args
 

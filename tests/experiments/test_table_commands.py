@@ -358,3 +358,21 @@ def test_clicktrain_row_on_the_device_loader_stops_at_its_time_box_and_resumes(
 def test_run_options_are_checked_by_name(flags, match):
   with pytest.raises(ValueError, match=match):
     clicktrain_table1._parse(["--budget", "cpu", *flags])
+
+
+def test_compile_cache_flag_turns_the_persistent_cache_on(tmp_path, monkeypatch):
+  import jax
+
+  monkeypatch.setenv("JAXPRUNE_COMPILE_CACHE", str(tmp_path / "cache"))
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    args = clicktrain_table1._parse(["--budget", "cpu", "--compile-cache", "on"])
+    assert args.compile_cache == str((tmp_path / "cache").resolve())
+    assert jax.config.jax_compilation_cache_dir == args.compile_cache
+    off = clicktrain_table1._parse(["--budget", "cpu"])  # auto: off on a CPU
+    assert off.compile_cache == "auto"
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()
