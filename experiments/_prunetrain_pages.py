@@ -10,8 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import _tables
+from experiments import _run_options, _tables
 from experiments._machine import machine_description
+
+
+def _percent(value: float | None) -> str:
+  """A test accuracy cell; ``—`` for an epoch that was not evaluated (``--eval-every``)."""
+  return "—" if value is None else f"{100 * value:.2f}%"
 
 
 def table_page(
@@ -79,7 +84,7 @@ def table_page(
     command=_tables.joined_commands(shown, default=command),
     budget_name=budget_name,
     budget=_tables.get_budget("prunetrain_table1", budget_name),
-    machine=machine_description(),
+    **_run_options.page_provenance(shown),
     columns=["dense acc (%)", "Δ acc (points)", "train FLOPs", "inference FLOPs"],
     rows=table_rows,
     logs=logs,
@@ -291,7 +296,7 @@ def row_page(
     for r in pt_run["history"]:
       before = f"| {100 * r['test_acc_running_stats']:.2f}% " if stale else ""
       lines.append(
-        f"| {r['epoch']} | {100 * r['test_acc']:.2f}% {before}| {r['batch_size']} "
+        f"| {r['epoch']} | {_percent(r.get('test_acc'))} {before}| {r['batch_size']} "
         f"| {r.get('pt_inference_flops_after', r['pt_inference_flops']) / 1e6:.1f} "
         f"| {r.get('pt_params_after', r['pt_params']):,.0f} "
         f"| {r.get('pt_channels_removed', 0)} |"

@@ -6,7 +6,8 @@
 
 The queue (:data:`QUEUE`) lists every paper-budget training in a fixed priority order:
 ClickTrain VGG-11 dense, ClickTrain VGG-11, SDGP Table I (dense, mvue, magnitude, rescaled,
-random), ClickTrain VGG-11 aligned G = 1 and G = 16, then the rest. A row already published in
+random), PruneTrain VGG-11 (dense and PruneTrain), ClickTrain VGG-11 aligned G = 1 and G = 16,
+then the rest. A row already published in
 ``experiments/results/<paper>/`` is skipped. A row starts only when its time model says it
 ends inside what is left of ``--max-seconds``: its steps × its step time, plus its compile,
 evaluation and per-epoch costs. The step times are accelerator measurements (:data:`QUEUE`);
@@ -100,11 +101,20 @@ class Row:
     folder = results / self.paper
     if isinstance(self.result, str):
       return (folder / self.result).exists()
-    name, method = self.result
-    path = folder / name
-    if not path.exists():
-      return False
-    return any(r.get("method") == method for r in json.loads(path.read_text()).get("rows", []))
+    return _saved_run(folder, self.result) is not None
+
+
+def _saved_run(folder: Path, result: tuple[str, str]) -> dict[str, Any] | None:
+  """The run of method ``result[1]`` in the page JSON ``folder / result[0]``: a ``rows`` list
+  (SDGP Table I) or a ``runs`` mapping (a PruneTrain row); ``None`` when it is not there."""
+  name, method = result
+  path = folder / name
+  if not path.exists():
+    return None
+  saved = json.loads(path.read_text())
+  if "runs" in saved:
+    return saved["runs"].get(method)
+  return next((r for r in saved.get("rows", []) if r.get("method") == method), None)
 
 
 def _clicktrain(name: str, row: str, method: str, step_ms: float, *extra: str) -> Row:
@@ -155,6 +165,19 @@ QUEUE: tuple[Row, ...] = (
   _sdgp("magnitude", 20.5),
   _sdgp("rescaled_magnitude", 20.5),
   _sdgp("random", 20.5),
+  # Dense and PruneTrain in one command (the row's page holds both): 2 x 182 epochs; dense
+  # VGG-11's step, and about 18 reconfigurations of a few compilations each.
+  Row(
+    name="prunetrain-vgg11",
+    table="prunetrain_table1",
+    argv=("--rows", "vgg11"),
+    paper="prunetrain",
+    result=("table1_paper_vgg11.json", "prunetrain"),
+    epochs=364,
+    steps_per_epoch=390,
+    step_ms=1.64,
+    compile_s=200.0,
+  ),
   _clicktrain("clicktrain-vgg11-aligned-g1", "vgg11", "clicktrain", 2.17, "--filter-groups", "1"),
   _clicktrain("clicktrain-vgg11-aligned-g16", "vgg11", "clicktrain", 2.17, "--filter-groups", "16"),
   _clicktrain("clicktrain-vgg13-dense", "vgg13", "dense", 2.4),
@@ -205,12 +228,8 @@ def _history(out: Path, row: Row) -> list[dict[str, Any]] | None:
   if isinstance(row.result, str):
     path = folder / row.result
     return json.loads(path.read_text())["history"] if path.exists() else None
-  name, method = row.result
-  path = folder / name
-  if not path.exists():
-    return None
-  found = [r for r in json.loads(path.read_text())["rows"] if r.get("method") == method]
-  return found[0]["history"] if found else None
+  run = _saved_run(folder, row.result)
+  return run["history"] if run else None
 
 
 def _bundle(out: Path, bundle: Path | None) -> None:
@@ -371,11 +390,11 @@ def publish(bundle: Path, results: Path = _tables.RESULTS) -> list[str]:
         tar.extractall(tmp, filter="data")
       source = Path(tmp)
     written = []
-    for paper in ("clicktrain", "sdgp"):
+    for paper, publisher in _PUBLISHERS.items():
       folder = source / paper
       if folder.is_dir():
         (results / paper).mkdir(parents=True, exist_ok=True)
-        written += _PUBLISHERS[paper](folder, results / paper)
+        written += publisher(folder, results / paper)
     report = source / "device_report.md"
     if report.exists():
       target = results / "benchmarks" / "gpu_queue_report.md"
@@ -419,7 +438,20 @@ def _publish_sdgp(source: Path, target: Path) -> list[str]:
   return written
 
 
-_PUBLISHERS = {"clicktrain": _publish_clicktrain, "sdgp": _publish_sdgp}
+def _publish_prunetrain(source: Path, target: Path) -> list[str]:
+  from experiments import prunetrain_table1
+
+  written = _copy_paper_files(source, target, "table1_paper_*")
+  written += _copy_paper_files(source, target, "logs/table1_paper_*")
+  written.append(str(prunetrain_table1.write_table_page(target, "paper", "-")))
+  return written
+
+
+_PUBLISHERS = {
+  "clicktrain": _publish_clicktrain,
+  "sdgp": _publish_sdgp,
+  "prunetrain": _publish_prunetrain,
+}
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -72,7 +72,7 @@ from typing import Any
 
 from flax import nnx
 
-from experiments import _prunetrain_pages, _tables
+from experiments import _prunetrain_pages, _run_options, _tables
 from experiments._machine import host_steal_seconds, steal_since
 from jaxprune import data, methods, models, train
 from jaxprune import prunetrain as pt
@@ -162,6 +162,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     default="",
     help="appended to the row's file names: a probe, not a row, written to probes/",
   )
+  _run_options.add_arguments(parser)
   args = parser.parse_args(argv)
   rows = [r for r in args.rows.split(",") if r]
   unknown = sorted(set(rows) - set(ROWS))
@@ -177,7 +178,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error("--reuse-dense needs --skip-dense (otherwise the dense row is run)")
   if args.paired and args.skip_dense:
     parser.error("--paired trains the dense row beside PruneTrain: drop --skip-dense")
-  return args
+  if args.paired and args.max_seconds is not None:
+    parser.error("--max-seconds stops one run at a time: not with --paired")
+  return _run_options.resolve(args, args.budget)
 
 
 ROWS = tuple(name.split("-", 1)[1] for name in PAPER)
@@ -238,14 +241,15 @@ class _Run:
   wall_s: float = 0.0
   steal_s: float | None = 0.0
 
-  def advance(self, epochs: int) -> None:
-    """Train until ``epochs`` epochs are complete, adding the wall and steal time taken."""
+  def advance(self, epochs: int, **fit_kwargs: Any) -> None:
+    """Train until ``epochs`` epochs are complete (or the time box of ``fit_kwargs`` stops
+    it), adding the wall and steal time taken."""
     if self.trainer.epoch >= epochs:  # resumed past it (``--paired``: the other run stopped first)
       return
     steal_start = host_steal_seconds()
     start = time.perf_counter()
     self.trainer.fit(
-      self.train_loader, self.test_loader, epochs=epochs, resume=False, overwrite=True
+      self.train_loader, self.test_loader, epochs=epochs, resume=False, overwrite=True, **fit_kwargs
     )
     self.wall_s += time.perf_counter() - start
     steal = steal_since(steal_start)
@@ -286,10 +290,8 @@ def _build(
 ) -> _Run:
   """One method's run, logging each epoch to ``<log_stem>_<method>.jsonl``, restored from
   ``checkpoint_dir`` under ``--resume``."""
-  train_loader = data.Loader(
-    train_set, args.batch_size, shuffle=True, seed=args.seed, augment="prunetrain", drop_last=True
-  )
-  test_loader = data.Loader(test_set, min(500, len(test_set)), shuffle=False, drop_last=False)
+  train_loader = _run_options.train_loader(args, train_set, args.batch_size, "prunetrain")
+  test_loader = _run_options.test_loader(args, test_set, min(500, len(test_set)))
   steps_per_epoch = len(train_loader)
   # The paper's LR drops at epochs 91 and 136 of 182 (50% and 75%).
   milestones = sorted({max(1, round(f * args.epochs)) for f in args.milestones})
@@ -337,7 +339,9 @@ def _build(
       **{k: getattr(args, k) for k in _DENSE_SETTINGS},
       **config,
       **_tables.dtype_config(args),
+      **_run_options.run_config(args),
     },
+    **_run_options.trainer_kwargs(args),
   )
   built = _Run(method, trainer, train_loader, test_loader, callback, dense_costs, image_shape)
   if checkpoint_dir is not None and _tables.start_or_resume(trainer, train_loader, args.resume):
@@ -379,7 +383,7 @@ def _result(args: argparse.Namespace, run: _Run) -> dict[str, Any]:
   result = {
     "method": run.method,
     "test_acc": history[-1]["test_acc"],
-    "best_test_acc": max(r["test_acc"] for r in history),
+    "best_test_acc": max(r["test_acc"] for r in history if "test_acc" in r),
     "wall_time_s": run.wall_s,
     "train_time_s": train_time,
     # between epochs, outside evaluation: reconfigurations, batch-growth probes, logging
@@ -394,6 +398,8 @@ def _result(args: argparse.Namespace, run: _Run) -> dict[str, Any]:
     "final_spec": repr(final_model.spec),
     # JSON form, so benchmarks can rebuild the final model (prunetrain_speed --run)
     "final_spec_json": train.encode_spec(final_model.spec),
+    "loader": args.loader,
+    **_run_options.provenance(),
     "history": history,
   }
   if callback is not None:
@@ -433,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.model = f"prunetrain-{row}"
     name = f"table1_{args.budget}{_tables.dtype_suffix(args)}_{row}{args.name_suffix}"
     out[row] = _run_row(args, name, folder, command, train_set, test_set)
+    if "stopped" in out[row]:
+      return {**out, "stopped": f"{row} {out[row]['stopped']}"}
     if not args.name_suffix:  # a probe (named by its suffix) is not a row of the table
       write_table_page(folder, args.budget, command, args.dtype)
   return out
@@ -473,7 +481,9 @@ def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]
       shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)
   for method in [] if args.paired else names:
     run = _build(args, method, train_set, test_set, log_stem, _checkpoints(args, name, method))
-    run.advance(args.epochs)
+    run.advance(args.epochs, **_run_options.fit_kwargs(args))
+    if _run_options.stopped(run.trainer, f"[{name}] {method}"):
+      return {**runs, "stopped": method}  # the command ends here; the checkpoint stays
     runs[method] = _result(args, run)
     _prunetrain_pages.row_page(folder / name, args, runs, command, PAPER[args.model])
     shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)  # saved: nothing to resume
