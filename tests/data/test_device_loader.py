@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxprune import data, train
 from jaxprune.data import augment, device_augment
@@ -45,7 +44,8 @@ def test_plain_iteration_gives_device_batches_of_the_fused_function():
   # Jitted, as the trainer's step runs it (XLA may fuse the normalisation's multiply-add).
   x, y = jax.jit(dev.make_batch)(images, labels, order[16:32], 1, 0, 1)
   np.testing.assert_array_equal(np.asarray(batches[1][0]), np.asarray(x))
-  np.testing.assert_array_equal(np.asarray(batches[1][1]), ds.labels[order[16:32]])
+  np.testing.assert_array_equal(np.asarray(batches[1][1]), np.asarray(y))
+  np.testing.assert_array_equal(np.asarray(y), ds.labels[order[16:32]])
 
 
 def test_dispatch_size_is_the_closest_divisor_and_the_tail_is_its_own():
@@ -72,35 +72,31 @@ def test_bad_arguments_are_named(kwargs, match):
     data.DeviceLoader(_dataset(), 16, **kwargs)
 
 
-class _Net(nnx.Module):
-  def __init__(self, rngs):
-    self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
-    self.bn = nnx.BatchNorm(4, rngs=rngs)
-    self.head = nnx.Linear(4, 4, rngs=rngs)
+@pytest.fixture
+def make_trainer(tiny_cnn):
+  """``make_trainer(**kwargs)``: a Trainer of the shared tiny CNN (seed 0), SGD with momentum."""
 
-  def __call__(self, x):
-    return self.head(nnx.relu(self.bn(self.conv(x))).mean((1, 2)))
+  def make(**kwargs):
+    return train.Trainer(tiny_cnn(), train.sgd(0.05, 0.9), progress=False, **kwargs)
 
-
-def _trainer(**kwargs):
-  return train.Trainer(_Net(nnx.Rngs(0)), train.sgd(0.05, 0.9), progress=False, **kwargs)
+  return make
 
 
 def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def _fit_device(ds, k, epochs=2):
+def _fit_device(make_trainer, ds, k, epochs=2):
   loader = data.DeviceLoader(ds, 16, seed=2, augment="prunetrain", steps_per_dispatch=k)
-  trainer = _trainer()
+  trainer = make_trainer()
   history = trainer.fit(loader, epochs=epochs)
   return trainer, history
 
 
-def test_steps_grouped_into_other_dispatches_compute_the_same_bit_for_bit():
+def test_steps_grouped_into_other_dispatches_compute_the_same_bit_for_bit(make_trainer):
   """Six steps an epoch as 3 calls of 2 fused steps or 2 calls of 3: the same bits."""
   ds = _dataset()
-  (a, ha), (b, hb) = _fit_device(ds, 2), _fit_device(ds, 3)
+  (a, ha), (b, hb) = _fit_device(make_trainer, ds, 2), _fit_device(make_trainer, ds, 3)
   assert a.step == b.step == 12
   for x, y in zip(
     _leaves((a.params, a.rest, a.opt_state)), _leaves((b.params, b.rest, b.opt_state))
@@ -109,11 +105,11 @@ def test_steps_grouped_into_other_dispatches_compute_the_same_bit_for_bit():
   assert [h["train_loss"] for h in ha] == [h["train_loss"] for h in hb]
 
 
-def test_one_step_per_call_matches_fused_steps_to_rounding():
+def test_one_step_per_call_matches_fused_steps_to_rounding(make_trainer):
   """One step per call runs the step without a loop (XLA:CPU ran the loop 7x slower), which
   XLA may fuse otherwise: the same computation, equal to float32 rounding."""
   ds = _dataset()
-  (a, _), (b, _) = _fit_device(ds, 1), _fit_device(ds, 3)
+  (a, _), (b, _) = _fit_device(make_trainer, ds, 1), _fit_device(make_trainer, ds, 3)
   for x, y in zip(_leaves(a.params), _leaves(b.params)):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
@@ -132,7 +128,7 @@ class _Replay(augment.Augmentation):
     return self.inner.apply(images, labels, params)
 
 
-def test_device_and_host_loaders_reach_the_same_parameters_on_the_same_draws():
+def test_device_and_host_loaders_reach_the_same_parameters_on_the_same_draws(make_trainer):
   ds = _dataset()
   dev = data.DeviceLoader(ds, 16, seed=4, augment="prunetrain", steps_per_dispatch=2)
   pipeline = augment.preset("prunetrain").bind(ds)
@@ -146,23 +142,23 @@ def test_device_and_host_loaders_reach_the_same_parameters_on_the_same_draws():
         queue.append(params)
   replay = [_Replay(aug, q) for aug, q in zip(pipeline, queues)]
   host = data.Loader(ds, 16, seed=4, augment=replay, prefetch=0)
-  a, b = _trainer(), _trainer()
+  a, b = make_trainer(), make_trainer()
   a.fit(dev, epochs=2)
   b.fit(host, epochs=2)
   for x, y in zip(_leaves(a.params), _leaves(b.params)):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
-def test_evaluation_on_a_device_loader_pads_the_short_batch():
+def test_evaluation_on_a_device_loader_pads_the_short_batch(make_trainer):
   ds = _dataset(40)
-  trainer = _trainer()
+  trainer = make_trainer()
   on_host = trainer.evaluate(data.Loader(ds, 16, shuffle=False, drop_last=False))
   on_device = trainer.evaluate(data.DeviceLoader(ds, 16, shuffle=False, drop_last=False))
   assert on_device["test_acc"] == pytest.approx(on_host["test_acc"])
   assert on_device["test_loss"] == pytest.approx(on_host["test_loss"], rel=1e-5)
 
 
-def test_a_mesh_is_refused_by_name():
-  trainer = train.Trainer(_Net(nnx.Rngs(0)), train.sgd(0.05), mesh="auto", progress=False)
+def test_a_mesh_is_refused_by_name(make_trainer):
+  trainer = make_trainer(mesh="auto")
   with pytest.raises(ValueError, match="train_loader: a DeviceLoader"):
     trainer.fit(data.DeviceLoader(_dataset(), 16, augment="none"), epochs=1)

@@ -9,20 +9,9 @@ import warnings
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxprune import data, train
 from jaxprune.train.trainer import _TimeBox
-
-
-class _Net(nnx.Module):
-  def __init__(self, rngs):
-    self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
-    self.bn = nnx.BatchNorm(4, rngs=rngs)
-    self.head = nnx.Linear(4, 4, rngs=rngs)
-
-  def __call__(self, x):
-    return self.head(nnx.relu(self.bn(self.conv(x))).mean((1, 2)))
 
 
 def _data(n=64):
@@ -41,15 +30,22 @@ def _loaders(device):
   )
 
 
-def _trainer(tmp_path, **kwargs):
-  return train.Trainer(
-    _Net(nnx.Rngs(0)),
-    train.sgd(0.05, 0.9),
-    progress=False,
-    checkpoint_dir=tmp_path / "ckpt",
-    log_path=tmp_path / "log.jsonl",
-    **kwargs,
-  )
+@pytest.fixture
+def make_trainer(tiny_cnn):
+  """``make_trainer(folder, **kwargs)``: a Trainer of the shared tiny CNN (seed 0) that
+  checkpoints and logs under ``folder``."""
+
+  def make(folder, **kwargs):
+    return train.Trainer(
+      tiny_cnn(),
+      train.sgd(0.05, 0.9),
+      progress=False,
+      checkpoint_dir=folder / "ckpt",
+      log_path=folder / "log.jsonl",
+      **kwargs,
+    )
+
+  return make
 
 
 def _leaves(t):
@@ -57,11 +53,11 @@ def _leaves(t):
 
 
 @pytest.mark.parametrize("device", [False, True])
-def test_stopped_run_saves_warns_and_resumes_exactly(tmp_path, device):
-  whole = _trainer(tmp_path / "whole")
+def test_stopped_run_saves_warns_and_resumes_exactly(tmp_path, device, make_trainer):
+  whole = make_trainer(tmp_path / "whole")
   whole.fit(*_loaders(device), epochs=3)
 
-  first = _trainer(tmp_path / "cut", checkpoint_every=0, eval_every=2)
+  first = make_trainer(tmp_path / "cut", checkpoint_every=0, eval_every=2)
   with pytest.warns(RuntimeWarning, match=r"fit stopped after epoch 1 of 3: max_seconds=1e-06"):
     history = first.fit(*_loaders(device), epochs=3, max_seconds=1e-6)
   # The first epoch has no estimate yet, so it runs; the second would not fit.
@@ -71,7 +67,7 @@ def test_stopped_run_saves_warns_and_resumes_exactly(tmp_path, device):
   lines = (tmp_path / "cut" / "log.jsonl").read_text().splitlines()
   assert len(lines) == 1 and "test_acc" in json.loads(lines[0])
 
-  second = _trainer(tmp_path / "cut", checkpoint_every=0, eval_every=2)
+  second = make_trainer(tmp_path / "cut", checkpoint_every=0, eval_every=2)
   with warnings.catch_warnings():
     warnings.simplefilter("error", RuntimeWarning)
     second.fit(*_loaders(device), epochs=3)
@@ -80,14 +76,14 @@ def test_stopped_run_saves_warns_and_resumes_exactly(tmp_path, device):
     np.testing.assert_array_equal(a, b)
 
 
-def test_must_finish_stops_when_the_rest_cannot_fit(tmp_path):
-  trainer = _trainer(tmp_path)
+def test_must_finish_stops_when_the_rest_cannot_fit(tmp_path, make_trainer):
+  trainer = make_trainer(tmp_path)
   # After the first epoch only the next epoch is judged (the first one also compiled).
   with pytest.warns(RuntimeWarning, match="the next epoch would end"):
     trainer.fit(*_loaders(False), epochs=5, max_seconds=1e-6, must_finish=True)
   assert trainer.epoch == 1
   # A generous box changes nothing.
-  trainer = _trainer(tmp_path / "b")
+  trainer = make_trainer(tmp_path / "b")
   trainer.fit(*_loaders(False), epochs=2, max_seconds=1e6, must_finish=True)
   assert trainer.epoch == 2 and trainer.stopped_early is None
 
@@ -127,8 +123,8 @@ def test_time_box_decisions_on_a_planted_clock(must_finish):
     assert "the next epoch would end about 132 s" in stops[7]
 
 
-def test_eval_every_and_checkpoint_every_zero(tmp_path):
-  trainer = _trainer(tmp_path, eval_every=2, checkpoint_every=0)
+def test_eval_every_and_checkpoint_every_zero(tmp_path, make_trainer):
+  trainer = make_trainer(tmp_path, eval_every=2, checkpoint_every=0)
   history = trainer.fit(*_loaders(True), epochs=3)
   assert ["test_acc" in h for h in history] == [False, True, True]  # the last is always
   saved = sorted(s.name for s in (tmp_path / "ckpt").iterdir() if s.name.isdigit())
@@ -143,15 +139,15 @@ def test_eval_every_and_checkpoint_every_zero(tmp_path):
     ({"eval_every": True}, "eval_every"),
   ],
 )
-def test_bad_intervals_are_named(tmp_path, kwargs, match):
+def test_bad_intervals_are_named(tmp_path, kwargs, match, make_trainer):
   with pytest.raises(ValueError, match=match):
-    _trainer(tmp_path, **kwargs)
+    make_trainer(tmp_path, **kwargs)
 
 
 @pytest.mark.parametrize(
   "kwargs, match",
   [({"max_seconds": 0}, "max_seconds"), ({"must_finish": True}, "must_finish")],
 )
-def test_bad_time_box_is_named(tmp_path, kwargs, match):
+def test_bad_time_box_is_named(tmp_path, kwargs, match, make_trainer):
   with pytest.raises(ValueError, match=match):
-    _trainer(tmp_path).fit(*_loaders(False), epochs=1, **kwargs)
+    make_trainer(tmp_path).fit(*_loaders(False), epochs=1, **kwargs)
