@@ -14,11 +14,27 @@ from flax import nnx
 
 __all__ = [
   "BatchFlags",
+  "NonFiniteError",
   "batch_flags",
   "copy_arrays",
   "input_channel_error",
   "tree_all_finite",
 ]
+
+
+class NonFiniteError(FloatingPointError):
+  """Training stopped after too many consecutive non-finite train steps
+  (``max_nonfinite_steps`` of :class:`~jaxprune.train.Trainer`).
+
+  Attributes:
+    epoch: the 1-based epoch of the first step of that run.
+    step: its 1-based step within that epoch (in the loader's order).
+    limit: the ``max_nonfinite_steps`` that was reached.
+  """
+
+  def __init__(self, message: str, *, epoch: int, step: int, limit: int):
+    super().__init__(message)
+    self.epoch, self.step, self.limit = epoch, step, limit
 
 
 def _floating(tree: Any) -> list[jax.Array]:

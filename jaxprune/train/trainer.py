@@ -99,6 +99,16 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       once the optimizer state holds final masks (:func:`jaxprune.masking.find_masks`, e.g.
       after ClickTrain's hard prune; checked at every epoch start, so also on resume).
       A batch not divisible by the devices raises ``ValueError``.
+    skip_nonfinite: skip a train step whose loss or gradients are not finite (NaN / Inf):
+      params, optimizer state (momentum, step count) and BatchNorm's running statistics stay
+      as they were, for any ``tx``. ``False`` applies the optimizer's update whatever it is
+      (one NaN gradient then usually makes every parameter NaN); BatchNorm's statistics still
+      skip the step. Either way such steps are left out of the train loss and counted in
+      ``nonfinite_steps``, with a ``RuntimeWarning``.
+    max_nonfinite_steps: stop with :class:`~jaxprune.train.NonFiniteError` once this many
+      consecutive train steps (across epochs) were not finite; checked at each epoch end, so
+      the epoch in which the run reached it is finished first. The error names the run's
+      first batch (epoch and 1-based step). ``None``: never stop.
     sync_batchnorm: with a mesh, normalise with the global batch's BatchNorm statistics
       (moments averaged over the devices inside each BatchNorm). Default ``False``: each
       device uses its shard's statistics (as PyTorch data parallelism without
@@ -140,12 +150,16 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     run_config: Mapping[str, Any] | None = None,
     mesh: Any = None,
     sync_batchnorm: bool = False,
+    skip_nonfinite: bool = True,
+    max_nonfinite_steps: int | None = 20,
   ):
     if not 0.0 <= label_smoothing < 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     for name, value, least in (
       ("checkpoint_every", checkpoint_every, 0),
       ("eval_every", eval_every, 1),
+      # None: never stop on non-finite steps.
+      ("max_nonfinite_steps", 1 if max_nonfinite_steps is None else max_nonfinite_steps, 1),
     ):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
@@ -163,6 +177,8 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       else None
     )
     self.progress = _is_tty() if progress is None else progress
+    self.skip_nonfinite = bool(skip_nonfinite)
+    self.max_nonfinite_steps = None if max_nonfinite_steps is None else int(max_nonfinite_steps)
     self.model_builder = model_builder
     self.donate = donate
     self.mesh = data_parallel.resolve_mesh(mesh)
@@ -188,6 +204,8 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     self._memory_cache: dict[Any, dict[str, int]] = {}
     self._refill_check = masking.RefillCheck()  # pruned weights re-filled at an epoch end
     self._warned_nonfinite_inputs = False  # the non-finite input warning is shown once
+    # Consecutive non-finite train steps so far and (epoch, step) of the first of them.
+    self._nonfinite_run: tuple[int, tuple[int, int]] = (0, (0, 0))
     # True once checkpoint_dir holds only this run's checkpoints (restored from it, found it
     # empty, or cleared it with fit(overwrite=True)): only then may save_checkpoint write there.
     self._owns_store = False
@@ -262,6 +280,8 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
         ``must_finish`` without ``max_seconds``, if ``overwrite`` is given with
         ``resume=True``, or if a fresh start finds another run's checkpoints in
         ``checkpoint_dir`` and ``overwrite`` is False.
+      NonFiniteError: ``max_nonfinite_steps`` consecutive train steps were not finite (see
+        :meth:`train_epoch`).
     """
     # bool is an int subclass: epochs=True would silently train one epoch.
     if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
