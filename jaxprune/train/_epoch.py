@@ -29,11 +29,12 @@ class EpochLoops:
     applies their updates), they are left out of ``train_loss`` / ``train_acc`` and counted in
     ``nonfinite_steps``, with a ``RuntimeWarning`` that says when class ids outside the model's
     outputs were the cause (see :class:`~jaxprune.train.Metrics`). A batch whose images hold
-    NaN / Inf is named in a ``RuntimeWarning`` too (once per trainer).
+    NaN / Inf is named in a ``RuntimeWarning`` too (once per trainer), and so are integer
+    images (unnormalised pixels, a ``UserWarning``).
 
     Raises:
-      ValueError: the loader yielded no batches, or the images' channel count is not the
-        model's (both named).
+      ValueError: the loader yielded no batches, the images' channel count is not the
+        model's (both named), or the labels' shape or dtype do not fit the batch (named).
       NonFiniteError: ``max_nonfinite_steps`` consecutive steps (counted across epochs) were
         not finite; raised at the end of the epoch in which the run reached the limit, naming
         the run's first batch.
@@ -110,6 +111,7 @@ class EpochLoops:
       except StopIteration:
         return
       wait = time.perf_counter() - t0
+      self._check_batch(images, labels)
       self._own_donated_state()
       try:
         self.params, self.rest, self.opt_state, metrics = self._steps.train(
@@ -159,6 +161,7 @@ class EpochLoops:
       multiple = self._steps.batch_multiple
     full = None
     for images, labels in loader:
+      self._check_batch(images, labels)
       # Device arrays (a DeviceLoader's) stay where they are; only a short batch is padded.
       xp = np if isinstance(images, np.ndarray) or not hasattr(images, "device") else jnp
       images, labels = xp.asarray(images), xp.asarray(labels)
@@ -238,6 +241,23 @@ class EpochLoops:
     # A run that began this epoch names its step; one that began earlier keeps its start.
     began = (epoch, start) if start else self._nonfinite_run[1]
     self._nonfinite_run = (run, began if run else (0, 0))
+
+  def _check_batch(self, images: Any, labels: Any) -> None:
+    """Host-side checks of a batch before its step (shapes and dtypes only, no sync): labels
+    that do not fit raise a ``ValueError``; integer images warn once per trainer."""
+    message = _checks.label_error(images, labels)
+    if message is not None:
+      raise ValueError(message)
+    dtype = _checks.integer_images(images)
+    if dtype is not None and not self._warned_integer_images:
+      self._warned_integer_images = True
+      warnings.warn(
+        f"images: the batch is {dtype}, so raw pixel values (e.g. 0-255) reach the model; "
+        "normalise them to floats first, e.g. with jaxprune.data.Loader, which normalises "
+        "(this warning is shown once per trainer)",
+        UserWarning,
+        stacklevel=5,
+      )
 
   def _raise_if_wrong_channels(self, images, error: Exception) -> None:
     """Turns a step that failed on a batch with the wrong channel count into a ``ValueError``

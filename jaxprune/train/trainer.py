@@ -125,6 +125,10 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     >>> trainer.num_devices  # doctest: +SKIP
     4
 
+  Training raises ``ValueError`` naming ``labels`` when a batch's labels do not fit it (one
+  integer class id or one float soft-label row per image) and warns once (``UserWarning``) when
+  the images are integers (unnormalised pixels; :class:`jaxprune.data.Loader` normalises).
+
   Raises:
     ValueError: a bad argument (named in the message), ``sync_batchnorm`` without a mesh.
   """
@@ -204,6 +208,7 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     self._memory_cache: dict[Any, dict[str, int]] = {}
     self._refill_check = masking.RefillCheck()  # pruned weights re-filled at an epoch end
     self._warned_nonfinite_inputs = False  # the non-finite input warning is shown once
+    self._warned_integer_images = False  # and so is the integer images one
     # Consecutive non-finite train steps so far and (epoch, step) of the first of them.
     self._nonfinite_run: tuple[int, tuple[int, int]] = (0, (0, 0))
     # True once checkpoint_dir holds only this run's checkpoints (restored from it, found it
@@ -278,8 +283,8 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     Raises:
       ValueError: if ``epochs`` is not a positive int, ``max_seconds`` not positive,
         ``must_finish`` without ``max_seconds``, if ``overwrite`` is given with
-        ``resume=True``, or if a fresh start finds another run's checkpoints in
-        ``checkpoint_dir`` and ``overwrite`` is False.
+        ``resume=True``, if a fresh start finds another run's checkpoints in
+        ``checkpoint_dir`` and ``overwrite`` is False, or a batch's labels do not fit it.
       NonFiniteError: ``max_nonfinite_steps`` consecutive train steps were not finite (see
         :meth:`train_epoch`).
     """
