@@ -76,7 +76,9 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       :meth:`fit` (also one cut short by ``max_seconds``) is always evaluated. Records of
       the other epochs hold no ``test_*`` keys.
     max_to_keep: number of checkpoints kept.
-    progress: show a tqdm bar; ``None`` = only when stderr is a terminal.
+    progress: ``None`` (default): a tqdm bar when stderr is a terminal, else one line per
+      epoch on stdout (epoch, train loss and accuracy, test accuracy when evaluated, the
+      epoch's seconds), for logs; ``True``: the bar always; ``False``: neither.
     model_builder: ``spec -> model`` used on resume when the checkpoint's
       ``model.spec`` differs from the current model's (a reconfigured model); default
       :func:`jaxprune.models.rebuild` (same class and classes, conversions re-applied).
@@ -180,7 +182,9 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       if checkpoint_dir is not None
       else None
     )
-    self.progress = _is_tty() if progress is None else progress
+    # Off a terminal (a log file, a job's output) a bar is noise: one line per epoch instead.
+    self.progress = _is_tty() if progress is None else bool(progress)
+    self.epoch_lines = progress is None and not self.progress
     self.skip_nonfinite = bool(skip_nonfinite)
     self.max_nonfinite_steps = None if max_nonfinite_steps is None else int(max_nonfinite_steps)
     self.model_builder = model_builder
@@ -360,6 +364,8 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
         self.save_checkpoint(train_loader)
       for c in self.callbacks:
         c.after_epoch(self, record)
+      if self.epoch_lines:
+        print(_run_log.epoch_line(record, epochs, time.perf_counter() - epoch_start), flush=True)
       box.epoch_done(time.perf_counter() - epoch_start, eval_s)
     # The step donates its buffers, so the module the caller passed in would otherwise
     # point at deleted arrays after fit; sync it (a reconfigured run syncs its new model).
