@@ -25,6 +25,7 @@ Any Optax transform works in place of ``train.sgd`` (``GradientTransformationExt
 receive ``value=loss``); LR scaling needs a ``train.scale_by_lr`` inside it.
 """
 
+from jaxprune.train._checks import NonFiniteError
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.batchnorm import epoch_batches, recompute_batch_stats
 from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
@@ -62,6 +63,7 @@ __all__ = [
   "recompute_batch_stats",
   "CheckpointStore",
   "DamagedCheckpointError",
+  "NonFiniteError",
   "decode_spec",
   "encode_spec",
   "accuracy",

@@ -1,7 +1,8 @@
 """Checks of a train step's inputs and outputs that name what went wrong: finiteness of the loss
 and gradients (one decision per step), non-finite images, class ids outside the model's
-outputs, a batch whose channel count is not the model's, and the copies that keep donated
-buffers from deleting arrays the caller still holds."""
+outputs, labels whose shape or dtype do not fit the batch, unnormalised integer images, a batch
+whose channel count is not the model's, and the copies that keep donated buffers from deleting
+arrays the caller still holds."""
 
 from __future__ import annotations
 
@@ -14,11 +15,74 @@ from flax import nnx
 
 __all__ = [
   "BatchFlags",
+  "NonFiniteError",
   "batch_flags",
   "copy_arrays",
   "input_channel_error",
+  "integer_images",
+  "label_error",
   "tree_all_finite",
 ]
+
+
+class NonFiniteError(FloatingPointError):
+  """Training stopped after too many consecutive non-finite train steps
+  (``max_nonfinite_steps`` of :class:`~jaxprune.train.Trainer`).
+
+  Attributes:
+    epoch: the 1-based epoch of the first step of that run.
+    step: its 1-based step within that epoch (in the loader's order).
+    limit: the ``max_nonfinite_steps`` that was reached.
+  """
+
+  def __init__(self, message: str, *, epoch: int, step: int, limit: int):
+    super().__init__(message)
+    self.epoch, self.step, self.limit = epoch, step, limit
+
+
+def _shape_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+  # Host metadata only: a device array's shape and dtype need no transfer or sync.
+  if not hasattr(x, "dtype"):
+    x = np.asarray(x)
+  return tuple(np.shape(x)), np.dtype(x.dtype)
+
+
+def label_error(images: Any, labels: Any) -> str | None:
+  """A message naming ``labels`` when they do not fit the batch, else ``None``.
+
+  Labels are integer class ids ``[B]`` or floating soft labels ``[B, C]``, one row per image.
+  Checked on the host before the step, from shapes and dtypes alone: the step would fail on a
+  short batch of labels with a broadcasting error deep in the loss, and would take float
+  class ids with only a deprecation warning.
+  """
+  (ishape, _), (lshape, ldtype) = _shape_dtype(images), _shape_dtype(labels)
+  if len(lshape) not in (1, 2):
+    return (
+      f"labels: expected shape [B] (integer class ids) or [B, C] (soft labels), got shape "
+      f"{lshape} for images of shape {ishape}"
+    )
+  if ishape and lshape[0] != ishape[0]:
+    return (
+      f"labels: {lshape[0]} rows (shape {lshape}) for {ishape[0]} images (shape {ishape}); "
+      "each image needs one label"
+    )
+  if len(lshape) == 1 and not np.issubdtype(ldtype, np.integer):
+    return (
+      f"labels: class ids [B] must have an integer dtype (e.g. int32), got {ldtype} (shape "
+      f"{lshape}); soft labels are floats of shape [B, C]"
+    )
+  if len(lshape) == 2 and not np.issubdtype(ldtype, np.floating):
+    return (
+      f"labels: soft labels [B, C] must have a floating dtype (e.g. float32), got {ldtype} "
+      f"(shape {lshape}); class ids are integers of shape [B]"
+    )
+  return None
+
+
+def integer_images(images: Any) -> np.dtype | None:
+  """The images' dtype if it is an integer one (raw pixels, e.g. uint8 0-255), else ``None``."""
+  _, dtype = _shape_dtype(images)
+  return dtype if np.issubdtype(dtype, np.integer) else None
 
 
 def _floating(tree: Any) -> list[jax.Array]:

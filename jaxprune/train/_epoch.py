@@ -24,17 +24,25 @@ class EpochLoops:
   def train_epoch(self, loader: Iterable) -> dict[str, float]:
     """One pass over ``loader``; returns train loss / acc and throughput.
 
-    Steps with a non-finite loss or gradient are left out of ``train_loss`` / ``train_acc``,
-    keep BatchNorm's running statistics as they were, and are counted in ``nonfinite_steps``,
-    with a ``RuntimeWarning`` that says when class ids outside the model's outputs were the
-    cause (see :class:`~jaxprune.train.Metrics`). A batch whose images hold NaN / Inf is named
-    in a ``RuntimeWarning`` too (once per trainer).
+    Steps with a non-finite loss or gradient are skipped: params, optimizer state and
+    BatchNorm's running statistics stay as they were (unless ``skip_nonfinite=False``, which
+    applies their updates), they are left out of ``train_loss`` / ``train_acc`` and counted in
+    ``nonfinite_steps``, with a ``RuntimeWarning`` that says when class ids outside the model's
+    outputs were the cause (see :class:`~jaxprune.train.Metrics`). A batch whose images hold
+    NaN / Inf is named in a ``RuntimeWarning`` too (once per trainer), and so are integer
+    images (unnormalised pixels, a ``UserWarning``).
 
     Raises:
-      ValueError: the loader yielded no batches, or the images' channel count is not the
-        model's (both named).
+      ValueError: the loader yielded no batches, the images' channel count is not the
+        model's (both named), or the labels' shape or dtype do not fit the batch (named).
+      NonFiniteError: ``max_nonfinite_steps`` consecutive steps (counted across epochs) were
+        not finite; raised at the end of the epoch in which the run reached the limit, naming
+        the run's first batch.
     """
-    metrics = Metrics.zeros()
+    metrics = Metrics.zeros()._replace(
+      nonfinite_run=jnp.float32(self._nonfinite_run[0]),
+      max_nonfinite=jnp.float32(self.max_nonfinite_steps or 0),
+    )
     if self.mesh is not None:
       self._sync_reduction()
       self._replicate()
@@ -79,6 +87,7 @@ class EpochLoops:
         "train_loader yielded no batches (batch_size larger than the dataset with drop_last=True?)"
       )
     self._warn_nonfinite(summary, steps)
+    self._check_nonfinite_run(summary)
     compute = max(elapsed - data_wait, 1e-9)
     return {
       "train_loss": summary["loss"],
@@ -102,6 +111,7 @@ class EpochLoops:
       except StopIteration:
         return
       wait = time.perf_counter() - t0
+      self._check_batch(images, labels)
       self._own_donated_state()
       try:
         self.params, self.rest, self.opt_state, metrics = self._steps.train(
@@ -151,6 +161,7 @@ class EpochLoops:
       multiple = self._steps.batch_multiple
     full = None
     for images, labels in loader:
+      self._check_batch(images, labels)
       # Device arrays (a DeviceLoader's) stay where they are; only a short batch is padded.
       xp = np if isinstance(images, np.ndarray) or not hasattr(images, "device") else jnp
       images, labels = xp.asarray(images), xp.asarray(labels)
@@ -184,12 +195,16 @@ class EpochLoops:
           f"outside [0, {summary['num_classes']}), the model's {summary['num_classes']} "
           "outputs (a data set with more classes than the model?)"
         )
+      what = (
+        "their updates were skipped (params, optimizer state and BatchNorm's running "
+        "statistics unchanged)"
+        if self.skip_nonfinite
+        else "their updates were applied (skip_nonfinite=False)"
+      )
       warnings.warn(
         f"epoch {epoch}: {summary['nonfinite']} of {steps} train steps had a non-finite loss "
-        f"or gradient{why}; train_loss / train_acc average the other steps, the record's "
-        "nonfinite_steps counts them and BatchNorm's running statistics skip them (whether "
-        "their updates were applied is up to the optimizer, e.g. optax.apply_if_finite skips "
-        "them)",
+        f"or gradient{why}; {what}, train_loss / train_acc average the other steps and the "
+        "record's nonfinite_steps counts them",
         RuntimeWarning,
         stacklevel=4,
       )
@@ -202,6 +217,46 @@ class EpochLoops:
         "the data: each such step is non-finite (this warning is shown once per trainer)",
         RuntimeWarning,
         stacklevel=4,
+      )
+
+  def _check_nonfinite_run(self, summary: dict) -> None:
+    """Carries the run of consecutive non-finite steps into the next epoch, or raises
+    :class:`~jaxprune.train.NonFiniteError` when a run reached ``max_nonfinite_steps``."""
+    epoch = self.epoch + 1
+    if summary["limit_reached"]:
+      start = summary["limit_run_start"]
+      first_epoch, first_step = (epoch, start) if start else self._nonfinite_run[1]
+      limit = self.max_nonfinite_steps
+      what = "skipped" if self.skip_nonfinite else "applied (skip_nonfinite=False)"
+      raise _checks.NonFiniteError(
+        f"training stopped at the end of epoch {epoch}: {limit} consecutive train steps had "
+        f"a non-finite loss or gradient (max_nonfinite_steps={limit}); the first of them was "
+        f"epoch {first_epoch}, step {first_step} (1-based, in the loader's order). Their "
+        f"updates were {what}; look for NaN / Inf in the data or a diverging learning rate",
+        epoch=first_epoch,
+        step=first_step,
+        limit=limit,
+      )
+    run, start = summary["nonfinite_run"], summary["run_start"]
+    # A run that began this epoch names its step; one that began earlier keeps its start.
+    began = (epoch, start) if start else self._nonfinite_run[1]
+    self._nonfinite_run = (run, began if run else (0, 0))
+
+  def _check_batch(self, images: Any, labels: Any) -> None:
+    """Host-side checks of a batch before its step (shapes and dtypes only, no sync): labels
+    that do not fit raise a ``ValueError``; integer images warn once per trainer."""
+    message = _checks.label_error(images, labels)
+    if message is not None:
+      raise ValueError(message)
+    dtype = _checks.integer_images(images)
+    if dtype is not None and not self._warned_integer_images:
+      self._warned_integer_images = True
+      warnings.warn(
+        f"images: the batch is {dtype}, so raw pixel values (e.g. 0-255) reach the model; "
+        "normalise them to floats first, e.g. with jaxprune.data.Loader, which normalises "
+        "(this warning is shown once per trainer)",
+        UserWarning,
+        stacklevel=5,
       )
 
   def _raise_if_wrong_channels(self, images, error: Exception) -> None:

@@ -19,8 +19,8 @@ __all__ = ["Placement"]
 
 class Placement:
   """:class:`~jaxprune.train.Trainer`'s model, state and step (a mixin of it: the attributes
-  ``tx``, ``loss_fn``, ``flip_tta``, ``donate``, ``mesh`` and ``sync_batchnorm`` are the
-  trainer's)."""
+  ``tx``, ``loss_fn``, ``flip_tta``, ``donate``, ``skip_nonfinite``, ``mesh`` and
+  ``sync_batchnorm`` are the trainer's)."""
 
   def _set_model(self, model: nnx.Module, opt_state: Any, indices: Any = None) -> None:
     self._model = model
@@ -33,7 +33,13 @@ class Placement:
     self._shared = ("params", "rest", "opt_state")
     if self.mesh is None:
       self._steps = step_functions(
-        train_gd, eval_gd, self.tx, self.loss_fn, flip_tta=self.flip_tta, donate=self.donate
+        train_gd,
+        eval_gd,
+        self.tx,
+        self.loss_fn,
+        flip_tta=self.flip_tta,
+        donate=self.donate,
+        skip_nonfinite=self.skip_nonfinite,
       )
       return
     # A new structure (PruneTrain's reconfiguration) or new masks: a new step, compiled at
@@ -47,6 +53,7 @@ class Placement:
       flip_tta=self.flip_tta,
       donate=self.donate,
       indices=indices,
+      skip_nonfinite=self.skip_nonfinite,
     )
     self._replicate()
 

@@ -1,4 +1,5 @@
-"""The run's JSON-lines log: one object per epoch, rewritten from the history on resume."""
+"""The run's JSON-lines log (one object per epoch, rewritten from the history on resume) and
+the one-line epoch summary printed off a terminal."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["append", "rewrite"]
+__all__ = ["append", "epoch_line", "rewrite"]
 
 
 def rewrite(path: str | None, history: Iterable[Mapping[str, Any]]) -> None:
@@ -29,3 +30,18 @@ def append(path: str | None, record: Mapping[str, Any]) -> None:
     return
   with open(path, "a") as f:
     f.write(json.dumps(record) + "\n")
+
+
+def epoch_line(record: Mapping[str, Any], epochs: int, seconds: float) -> str:
+  """One epoch's summary for a log: epoch, train loss and accuracy, test accuracy when the
+  epoch was evaluated, and the epoch's seconds (training, evaluation and hooks)."""
+  parts = [
+    f"epoch {record['epoch']}/{epochs}",
+    f"train_loss {record['train_loss']:.4f}",
+    f"train_acc {record['train_acc']:.4f}",
+  ]
+  if "test_acc" in record:
+    parts.append(f"test_acc {record['test_acc']:.4f}")
+  if record.get("nonfinite_steps"):
+    parts.append(f"nonfinite_steps {record['nonfinite_steps']}")
+  return "  ".join(parts) + f"  ({seconds:.1f} s)"

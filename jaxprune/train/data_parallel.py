@@ -62,6 +62,7 @@ from jaxprune.train.step import (
   eval_step,
   forward_backward,
   keep_state_if_finite,
+  skip_if_nonfinite,
   step_finite,
   train_sums,
 )
@@ -175,6 +176,7 @@ def data_parallel_train_step(
   *,
   indices: Any = None,
   rng_keys: tuple[bool, ...] = (),
+  skip_nonfinite: bool = True,
 ) -> tuple[Any, Any, Any, Metrics]:
   """One data-parallel step on this device's shard; call it mapped over ``axis_name``.
 
@@ -194,6 +196,8 @@ def data_parallel_train_step(
     images, labels: this device's shard of the global batch (equal shard sizes).
     indices: :func:`jaxprune.distributed.mask_indices` of final masks (``None``: dense).
     rng_keys: :func:`rng_key_leaves` of the model (random streams to fold per device).
+    skip_nonfinite: leave params and optimizer state as they were when the step is not
+      finite on any device (:func:`jaxprune.train.step.skip_if_nonfinite`).
 
   Example (``jax.pmap``: the batch reshaped to ``[devices, per_device, ...]``)::
 
@@ -223,8 +227,13 @@ def data_parallel_train_step(
   grads, _ = reduce.update(grads, reduce.init(params))
   new_rest = _average_floats(_restore_keys(new_rest, rest, rng_keys), axis_name)
   new_rest = keep_state_if_finite(finite, new_rest, rest)
-  params, opt_state = apply_optimizer(tx, grads, opt_state, params, global_loss)
-  return params, new_rest, opt_state, count_step(metrics, sums, finite, flags, logits.shape[-1])
+  new_params, new_opt_state = apply_optimizer(tx, grads, opt_state, params, global_loss)
+  if skip_nonfinite:
+    new_params, new_opt_state = skip_if_nonfinite(
+      finite, (new_params, new_opt_state), (params, opt_state)
+    )
+  metrics = count_step(metrics, sums, finite, flags, logits.shape[-1])
+  return new_params, new_rest, new_opt_state, metrics
 
 
 def indices_digest(indices: Any) -> str | None:
@@ -294,6 +303,7 @@ class DataParallelSteps:
     flip_tta: flip test-time augmentation in eval.
     donate: donate the states to the step.
     indices: reduction index arrays (:func:`jaxprune.distributed.mask_indices`) or ``None``.
+    skip_nonfinite: a non-finite step leaves params and optimizer state as they were.
 
   Example:
     >>> steps = step_functions(model, tx, loss_fn, make_mesh())  # doctest: +SKIP
@@ -315,6 +325,7 @@ class DataParallelSteps:
     flip_tta: bool = False,
     donate: bool = True,
     indices: Any = None,
+    skip_nonfinite: bool = True,
   ):
     mesh = resolve_mesh(mesh)
     self.mesh = mesh
@@ -337,6 +348,7 @@ class DataParallelSteps:
       BATCH_AXIS,
       indices=indices,
       rng_keys=rng_keys,
+      skip_nonfinite=skip_nonfinite,
     )
     eval_body = functools.partial(eval_step, eval_gd, loss_fn, flip_tta, axis_name=BATCH_AXIS)
     rep, sharded = P(), P(BATCH_AXIS)
@@ -413,7 +425,9 @@ class _Indices:
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_steps(train_gd, eval_gd, tx, loss_fn, mesh, rng_keys, flip_tta, donate, indices):
+def _cached_steps(
+  train_gd, eval_gd, tx, loss_fn, mesh, rng_keys, flip_tta, donate, indices, skip_nonfinite
+):
   return DataParallelSteps(
     train_gd,
     eval_gd,
@@ -424,6 +438,7 @@ def _cached_steps(train_gd, eval_gd, tx, loss_fn, mesh, rng_keys, flip_tta, dona
     flip_tta=flip_tta,
     donate=donate,
     indices=indices.tree,
+    skip_nonfinite=skip_nonfinite,
   )
 
 
@@ -437,6 +452,7 @@ def step_functions(
   flip_tta: bool = False,
   donate: bool = True,
   indices: Any = None,
+  skip_nonfinite: bool = True,
 ) -> DataParallelSteps:
   """Cached :class:`DataParallelSteps` for ``model``'s structure (left in train mode).
 
@@ -450,6 +466,7 @@ def step_functions(
     donate: donate the states to the step.
     indices: reduction index arrays (:func:`jaxprune.distributed.mask_indices` of final
       masks) or ``None`` for the dense reduction.
+    skip_nonfinite: a non-finite step leaves params and optimizer state as they were.
   """
   train_gd = train_graphdef(model, BATCH_AXIS if sync_batchnorm else None)
   model.eval()
@@ -465,4 +482,5 @@ def step_functions(
     flip_tta,
     donate,
     _Indices(indices),
+    bool(skip_nonfinite),
   )

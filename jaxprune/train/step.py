@@ -35,8 +35,9 @@ class Metrics(NamedTuple):
   A train step whose loss **or gradients** are not finite adds nothing to the sums and counts
   in ``nonfinite`` instead (one NaN batch would otherwise make the epoch's mean loss NaN and
   hide the finite ones; a finite loss can come with NaN gradients, e.g. from one NaN pixel);
-  whether its update was applied is the optimizer's business (e.g. ``optax.apply_if_finite``
-  skips it). The last fields say why, for the trainer's warning.
+  the trainer's step also leaves its update out (see :func:`skip_if_nonfinite`). The fields
+  after ``steps`` say why, for the trainer's warning, and track runs of consecutive
+  non-finite steps for its stop (``max_nonfinite_steps`` of :class:`~jaxprune.train.Trainer`).
   """
 
   loss_sum: jax.Array
@@ -48,6 +49,13 @@ class Metrics(NamedTuple):
   first_nonfinite_input: jax.Array  # 1-based step (of ``steps``) of the first of them; 0: none
   labels_out_of_range: jax.Array  # non-finite train steps with class ids outside [0, classes)
   num_classes: jax.Array  # the model's outputs (the logits' last axis); 0 before a train step
+  # Consecutive non-finite steps ending at the latest step; the trainer starts an epoch with
+  # the previous epoch's, so a run spans epochs.
+  nonfinite_run: jax.Array
+  run_start: jax.Array  # 1-based step where that run began; 0: no run, or an earlier epoch
+  max_nonfinite: jax.Array  # the run length that stops the run (set by the trainer); 0: none
+  limit_reached: jax.Array  # 1 once a run reached ``max_nonfinite`` (0 before)
+  limit_run_start: jax.Array  # ``run_start`` of the first such run (0: an earlier epoch)
 
   @classmethod
   def zeros(cls) -> "Metrics":
@@ -160,6 +168,11 @@ def count_step(
     metrics.steps + 1,
     metrics.first_nonfinite_input,
   )
+  # Runs of consecutive non-finite steps: a stop needs the first batch of the run named.
+  run = jnp.where(finite, 0.0, metrics.nonfinite_run + 1)
+  begins = ~finite & (metrics.nonfinite_run == 0)
+  run_start = jnp.where(finite, 0.0, jnp.where(begins, metrics.steps + 1, metrics.run_start))
+  hit = (metrics.limit_reached == 0) & (metrics.max_nonfinite > 0) & (run >= metrics.max_nonfinite)
   return out._replace(
     steps=metrics.steps + 1,
     nonfinite_inputs=metrics.nonfinite_inputs + bad_inputs.astype(jnp.float32),
@@ -167,15 +180,31 @@ def count_step(
     labels_out_of_range=metrics.labels_out_of_range
     + (flags.labels_out_of_range & ~finite).astype(jnp.float32),
     num_classes=jnp.full([], num_classes, jnp.float32),
+    nonfinite_run=run,
+    run_start=run_start,
+    limit_reached=jnp.where(hit, 1.0, metrics.limit_reached),
+    limit_run_start=jnp.where(hit, run_start, metrics.limit_run_start),
   )
+
+
+def skip_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where the step was finite, else ``old``: every leaf (params, the optimizer state
+  with its momentum and step count), so a non-finite step leaves no trace in them.
+
+  A select, not a ``lax.cond``: both branches are already computed, and a select keeps the
+  fused steps of a ``lax.scan`` free of control flow. One NaN gradient applied would make
+  every parameter NaN at the next step through the momentum, and a NaN in ``params`` never
+  leaves.
+  """
+  return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
 def keep_state_if_finite(finite: jax.Array, new_rest: Any, rest: Any) -> Any:
   """``new_rest`` where the step was finite, else the floating leaves of ``rest``.
 
   A non-finite batch would otherwise write NaN into BatchNorm's running statistics even when
-  the optimizer skips the update (``optax.apply_if_finite``), and every later eval would be
-  NaN; counters and keys advance either way.
+  its update is skipped (:func:`skip_if_nonfinite`), and every later eval would be NaN;
+  counters and keys advance either way.
   """
   return jax.tree.map(
     lambda new, old: jnp.where(finite, new, old) if jnp.issubdtype(new.dtype, jnp.inexact) else new,
@@ -192,6 +221,7 @@ def _train_step(
   graphdef: nnx.GraphDef,
   tx: optax.GradientTransformationExtraArgs,
   loss_fn: PerExampleLoss,
+  skip_nonfinite: bool,
   params: Any,
   rest: Any,
   opt_state: Any,
@@ -202,7 +232,12 @@ def _train_step(
   loss, logits, new_rest, grads = forward_backward(graphdef, loss_fn, params, rest, images, labels)
   finite = step_finite(loss, grads)
   flags = _checks.batch_flags(images, labels, logits.shape[-1])
-  params, opt_state = apply_optimizer(tx, grads, opt_state, params, loss)
+  new_params, new_opt_state = apply_optimizer(tx, grads, opt_state, params, loss)
+  if skip_nonfinite:
+    new_params, new_opt_state = skip_if_nonfinite(
+      finite, (new_params, new_opt_state), (params, opt_state)
+    )
+  params, opt_state = new_params, new_opt_state
   new_rest = keep_state_if_finite(finite, new_rest, rest)
   sums = train_sums(loss, logits, labels, finite)
   return params, new_rest, opt_state, count_step(metrics, sums, finite, flags, logits.shape[-1])
@@ -212,6 +247,7 @@ def _fused_train_steps(
   graphdef: nnx.GraphDef,
   tx: optax.GradientTransformationExtraArgs,
   loss_fn: PerExampleLoss,
+  skip_nonfinite: bool,
   make_batch: Callable,
   params: Any,
   rest: Any,
@@ -230,12 +266,14 @@ def _fused_train_steps(
     # One step: no loop. XLA:CPU ran a train step inside a one-trip scan 7x slower than the
     # same step outside it (a VGG-11 at width 1/8, 2026-11).
     batch = make_batch(images, labels, indices[0], seed, epoch, steps[0])
-    return _train_step(graphdef, tx, loss_fn, params, rest, opt_state, metrics, *batch)
+    return _train_step(
+      graphdef, tx, loss_fn, skip_nonfinite, params, rest, opt_state, metrics, *batch
+    )
 
   def one_step(carry, xs):
     batch_indices, step = xs
     batch = make_batch(images, labels, batch_indices, seed, epoch, step)
-    return _train_step(graphdef, tx, loss_fn, *carry, *batch), None
+    return _train_step(graphdef, tx, loss_fn, skip_nonfinite, *carry, *batch), None
 
   carry, _ = jax.lax.scan(one_step, (params, rest, opt_state, metrics), (indices, steps))
   return carry
@@ -298,11 +336,20 @@ def step_functions(
   *,
   flip_tta: bool = False,
   donate: bool = True,
+  skip_nonfinite: bool = True,
 ) -> "StepFunctions":
   """Cached :class:`StepFunctions`: a model structure seen before (same graphdefs, same
   ``tx`` and ``loss_fn`` objects) reuses the already compiled executables, e.g. when a
   run is resumed in the same process or several runs share one optimizer."""
-  return StepFunctions(train_graphdef, eval_graphdef, tx, loss_fn, flip_tta=flip_tta, donate=donate)
+  return StepFunctions(
+    train_graphdef,
+    eval_graphdef,
+    tx,
+    loss_fn,
+    flip_tta=flip_tta,
+    donate=donate,
+    skip_nonfinite=skip_nonfinite,
+  )
 
 
 class StepFunctions:
@@ -313,6 +360,9 @@ class StepFunctions:
   ``evaluate(params, rest, metrics, images, labels, weights)`` returns metrics; rows with
   weight 0 are padding (so a short last batch reuses the compiled step).
   :meth:`fused_train` runs several steps per call on batches made on the device.
+  With ``skip_nonfinite`` (default) a step whose loss or gradients are not finite leaves
+  params and optimizer state as they were (:func:`skip_if_nonfinite`); ``False`` applies
+  whatever the optimizer makes of them.
   """
 
   def __init__(
@@ -324,13 +374,14 @@ class StepFunctions:
     *,
     flip_tta: bool = False,
     donate: bool = True,
+    skip_nonfinite: bool = True,
   ):
     tx = optax.with_extra_args_support(tx)
-    self._fused_parts = (train_graphdef, tx, loss_fn)
+    self._fused_parts = (train_graphdef, tx, loss_fn, bool(skip_nonfinite))
     self._donate = (0, 1, 2, 3) if donate else ()
     self._fused: dict[Callable, Callable] = {}
     self.train = jax.jit(
-      functools.partial(_train_step, train_graphdef, tx, loss_fn), donate_argnums=self._donate
+      functools.partial(_train_step, *self._fused_parts), donate_argnums=self._donate
     )
     self.evaluate = jax.jit(
       functools.partial(eval_step, eval_graphdef, loss_fn, flip_tta),

@@ -76,7 +76,9 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       :meth:`fit` (also one cut short by ``max_seconds``) is always evaluated. Records of
       the other epochs hold no ``test_*`` keys.
     max_to_keep: number of checkpoints kept.
-    progress: show a tqdm bar; ``None`` = only when stderr is a terminal.
+    progress: ``None`` (default): a tqdm bar when stderr is a terminal, else one line per
+      epoch on stdout (epoch, train loss and accuracy, test accuracy when evaluated, the
+      epoch's seconds), for logs; ``True``: the bar always; ``False``: neither.
     model_builder: ``spec -> model`` used on resume when the checkpoint's
       ``model.spec`` differs from the current model's (a reconfigured model); default
       :func:`jaxprune.models.rebuild` (same class and classes, conversions re-applied).
@@ -99,6 +101,16 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       once the optimizer state holds final masks (:func:`jaxprune.masking.find_masks`, e.g.
       after ClickTrain's hard prune; checked at every epoch start, so also on resume).
       A batch not divisible by the devices raises ``ValueError``.
+    skip_nonfinite: skip a train step whose loss or gradients are not finite (NaN / Inf):
+      params, optimizer state (momentum, step count) and BatchNorm's running statistics stay
+      as they were, for any ``tx``. ``False`` applies the optimizer's update whatever it is
+      (one NaN gradient then usually makes every parameter NaN); BatchNorm's statistics still
+      skip the step. Either way such steps are left out of the train loss and counted in
+      ``nonfinite_steps``, with a ``RuntimeWarning``.
+    max_nonfinite_steps: stop with :class:`~jaxprune.train.NonFiniteError` once this many
+      consecutive train steps (across epochs) were not finite; checked at each epoch end, so
+      the epoch in which the run reached it is finished first. The error names the run's
+      first batch (epoch and 1-based step). ``None``: never stop.
     sync_batchnorm: with a mesh, normalise with the global batch's BatchNorm statistics
       (moments averaged over the devices inside each BatchNorm). Default ``False``: each
       device uses its shard's statistics (as PyTorch data parallelism without
@@ -114,6 +126,10 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     >>> trainer = Trainer(model, tx, mesh="auto")  # doctest: +SKIP
     >>> trainer.num_devices  # doctest: +SKIP
     4
+
+  Training raises ``ValueError`` naming ``labels`` when a batch's labels do not fit it (one
+  integer class id or one float soft-label row per image) and warns once (``UserWarning``) when
+  the images are integers (unnormalised pixels; :class:`jaxprune.data.Loader` normalises).
 
   Raises:
     ValueError: a bad argument (named in the message), ``sync_batchnorm`` without a mesh.
@@ -140,12 +156,16 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     run_config: Mapping[str, Any] | None = None,
     mesh: Any = None,
     sync_batchnorm: bool = False,
+    skip_nonfinite: bool = True,
+    max_nonfinite_steps: int | None = 20,
   ):
     if not 0.0 <= label_smoothing < 1.0:
       raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     for name, value, least in (
       ("checkpoint_every", checkpoint_every, 0),
       ("eval_every", eval_every, 1),
+      # None: never stop on non-finite steps.
+      ("max_nonfinite_steps", 1 if max_nonfinite_steps is None else max_nonfinite_steps, 1),
     ):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
@@ -162,7 +182,11 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       if checkpoint_dir is not None
       else None
     )
-    self.progress = _is_tty() if progress is None else progress
+    # Off a terminal (a log file, a job's output) a bar is noise: one line per epoch instead.
+    self.progress = _is_tty() if progress is None else bool(progress)
+    self.epoch_lines = progress is None and not self.progress
+    self.skip_nonfinite = bool(skip_nonfinite)
+    self.max_nonfinite_steps = None if max_nonfinite_steps is None else int(max_nonfinite_steps)
     self.model_builder = model_builder
     self.donate = donate
     self.mesh = data_parallel.resolve_mesh(mesh)
@@ -188,6 +212,9 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     self._memory_cache: dict[Any, dict[str, int]] = {}
     self._refill_check = masking.RefillCheck()  # pruned weights re-filled at an epoch end
     self._warned_nonfinite_inputs = False  # the non-finite input warning is shown once
+    self._warned_integer_images = False  # and so is the integer images one
+    # Consecutive non-finite train steps so far and (epoch, step) of the first of them.
+    self._nonfinite_run: tuple[int, tuple[int, int]] = (0, (0, 0))
     # True once checkpoint_dir holds only this run's checkpoints (restored from it, found it
     # empty, or cleared it with fit(overwrite=True)): only then may save_checkpoint write there.
     self._owns_store = False
@@ -260,8 +287,10 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     Raises:
       ValueError: if ``epochs`` is not a positive int, ``max_seconds`` not positive,
         ``must_finish`` without ``max_seconds``, if ``overwrite`` is given with
-        ``resume=True``, or if a fresh start finds another run's checkpoints in
-        ``checkpoint_dir`` and ``overwrite`` is False.
+        ``resume=True``, if a fresh start finds another run's checkpoints in
+        ``checkpoint_dir`` and ``overwrite`` is False, or a batch's labels do not fit it.
+      NonFiniteError: ``max_nonfinite_steps`` consecutive train steps were not finite (see
+        :meth:`train_epoch`).
     """
     # bool is an int subclass: epochs=True would silently train one epoch.
     if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
@@ -335,6 +364,8 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
         self.save_checkpoint(train_loader)
       for c in self.callbacks:
         c.after_epoch(self, record)
+      if self.epoch_lines:
+        print(_run_log.epoch_line(record, epochs, time.perf_counter() - epoch_start), flush=True)
       box.epoch_done(time.perf_counter() - epoch_start, eval_s)
     # The step donates its buffers, so the module the caller passed in would otherwise
     # point at deleted arrays after fit; sync it (a reconfigured run syncs its new model).

@@ -153,3 +153,57 @@ def test_donation_leaves_clones_of_the_model_intact(kit):
   given = trainer.params
   trainer.train_epoch(loader)
   assert all(x.is_deleted() for x in jax.tree.leaves(given))
+
+
+class _OneBatch:
+  """One batch, every epoch."""
+
+  def __init__(self, images, labels):
+    self.batch = (images, labels)
+
+  def __iter__(self):
+    yield self.batch
+
+
+@pytest.mark.parametrize(
+  "make_labels, message",
+  [
+    (lambda y: y[:7], r"labels: 7 rows \(shape \(7,\)\) for 8 images \(shape \(8, 6, 6, 1\)\)"),
+    (
+      lambda y: y.astype(np.float32),
+      r"labels: class ids \[B\] must have an integer dtype \(e.g. int32\), got float32 \(shape \(8,",
+    ),
+    (
+      lambda y: np.eye(3, dtype=np.int32)[y],
+      r"labels: soft labels \[B, C\] must have a floating dtype \(e.g. float32\), got int32",
+    ),
+    (lambda y: y[:, None, None], r"labels: expected shape \[B\] .* got shape \(8, 1, 1\)"),
+  ],
+)
+def test_labels_that_do_not_fit_the_batch_are_a_value_error_naming_them(kit, make_labels, message):
+  images, labels = kit.data(8)
+  trainer = kit.trainer()
+  bad = _OneBatch(images, make_labels(labels))
+  with pytest.raises(ValueError, match=message):
+    trainer.fit(bad, epochs=1)
+  assert trainer.step == 0
+  with pytest.raises(ValueError, match=message):
+    trainer.evaluate(bad)
+  # Nothing was donated: the trainer goes on with labels that fit.
+  trainer.fit(_OneBatch(images, labels), epochs=1)
+  assert trainer.step == 1
+
+
+def test_integer_images_warn_once_to_normalise(kit):
+  images, labels = kit.data(8)
+  raw = np.clip(images * 64 + 128, 0, 255).astype(np.uint8)
+  trainer = kit.trainer()
+  want = (
+    r"images: the batch is uint8, so raw pixel values .* jaxprune.data.Loader, which normalises"
+  )
+  with pytest.warns(UserWarning, match=want):
+    trainer.fit(_OneBatch(raw, labels), epochs=1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)
+    trainer.fit(_OneBatch(raw, labels), epochs=2)  # once per trainer
+    trainer.fit(_OneBatch(images, labels), epochs=3)  # float images: no warning

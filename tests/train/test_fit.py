@@ -237,3 +237,27 @@ def test_quickstart_seeds_add_each_methods_min_max():
   # the first seed's run, then min–max over the seeds
   assert "| dense | 97.00% | 1.00x | 3.0 | 95.55–99.00% | 1.00–1.00x |" in lines
   assert "| clicktrain | 50.00% | 2.00x | 1.0 | 50.00–50.00% | 1.50–2.25x |" in lines
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+def test_off_a_terminal_fit_prints_one_line_per_epoch(kit, capsys, monkeypatch):
+  images, labels = kit.data(16)
+  loaders = kit.ArrayLoader(images, labels, 8), kit.ArrayLoader(images, labels, 8, shuffle=False)
+  # Under pytest stderr is captured: not a terminal.
+  history = kit.trainer(eval_every=2).fit(*loaders, epochs=2)
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 2
+  first, second = history
+  assert lines[0].startswith(
+    f"epoch 1/2  train_loss {first['train_loss']:.4f}  train_acc {first['train_acc']:.4f}  ("
+  )
+  assert "test_acc" not in lines[0]  # epoch 1 is not evaluated
+  assert f"  test_acc {second['test_acc']:.4f}  (" in lines[1]
+  assert lines[1].endswith(" s)")
+  # progress=False prints nothing; on a terminal the bar replaces the lines.
+  kit.trainer(progress=False).fit(*loaders, epochs=1)
+  monkeypatch.setattr("jaxprune.train.trainer._is_tty", lambda: True)
+  kit.trainer().fit(*loaders, epochs=1)
+  assert capsys.readouterr().out == ""
