@@ -297,9 +297,9 @@ def row_page(
       before = f"| {100 * r['test_acc_running_stats']:.2f}% " if stale else ""
       lines.append(
         f"| {r['epoch']} | {_percent(r.get('test_acc'))} {before}| {r['batch_size']} "
-        f"| {r.get('pt_inference_flops_after', r['pt_inference_flops']) / 1e6:.1f} "
-        f"| {r.get('pt_params_after', r['pt_params']):,.0f} "
-        f"| {r.get('pt_channels_removed', 0)} |"
+        f"| {_after(r, 'pt_inference_flops') / 1e6:.1f} "
+        f"| {_after(r, 'pt_params'):,.0f} "
+        f"| {r.get('pt_channels_removed') or 0} |"
       )
     if args.paired and dense:
       lines += ["", *_paired_epoch_rows(pt_run, dense)]
@@ -312,6 +312,13 @@ def row_page(
     + ", ".join(f"[{m}](logs/{stem.name}_{m}.jsonl)" for m in runs if m in ("dense", "prunetrain")),
   ]
   stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def _after(record: dict[str, Any], key: str) -> Any:
+  """``key`` of the model an epoch left: ``key + "_after"`` where it reconfigured, else
+  ``key``. Older logs leave the ``_after`` entries out, newer ones hold ``None`` there."""
+  after = record.get(f"{key}_after")
+  return record[key] if after is None else after
 
 
 def _plot_over_training(pt_run: dict[str, Any], stem: Path) -> Path | None:
@@ -327,11 +334,11 @@ def _plot_over_training(pt_run: dict[str, Any], stem: Path) -> Path | None:
   history = pt_run["history"]
   epochs = [r["epoch"] for r in history]
   flops0, params0 = history[0]["pt_inference_flops"], history[0]["pt_params"]
-  flops = [r.get("pt_inference_flops_after", r["pt_inference_flops"]) / flops0 for r in history]
-  params = [r.get("pt_params_after", r["pt_params"]) / params0 for r in history]
+  flops = [_after(r, "pt_inference_flops") / flops0 for r in history]
+  params = [_after(r, "pt_params") / params0 for r in history]
   removed, total = [], 0
   for r in history:
-    total += r.get("pt_channels_removed", 0)
+    total += r.get("pt_channels_removed") or 0
     removed.append(total)
   fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
   left.plot(epochs, flops, marker="o", label="inference FLOPs")

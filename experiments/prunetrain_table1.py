@@ -408,16 +408,16 @@ def _result(args: argparse.Namespace, run: _Run) -> dict[str, Any]:
       {
         "train_flops_ratio": last["pt_train_flops_ratio"],
         "allreduce_ratio": last["pt_allreduce_ratio"],
-        "bn_bytes": last["pt_bn_bytes"],
+        "bn_bytes": last["pt_bn_bytes_total"],
         # installed reconfigurations only (a skipped one's report lists layers it kept)
-        "layers_removed": sum(r.get("pt_layers_removed", 0) for r in history)
+        "layers_removed": sum(r.get("pt_layers_removed") or 0 for r in history)
         + final_layers_removed,
         "batch_sizes": [r["batch_size"] for r in history],
         "lambda": float(trainer.opt_state.group_lasso.coefficient),
       }
     )
     dense_bn = dense_costs["bn_bytes"] * sum(r["steps"] * r["batch_size"] for r in history)
-    result["bn_bytes_ratio"] = last["pt_bn_bytes"] / dense_bn
+    result["bn_bytes_ratio"] = last["pt_bn_bytes_total"] / dense_bn
   else:
     result["train_flops_ratio"] = 1.0
   return result

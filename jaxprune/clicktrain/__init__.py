@@ -79,7 +79,7 @@ from jaxprune.clicktrain.transform import (
   default_layer_filter,
 )
 from jaxprune.clicktrain.preset import RELEASED_CIFAR10, method, released_method
-from jaxprune.clicktrain.prune_batchnorm import HardPruneBatchNorm
+from jaxprune.clicktrain.prune_batchnorm import HardPruneBatchNorm, HardPruneCheck
 from jaxprune.clicktrain.prune_readout import HardPruneReadout
 from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
 from jaxprune.clicktrain.pattern_conv import pattern_conv, pattern_conv_values
@@ -106,6 +106,7 @@ __all__ = [
   "ClickTrainLayerState",
   "ClickTrainState",
   "HardPruneBatchNorm",
+  "HardPruneCheck",
   "HardPruneReadout",
   "LayerChoice",
   "AlignedConv",

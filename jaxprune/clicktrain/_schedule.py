@@ -26,7 +26,15 @@ from jaxprune.clicktrain.state import (
   ClickTrainState,
 )
 
-__all__ = ["Clock", "next_state", "one_shot_step", "paper_step", "step_clock"]
+__all__ = [
+  "Clock",
+  "next_state",
+  "one_shot_step",
+  "paper_step",
+  "step_clock",
+  "warn_unreachable",
+  "warn_when",
+]
 
 
 class Clock(NamedTuple):
@@ -78,14 +86,43 @@ def next_state(
   )
 
 
-def warn_when(pred: jax.Array, message: str, epoch: jax.Array) -> None:
+def warn_when(pred: jax.Array, message: str, epoch: jax.Array, **values: jax.Array) -> None:
   """A ``RuntimeWarning`` from inside ``jit`` when ``pred`` holds; ``{epoch}`` in
-  ``message`` is filled with ``epoch``. A no-op step otherwise (one scalar ``cond``)."""
+  ``message`` is filled with ``epoch``, and each ``{name}`` with the int of ``values[name]``.
+  A no-op step otherwise (one scalar ``cond``)."""
 
-  def warn(e):
-    warnings.warn(message.format(epoch=int(e)), RuntimeWarning)
+  def warn(e, v):
+    warnings.warn(message.format(epoch=int(e), **{k: int(x) for k, x in v.items()}), RuntimeWarning)
 
-  jax.lax.cond(pred, lambda: jax.debug.callback(warn, epoch), lambda: None)
+  jax.lax.cond(pred, lambda: jax.debug.callback(warn, epoch, values), lambda: None)
+
+
+def warn_unreachable(cfg: Config) -> None:
+  """A ``RuntimeWarning`` when ``clicktrain()`` is built for a run (``total_epochs``) that
+  ends before its earliest possible hard prune (:meth:`Config.earliest_hard_prune`): such a
+  run ends dense, in its pool, finalization or regularization stage."""
+  if cfg.total_epochs is None or cfg.earliest_hard_prune() <= cfg.total_epochs:
+    return
+  if cfg.mode != "paper":
+    why = f"hard_prune_epoch={cfg.hard_prune_epoch}"
+  else:
+    start = (
+      "the loss-derivative trigger fires at the end of epoch 2 at the earliest"
+      if cfg.pool_start_epoch is None
+      else f"pool_start_epoch={cfg.pool_start_epoch}"
+    )
+    why = (
+      f"hard_prune_epoch={cfg.hard_prune_epoch}; {start}, then pool_epochs + finalize_epochs"
+      f" = {cfg.pool_epochs} + {cfg.finalize_epochs} and one regularized epoch"
+    )
+  warnings.warn(
+    f"clicktrain: the run of total_epochs={cfg.total_epochs} ends before its hard prune, "
+    f"which comes after {cfg.earliest_hard_prune()} epochs at the earliest ({why}): the run "
+    "would end dense; train longer, or shorten pool_epochs / finalize_epochs / "
+    "hard_prune_epoch",
+    RuntimeWarning,
+    stacklevel=3,
+  )
 
 
 def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w, g):
@@ -117,6 +154,20 @@ def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w,
     "pool_epochs + finalize_epochs + 1 epochs later (set pool_start_epoch for a fixed "
     "schedule)",
     clock.epochs_done,
+  )
+  # A trigger that fires too late to fit pool generation, finalization and one regularized
+  # epoch (§4.1-§4.4) before hard_prune_epoch does not cut those stages short: the hard prune
+  # moves later, to the first epoch end in regularization (next_state). Say when.
+  late = cfg.pool_start_epoch is None and cfg.mode == "paper"
+  stages = cfg.pool_epochs + cfg.finalize_epochs + 1
+  warn_when(
+    to_pool & late & (clock.epochs_done + stages > cfg.hard_prune_epoch),
+    "clicktrain: the loss-derivative trigger fired after {epoch} epochs, too late for "
+    f"pool_epochs + finalize_epochs + 1 = {stages} epochs before hard_prune_epoch="
+    f"{cfg.hard_prune_epoch}: the stages run in full and the hard prune moves to the end of "
+    "epoch {prune_epoch}, if the run lasts that long (otherwise it ends dense)",
+    clock.epochs_done,
+    prune_epoch=clock.epochs_done + stages,
   )
   to_final = clock.epoch_end & (stage == POOL) & (clock.in_stage >= cfg.pool_epochs)
   to_reg = clock.epoch_end & (stage == FINALIZE) & (clock.in_stage >= cfg.finalize_epochs)

@@ -86,6 +86,11 @@ def _check_int(name: str, v: Any, lo: int) -> None:
     raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
 
 
+# The loss-derivative trigger (§4.1) compares an epoch's mean loss with the one before, so the
+# end of the second epoch is the first where it can fire.
+EARLIEST_TRIGGER = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """The schedule, coefficients and layer choice of one ``clicktrain()`` (see its Args).
@@ -117,6 +122,7 @@ class Config:
   filter_groups: int | None
   filter_grouping: str
   eps: float
+  total_epochs: int | None = None
 
   def __post_init__(self):
     if self.mode not in ("paper", "one_shot"):
@@ -142,6 +148,8 @@ class Config:
     _check_int("finalize_epochs", self.finalize_epochs, 1)
     _check_int("pool_size", self.pool_size, 1)
     _check_int("importance_every", self.importance_every, 1)
+    if self.total_epochs is not None:
+      _check_int("total_epochs", self.total_epochs, 1)
     if self.pool_start_epoch is not None and (
       not isinstance(self.pool_start_epoch, (int, np.integer)) or self.pool_start_epoch < 0
     ):
@@ -198,6 +206,17 @@ class Config:
           f"{self.finalize_epochs} = {final}): the masks are final only at that epoch and get "
           "at least one epoch of regularization"
         )
+
+  def earliest_hard_prune(self) -> int:
+    """The fewest epochs after which the hard prune can come (the stage machine,
+    :func:`jaxprune.clicktrain._schedule.next_state`): ``hard_prune_epoch``, or later where
+    pool generation + finalization + one regularized epoch (§4.1-§4.4) cannot fit before it:
+    the loss-derivative trigger compares two epoch means, so it fires at the end of epoch
+    :data:`EARLIEST_TRIGGER` at the earliest."""
+    if self.mode != "paper":
+      return self.hard_prune_epoch
+    start = EARLIEST_TRIGGER if self.pool_start_epoch is None else self.pool_start_epoch
+    return max(self.hard_prune_epoch, start + self.pool_epochs + self.finalize_epochs + 1)
 
   def _check_one_shot_schedule(self) -> None:
     if not isinstance(self.one_shot_epoch, (int, np.integer)) or self.one_shot_epoch < 0:

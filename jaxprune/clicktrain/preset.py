@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES, HardPruneBatchNorm
+from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES, HardPruneBatchNorm, HardPruneCheck
+from jaxprune.clicktrain.sparse_execution import SparseExecution
 from jaxprune.clicktrain.transform import clicktrain
 from jaxprune.method_api import Method, Run, split_config
 
@@ -35,23 +36,34 @@ def _schedule(config: dict[str, Any], run: Run) -> dict[str, Any]:
   return config
 
 
-def _hook_settings(*, recompute_batchnorm: int = DEFAULT_BATCHES) -> int:
-  """The preset's own key (routed by :func:`split_config`), checked."""
+def _hook_settings(
+  *, recompute_batchnorm: int = DEFAULT_BATCHES, sparse_execution: bool = True
+) -> tuple[int, bool]:
+  """The preset's own keys (routed by :func:`split_config`), checked."""
   if (
     isinstance(recompute_batchnorm, bool)
     or not isinstance(recompute_batchnorm, int)
     or recompute_batchnorm < 0
   ):
     raise ValueError(f"recompute_batchnorm must be a non-negative int, got {recompute_batchnorm!r}")
-  return recompute_batchnorm
+  if not isinstance(sparse_execution, bool):
+    raise ValueError(f"sparse_execution must be a bool, got {sparse_execution!r}")
+  return recompute_batchnorm, sparse_execution
 
 
-def _callbacks(recompute_batchnorm: int):
-  """The preset's trainer hooks: the BatchNorm re-estimate at the hard prune unless off."""
+def _callbacks(recompute_batchnorm: int, sparse: bool):
+  """The preset's trainer hooks: the BatchNorm re-estimate at the hard prune unless off, the
+  end-of-run check that the hard prune came, and, with ``sparse``, the aligned layers'
+  execution after it."""
 
   def callbacks(run: Run) -> list[Any]:
-    del run
-    return [HardPruneBatchNorm(recompute_batchnorm)] if recompute_batchnorm else []
+    hooks: list[Any] = [HardPruneBatchNorm(recompute_batchnorm)] if recompute_batchnorm else []
+    hooks.append(HardPruneCheck(run.epochs))
+    if sparse:
+      # The aligned mode exists to run as dense slices after the hard prune (ClickTrain §5.2
+      # on the paper's layout); the groups are read off the state, so clustered ones work too.
+      hooks.append(SparseExecution(filter_groups="from_state"))
+    return hooks
 
   return callbacks
 
@@ -67,6 +79,12 @@ def method(**config: Any) -> Method:
   pruned conv's weights in one step, and without it the BatchNorm running statistics still
   describe the dense weights when that epoch is evaluated (notebook 01 scored 15% there,
   recovered one epoch later). Beyond the paper, which does not say how it evaluates then.
+  They also hold a :class:`~jaxprune.clicktrain.HardPruneCheck`, which warns when the run's
+  last epoch ends before the hard prune (the transform, given ``total_epochs=run.epochs``,
+  already warns when it is built if the schedule cannot prune inside the run), and, in the
+  aligned mode (``filter_groups=G``), a :class:`~jaxprune.clicktrain.SparseExecution`
+  (``filter_groups="from_state"``) that switches the pruned convs to the aligned layers after
+  the hard prune where they measure faster: the method runs what it trains for.
 
   Args:
     **config: any keyword of :func:`jaxprune.clicktrain.clicktrain` except ``inner`` and
@@ -75,13 +93,17 @@ def method(**config: Any) -> Method:
       ``recompute_batchnorm``: training batches the BatchNorm statistics are re-estimated
       from at the hard prune (default 10); 0 = off (evaluate with the running statistics
       as training leaves them).
+      ``sparse_execution``: with ``filter_groups``, attach the
+      :class:`~jaxprune.clicktrain.SparseExecution` hook (default ``True``; ``False`` keeps
+      the masked dense convs). Without ``filter_groups`` it does nothing.
 
   Returns:
     A :class:`jaxprune.methods.Method` named ``"clicktrain"``.
 
   Raises:
-    ValueError: a key ``clicktrain`` does not take, or ``recompute_batchnorm`` not a
-      non-negative int (other bad values fail in ``make_tx``).
+    ValueError: a key ``clicktrain`` does not take, ``recompute_batchnorm`` not a
+      non-negative int or ``sparse_execution`` not a bool (other bad values fail in
+      ``make_tx``).
 
   Example:
     >>> from jaxprune import clicktrain
@@ -92,16 +114,21 @@ def method(**config: Any) -> Method:
     "hooks": (_hook_settings, ()),
   }
   routed = split_config(config, targets, owner="clicktrain")
-  batches = _hook_settings(**routed["hooks"])
+  batches, sparse = _hook_settings(**routed["hooks"])
   tx_config = routed["clicktrain"]
+  sparse = sparse and tx_config.get("filter_groups") is not None
 
   def make_tx(inner, run: Run):
-    return clicktrain(inner, steps_per_epoch=run.steps_per_epoch, **_schedule(tx_config, run))
+    return clicktrain(
+      inner,
+      steps_per_epoch=run.steps_per_epoch,
+      **{"total_epochs": run.epochs, **_schedule(tx_config, run)},
+    )
 
   return Method(
     name="clicktrain",
     make_tx=make_tx,
-    callbacks=_callbacks(batches),
+    callbacks=_callbacks(batches, sparse),
     config={**tx_config, **routed["hooks"]},
   )
 
@@ -166,7 +193,8 @@ def released_method(arch: str, **overrides: Any) -> Method:
   config = {**RELEASED_CIFAR10[arch], **overrides}
   fixed = {k: config.pop(k) for k in ("one_shot_epoch", "hard_prune_epoch")}
   base = one_shot_method(**config)
-  config.pop("recompute_batchnorm", None)  # the preset's hook setting, not clicktrain's
+  for key in ("recompute_batchnorm", "sparse_execution"):  # the preset's hook settings
+    config.pop(key, None)
 
   def make_tx(inner, run: Run):
     epochs = {
@@ -175,7 +203,11 @@ def released_method(arch: str, **overrides: Any) -> Method:
     # A short run keeps the order: pick, at least one regularized epoch, then the prune.
     epochs["hard_prune_epoch"] = max(epochs["hard_prune_epoch"], epochs["one_shot_epoch"] + 1)
     return clicktrain(
-      inner, steps_per_epoch=run.steps_per_epoch, mode="one_shot", **config, **epochs
+      inner,
+      steps_per_epoch=run.steps_per_epoch,
+      mode="one_shot",
+      **{"total_epochs": run.epochs, **config},
+      **epochs,
     )
 
   return dataclasses.replace(base, make_tx=make_tx, config={**base.config, **fixed})

@@ -21,6 +21,7 @@ References:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ import numpy as np
 from jaxprune.clicktrain.readouts import stage_name
 from jaxprune.train import Callback, epoch_batches, recompute_batch_stats
 
-__all__ = ["DEFAULT_BATCHES", "HardPruneBatchNorm"]
+__all__ = ["DEFAULT_BATCHES", "HardPruneBatchNorm", "HardPruneCheck"]
 
 # Enough batches for a stable mean / variance per channel (10 x 64 images on the quickstart,
 # 10 x 128 on CIFAR); a forward pass each, once per run.
@@ -89,3 +90,42 @@ class HardPruneBatchNorm(Callback):
   def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any] | None:
     del trainer
     return {"ct_bn_recomputed": True} if epoch == self.recomputed_at else None
+
+
+class HardPruneCheck(Callback):
+  """Trainer hook: warn when the run's last epoch ends before ClickTrain's hard prune.
+
+  A run whose loss-derivative trigger (§4.1) fires late moves its hard prune later (the pool
+  and finalization stages are never cut short), possibly past the end of the run: it then ends
+  dense, in its pool, finalization or regularization stage, and its records look like any
+  other run's. At the epoch end that completes ``epochs`` epochs, if ClickTrain's stage is not
+  ``"pruned"``, this hook says so (a ``RuntimeWarning``, once). The ClickTrain preset adds it
+  with the run's length.
+
+  Args:
+    epochs: the planned length of the run (``methods.Run.epochs``), a positive int.
+
+  Raises:
+    ValueError: ``epochs`` not a positive int; from the hook, an optimizer state without
+      exactly one ClickTrain state (``clicktrain.stage_name``).
+  """
+
+  def __init__(self, epochs: int):
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
+      raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+    self.epochs = int(epochs)
+
+  def after_epoch(self, trainer: Any, record: Mapping[str, Any]) -> None:
+    del record
+    if trainer.epoch != self.epochs:
+      return
+    stage = stage_name(trainer.opt_state)
+    if stage != "pruned":
+      warnings.warn(
+        f"clicktrain: the run ended after {self.epochs} epochs before the hard prune, in "
+        f"stage {stage!r}: the model is dense (compression 1.0); the loss-derivative trigger "
+        "fired too late, or not at all, for pool_epochs + finalize_epochs + 1 epochs before "
+        "the end (set pool_start_epoch, shorten the stages or train longer)",
+        RuntimeWarning,
+        stacklevel=2,
+      )

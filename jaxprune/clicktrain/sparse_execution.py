@@ -39,24 +39,24 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
 
-import pallas_kernels
 from jaxprune import flops
-from jaxprune.clicktrain.aligned_conv import (
-  COLUMNS,
-  aligned_conv,
-  check_columns,
-  shared_columns,
+from jaxprune.clicktrain._dispatch import (
+  DEFAULT_THRESHOLDS,
+  check_dispatch_options,
+  default_backend,
+  default_threshold,
+  fixed_threshold,
 )
+from jaxprune.clicktrain.aligned_conv import COLUMNS, aligned_conv, shared_columns
 from jaxprune.clicktrain.aligned_layout import build_aligned_layout
 from jaxprune.clicktrain.layer_timing import time_layer, time_model_pass, time_train_pass
 from jaxprune.clicktrain.layout import build_layout
-from jaxprune.clicktrain.pattern_conv import BACKENDS, check_backend, pattern_conv
+from jaxprune.clicktrain.pattern_conv import pattern_conv
 from jaxprune.clicktrain.readouts import filter_partition, masks, stage_name
 from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv, check_convertible
 from jaxprune.masking import count_refilled
@@ -75,6 +75,7 @@ __all__ = [
   "convert_model",
   "default_backend",
   "default_threshold",
+  "fixed_threshold",
   "format_report",
   "median_call_ms",
   "pattern_convs",
@@ -82,35 +83,6 @@ __all__ = [
   "time_model_pass",
   "time_train_pass",
 ]
-
-# Fixed sparsity thresholds (``threshold="fixed"``): above it a layer runs the sparse path.
-# GPU: the paper's 65% (§5.2). CPU: the reference SpMM is slower than XLA's dense convolution
-# at every ClickTrain sparsity measured, so a threshold above 1, never reached.
-DEFAULT_THRESHOLDS = {"gpu": 0.65, "cpu": 1.01}
-
-
-def default_threshold(platform: str | None = None) -> str:
-  """The default dispatch on ``platform``: ``"measure"`` everywhere, since no sparse path is
-  known to win on any platform measured (GPU and CPU alike); ``platform`` is kept so a
-  platform where one is known to win can get a fixed threshold here."""
-  del platform
-  return "measure"
-
-
-def fixed_threshold(platform: str | None = None) -> float:
-  """The fixed sparsity threshold of ``platform`` (default: the default backend's)."""
-  platform = platform or jax.default_backend()
-  return DEFAULT_THRESHOLDS.get(platform, DEFAULT_THRESHOLDS["cpu"])
-
-
-def default_backend(platform: str | None = None) -> str:
-  """The sparse kernel used on ``platform``: the Pallas kernels on GPU when this JAX still has
-  Pallas's Triton backend (:func:`pallas_kernels.triton_available`), else the reference."""
-  platform = platform or jax.default_backend()
-  if platform == "gpu" and "pallas" in BACKENDS and pallas_kernels.triton_available():
-    return "pallas"
-  return "reference"
-
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
@@ -223,8 +195,8 @@ def convert_model(
     threshold: ``"measure"`` (the default, :func:`default_threshold`): time each layer both
       ways at its real input shape, in its compute dtype (forward + both gradients,
       :func:`time_train_pass`; layers of one geometry and sparsity are timed once) and keep
-      the faster. A number: the
-      sparsity above which a layer goes sparse; ``"fixed"``: :func:`fixed_threshold` of the
+      the faster. A number in [0, 1]:
+      the sparsity above which a layer goes sparse; ``"fixed"``: :func:`fixed_threshold` of the
       platform.
     backend: the fine-grained sparse backend; default :func:`default_backend`.
     nnz_per_kernel: weights per kept kernel the fine-grained layouts enforce (4 for
@@ -254,24 +226,31 @@ def convert_model(
     conv in model order, with the whole-model times.
 
   Raises:
-    ValueError: a mask whose shape or content does not fit its kernel (named), a masked
-      conv that is already sparse or missing from a ``filter_groups`` mapping, a bad
-      threshold / backend (``"pallas"`` where this JAX has no Pallas Triton backend), or
-      measuring without ``input_shape``, ``check_model`` without measuring, bad ``columns``.
+    ValueError: any option out of its range, named, before the model is read
+      (:func:`~jaxprune.clicktrain._dispatch.check_dispatch_options`: a threshold outside
+      [0, 1], ``"pallas"`` where this JAX has no Pallas Triton backend, ``repeats < 1``, an
+      unknown ``filter_groups`` name, ``check_model`` without measuring, bad ``columns``);
+      a mask whose shape or content does not fit its kernel (named), a masked conv that is
+      already sparse or missing from a ``filter_groups`` mapping, or measuring without
+      ``input_shape``.
   """
-  check_columns(columns, optional=True)
+  check_dispatch_options(
+    threshold=threshold,
+    backend=backend,
+    nnz_per_kernel=nnz_per_kernel,
+    input_shape=input_shape,
+    repeats=repeats,
+    filter_groups=filter_groups,
+    check_model=check_model,
+    columns=columns,
+  )
   backend = default_backend() if backend is None else backend
-  check_backend(backend)
   threshold = default_threshold() if threshold is None else threshold
   if threshold == "fixed":
     threshold = fixed_threshold()
   measure = isinstance(threshold, str)
-  if check_model and not measure:
-    raise ValueError("check_model: the whole-model check needs threshold='measure'")
-  check_model = measure if check_model is None else bool(check_model)
+  check_model = measure if check_model is None else check_model
   if measure:
-    if threshold != "measure":
-      raise ValueError(f"threshold must be a number, 'measure' or 'fixed', got {threshold!r}")
     if input_shape is None:
       raise ValueError("input_shape: threshold='measure' needs the model's input shape")
     traced = {
@@ -281,8 +260,6 @@ def convert_model(
     }
   else:
     threshold = float(threshold)
-    if not np.isfinite(threshold) or threshold < 0:
-      raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
   masks_by_path = {path: np.asarray(m) for path, m in flatten_with_paths(weight_masks)}
   choices: list[LayerChoice] = []
   builds = {}  # path -> (label, build(conv)) of every masked conv's sparse layer
@@ -437,6 +414,11 @@ class SparseExecution(Callback):
     input_shape: the input batch shape to time the layers at; default: the training loader's
       batch size and ``dataset.image_shape`` (a ``jaxprune.data.Loader``), read each epoch.
 
+  Raises:
+    ValueError: an option :func:`convert_model` would refuse, named, when the hook is built
+      (not at the hard prune): e.g. ``filter_groups="from-state"``, ``threshold="measured"``
+      or ``1.5``, ``repeats=0``.
+
   Attributes:
     choices: the per-layer decisions (a :class:`ConversionReport`), once converted.
 
@@ -458,10 +440,18 @@ class SparseExecution(Callback):
     check_model: bool | None = None,
     columns: str | None = None,
   ):
-    if backend is not None:
-      check_backend(backend)
-    if check_model and threshold not in (None, "measure"):
-      raise ValueError("check_model: the whole-model check needs threshold='measure'")
+    # Checked here, not at the hard prune hours later (ClickTrain §5.2 converts once).
+    check_dispatch_options(
+      threshold=threshold,
+      backend=backend,
+      nnz_per_kernel=nnz_per_kernel,
+      input_shape=input_shape,
+      repeats=repeats,
+      filter_groups=filter_groups,
+      check_model=check_model,
+      columns=columns,
+      from_state=True,
+    )
     self.threshold = threshold
     self.backend = backend
     self.nnz_per_kernel = nnz_per_kernel
@@ -469,7 +459,6 @@ class SparseExecution(Callback):
     self.repeats = repeats
     self.filter_groups = filter_groups
     self.check_model = check_model
-    check_columns(columns, optional=True)
     self.columns = columns
     self.choices: ConversionReport | None = None
     self._loader_shape: tuple[int, ...] | None = None

@@ -90,6 +90,7 @@ def clicktrain(
   filter_groups: int | None = None,
   filter_grouping: str = "consecutive",
   eps: float = 1e-8,
+  total_epochs: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """ClickTrain pattern + connectivity pruning around an inner optimizer.
 
@@ -107,7 +108,10 @@ def clicktrain(
           ``fn(path, shape) -> float``.
       pool_start_epoch: paper mode: epoch at which DPPG starts; ``None`` uses
           the loss-derivative trigger (§4.1, a ``RuntimeWarning`` if it has not fired by
-          ``hard_prune_epoch``). When set, ``hard_prune_epoch`` must be larger than
+          ``hard_prune_epoch``). A trigger that fires less than ``pool_epochs +
+          finalize_epochs + 1`` epochs before ``hard_prune_epoch`` does not cut the stages
+          short: the hard prune moves later, to the end of the first regularized epoch
+          (``RuntimeWarning`` when the trigger fires, naming that epoch). When set, ``hard_prune_epoch`` must be larger than
           ``pool_start_epoch + pool_epochs + finalize_epochs``.
       loss_derivative_threshold: the trigger's threshold (0.27 in the paper).
       pool_epochs: epochs of DPPG (stage 2).
@@ -153,6 +157,11 @@ def clicktrain(
           ``docs/design.md``, aligned mode). The layer's outputs keep their order: the
           aligned layers permute them back.
       eps: ε inside the group-lasso square roots.
+      total_epochs: the planned length of the run in epochs (the ClickTrain preset passes
+          ``methods.Run.epochs``), only to check the schedule: a ``RuntimeWarning`` when the
+          transform is built if the hard prune cannot come inside it (e.g.
+          ``hard_prune_epoch=3`` in a 4-epoch run with the default 5 + 5 pool and
+          finalization epochs after the trigger). ``None``: not checked.
 
   Returns:
       An ``optax.GradientTransformationExtraArgs``; its ``update`` needs
@@ -167,6 +176,7 @@ def clicktrain(
   options = dict(locals())  # every keyword but inner, by name: a new option is a Config field
   inner = optax.with_extra_args_support(options.pop("inner"))
   cfg = Config(**options)
+  _schedule.warn_unreachable(cfg)
   # A ratio sequence is matched to the pruned layers (flatten order) at init and remembered by
   # name, so a model that later loses layers (PruneTrain's reconfiguration) still finds its
   # ratios; written at init only, read by the plan.

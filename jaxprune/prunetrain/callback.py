@@ -25,7 +25,7 @@ from jaxprune.prunetrain.surgery import (
 )
 from jaxprune.train import Callback, epoch_batches, recompute_batch_stats
 
-__all__ = ["PruneTrainCallback", "model_costs"]
+__all__ = ["RECORD_KEYS", "PruneTrainCallback", "model_costs"]
 
 # PruneTrain Fig. 11 models the all-reduce of 4 GPUs.
 _PAPER_DEVICES = 4
@@ -73,11 +73,17 @@ class PruneTrainCallback(Callback):
   both from the next epoch).  Its entries carry a ``pt_`` prefix (``pt_reconfigured``,
   ``pt_next_batch_size``, ...).
 
-  Every epoch's record gets the costs of the model that trained it (``jaxprune.flops``):
-  training FLOPs integrated over the run and the same for the dense model
-  (``pt_train_flops`` / ``pt_dense_train_flops``), inference FLOPs per image, BatchNorm
-  traffic and ring all-reduce bytes per epoch, parameter count, and the reconfiguration
-  summary when one happened.
+  Every epoch's record gets the costs of the model that trained it (``jaxprune.flops``),
+  and every record holds the same keys (:data:`RECORD_KEYS`; ``None`` where one does not
+  apply), so a JSON-lines log has no ragged columns. Names say what each counts: ``pt_epoch_*``
+  this epoch (training FLOPs of the model and of the dense model, BatchNorm traffic, ring
+  all-reduce bytes), ``*_total`` the run so far (the same sums, §5's Table 1 figures), and
+  ``pt_train_flops_ratio`` / ``pt_allreduce_ratio`` the ratios of the totals; the model's
+  ``pt_params`` and ``pt_inference_flops`` (per image). The reconfiguration entries
+  (``pt_reconfigured``: ``True`` installed, ``False`` checked and not worth it, ``None`` not a
+  reconfiguration epoch; ``pt_channels_removed``, ``pt_layers_removed``,
+  ``pt_inference_flops_after``, ``pt_params_after``, ``pt_spec``, ``pt_next_batch_size``) are
+  ``None`` where none was installed.
 
   Args:
     every_epochs: reconfiguration interval in epochs.
@@ -263,7 +269,8 @@ class PruneTrainCallback(Callback):
       self._train_batches = None
 
   def _epoch_end(self, trainer: Any, epoch: int) -> dict[str, Any]:
-    record = self._account(trainer)
+    # Every key in every record (None where it does not apply): no ragged JSON-lines columns.
+    record = self._account(trainer) | dict.fromkeys(_RECONFIGURE_KEYS)
     if epoch % self.every_epochs:
       return record
     if self.batch_policy is not None:
@@ -324,13 +331,43 @@ class PruneTrainCallback(Callback):
     return {
       "pt_params": costs["params"],
       "pt_inference_flops": costs["inference_flops"],
-      "pt_train_flops": state["train_flops"],
-      "pt_dense_train_flops": state["dense_train_flops"],
-      "pt_train_flops_ratio": state["train_flops"] / max(state["dense_train_flops"], 1.0),
-      "pt_bn_bytes": state["bn_bytes"],
+      "pt_epoch_train_flops": costs["train_flops"] * images,
+      "pt_epoch_dense_train_flops": dense["train_flops"] * images,
+      "pt_epoch_bn_bytes": costs["bn_bytes"] * images,
       "pt_epoch_allreduce_bytes": costs["allreduce_bytes"] * steps,
+      "pt_train_flops_total": state["train_flops"],
+      "pt_dense_train_flops_total": state["dense_train_flops"],
+      "pt_bn_bytes_total": state["bn_bytes"],
+      "pt_train_flops_ratio": state["train_flops"] / max(state["dense_train_flops"], 1.0),
       "pt_allreduce_ratio": state["allreduce_bytes"] / max(state["dense_allreduce_bytes"], 1.0),
     }
+
+
+# The entries of an installed reconfiguration (and pt_reconfigured), None in other epochs.
+_RECONFIGURE_KEYS = (
+  "pt_reconfigured",
+  "pt_channels_removed",
+  "pt_layers_removed",
+  "pt_inference_flops_after",
+  "pt_params_after",
+  "pt_spec",
+  "pt_next_batch_size",
+)
+# Every key of every epoch record the callback adds (its accounting, then the above).
+RECORD_KEYS = (
+  "pt_params",
+  "pt_inference_flops",
+  "pt_epoch_train_flops",
+  "pt_epoch_dense_train_flops",
+  "pt_epoch_bn_bytes",
+  "pt_epoch_allreduce_bytes",
+  "pt_train_flops_total",
+  "pt_dense_train_flops_total",
+  "pt_bn_bytes_total",
+  "pt_train_flops_ratio",
+  "pt_allreduce_ratio",
+  *_RECONFIGURE_KEYS,
+)
 
 
 def _check_reconfigurable(model: nnx.Module) -> None:

@@ -11,15 +11,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxprune import models
+from jaxprune.paths import flatten_with_paths
 from jaxprune.train import _loaders
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.checkpoint import DamagedCheckpointError
 from jaxprune.train.step import split_model
 
-__all__ = ["Resume", "model_spec"]
+__all__ = ["Resume", "model_spec", "model_structure"]
 
 
 def model_spec(model: nnx.Module) -> Any:
@@ -32,6 +34,58 @@ def model_spec(model: nnx.Module) -> Any:
   except (TypeError, ValueError):
     return None
 
+
+def model_structure(model: nnx.Module) -> dict[str, Any]:
+  """What identifies the model a run starts from, as JSON: its class, width spec
+  (:func:`model_spec`) and parameter paths with their shapes.
+
+  Stored in every checkpoint (``start_model``) and compared at a resume: two runs on one
+  ``checkpoint_dir`` with different models must not adopt each other's checkpoints. It is
+  the model the trainer was given, not the one it trains now: a run that reconfigured
+  (PruneTrain) resumes from a fresh trainer built with the same starting model.
+  """
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  return {
+    "class": f"{type(model).__module__}.{type(model).__qualname__}",
+    "spec": model_spec(model),
+    "params": {
+      "/".join(map(str, path)): list(np.shape(leaf)) for path, leaf in flatten_with_paths(params)
+    },
+  }
+
+
+def _shape(shape: Any) -> Any:
+  return "absent" if shape is None else tuple(shape)
+
+
+def _structure_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+  """The differences of two :func:`model_structure` records, the first few named."""
+  diff = [
+    f"{key}: checkpoint {saved.get(key)!r} vs now {current.get(key)!r}"
+    for key in ("class", "spec")
+    if saved.get(key) != current.get(key)
+  ]
+  old, new = saved.get("params") or {}, current.get("params") or {}
+  for path in sorted(set(old) | set(new)):
+    if old.get(path) != new.get(path):
+      diff.append(
+        f"param {path}: checkpoint {_shape(old.get(path))} vs now {_shape(new.get(path))}"
+      )
+  return diff[:2] + [f"... {len(diff) - 2} more"] if len(diff) > 3 else diff
+
+
+def _check_start_model(
+  saved: Mapping[str, Any] | None, current: Mapping[str, Any], directory: Any
+) -> None:
+  """Refuse to resume a checkpoint of a run that started from another model (checkpoints
+  written before the structure was stored are not checked)."""
+  if saved is None or saved == current:
+    return
+  raise ValueError(
+    f"model: the checkpoints of {directory} belong to a run of another model "
+    f"({'; '.join(_structure_diff(saved, current))}): use another checkpoint_dir, or "
+    "fit(resume=False, overwrite=True) to delete them"
+  )
 
 
 def _check_run_config(
@@ -50,7 +104,6 @@ def _check_run_config(
     f"run_config differs from the one stored in the checkpoints of {directory} "
     f"({'; '.join(diff)}): use another checkpoint_dir or delete it"
   )
-
 
 
 class Resume:
@@ -72,7 +125,16 @@ class Resume:
       "elapsed_s": self._elapsed_before,
       "history": self.history,
       "run_config": self.run_config,
+      "start_model": self._start_model(),
     }
+
+  def _start_model(self) -> dict[str, Any]:
+    """:func:`model_structure` of the model this run started from, taken the first time a
+    checkpoint is restored, the folder claimed or a checkpoint written (before any training,
+    in ``fit``), so a reconfiguration later does not change it."""
+    if getattr(self, "_start_structure", None) is None:
+      self._start_structure = model_structure(self._model)
+    return self._start_structure
 
   def _claim_store(self, overwrite: bool) -> None:
     """Make ``checkpoint_dir`` this run's own before anything is written into it.
@@ -81,6 +143,7 @@ class Resume:
     writing next to another run's checkpoints would leave the other run's later epochs as
     "latest" and a resume would silently continue the wrong run.
     """
+    self._start_model()
     if self.store is None or self._owns_store:
       return
     steps = self.store.all_steps()
@@ -128,9 +191,12 @@ class Resume:
     Raises:
       DamagedCheckpointError: if the given ``step`` is damaged, or every checkpoint is (the
         message names each one's step and path).
-      ValueError: if the checkpoint belongs to a differently configured run or does not
-        fit the model.
+      ValueError: if the checkpoint belongs to a differently configured run (its stored
+        ``run_config`` and this trainer's, both named) or to a run that started from another
+        model (class, width spec or parameter paths and shapes, both named), or does not fit
+        the model.
     """
+    self._start_model()
     if self.store is None:
       return False
     if step is not None:
@@ -162,6 +228,7 @@ class Resume:
     # checkpoint leaves the trainer as it was.
     meta = self.store.restore_meta(step)
     _check_run_config(meta.get("run_config"), self.run_config, self.store.directory)
+    _check_start_model(meta.get("start_model"), self._start_model(), self.store.directory)
     model = self._model
     if meta.get("model_spec") is not None and meta["model_spec"] != model_spec(model):
       model = self._rebuild_model(decode_spec(meta["model_spec"]))

@@ -199,3 +199,19 @@ def test_aligned_masks_survive_a_prunetrain_reconfiguration():
   np.testing.assert_allclose(converted(x), before, rtol=1e-4, atol=1e-5)
   history = trainer.fit(loader, epochs=4)
   assert np.isfinite(history[-1]["train_loss"])
+
+
+def test_the_preset_runs_the_aligned_layers_it_trains_for():
+  from jaxprune import methods
+
+  run = methods.Run(steps_per_epoch=3, epochs=10)
+
+  def sparse_hooks(method):
+    return [h for h in method.callbacks(run) if isinstance(h, SparseExecution)]
+
+  (hook,) = sparse_hooks(methods.get("clicktrain", filter_groups=2))
+  assert hook.filter_groups == "from_state" and hook.threshold is None  # measured
+  assert sparse_hooks(methods.get("clicktrain", filter_groups=2, sparse_execution=False)) == []
+  assert sparse_hooks(methods.get("clicktrain")) == []  # the paper's layout: masked dense convs
+  with pytest.raises(ValueError, match="sparse_execution must be a bool"):
+    methods.get("clicktrain", filter_groups=2, sparse_execution="yes")

@@ -101,18 +101,63 @@ def test_a_fit_that_starts_after_the_prune_does_not_re_estimate(tiny_cnn, digits
 
 def test_the_preset_adds_the_hook_by_default_and_a_key_turns_it_off():
   run = methods.Run(steps_per_epoch=3, epochs=10)
+
+  def bn_hooks(method):
+    return [h for h in method.callbacks(run) if isinstance(h, clicktrain.HardPruneBatchNorm)]
+
   for name in ("clicktrain", "clicktrain-one-shot", "clicktrain+sdgp"):
-    (hook,) = methods.get(name).callbacks(run)
-    assert isinstance(hook, clicktrain.HardPruneBatchNorm) and hook.num_batches == 10
-    assert methods.get(name, recompute_batchnorm=0).callbacks(run) == []
-  assert methods.get("clicktrain", recompute_batchnorm=4).callbacks(run)[0].num_batches == 4
+    (hook,) = bn_hooks(methods.get(name))
+    assert hook.num_batches == 10
+    assert bn_hooks(methods.get(name, recompute_batchnorm=0)) == []
+  assert bn_hooks(methods.get("clicktrain", recompute_batchnorm=4))[0].num_batches == 4
   assert methods.get("clicktrain", recompute_batchnorm=4).config == {"recompute_batchnorm": 4}
   # the released configs take it too, and still build their transform
   released = clicktrain.released_method("vgg11", recompute_batchnorm=0)
-  assert released.callbacks(run) == []
+  assert bn_hooks(released) == []
   released.make_tx(optax.sgd(0.1), run)
   for bad in (-1, True, 1.5):
     with pytest.raises(ValueError, match="recompute_batchnorm"):
       methods.get("clicktrain", recompute_batchnorm=bad)
     with pytest.raises(ValueError, match="num_batches"):
       clicktrain.HardPruneBatchNorm(num_batches=bad)
+
+
+def test_a_run_that_ends_before_the_hard_prune_warns_at_its_last_epoch(tiny_cnn, digits_loader):
+  import warnings
+
+  # The run: hard_prune_epoch=3, a 4-epoch fit, the default 5 + 5 stages after the
+  # trigger: it ends dense, and the preset's check says so at the last epoch.
+  run = methods.Run(steps_per_epoch=SPE, epochs=4)
+  method = methods.get("clicktrain", hard_prune_epoch=3, recompute_batchnorm=0)
+  with pytest.warns(RuntimeWarning, match="ends before its hard prune"):
+    tx = method.make_tx(optax.sgd(0.0), run)  # a flat loss: the trigger fires at epoch 2
+  (check,) = method.callbacks(run)
+  assert isinstance(check, clicktrain.HardPruneCheck) and check.epochs == 4
+  trainer = train.Trainer(tiny_cnn(num_classes=4), tx, callbacks=[check], progress=False)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    trainer.fit(digits_loader(), epochs=4)
+  ended = [str(w.message) for w in caught if "the run ended" in str(w.message)]
+  stage = clicktrain.stage_name(trainer.opt_state)
+  assert stage != "pruned"
+  assert ended == [
+    (
+      f"clicktrain: the run ended after 4 epochs before the hard prune, in stage {stage!r}: "
+      "the model is dense (compression 1.0); the loss-derivative trigger fired too late, or "
+      "not at all, for pool_epochs + finalize_epochs + 1 epochs before the end (set "
+      "pool_start_epoch, shorten the stages or train longer)"
+    )
+  ]
+  with pytest.raises(ValueError, match="epochs must be a positive int"):
+    clicktrain.HardPruneCheck(0)
+
+
+def test_a_run_pruned_by_its_end_does_not_warn(tiny_cnn, digits_loader):
+  import warnings
+
+  check = clicktrain.HardPruneCheck(4)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    trainer, _, _ = _fit(tiny_cnn, digits_loader, [check], epochs=4)
+  assert clicktrain.stage_name(trainer.opt_state) == "pruned"
+  assert not [w for w in caught if "the run ended" in str(w.message)]

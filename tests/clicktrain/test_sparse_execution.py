@@ -456,3 +456,45 @@ def test_default_backend_is_the_reference_without_the_triton_backend(monkeypatch
   _, choices = convert_model(model, masks, threshold=0.0)
   assert [c.backend for c in choices] == ["reference"] * 3
   assert {m.backend for m in pattern_convs(model).values()} == {"reference"}
+
+
+@pytest.mark.parametrize(
+  ("option", "value", "message"),
+  [
+    ("filter_groups", "from-state", "filter_groups must be None, 'auto' or 'from_state'"),
+    ("filter_groups", 0, "filter_groups must be a positive group count"),
+    ("filter_groups", [[0, 1], [-1]], "filter_groups: groups must be"),
+    ("threshold", "measured", "threshold must be a sparsity in"),
+    ("threshold", 1.5, r"threshold must be a sparsity in \[0, 1\], got 1.5"),
+    ("threshold", -0.1, "threshold must be a sparsity in"),
+    ("threshold", float("nan"), "threshold must be a sparsity in"),
+    ("threshold", True, "threshold must be a sparsity in"),
+    ("repeats", 0, "repeats must be a positive int, got 0"),
+    ("repeats", 2.5, "repeats must be a positive int"),
+    ("nnz_per_kernel", 0, "nnz_per_kernel must be a positive int"),
+    ("input_shape", (2, 0, 9, 1), "input_shape must be a sequence of positive ints"),
+    ("input_shape", 5, "input_shape must be a sequence of positive ints"),
+    ("backend", "cusparse", "backend must be one of"),
+    ("check_model", "yes", "check_model must be True, False or None"),
+    ("columns", "both", "columns must be one of"),
+  ],
+)
+def test_sparse_execution_checks_every_option_when_built(option, value, message):
+  # Built, not converted: no model, no training, no hard prune is needed to see the error.
+  with pytest.raises(ValueError, match=message):
+    SparseExecution(**{option: value})
+  if option == "filter_groups" and value == "from-state":
+    message = "filter_groups must be None, 'auto', a group"  # convert_model has no optimizer state
+  model = _Net(nnx.Rngs(0))
+  with pytest.raises(ValueError, match=message):
+    convert_model(model, _masks(model), **{option: value})
+
+
+def test_sparse_execution_accepts_the_documented_options():
+  for threshold in (None, "measure", "fixed", 0, 0.65, 1):
+    SparseExecution(threshold=threshold)
+  for groups in (None, "auto", "from_state", 2, [[0, 1], [2, 3]], {"conv1/kernel": 2}):
+    SparseExecution(filter_groups=groups, input_shape=(2, 9, 9, 1), repeats=1)
+  model = _Net(nnx.Rngs(0))
+  _, report = convert_model(model, _masks(model), threshold=1.0)  # no sparsity exceeds 1
+  assert [c.backend for c in report] == ["dense"] * 3

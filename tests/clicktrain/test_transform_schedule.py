@@ -246,3 +246,90 @@ def test_every_keyword_lands_in_the_validated_config():
   cfg = Config(**{**defaults, "steps_per_epoch": 2, "hard_prune_epoch": 3})
   with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.pool_size = 8
+
+
+def test_trigger_that_fires_too_late_warns_and_moves_the_hard_prune(kit):
+  # hard_prune_epoch=3 leaves no room: the trigger fires at the end of epoch 2 at the earliest
+  # and pool + finalization + one regularized epoch take 3 more. The stages run in full and
+  # the hard prune moves to the end of epoch 5, said when the trigger fires.
+  tx = ct.clicktrain(
+    optax.sgd(0.0), steps_per_epoch=1, hard_prune_epoch=3, pool_epochs=1, finalize_epochs=1
+  )
+  p = kit.params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  stages = []
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for i in range(5):
+      _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))  # Δ = 0: fires
+      jax.effects_barrier()
+      stages.append(int(st.stage))
+  assert stages == [ct.WARMUP, ct.POOL, ct.FINALIZE, ct.REGULARIZE, ct.PRUNED]
+  messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+  assert messages == [
+    (
+      "clicktrain: the loss-derivative trigger fired after 2 epochs, too late for pool_epochs "
+      "+ finalize_epochs + 1 = 3 epochs before hard_prune_epoch=3: the stages run in full and "
+      "the hard prune moves to the end of epoch 5, if the run lasts that long (otherwise it "
+      "ends dense)"
+    )
+  ]
+
+
+def test_trigger_in_time_does_not_warn(kit):
+  tx = ct.clicktrain(
+    optax.sgd(0.0), steps_per_epoch=1, hard_prune_epoch=5, pool_epochs=1, finalize_epochs=1
+  )
+  p = kit.params()
+  st = tx.init(p)
+  update = jax.jit(tx.update)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for i in range(5):
+      _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))
+      jax.effects_barrier()
+  assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
+  assert int(st.stage) == ct.PRUNED
+
+
+def test_a_schedule_that_cannot_prune_inside_the_run_warns_when_built():
+  from jaxprune import methods
+
+  # The run: hard_prune_epoch=3 in a 4-epoch fit, default 5 + 5 stages after the
+  # trigger: the earliest hard prune is after 2 + 5 + 5 + 1 = 13 epochs.
+  with pytest.warns(
+    RuntimeWarning,
+    match=r"clicktrain: the run of total_epochs=4 ends before its hard prune, which comes "
+    r"after 13 epochs at the earliest \(hard_prune_epoch=3; the loss-derivative trigger fires "
+    r"at the end of epoch 2 at the earliest, then pool_epochs \+ finalize_epochs = 5 \+ 5",
+  ):
+    ct.clicktrain(optax.sgd(0.1), steps_per_epoch=2, hard_prune_epoch=3, total_epochs=4)
+  with pytest.warns(RuntimeWarning, match=r"after 5 epochs at the earliest \(hard_prune_epoch=5\)"):
+    ct.clicktrain(
+      optax.sgd(0.1),
+      steps_per_epoch=2,
+      mode="one_shot",
+      one_shot_epoch=1,
+      hard_prune_epoch=5,
+      total_epochs=4,
+    )
+  with pytest.warns(RuntimeWarning, match="after 13 epochs at the earliest"):  # via the preset
+    methods.get("clicktrain", hard_prune_epoch=3).make_tx(
+      optax.sgd(0.1), methods.Run(steps_per_epoch=2, epochs=4)
+    )
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    ct.clicktrain(optax.sgd(0.1), steps_per_epoch=2, hard_prune_epoch=3, total_epochs=13)
+    ct.clicktrain(optax.sgd(0.1), steps_per_epoch=2, hard_prune_epoch=3)  # length unknown
+    ct.clicktrain(  # a fixed schedule that prunes at the run's last epoch end
+      optax.sgd(0.1),
+      steps_per_epoch=2,
+      hard_prune_epoch=8,
+      pool_start_epoch=1,
+      pool_epochs=3,
+      finalize_epochs=3,
+      total_epochs=8,
+    )
+  with pytest.raises(ValueError, match="total_epochs must be an int >= 1"):
+    ct.clicktrain(optax.sgd(0.1), steps_per_epoch=2, hard_prune_epoch=3, total_epochs=0)

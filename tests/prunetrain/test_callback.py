@@ -7,6 +7,7 @@ from flax import nnx
 
 from jaxprune import data, models, train
 from jaxprune import prunetrain as pt
+from jaxprune.prunetrain.callback import RECORD_KEYS
 
 
 def _brute_force(memory_of, batch, budget, granularity, limit):
@@ -210,7 +211,7 @@ def test_min_flops_saving_skips_small_reconfigurations(scale_stream_channel):
     return trainer, trainer.fit(_loader(0), None, epochs=1)[0]
 
   skipped, record = run(saving * 1.01)
-  assert record["pt_reconfigured"] is False and "pt_channels_removed" not in record
+  assert record["pt_reconfigured"] is False and record["pt_channels_removed"] is None
   assert skipped.model.spec == dense_spec
   # the dead channel stays dead (LR 0) until a reconfiguration worth installing removes it
   np.testing.assert_array_equal(skipped.model.stem.conv.kernel[..., 3], 0.0)
@@ -253,7 +254,7 @@ def _weak_channel_run(proximal, scale_stream_channel):
   tx = pt.with_group_lasso(train.sgd(0.1, momentum=0.9), penalty_ratio=0.99, proximal=proximal)
   trainer = train.Trainer(model, tx, callbacks=[callback], progress=False)
   history = trainer.fit(loader, None, epochs=2)
-  return sum(r.get("pt_channels_removed", 0) for r in history), trainer
+  return sum(r.get("pt_channels_removed") or 0 for r in history), trainer
 
 
 def test_proximal_group_lasso_reaches_exact_zeros_in_training(scale_stream_channel):
@@ -413,3 +414,29 @@ def test_callback_names_a_training_loader_without_batch_size():
   )
   with pytest.raises(ValueError, match="train_loader: .* batch_size"):
     trainer.fit(batches, None, epochs=1)
+
+
+def test_every_record_holds_every_key_named_per_epoch_or_total(scale_stream_channel):
+  # A JSON-lines reader gets one column set: reconfigured, skipped (every_epochs) and
+  # ordinary epochs alike, None where an entry does not apply.
+  model = _small_resnet()
+  scale_stream_channel(model, 3, 0.0)
+  callback = pt.PruneTrainCallback(every_epochs=2, image_shape=(8, 8, 3), dynamic_batch=False)
+  trainer = train.Trainer(
+    model, pt.with_group_lasso(train.sgd(0.0)), callbacks=[callback], progress=False
+  )
+  history = trainer.fit(_loader(0), None, epochs=3)
+  for record in history:
+    assert set(RECORD_KEYS) <= set(record), sorted(set(RECORD_KEYS) - set(record))
+  first, second, third = history
+  assert first["pt_reconfigured"] is None and first["pt_channels_removed"] is None  # epoch 1
+  assert second["pt_reconfigured"] and second["pt_channels_removed"] == 2
+  assert third["pt_reconfigured"] is None and third["pt_spec"] is None
+  # per epoch: this epoch's images on this epoch's model; total: the sum so far
+  for key in ("train_flops", "dense_train_flops", "bn_bytes"):
+    per_epoch = [r[f"pt_epoch_{key}"] for r in history]
+    totals = [r[f"pt_{key}_total"] for r in history]
+    assert totals == pytest.approx(np.cumsum(per_epoch).tolist()), key
+  assert first["pt_epoch_bn_bytes"] == second["pt_epoch_bn_bytes"]  # the same dense model
+  assert third["pt_epoch_bn_bytes"] < second["pt_epoch_bn_bytes"]  # the reconfigured one
+  assert "pt_bn_bytes" not in first and "pt_train_flops" not in first  # no ambiguous names

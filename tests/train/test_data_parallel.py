@@ -323,7 +323,7 @@ _SCRIPT = textwrap.dedent(
     four = run(weak_resnet, pt_tx, 2, "auto", loader(128, channels=3), callbacks=callback(),
                sync_batchnorm=True)
     out["prunetrain"] = {
-      "removed": [r.get("pt_channels_removed", 0) for r in four.history],
+      "removed": [r.get("pt_channels_removed") or 0 for r in four.history],
       "same_spec": repr(one.model.spec) == repr(four.model.spec),
       "params": max_diff(one.params, four.params),
       "history": history_diff(one, four),

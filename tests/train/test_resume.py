@@ -128,6 +128,38 @@ def test_resume_refuses_a_differently_configured_run(tmp_path, kit):
     kit.trainer(run_config={"schedule": lambda step: 0.1})
 
 
+def test_resume_refuses_the_checkpoints_of_a_run_of_another_model(tmp_path, kit):
+  # One checkpoint_dir, two runs: the second trainer (another model and seed, resume=True by
+  # default) must not adopt the first run's checkpoint.
+  images, labels = kit.data(48)
+  loader = kit.ArrayLoader(images, labels, 8)
+  ckpt = tmp_path / "ckpt"
+  kit.trainer(checkpoint_dir=ckpt).fit(loader, epochs=1)
+  spec = type(kit.model().spec)
+  wider = kit.trainer(kit.model(seed=5, spec=spec(widths=(6,))), checkpoint_dir=ckpt)
+  with pytest.raises(
+    ValueError,
+    match=r"model: the checkpoints of .*ckpt belong to a run of another model \(spec: "
+    r"checkpoint .*4.* vs now .*6.*; param b1/bias: checkpoint \(4,\) vs now \(6,\); "
+    r"\.\.\. 3 more\)",
+  ):
+    wider.fit(loader, epochs=2)
+  assert wider.epoch == 0  # nothing was restored
+  other_head = kit.trainer(_model_with_classes(kit, 4), checkpoint_dir=ckpt)
+  with pytest.raises(
+    ValueError, match=r"\(param head/bias: checkpoint \(3,\) vs now \(4,\); param head/kernel"
+  ):
+    other_head.restore_checkpoint(loader)
+  # the same model, another seed: the same run's structure, resumed
+  same = kit.trainer(kit.model(seed=9), checkpoint_dir=ckpt)
+  assert same.restore_checkpoint(loader) and same.epoch == 1
+
+
+def _model_with_classes(kit, num_classes):
+  model = kit.model(seed=7)
+  return type(model)(model.spec, num_classes=num_classes, rngs=nnx.Rngs(7))
+
+
 def test_fresh_start_does_not_leave_the_old_runs_checkpoints_as_latest(tmp_path, kit):
   images, labels = kit.data(48)
   loader = kit.ArrayLoader(images, labels, 8)
