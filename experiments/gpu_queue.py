@@ -31,6 +31,7 @@ import dataclasses
 import io
 import json
 import shutil
+import sys
 import tarfile
 import tempfile
 import time
@@ -491,7 +492,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(buf.getvalue(), end="", flush=True)
     return {"plan": [(r.name, d, e) for r, d, e in rows]}
   args.out = args.out or str(_tables.SCRATCH / "gpu_queue")
-  return run_queue(args, _tables.command_line("gpu_queue", argv))
+  # The bundle goes to wherever the machine returns files from; the report names only the file.
+  shown = list(argv) if argv is not None else sys.argv[1:]
+  if args.bundle and "--bundle" in shown:
+    shown[shown.index("--bundle") + 1] = Path(args.bundle).name
+  return run_queue(args, _tables.command_line("gpu_queue", shown))
 
 
 if __name__ == "__main__":
