@@ -412,7 +412,7 @@ def test_default_dispatch_measures_and_keeps_dense_where_dense_is_faster(monkeyp
   # layer, with the platform forced, and a layer whose dense conv is faster stays dense.
   from jaxprune.clicktrain import sparse_execution
 
-  monkeypatch.setattr(sparse_execution.jax, "default_backend", lambda: platform)
+  monkeypatch.setattr(jax, "default_backend", lambda: platform)
   assert sparse_execution.default_threshold() == "measure"
   calls = []
 
@@ -452,7 +452,7 @@ def test_default_backend_is_the_reference_without_the_triton_backend(monkeypatch
   with pytest.raises(ValueError, match=unavailable):
     layout = build_layout(np.asarray(masks["conv1"]["kernel"]))
     PatternConv.from_conv(model.conv1, layout, backend="pallas")
-  monkeypatch.setattr(sparse_execution.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   _, choices = convert_model(model, masks, threshold=0.0)
   assert [c.backend for c in choices] == ["reference"] * 3
   assert {m.backend for m in pattern_convs(model).values()} == {"reference"}
