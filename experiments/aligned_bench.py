@@ -50,7 +50,7 @@ from jax import lax
 
 from experiments import _tables
 from experiments._machine import machine_description
-from experiments.clicktrain_table1 import kernel_ratio_fn
+from experiments.clicktrain_table1 import VGG_RATIOS, kernel_ratio_fn
 from experiments.pattern_conv_bench import _pruned_layers, clicktrain_like_mask
 from jaxprune import masking, models, train
 from jaxprune.clicktrain import patterns
@@ -299,8 +299,22 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="aligned_bench", description=__doc__.split("\n")[0])
-  parser.add_argument("--models", nargs="+", default=["vgg11", "resnet32"])
-  parser.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4])
+  parser.add_argument(
+    "--models",
+    nargs="+",
+    default=["vgg11", "resnet32"],
+    type=lambda name: name.removeprefix("clicktrain-"),
+    choices=[*VGG_RATIOS, "resnet32"],
+    help="CIFAR models by short name (vgg11 = clicktrain-vgg11; the full name works too), "
+    "pruned at ClickTrain's per-layer ratios",
+  )
+  parser.add_argument(
+    "--groups",
+    type=int,
+    nargs="+",
+    default=[1, 2, 4],
+    help="filter groups G of the aligned rows (each must divide the layers' filters)",
+  )
   parser.add_argument(
     "--dtypes",
     nargs="+",
@@ -308,19 +322,36 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     choices=list(_tables.DTYPES),
     help="compute dtypes of the per-layer and whole-step rows",
   )
-  parser.add_argument("--batch", type=int, default=128)
-  parser.add_argument("--imagenet-batch", type=int, default=64)
-  parser.add_argument("--width", type=float, default=1.0)
-  parser.add_argument("--repeats", type=int, default=20)
-  parser.add_argument("--no-imagenet", dest="imagenet", action="store_false")
+  parser.add_argument("--batch", type=int, default=128, help="batch of the CIFAR rows")
+  parser.add_argument(
+    "--imagenet-batch", type=int, default=64, help="batch of the ImageNet ResNet-50 layer rows"
+  )
+  parser.add_argument(
+    "--width", type=float, default=1.0, help="width multiplier of the CIFAR models"
+  )
+  parser.add_argument(
+    "--repeats", type=int, default=20, help="timed calls per row (the median is kept)"
+  )
+  parser.add_argument(
+    "--no-imagenet",
+    dest="imagenet",
+    action="store_false",
+    help="skip the ImageNet ResNet-50 layer rows",
+  )
   parser.add_argument("--fine", action="store_true", help="also time the fine-grained path")
   parser.add_argument(
     "--measured", type=int, nargs="*", default=[1], help="G of the measured-dispatch step rows"
   )
-  parser.add_argument("--skip", nargs="*", default=[], choices=["steps", "layers"])
+  parser.add_argument(
+    "--skip",
+    nargs="*",
+    default=[],
+    choices=["steps", "layers"],
+    help="leave out the whole-step rows or the per-layer rows",
+  )
   parser.add_argument("--layers", type=int, default=None, help="time only the first N layers")
   parser.add_argument("--small", action="store_true", help="quarter width, batch 16, 3 repeats")
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seed", type=int, default=0, help="seed of the masks, weights and batch")
   _tables.add_output_arguments(parser, "benchmarks/")
   args = parser.parse_args(argv)
   if args.small:

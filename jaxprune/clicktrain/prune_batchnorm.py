@@ -89,11 +89,20 @@ class HardPruneBatchNorm(Callback):
 
   def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any] | None:
     del trainer
-    return {"ct_bn_recomputed": True} if epoch == self.recomputed_at else None
+    # Present in every record (a JSON-lines reader gets even columns); True at the prune.
+    return {"ct_bn_recomputed": epoch == self.recomputed_at}
 
 
 class HardPruneCheck(Callback):
-  """Trainer hook: warn when the run's last epoch ends before ClickTrain's hard prune.
+  """Trainer hook: mark ClickTrain's hard prune in the records, and warn when the run's last
+  epoch ends before it.
+
+  Every epoch's record gets ``ct_stage`` (the stage at the epoch's end,
+  :func:`~jaxprune.clicktrain.stage_name`) and ``ct_hard_prune``: True in the one record whose
+  epoch ended with the hard prune, which is epoch ``hard_prune_epoch`` (records count epochs
+  from 1, and the schedule's epoch settings count completed epochs: the same number) unless a
+  late trigger moved it. The loss jump of the prune shows in the next record, the first
+  epoch trained pruned. A fit that starts already pruned (a resume) marks nothing again.
 
   A run whose loss-derivative trigger (§4.1) fires late moves its hard prune later (the pool
   and finalization stages are never cut short), possibly past the end of the run: it then ends
@@ -114,6 +123,17 @@ class HardPruneCheck(Callback):
     if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
       raise ValueError(f"epochs must be a positive int, got {epochs!r}")
     self.epochs = int(epochs)
+    self._pruned_before = False  # the stage was already "pruned" at the last epoch end
+
+  def on_fit_start(self, trainer: Any) -> None:
+    self._pruned_before = stage_name(trainer.opt_state) == "pruned"
+
+  def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any]:
+    del epoch
+    stage = stage_name(trainer.opt_state)
+    pruned_now = stage == "pruned" and not self._pruned_before
+    self._pruned_before = stage == "pruned"
+    return {"ct_stage": stage, "ct_hard_prune": pruned_now}
 
   def after_epoch(self, trainer: Any, record: Mapping[str, Any]) -> None:
     del record

@@ -472,14 +472,14 @@ class SparseExecution(Callback):
   def _input_shape(self) -> tuple[int, ...] | None:
     return self.input_shape or self._loader_shape
 
-  def _convert(self, trainer: Any) -> dict[str, Any] | None:
+  def _convert(self, trainer: Any) -> None:
     model = trainer.model
     if model is self._converted or stage_name(trainer.opt_state) != "pruned":
-      return None
+      return
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     weight_masks = masks(trainer.opt_state, params)
     if count_refilled(weight_masks, params)[0]:
-      return None  # pruned weights re-filled: the sparse model would compute another function
+      return  # pruned weights re-filled: the sparse model would compute another function
     threshold = self.threshold
     if self._measures() and self._input_shape() is None:
       raise ValueError(
@@ -504,7 +504,6 @@ class SparseExecution(Callback):
     )
     trainer.replace(model, trainer.opt_state)
     self._converted = model
-    return {"sparse_layers": sum(c.backend != "dense" for c in self.choices)}
 
   def on_fit_start(self, trainer: Any) -> None:
     if self._measures() and self._input_shape() is None:
@@ -520,6 +519,9 @@ class SparseExecution(Callback):
     if shape is not None and size:
       self._loader_shape = (int(size), *(int(d) for d in shape))
 
-  def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any] | None:
+  def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any]:
     del epoch
-    return self._convert(trainer)
+    self._convert(trainer)
+    # In every record: the layers that run sparse from the next epoch on (0 before the switch).
+    running = trainer.model is self._converted and self.choices is not None
+    return {"sparse_layers": sum(c.backend != "dense" for c in self.choices) if running else 0}

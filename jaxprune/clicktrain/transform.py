@@ -98,21 +98,26 @@ def clicktrain(
       inner: the optimizer (e.g. ``optax.sgd(0.1, momentum=0.9)`` chained with
           weight decay); receives the regularized / masked gradient.
       steps_per_epoch: optimizer steps per epoch (converts the epoch settings).
-      hard_prune_epoch: epoch whose every step runs on the pruned weights (paper
-          Table 1: 90-98 of 190): the last step of the epoch before it zeroes them and
-          enters the pruned stage.
+      hard_prune_epoch: epochs trained before the hard prune (paper Table 1: 90-98 of
+          190): the last step of epoch ``hard_prune_epoch`` zeroes the pruned weights and
+          enters the pruned stage, and every later epoch trains pruned. Like every epoch
+          setting here it counts completed epochs, which is the 1-based epoch number of the
+          trainer's records: the record with ``epoch == hard_prune_epoch`` is the epoch that
+          ends with the prune (the preset's hook marks it ``ct_hard_prune``).
       mode: ``"paper"`` (DPPG + adaptive finalization) or ``"one_shot"``
           (the authors' released code).
       kernel_prune_ratio: fraction of kernels removed per layer: one float,
           a sequence (one per pruned layer, in param flatten order) or
           ``fn(path, shape) -> float``.
-      pool_start_epoch: paper mode: epoch at which DPPG starts; ``None`` uses
+      pool_start_epoch: paper mode: epochs of warm-up before DPPG (it runs from epoch
+          ``pool_start_epoch + 1`` of the records; 0: from the first step); ``None`` uses
           the loss-derivative trigger (§4.1, a ``RuntimeWarning`` if it has not fired by
           ``hard_prune_epoch``). A trigger that fires less than ``pool_epochs +
           finalize_epochs + 1`` epochs before ``hard_prune_epoch`` does not cut the stages
           short: the hard prune moves later, to the end of the first regularized epoch
-          (``RuntimeWarning`` when the trigger fires, naming that epoch). When set, ``hard_prune_epoch`` must be larger than
-          ``pool_start_epoch + pool_epochs + finalize_epochs``.
+          (``RuntimeWarning`` when the trigger fires, naming that epoch). When set,
+          ``hard_prune_epoch`` must be larger than ``pool_start_epoch + pool_epochs +
+          finalize_epochs``.
       loss_derivative_threshold: the trigger's threshold (0.27 in the paper).
       pool_epochs: epochs of DPPG (stage 2).
       finalize_epochs: epochs of adaptive finalization (stage 3).
@@ -121,8 +126,9 @@ def clicktrain(
       margin_rule: ``"relative"`` or ``"literal"`` (see
           :func:`jaxprune.clicktrain.patterns.loss_margin_ok`).
       group_lasso_coefficient: λ of the modified group lasso (2.5e-4 in the paper).
-      one_shot_epoch: one_shot mode: the epoch whose first batch picks masks (the next
-          finite batch if that one's loss or gradient is not finite).
+      one_shot_epoch: one_shot mode: epochs trained before the masks are picked, by the
+          first batch of epoch ``one_shot_epoch + 1`` of the records (the next finite batch
+          if that one's loss or gradient is not finite).
       one_shot_patterns: one_shot mode: size of the fixed pool each kernel picks its
           pattern from, 4, 8 or 12 (:func:`jaxprune.clicktrain.patterns.one_shot_pool`: the
           head of the released library; 4, the centre 2x2 blocks, is the released default,

@@ -15,8 +15,10 @@ NNX ``State`` objects, Optax NamedTuple states and typed PRNG keys all round-tri
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -50,6 +52,40 @@ def _orbax() -> Any:
   import orbax.checkpoint as ocp
 
   return ocp
+
+
+_log = logging.getLogger(__name__)
+
+
+class _OrbaxToDebug(logging.Filter):
+  """Moves orbax's own log records to this module's logger at DEBUG.
+
+  Orbax logs ``ERROR:absl:Failed to json parse ...`` for a damaged file it can do without
+  (its ``_CHECKPOINT_METADATA``) and for files whose failure the store reports itself as a
+  :class:`DamagedCheckpointError` (and the trainer as one warning naming the checkpoint):
+  in a user's log they only repeat, or contradict, that message. Debug logging shows them.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if f"{os.sep}orbax{os.sep}" not in record.pathname:
+      return True
+    _log.debug("orbax: %s", record.getMessage())
+    return False
+
+
+def _quiet_orbax(method: Callable) -> Callable:
+  """Runs a :class:`CheckpointStore` method with :class:`_OrbaxToDebug` on absl's logger."""
+
+  @functools.wraps(method)
+  def wrapped(*args, **kwargs):
+    logger, only = logging.getLogger("absl"), _OrbaxToDebug()
+    logger.addFilter(only)
+    try:
+      return method(*args, **kwargs)
+    finally:
+      logger.removeFilter(only)
+
+  return wrapped
 
 
 def _path_entry_name(entry: Any) -> str:
@@ -99,6 +135,7 @@ class CheckpointStore:
     >>> arrays, meta = store.restore(3, {"params": params})  # doctest: +SKIP
   """
 
+  @_quiet_orbax
   def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 2):
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
@@ -109,6 +146,7 @@ class CheckpointStore:
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
+  @_quiet_orbax
   def all_steps(self) -> list[int]:
     """Steps of the complete checkpoints, ascending."""
     self._manager.reload()
@@ -119,12 +157,14 @@ class CheckpointStore:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  @_quiet_orbax
   def clear(self) -> None:
     """Delete every checkpoint of the directory."""
     for step in self.all_steps():
       self._manager.delete(step)
     self._manager.reload()
 
+  @_quiet_orbax
   def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Write checkpoint ``step`` (blocks until it is complete and renamed into place)."""
     ocp = _orbax()
@@ -155,6 +195,7 @@ class CheckpointStore:
     except Exception as e:
       raise DamagedCheckpointError(step, self.step_path(step), f"{type(e).__name__}: {e}") from e
 
+  @_quiet_orbax
   def set_aside(self, step: int) -> str:
     """Rename damaged checkpoint ``step`` to ``<step>.damaged`` (kept for inspection, no
     longer a numbered checkpoint, so its number can be written again); returns the path."""
@@ -166,6 +207,7 @@ class CheckpointStore:
     self._manager.reload()
     return target
 
+  @_quiet_orbax
   def restore_meta(self, step: int) -> dict[str, Any]:
     """The JSON record of checkpoint ``step``.
 
@@ -179,6 +221,7 @@ class CheckpointStore:
       )
       return dict(restored[_META])
 
+  @_quiet_orbax
   def restore(self, step: int, template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restore checkpoint ``step`` into the structure of ``template``.
 

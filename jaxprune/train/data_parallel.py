@@ -86,7 +86,22 @@ def make_mesh(devices: Any = None) -> Mesh:
   """A 1-D mesh with axis ``"batch"`` over ``devices`` (default: every device, ``jax.devices()``,
   which after ``jax.distributed.initialize`` spans all processes)."""
   devices = jax.devices() if devices is None else list(devices)
+  _check_distinct(devices)
   return Mesh(np.asarray(devices), (BATCH_AXIS,))
+
+
+def _check_distinct(devices: Any) -> None:
+  """A device listed twice would get two shards of one array (JAX fails later, inside
+  sharding, with an unrelated ``safe_zip`` message): name it here."""
+  seen: dict[Any, int] = {}
+  for d in devices:
+    seen[d] = seen.get(d, 0) + 1
+  twice = [str(d) for d, n in seen.items() if n > 1]
+  if twice:
+    raise ValueError(
+      f"mesh: every device must appear once, but {', '.join(twice)} appear(s) more than once "
+      f"among its {sum(seen.values())} devices"
+    )
 
 
 def resolve_mesh(mesh: Mesh | str | None) -> Mesh | None:
@@ -109,6 +124,7 @@ def resolve_mesh(mesh: Mesh | str | None) -> Mesh | None:
       f"mesh must have an axis named {BATCH_AXIS!r} to split the batch over, got axes "
       f"{mesh.axis_names}"
     )
+  _check_distinct(mesh.devices.flat)
   return mesh
 
 

@@ -94,7 +94,7 @@ def test_a_fit_that_starts_after_the_prune_does_not_re_estimate(tiny_cnn, digits
   fresh = clicktrain.HardPruneBatchNorm(num_batches=2)  # as a resumed run builds it
   trainer.callbacks = [fresh]
   (record,) = trainer.fit(loader, epochs=4)[3:]
-  assert fresh.recomputed_at is None and "ct_bn_recomputed" not in record
+  assert fresh.recomputed_at is None and record["ct_bn_recomputed"] is False
   # the running averages moved on by training alone
   assert not np.array_equal(np.asarray(trainer.model.bn.mean[...]), before)
 
@@ -158,6 +158,14 @@ def test_a_run_pruned_by_its_end_does_not_warn(tiny_cnn, digits_loader):
   check = clicktrain.HardPruneCheck(4)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    trainer, _, _ = _fit(tiny_cnn, digits_loader, [check], epochs=4)
+    trainer, history, loader = _fit(tiny_cnn, digits_loader, [check], epochs=4)
   assert clicktrain.stage_name(trainer.opt_state) == "pruned"
   assert not [w for w in caught if "the run ended" in str(w.message)]
+  # One epoch convention: hard_prune_epoch=3 counts completed epochs, the records count from
+  # 1, so the record marked epoch 3 is the one that ended with the prune; every record has the
+  # keys. one_shot_epoch=1: the first batch of epoch 2 picks the masks.
+  assert [r["epoch"] for r in history if r["ct_hard_prune"]] == [3]
+  assert [r["ct_stage"] for r in history] == ["warmup", "regularize", "pruned", "pruned"]
+  # A fit resumed after the prune marks nothing again.
+  (record,) = trainer.fit(loader, epochs=5)[4:]
+  assert record["ct_hard_prune"] is False and record["ct_stage"] == "pruned"

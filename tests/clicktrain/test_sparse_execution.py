@@ -182,7 +182,7 @@ def test_training_after_the_switch_matches_the_masked_dense_model(sparse_run):
   sparse, h_sparse = sparse_run
   dense, h_dense = _run(sparse=False)
   # Converted at the epoch end where the stage becomes "pruned": the weights are zero there.
-  assert [r.get("sparse_layers") for r in h_sparse] == [None, 3, None, None, None]
+  assert [r["sparse_layers"] for r in h_sparse] == [0, 3, 3, 3, 3]
   assert sorted(pattern_convs(sparse.model)) == ["conv1", "conv2", "conv3"]
   assert not pattern_convs(dense.model)
   for a, b in zip(h_sparse, h_dense):

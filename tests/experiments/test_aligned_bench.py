@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from experiments import aligned_bench
 
 
@@ -91,3 +93,13 @@ def test_bench_step_builds_the_model_in_its_dtype(monkeypatch):
   assert model.dtype == jnp.bfloat16
   aligned = [m for _, m in nnx.iter_modules(model) if isinstance(m, AlignedConv)]
   assert aligned and {m.dtype for m in aligned} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_models_take_short_or_full_names_and_refuse_others(capsys):
+  assert aligned_bench._parse(["--models", "clicktrain-vgg11", "resnet32"]).models == [
+    "vgg11",
+    "resnet32",
+  ]
+  with pytest.raises(SystemExit):
+    aligned_bench._parse(["--models", "resnet50"])
+  assert "invalid choice: 'resnet50'" in capsys.readouterr().err

@@ -539,10 +539,17 @@ def test_dynamic_batch_grows_the_global_batch_in_multiples_of_the_devices(num_de
     ({"mesh": "gpu"}, "mesh must be None, 'auto' or a jax.sharding.Mesh"),
     ({"mesh": "no-batch-axis"}, "axis named 'batch'"),
     ({"sync_batchnorm": True}, "sync_batchnorm=True needs a mesh"),
+    # Before: safe_zip() argument 1 has length 4 but argument 0 has length 2, at the step.
+    ({"mesh": "one-device-twice"}, r"mesh: every device must appear once, but cpu:0 appear"),
   ],
 )
 def test_bad_data_parallel_arguments_raise(tiny_cnn, kwargs, match):
   if kwargs.get("mesh") == "no-batch-axis":
     kwargs = {"mesh": jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))}
+  if kwargs.get("mesh") == "one-device-twice":
+    twice = [jax.devices()[0]] * 2
+    kwargs = {"mesh": jax.sharding.Mesh(np.asarray(twice), ("batch",))}
+    with pytest.raises(ValueError, match=match):
+      train.data_parallel.make_mesh(twice)
   with pytest.raises(ValueError, match=match):
     train.Trainer(tiny_cnn(), optax.sgd(0.1), progress=False, **kwargs)

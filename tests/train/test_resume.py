@@ -265,3 +265,25 @@ def test_spec_json_round_trip(kit):
   assert decode_spec(data) == spec
   with pytest.raises(ValueError, match="spec"):
     encode_spec(object())
+
+
+def test_orbax_error_lines_of_a_damaged_checkpoint_stay_out_of_the_log(tmp_path, kit, caplog):
+  import logging
+
+  # Before: two "ERROR:absl:Failed to json parse Metadata file ..." lines in the user's log
+  # (orbax's own metadata, which the restore does without), beside the library's warning.
+  loader, ckpt, params1 = _two_checkpoints(kit, tmp_path)
+  for step in ("1", "2"):
+    meta = ckpt / step / "_CHECKPOINT_METADATA"
+    meta.write_text(meta.read_text()[:20])
+  _damage(ckpt / "2", "truncate_metadata")
+  caplog.set_level(logging.DEBUG)
+  fresh = kit.trainer(kit.model(seed=9), checkpoint_dir=ckpt)
+  with pytest.warns(UserWarning, match=r"checkpoint 2 at \S*ckpt/2 is damaged"):
+    assert fresh.restore_checkpoint(loader)
+  assert fresh.epoch == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, fresh.params), params1)
+  assert not [r for r in caplog.records if r.name == "absl"]
+  # kept for whoever asks for debug output
+  debug = [r.getMessage() for r in caplog.records if r.name == "jaxprune.train.checkpoint"]
+  assert any("Failed to json parse" in m for m in debug), debug
