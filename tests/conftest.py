@@ -7,18 +7,39 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
-from flax import nnx
+# One persistent compilation cache for the whole suite: its processes (pytest-xdist's workers,
+# the notebooks' kernels, the data-parallel and multi-host children) and its many trainers
+# compile the same small programs again and again, and compiling is most of a CPU test's time.
+# Set before JAX is imported (JAX reads these variables then); the workers and every child
+# inherit them. A folder named from outside is used as it is; otherwise a fresh one per run,
+# made by the first process (the xdist controller) and removed when it ends.
+_CACHE_VAR = "JAX_COMPILATION_CACHE_DIR"
+_OWN_CACHE = _CACHE_VAR not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ
+if _OWN_CACHE:
+  os.environ[_CACHE_VAR] = tempfile.mkdtemp(prefix="jaxprune-tests-jax-cache-")
+# Every program however quick to compile (JAX's defaults keep only those over a second), and
+# no size floor.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
-import optax
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
 
-from jaxprune import clicktrain, data, models
+from jaxprune import clicktrain, data, models  # noqa: E402
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE:
+    shutil.rmtree(os.environ[_CACHE_VAR], ignore_errors=True)
 
 
 def pytest_runtest_setup(item):

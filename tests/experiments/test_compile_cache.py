@@ -41,7 +41,12 @@ print(json.dumps({
 
 def test_a_second_process_loads_every_program_from_the_cache(run_python, tmp_path):
   folder = tmp_path / "jax_cache"
-  env = {_compile_cache.ENV_VAR: str(folder), "PYTHONPATH": str(_REPO)}
+  # No cache before enable() (the suite's own, inherited, would take the first program).
+  env = {
+    _compile_cache.ENV_VAR: str(folder),
+    "PYTHONPATH": str(_REPO),
+    "JAX_COMPILATION_CACHE_DIR": "",
+  }
   reports, entries = [], []
   for _ in range(2):
     done = run_python(_CHILD, env=env)
