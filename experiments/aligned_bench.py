@@ -297,6 +297,10 @@ def to_markdown(result: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+_FULL = {"width": 1.0, "batch": 128, "imagenet_batch": 64, "repeats": 20}
+_SMALL = {"width": 0.25, "batch": 16, "imagenet_batch": 4, "repeats": 3}
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="aligned_bench", description=__doc__.split("\n")[0])
   parser.add_argument(
@@ -322,15 +326,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     choices=list(_tables.DTYPES),
     help="compute dtypes of the per-layer and whole-step rows",
   )
-  parser.add_argument("--batch", type=int, default=128, help="batch of the CIFAR rows")
+  parser.add_argument("--batch", type=int, help="batch of the CIFAR rows (128; --small: 16)")
   parser.add_argument(
-    "--imagenet-batch", type=int, default=64, help="batch of the ImageNet ResNet-50 layer rows"
+    "--imagenet-batch", type=int, help="batch of the ImageNet ResNet-50 layer rows (64; --small: 4)"
   )
   parser.add_argument(
-    "--width", type=float, default=1.0, help="width multiplier of the CIFAR models"
+    "--width", type=float, help="width multiplier of the CIFAR models (1; --small: 0.25)"
   )
   parser.add_argument(
-    "--repeats", type=int, default=20, help="timed calls per row (the median is kept)"
+    "--repeats", type=int, help="timed calls per row, the median kept (20; --small: 3)"
   )
   parser.add_argument(
     "--no-imagenet",
@@ -350,12 +354,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     help="leave out the whole-step rows or the per-layer rows",
   )
   parser.add_argument("--layers", type=int, default=None, help="time only the first N layers")
-  parser.add_argument("--small", action="store_true", help="quarter width, batch 16, 3 repeats")
+  parser.add_argument(
+    "--small",
+    action="store_true",
+    help="quarter width, batch 16 (ImageNet 4), 3 repeats, where those flags are not given",
+  )
   parser.add_argument("--seed", type=int, default=0, help="seed of the masks, weights and batch")
   _tables.add_output_arguments(parser, "benchmarks/")
   args = parser.parse_args(argv)
-  if args.small:
-    args.width, args.batch, args.imagenet_batch, args.repeats = 0.25, 16, 4, 3
+  # --small fills only what the command line left out: a flag given is never overridden.
+  for name, value in (_SMALL if args.small else _FULL).items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
   if min(args.groups) < 1:
     parser.error("--groups must be >= 1")
   return args

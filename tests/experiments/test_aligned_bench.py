@@ -95,6 +95,14 @@ def test_bench_step_builds_the_model_in_its_dtype(monkeypatch):
   assert aligned and {m.dtype for m in aligned} == {jnp.dtype(jnp.bfloat16)}
 
 
+def test_small_fills_only_the_sizes_the_command_line_leaves_out():
+  # Before: --small overrode --width/--batch/--repeats given beside it, without a word.
+  args = aligned_bench._parse(["--small", "--width", "0.125", "--batch", "2"])
+  assert (args.width, args.batch, args.imagenet_batch, args.repeats) == (0.125, 2, 4, 3)
+  args = aligned_bench._parse(["--repeats", "5"])
+  assert (args.width, args.batch, args.imagenet_batch, args.repeats) == (1.0, 128, 64, 5)
+
+
 def test_models_take_short_or_full_names_and_refuse_others(capsys):
   assert aligned_bench._parse(["--models", "clicktrain-vgg11", "resnet32"]).models == [
     "vgg11",
