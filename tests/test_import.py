@@ -111,3 +111,26 @@ def test_no_import_circle():
 
   for unit in sorted(graph):
     visit(unit, [])
+
+
+def test_the_install_holds_the_library_only():
+  """``pip install`` ships ``jaxprune`` and ``pallas_kernels``; ``experiments`` runs from a
+  checkout, and matplotlib (which no library module imports) is an extra."""
+  import tomllib
+
+  project = tomllib.loads((_REPO_ROOT / "pyproject.toml").read_text())
+  assert project["tool"]["setuptools"]["packages"]["find"]["include"] == [
+    "jaxprune*",
+    "pallas_kernels*",
+  ]
+  assert not [d for d in project["project"]["dependencies"] if d.startswith("matplotlib")]
+  for package in ("jaxprune", "pallas_kernels"):
+    for path in (_REPO_ROOT / package).rglob("*.py"):
+      for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+          names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+          names = [node.module]
+        else:
+          continue
+        assert not {n.split(".")[0] for n in names} & {"experiments", "matplotlib"}, path
