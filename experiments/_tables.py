@@ -34,10 +34,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from jaxprune import methods
+
 EXPERIMENTS = Path(__file__).resolve().parent
 RESULTS = EXPERIMENTS / "results"
 SCRATCH = EXPERIMENTS.parent / "runs"
-PAPERS = ("clicktrain", "prunetrain", "sdgp", "benchmarks")
+# The results folders: one per paper of the library's list, and the benchmarks'.
+PAPERS = (*(paper.results for paper in methods.PAPERS), "benchmarks")
 
 # The SDGP training recipe (the ffcv ResNet-9 recipe SDGP ran): the cpu budget keeps its shape,
 # scales the peak lr linearly with the batch and puts the peak at the recipe's fraction of the
@@ -69,7 +72,8 @@ def _sdgp_schedule(budget: dict[str, Any]) -> dict[str, Any]:
 
 
 # Table -> budget name -> settings. Every row of a table trains with these (the rows differ only
-# in model and method), so the rows of one page compare.
+# in model and method), so the rows of one page compare. A table is named
+# "<paper>_<figure>", the paper by its package name in jaxprune.methods.PAPERS (PAPER_OF).
 BUDGETS: Mapping[str, Mapping[str, Mapping[str, Any]]] = {
   # ClickTrain §6.1: 190 epochs, batch 128, SGD 0.9, lr 0.1 (×0.1 at 50% / 75%: the paper does
   # not state its schedule), wd 5e-4; pool / finalization 5 epochs each, hard prune at the
@@ -158,14 +162,19 @@ BUDGETS: Mapping[str, Mapping[str, Mapping[str, Any]]] = {
     "cpu": {"width": 0.125, "batch_size": 32, "target_acc": 0.75},
   },
 }
+
+
+def _results_of(table: str) -> str:
+  """The results folder of ``table``: its paper's, named by the table's first word."""
+  by_package = {paper.name: paper.results for paper in methods.PAPERS}
+  paper = table.partition("_")[0]
+  if paper not in by_package:
+    raise ValueError(f"table {table!r} does not start with a paper of {sorted(by_package)}")
+  return by_package[paper]
+
+
 # Which results folder each table command writes to.
-PAPER_OF = {
-  "clicktrain_table1": "clicktrain",
-  "prunetrain_table1": "prunetrain",
-  "sdgp_table1": "sdgp",
-  "sdgp_fig8": "sdgp",
-  "sdgp_timemodel": "sdgp",
-}
+PAPER_OF = {table: _results_of(table) for table in BUDGETS}
 
 
 def get_budget(table: str, name: str) -> Mapping[str, Any]:

@@ -50,7 +50,6 @@ from jax import lax
 
 from experiments import _tables
 from experiments._machine import machine_description
-from experiments.clicktrain_table1 import VGG_RATIOS, kernel_ratio_fn
 from experiments.pattern_conv_bench import _pruned_layers, clicktrain_like_mask
 from jaxprune import masking, models, train
 from jaxprune.clicktrain import patterns
@@ -58,6 +57,7 @@ from jaxprune.clicktrain.aligned_conv import COLUMNS, aligned_conv
 from jaxprune.clicktrain.aligned_layout import aligned_mask, build_aligned_layout
 from jaxprune.clicktrain.layout import build_layout
 from jaxprune.clicktrain.pattern_conv import pattern_conv
+from jaxprune.clicktrain.preset import paper_kernel_ratios
 from jaxprune.clicktrain.sparse_execution import (
   convert_model,
   default_backend,
@@ -102,7 +102,7 @@ def _layers(args) -> list[dict[str, Any]]:
     model = models.create(
       f"clicktrain-{name}", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width
     )
-    ratio_of = kernel_ratio_fn(name)
+    ratio_of = paper_kernel_ratios(f"clicktrain-{name}")
     for layer in _pruned_layers(model, 32, args.batch):
       path = "/".join(map(str, layer.param_path))
       if default_layer_filter(path, tuple(layer.param_shape)) != "pattern":
@@ -180,7 +180,7 @@ def bench_layer(spec: dict[str, Any], dtype: str, args, rng) -> dict[str, Any]:
 
 def _model_masks(model: nnx.Module, name: str, groups: int, rng, *, fine: bool = False) -> Any:
   """Masks for every pruned 3x3 conv of ``model`` (None elsewhere), aligned or fine-grained."""
-  ratio_of = kernel_ratio_fn(name)
+  ratio_of = paper_kernel_ratios(f"clicktrain-{name}")
   params = nnx.state(model, nnx.Param)
 
   def leaf_mask(path, leaf):
@@ -308,7 +308,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     nargs="+",
     default=["vgg11", "resnet32"],
     type=lambda name: name.removeprefix("clicktrain-"),
-    choices=[*VGG_RATIOS, "resnet32"],
+    choices=["vgg11", "vgg13", "resnet32"],
     help="CIFAR models by short name (vgg11 = clicktrain-vgg11; the full name works too), "
     "pruned at ClickTrain's per-layer ratios",
   )

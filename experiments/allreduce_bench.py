@@ -38,8 +38,8 @@ from jax.sharding import PartitionSpec as P
 
 from experiments import _tables
 from experiments._machine import machine_description
-from experiments.clicktrain_table1 import kernel_ratio_fn
 from jaxprune import clicktrain, distributed, flops, masking, models, multihost
+from jaxprune.clicktrain.preset import paper_kernel_ratios
 from jaxprune.paths import path_string
 from jaxprune.train import data_parallel
 from jaxprune.train import step as train_step
@@ -65,13 +65,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def _row(model_name: str) -> str:
-  row = model_name.split("-", 1)[1]
-  if row not in ("resnet32", "vgg11"):
-    raise ValueError(f"models: no per-layer ratios of the paper for {model_name!r}")
-  return row
-
-
 def one_shot_masks(model: nnx.Module, model_name: str, images, labels) -> Any:
   """ClickTrain's final weight masks at the paper's per-layer ratios (one-shot rule).
 
@@ -86,7 +79,7 @@ def one_shot_masks(model: nnx.Module, model_name: str, images, labels) -> Any:
     mode="one_shot",
     one_shot_epoch=0,
     hard_prune_epoch=1,
-    kernel_prune_ratio=kernel_ratio_fn(_row(model_name)),
+    kernel_prune_ratio=paper_kernel_ratios(model_name),
   )
   loss_fn = train_step.default_loss()
 

@@ -75,28 +75,6 @@ PRUNETRAIN = {
   "vgg11": (-0.7, 6.6),
   "vgg13": (-0.6, 6.3),
 }
-VGG_RATIOS = {
-  "vgg11": [0.35, 0.45, 0.65, 0.75, 0.80, 0.80, 0.85],
-  "vgg13": [0.35, 0.40, 0.45, 0.55, 0.65, 0.75, 0.80, 0.80, 0.85],
-}
-
-
-def kernel_ratio_fn(row: str):
-  """Per-layer kernel-prune ratio as ``fn(path, shape)`` for a Table 1 row."""
-  if row.startswith("vgg"):
-    ratios = VGG_RATIOS[row]
-
-    def by_index(path: str, shape) -> float:
-      # features/<i>/conv/kernel; the stem (index 0) is never pruned
-      return ratios[int(path.split("/")[1]) - 1]
-
-    return by_index
-
-  def by_stage(path: str, shape) -> float:
-    stage = int(path.split("/")[1])  # stages/<s>/<block>/...
-    return (0.55, 0.65)[stage] if stage < 2 else 0.75
-
-  return by_stage
 
 
 def _parse(argv):
@@ -188,7 +166,7 @@ def _method(args, row: str) -> methods.Method:
   return methods.get(
     "clicktrain",
     mode=args.mode,
-    kernel_prune_ratio=kernel_ratio_fn(row),
+    kernel_prune_ratio=preset.paper_kernel_ratios(f"clicktrain-{row}"),
     **_stage_epochs(args, row),
     **aligned,
   )

@@ -40,11 +40,11 @@ from jax.experimental import sparse as jsparse
 
 from experiments import _tables
 from experiments._machine import machine_description
-from experiments.clicktrain_table1 import kernel_ratio_fn
 from jaxprune import flops, models
 from jaxprune.clicktrain import patterns
 from jaxprune.clicktrain.layout import build_layout, to_values
 from jaxprune.clicktrain.pattern_conv import BACKENDS
+from jaxprune.clicktrain.preset import paper_kernel_ratios
 from jaxprune.clicktrain.sparse_execution import median_call_ms, time_layer
 from jaxprune.clicktrain.transform import default_layer_filter
 
@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = models.create(
       f"clicktrain-{name}", num_classes=10, rngs=nnx.Rngs(args.seed), width_multiplier=args.width
     )
-    ratio_of = kernel_ratio_fn(name)
+    ratio_of = paper_kernel_ratios(f"clicktrain-{name}")
     rows = []
     for layer in _pruned_layers(model, args.image_size, args.batch)[: args.layers]:
       ratio = ratio_of(layer.name, tuple(layer.param_shape))

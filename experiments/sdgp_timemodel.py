@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,84 +46,10 @@ from experiments import _tables
 from experiments._machine import machine_description
 from experiments.sdgp_fig8 import SWEEP as SETTINGS
 from jaxprune import models, sdgp, train
+from jaxprune.sdgp.timemodel import conv_layers, layer_jobs
+from jaxprune.timing import interleaved_times
 
 STEP_METHODS = ("magnitude", "rescaled_magnitude", "mvue")
-
-
-class _ConvRecorder:
-  """Stands in for ``lax.conv_general_dilated`` inside an ``nnx.Conv`` to record its call."""
-
-  def __init__(self, name: str, records: list[dict[str, Any]]):
-    self.name, self.records = name, records
-
-  def __call__(self, lhs, rhs, window_strides, padding, **kwargs):
-    kwargs.pop("out_sharding", None)
-    kwargs.pop("preferred_element_type", None)
-    self.records.append(
-      {
-        "name": self.name,
-        "lhs": lhs.shape,
-        "rhs": rhs.shape,
-        "strides": tuple(window_strides),
-        "padding": padding,
-        "kwargs": kwargs,
-      }
-    )
-    return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, **kwargs)
-
-
-def conv_layers(model: nnx.Module, image_shape: tuple[int, ...]) -> list[dict[str, Any]]:
-  """Every conv call of one forward pass, in execution order, with its arguments."""
-  records: list[dict[str, Any]] = []
-  convs = [(p, c) for p, c in nnx.iter_modules(model) if isinstance(c, nnx.Conv)]
-  originals = [c.conv_general_dilated for _, c in convs]
-  for path, conv in convs:
-    conv.conv_general_dilated = _ConvRecorder("/".join(map(str, path)), records)
-  try:
-    model.eval()
-    jax.eval_shape(lambda x: model(x), jax.ShapeDtypeStruct(image_shape, jnp.float32))
-  finally:
-    for (_, conv), original in zip(convs, originals):
-      conv.conv_general_dilated = original
-    model.train()
-  return records
-
-
-def interleaved_times(
-  jobs: dict[str, tuple[Callable, Sequence[Any]]], rounds: int
-) -> dict[str, float]:
-  """Minimum seconds of each job over ``rounds`` round-robin passes.
-
-  On a shared machine the load drifts over seconds; running the jobs in turn within every
-  round exposes each to the same drift, and the minimum estimates the undisturbed time.
-  """
-  for fn, args in jobs.values():
-    jax.block_until_ready(fn(*args))  # compile + warm up
-  best = {name: float("inf") for name in jobs}
-  for _ in range(rounds):
-    for name, (fn, args) in jobs.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      best[name] = min(best[name], time.perf_counter() - start)
-  return best
-
-
-def layer_jobs(layer: dict[str, Any], key: jax.Array) -> dict[str, tuple[Callable, tuple]]:
-  """The forward, dX and dW convs of one layer, each jitted on its own."""
-
-  def conv(x, w):
-    return jax.lax.conv_general_dilated(x, w, layer["strides"], layer["padding"], **layer["kwargs"])
-
-  kx, kw, kg = jax.random.split(key, 3)
-  x = jax.random.normal(kx, layer["lhs"])
-  w = jax.random.normal(kw, layer["rhs"])
-  g = jax.random.normal(kg, jax.eval_shape(conv, x, w).shape)
-  input_grad = jax.jit(lambda x, w, g: jax.vjp(lambda x_: conv(x_, w), x)[1](g)[0])
-  weight_grad = jax.jit(lambda x, w, g: jax.vjp(lambda w_: conv(x, w_), w)[1](g)[0])
-  jobs = {"forward": (jax.jit(conv), (x, w)), "weight_grad": (weight_grad, (x, w, g))}
-  if layer["lhs"][-1] > 3:  # the stem's input is the image: no dX in training
-    jobs["input_grad"] = (input_grad, (x, w, g))
-  return jobs
 
 
 def step_job(model: nnx.Module, batch: int) -> tuple[Callable, tuple]:

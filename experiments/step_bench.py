@@ -50,12 +50,12 @@ from flax import nnx
 import pallas_kernels
 from experiments import _tables
 from experiments._machine import machine_description
-from experiments.clicktrain_table1 import kernel_ratio_fn
 from experiments.prunetrain_speed import kill_channels
 from jaxprune import flops, methods, models, train
 from jaxprune import prunetrain as pt
 from jaxprune.clicktrain import masks as clicktrain_masks
 from jaxprune.clicktrain import stage_name
+from jaxprune.clicktrain.preset import paper_kernel_ratios
 from jaxprune.clicktrain.sparse_execution import convert_model, default_backend
 from jaxprune.sdgp import auto_backend
 from jaxprune.train.step import Metrics, default_loss, split_model, step_functions
@@ -153,7 +153,7 @@ def _pruned_clicktrain(model: nnx.Module, batch, filter_groups: int | None):
   config = {"filter_groups": filter_groups} if filter_groups else {}
   method = methods.get(
     "clicktrain",
-    kernel_prune_ratio=kernel_ratio_fn("resnet32"),
+    kernel_prune_ratio=paper_kernel_ratios("clicktrain-resnet32"),
     pool_start_epoch=1,
     pool_epochs=1,
     finalize_epochs=1,

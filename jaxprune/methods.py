@@ -49,14 +49,17 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 from jaxprune import clicktrain, prunetrain, sdgp
 from jaxprune.method_api import Method, Run, _keyword_names, compose, split_config
 
 __all__ = [
+  "PAPERS",
   "Method",
+  "Paper",
   "Run",
   "available",
   "compose",
@@ -87,14 +90,49 @@ def _with_sdgp(outer: Factory) -> Factory:
   return factory
 
 
-# The built-in presets. This module sits above the paper packages and imports them; they
-# import only :mod:`jaxprune.method_api`, never this registry.
+# ----------------------------------------------------------------------------- the papers
+
+
+@dataclasses.dataclass(frozen=True)
+class Paper:
+  """One paper the library implements: the one place that says which papers there are.
+
+  The package face (``jaxprune.<name>``), the registry below, the import-floor test and the
+  experiments' results folders all read :data:`PAPERS`, so a new paper is one entry here (and
+  its package); see "Adding a method" in docs/design.md.
+
+  Attributes:
+    package: the paper's package, ``jaxprune.<name>``.
+    methods: the registered name -> factory of each preset the paper contributes.
+    results: the folder under ``experiments/results/`` its tables and figures write to.
+  """
+
+  package: ModuleType
+  methods: Mapping[str, Factory]
+  results: str
+
+  @property
+  def name(self) -> str:
+    """The package's own name (``"clicktrain"`` for ``jaxprune.clicktrain``)."""
+    return self.package.__name__.rpartition(".")[2]
+
+
+# This module sits above the paper packages and imports them; they import only
+# :mod:`jaxprune.method_api`, never this list or the registry.
+PAPERS: tuple[Paper, ...] = (
+  Paper(
+    clicktrain,
+    {"clicktrain": clicktrain.method, "clicktrain-one-shot": clicktrain.preset.one_shot_method},
+    results="clicktrain",
+  ),
+  Paper(prunetrain, {"prunetrain": prunetrain.method}, results="prunetrain"),
+  Paper(sdgp, {"sdgp": sdgp.method}, results="sdgp"),
+)
+
+# The built-in presets: the dense baseline, every paper's, and the compositions with SDGP.
 _REGISTRY: dict[str, Factory] = {
   "dense": _dense,
-  "clicktrain": clicktrain.method,
-  "clicktrain-one-shot": clicktrain.preset.one_shot_method,
-  "prunetrain": prunetrain.method,
-  "sdgp": sdgp.method,
+  **{name: factory for paper in PAPERS for name, factory in paper.methods.items()},
   "prunetrain+sdgp": _with_sdgp(prunetrain.method),
   "clicktrain+sdgp": _with_sdgp(clicktrain.method),
 }

@@ -22,8 +22,8 @@
 # This notebook trains the three papers' methods and the dense baseline on scikit-learn's 8x8
 # digits (no download) with the same model, data, optimizer and budget, then compares them.
 #
-# The method settings are the quickstart's (`python -m experiments.run quickstart`), sized
-# for short runs.
+# The method settings are the short-run ones of `jaxprune.quickstart`, which the quickstart
+# command (`python -m experiments.run quickstart`) trains too.
 
 # %% tags=["parameters"]
 import os
@@ -44,8 +44,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 
-from experiments import quickstart
-from jaxprune import data, flops, masking, methods, models, train
+from jaxprune import data, flops, masking, methods, models, quickstart, train
 
 # %% [markdown]
 # ## Data and model

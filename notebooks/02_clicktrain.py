@@ -41,8 +41,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 
-from experiments import quickstart
-from jaxprune import clicktrain, data, methods, models, train
+from jaxprune import clicktrain, data, methods, models, quickstart, train
 from jaxprune.paths import flatten_with_paths, path_string
 
 # %% [markdown]

@@ -47,8 +47,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 
-from experiments import quickstart
-from jaxprune import data, flops, methods, models, prunetrain, train
+from jaxprune import data, flops, methods, models, prunetrain, quickstart, train
 
 # %% [markdown]
 # ## Train with PruneTrain

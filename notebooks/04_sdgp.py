@@ -46,8 +46,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from experiments.sdgp_timemodel import conv_layers, interleaved_times, layer_jobs
 from jaxprune import data, flops, models, sdgp
+from jaxprune.sdgp.timemodel import conv_layers, layer_jobs
+from jaxprune.timing import interleaved_times
 
 # %% [markdown]
 # ## A real output gradient
@@ -173,7 +174,7 @@ plt.show()
 # dW each cost about the same (the stem has no dX: its input is the image). SDGP accelerates
 # only dX, by m/n with N:M sparse hardware. From FLOPs (`jaxprune.flops`, whose per-layer
 # split is exactly this) and from the times of each part measured on this machine
-# (`experiments.sdgp_timemodel`, each part its own jitted function on the layer's real
+# (`jaxprune.sdgp.timemodel`, each part its own jitted function on the layer's real
 # shapes), the projected conv time with pruned dX is `total − ΣdX · (1 − n/m)`.
 
 # %%

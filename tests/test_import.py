@@ -42,7 +42,23 @@ def test_import_jaxprune_leaves_orbax_and_matplotlib_out_until_used(tmp_path):
   assert result.returncode == 0, result.stderr
 
 
-_PAPERS = {"clicktrain", "prunetrain", "sdgp"}
+def _papers() -> set[str]:
+  from jaxprune import methods
+
+  return {paper.name for paper in methods.PAPERS}
+
+
+def test_every_paper_package_is_listed_and_exposed():
+  """A package with a ``preset`` module is a paper: it must be in ``methods.PAPERS`` (which the
+  registry, the package face and the experiments read), and ``jaxprune`` must expose it."""
+  import jaxprune
+  from jaxprune import methods
+
+  packages = {path.parent.name for path in (_REPO_ROOT / "jaxprune").glob("*/preset.py")}
+  assert packages == _papers()
+  for paper in methods.PAPERS:
+    assert getattr(jaxprune, paper.name) is paper.package and paper.name in jaxprune.__all__
+    assert set(paper.methods) <= set(methods.available())
 
 
 def _unit_imports() -> dict[str, set[str]]:
@@ -74,10 +90,11 @@ def _unit_imports() -> dict[str, set[str]]:
 
 def test_paper_packages_stand_side_by_side_below_methods():
   graph = _unit_imports()
-  assert set(graph) >= _PAPERS | {"methods"}
-  for paper in _PAPERS:
-    assert not graph[paper] & (_PAPERS - {paper}), (paper, graph[paper])
-  importers = {unit for unit, targets in graph.items() if targets & (_PAPERS | {"methods"})}
+  papers = _papers()
+  assert set(graph) >= papers | {"methods"}
+  for paper in papers:
+    assert not graph[paper] & (papers - {paper}), (paper, graph[paper])
+  importers = {unit for unit, targets in graph.items() if targets & (papers | {"methods"})}
   assert importers == {"methods"}, importers
 
 
@@ -94,3 +111,26 @@ def test_no_import_circle():
 
   for unit in sorted(graph):
     visit(unit, [])
+
+
+def test_the_install_holds_the_library_only():
+  """``pip install`` ships ``jaxprune`` and ``pallas_kernels``; ``experiments`` runs from a
+  checkout, and matplotlib (which no library module imports) is an extra."""
+  import tomllib
+
+  project = tomllib.loads((_REPO_ROOT / "pyproject.toml").read_text())
+  assert project["tool"]["setuptools"]["packages"]["find"]["include"] == [
+    "jaxprune*",
+    "pallas_kernels*",
+  ]
+  assert not [d for d in project["project"]["dependencies"] if d.startswith("matplotlib")]
+  for package in ("jaxprune", "pallas_kernels"):
+    for path in (_REPO_ROOT / package).rglob("*.py"):
+      for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+          names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+          names = [node.module]
+        else:
+          continue
+        assert not {n.split(".")[0] for n in names} & {"experiments", "matplotlib"}, path

@@ -9,6 +9,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES, HardPruneBatchNorm, HardPruneCheck
@@ -16,7 +17,14 @@ from jaxprune.clicktrain.sparse_execution import SparseExecution
 from jaxprune.clicktrain.transform import clicktrain
 from jaxprune.method_api import Method, Run, split_config
 
-__all__ = ["RELEASED_CIFAR10", "method", "one_shot_method", "released_method"]
+__all__ = [
+  "PAPER_KERNEL_RATIOS",
+  "RELEASED_CIFAR10",
+  "method",
+  "one_shot_method",
+  "paper_kernel_ratios",
+  "released_method",
+]
 
 # The paper prunes at epoch 90-98 of 190 (Table 1); the released code picks its masks 30
 # epochs before that. Both are placed at the same fractions of a run of another length.
@@ -144,6 +152,53 @@ def one_shot_method(**config: Any) -> Method:
   return method(mode="one_shot", **config)
 
 
+# The per-layer kernel-prune ratios of the paper's CIFAR-10 runs, one copy for the released
+# configs below and the Table 1 rows. VGG: one per pruned conv in order (every conv but the
+# stem; VGG-11's and VGG-16's are the authors' released lists). ResNet: one per stage, 55% and
+# 65% for the first two and 75% after (the paper's ResNet-32; the table applies it to the
+# family's other ResNets too).
+PAPER_KERNEL_RATIOS: dict[str, tuple[float, ...]] = {
+  "clicktrain-vgg11": (0.35, 0.45, 0.65, 0.75, 0.80, 0.80, 0.85),
+  "clicktrain-vgg13": (0.35, 0.40, 0.45, 0.55, 0.65, 0.75, 0.80, 0.80, 0.85),
+  "clicktrain-vgg16": (0.35, 0.45, 0.55, 0.55, 0.55, 0.65, 0.65, 0.65, 0.75, 0.80, 0.85, 0.85),
+  "clicktrain-resnet": (0.55, 0.65, 0.75),
+}
+
+
+def paper_kernel_ratios(model_name: str) -> Callable[[str, tuple[int, ...]], float]:
+  """The paper's kernel-prune ratio of each pruned conv of ``model_name``, as the
+  ``fn(path, shape)`` that ``kernel_prune_ratio`` takes.
+
+  Args:
+    model_name: ``clicktrain-vgg11``, ``-vgg13``, ``-vgg16`` or one of the family's ResNets
+      (``clicktrain-resnet32``, ...).
+
+  Raises:
+    ValueError: a model with no ratios here; the returned function, for a path that is not a
+      pruned conv of that model (the stem, a layer past the list).
+  """
+  family = "clicktrain-resnet" if model_name.startswith("clicktrain-resnet") else model_name
+  if family not in PAPER_KERNEL_RATIOS:
+    raise ValueError(
+      f"no per-layer ratios for {model_name!r}; known: {sorted(PAPER_KERNEL_RATIOS)}"
+    )
+  ratios = PAPER_KERNEL_RATIOS[family]
+  top = "stages" if family == "clicktrain-resnet" else "features"
+
+  def ratio(path: str, shape: tuple[int, ...]) -> float:
+    # stages/<s>/<block>/... or features/<i>/conv/kernel, where features/0 is the stem.
+    parts = path.split("/")
+    if len(parts) > 1 and parts[0] == top and parts[1].isdigit():
+      index = int(parts[1])
+      if top == "stages":
+        return ratios[min(index, len(ratios) - 1)]
+      if 1 <= index <= len(ratios):
+        return ratios[index - 1]
+    raise ValueError(f"{path!r} is not a conv of {model_name!r} that ClickTrain prunes")
+
+  return ratio
+
+
 # The authors' released CIFAR-10 configs of the one-shot rule (their cifar10_<arch>_v1 files):
 # pool size, per-layer kernel-prune ratios (every conv but the stem, in order), group-lasso λ,
 # and the epochs of the mask pick and of the hard prune in their 190-epoch runs.
@@ -151,14 +206,14 @@ _RELEASED_EPOCHS = 190
 RELEASED_CIFAR10: dict[str, dict[str, Any]] = {
   "vgg11": {
     "one_shot_patterns": 4,
-    "kernel_prune_ratio": (0.35, 0.45, 0.65, 0.75, 0.80, 0.80, 0.85),
+    "kernel_prune_ratio": PAPER_KERNEL_RATIOS["clicktrain-vgg11"],
     "group_lasso_coefficient": 3.5e-4,
     "one_shot_epoch": 65,
     "hard_prune_epoch": 143,
   },
   "vgg16": {
     "one_shot_patterns": 12,
-    "kernel_prune_ratio": (0.35, 0.45, 0.55, 0.55, 0.55, 0.65, 0.65, 0.65, 0.75, 0.80, 0.85, 0.85),
+    "kernel_prune_ratio": PAPER_KERNEL_RATIOS["clicktrain-vgg16"],
     "group_lasso_coefficient": 1.5e-4,
     "one_shot_epoch": 150,
     "hard_prune_epoch": 163,

@@ -7,7 +7,8 @@ settings (checked once, passed down as they are); ``PrunedDataGradient`` is SDGP
 a wrapper of the shared conv-function protocol (``jaxprune.models.PluggableConv``).
 ``backend="auto"`` runs, per lowering platform, the N:M backend that measured faster there
 (``MEASURED_FASTER``, ``auto_backend``: the pure-JAX reference on CUDA today);
-``time_backends`` times both on the current device.
+``time_backends`` times both on the current device. ``timemodel`` holds the parts of the
+paper's time model (§IV-C): each conv call of a model, its forward, dX and dW as jitted jobs.
 
 Example:
   >>> from jaxprune import sdgp
@@ -22,6 +23,7 @@ References:
 """
 
 from pallas_kernels.nm_math import MAX_GROUP, METHODS, RESCALE_EPS
+from jaxprune.sdgp import timemodel
 from jaxprune.sdgp.conv import (
   PrunedDataGradient,
   SDGPConv,
@@ -65,5 +67,6 @@ __all__ = [
   "next_layer_key",
   "sdgp_conv",
   "time_backends",
+  "timemodel",
   "with_pruned_data_gradient",
 ]

@@ -235,3 +235,42 @@ def test_layer_read_outs_count_zero_weights_and_live_input_channels():
   assert clicktrain_table1._live_inputs(params, (3,)) == {"features/1/conv": 18 / 36}
   kernel[0, 0, 2, 0] = 0
   assert clicktrain_table1._live_inputs(params, (3,)) == {"features/1/conv": 17 / 36}
+
+
+def _old_ratio(row: str, path: str) -> float:
+  """The ratio the table command gave a layer before the ratios moved into the preset, written
+  out from its literal lists: VGG by the conv's index (the stem, 0, never pruned), ResNet by
+  stage."""
+  index = int(path.split("/")[1])
+  if row == "vgg11":
+    return [0.35, 0.45, 0.65, 0.75, 0.80, 0.80, 0.85][index - 1]
+  if row == "vgg13":
+    return [0.35, 0.40, 0.45, 0.55, 0.65, 0.75, 0.80, 0.80, 0.85][index - 1]
+  return (0.55, 0.65)[index] if index < 2 else 0.75
+
+
+@pytest.mark.parametrize("row", ["vgg11", "vgg13", "resnet32"])
+def test_every_pruned_layer_keeps_the_ratio_the_table_gave_it_before(row):
+  """The table's method and the benches' ``paper_kernel_ratios`` give each pruned conv of the
+  row's model the ratio of the old literal lists."""
+  import jax
+  from flax import nnx
+
+  from jaxprune import models
+  from jaxprune.clicktrain.transform import default_layer_filter
+  from jaxprune.paths import path_string
+
+  model = nnx.eval_shape(
+    lambda: models.create(f"clicktrain-{row}", num_classes=10, rngs=nnx.Rngs(0))
+  )
+  leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+  pruned = [
+    (path_string(p), leaf.shape)
+    for p, leaf in leaves
+    if default_layer_filter(path_string(p), leaf.shape)
+  ]
+  assert len(pruned) >= 7
+  table = clicktrain_table1._method(clicktrain_table1._parse([]), row).config["kernel_prune_ratio"]
+  bench = preset.paper_kernel_ratios(f"clicktrain-{row}")
+  for path, shape in pruned:
+    assert table(path, shape) == bench(path, shape) == _old_ratio(row, path), path

@@ -29,22 +29,6 @@ def test_sdgp_budgets_scale_the_peak_lr_with_the_batch():
   assert cpu["peak_epoch"] == 0.5  # 2/150 of a short run, floored at half an epoch
 
 
-def test_timemodel_records_every_conv_with_its_shapes():
-  model = models.create("sdgp-resnet9", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=0.125)
-  layers = sdgp_timemodel.conv_layers(model, (2, 32, 32, 3))
-  convs = [c for _, c in nnx.iter_modules(model) if isinstance(c, nnx.Conv)]
-  assert len(layers) == len(convs) == 8
-  assert layers[0]["lhs"] == (2, 32, 32, 3)  # the stem runs first
-  for layer in layers:
-    assert layer["lhs"][-1] == layer["rhs"][-2]  # input channels match the kernel
-  # the recorder was removed again
-  assert all(
-    c.conv_general_dilated is not None
-    and not isinstance(c.conv_general_dilated, sdgp_timemodel._ConvRecorder)
-    for c in convs
-  )
-
-
 def test_fig8_resume_keeps_earlier_cells_and_trains_only_missing_ones(tmp_path, monkeypatch):
   trained = []
 

@@ -427,3 +427,11 @@ def test_results_follow_one_naming_scheme(paper):
 def test_sdgp_logs_name_the_model_as_the_row():
   assert sdgp_table1.log_name("table1_cpu", "dense", 2, 4) == "logs/table1_cpu_resnet9_dense.jsonl"
   assert sdgp_table1.log_name("fig8_cpu", "mvue", 1, 8) == "logs/fig8_cpu_resnet9_mvue_1-8.jsonl"
+
+
+def test_each_table_writes_to_the_results_folder_of_the_paper_it_is_named_after():
+  assert set(_tables.PAPER_OF) == set(_tables.BUDGETS)
+  for table, folder in _tables.PAPER_OF.items():
+    assert folder in _tables.PAPERS and table.startswith(folder + "_")
+  with pytest.raises(ValueError, match="does not start with a paper"):
+    _tables._results_of("nopaper_table1")

@@ -50,6 +50,18 @@ def test_ipynb_matches_its_py_source(path):
       )
 
 
+def test_notebooks_use_the_installed_library_not_the_experiments():
+  """``experiments/`` runs from a checkout and is not installed: a notebook opened elsewhere
+  must find everything it imports in ``jaxprune``."""
+  for path in sorted((ROOT / "notebooks").glob("*.py")):
+    imports = [
+      line
+      for line in path.read_text().splitlines()
+      if line.startswith(("import ", "from ")) and line.split()[1].split(".")[0] == "experiments"
+    ]
+    assert not imports, (path.name, imports)
+
+
 @pytest.fixture(scope="module")
 def compilation_cache(tmp_path_factory):
   """One JAX compilation cache for the notebooks of this module: they train the same small
