@@ -53,7 +53,7 @@ from jaxprune.train._epoch import EpochLoop
 from jaxprune.train._placement import Placement
 from jaxprune.train._resume import Checkpoints, model_spec
 from jaxprune.train._time_box import TimeBox
-from jaxprune.train.callbacks import Callback, as_callbacks
+from jaxprune.train.callbacks import Callback, TrainerLike, as_callbacks
 from jaxprune.train.checkpoint import CheckpointStore
 from jaxprune.train.step import PerExampleLoss, default_loss
 
@@ -179,7 +179,7 @@ class Trainer:
     label_smoothing: float = 0.0,
     loss_fn: PerExampleLoss | None = None,
     flip_tta: bool = False,
-    callbacks: Sequence[Callback | Callable[["Trainer", int], Any]] = (),
+    callbacks: Sequence[Callback | Callable[[TrainerLike, int], Any]] = (),
     metrics: Mapping[str, Callable[["Trainer"], Any]] | None = None,
     log_path: str | os.PathLike | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
