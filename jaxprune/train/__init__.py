@@ -28,6 +28,7 @@ receive ``value=loss``); LR scaling needs a ``train.scale_by_lr`` inside it.
 from jaxprune.train._checks import NonFiniteError
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.batchnorm import epoch_batches, recompute_batch_stats
+from jaxprune.train.callbacks import Callback, TrainerLike
 from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
 from jaxprune.train.loss import (
   accuracy,
@@ -55,7 +56,6 @@ from jaxprune.train.step import (
   step_functions,
   train_step_memory,
 )
-from jaxprune.train.callbacks import Callback
 from jaxprune.train.trainer import Trainer, fit
 
 __all__ = [
@@ -89,6 +89,7 @@ __all__ = [
   "step_functions",
   "train_step_memory",
   "Callback",
+  "TrainerLike",
   "Trainer",
   "fit",
 ]

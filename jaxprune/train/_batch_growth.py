@@ -1,78 +1,106 @@
 """Batch-size changes between epochs with linear LR scaling (PruneTrain §4.3 dynamic
-mini-batch), and the memory probe of the compiled step that sizes them."""
+mini-batch), and the memory probe of the compiled step that sizes them: one part of
+:class:`~jaxprune.train.Trainer`, held in its ``_batches`` field.
+
+:class:`BatchGrowth` writes the batch sizes it tracks and its memo of step memories; the LR
+scale and schedule increment it changes live in the optimizer state, which it edits through
+the :class:`~jaxprune.train._placement.Placement` that owns it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxprune.train import _loaders, optim
+from jaxprune.train import _loaders
+from jaxprune.train._placement import Placement
 from jaxprune.train.step import train_step_memory
 
 __all__ = ["BatchGrowth"]
 
 
 class BatchGrowth:
-  """LR scale, batch size and step memory of :class:`~jaxprune.train.Trainer` (a mixin of it:
-  ``opt_state``, ``params``, ``rest``, ``num_devices`` and the step are the trainer's)."""
+  """The training batch size, a requested change of it, and the step's memory.
 
-  @property
-  def lr_scale(self) -> float | None:
-    """Multiplier on the LR of every ``scale_by_lr`` in the optimizer (``None`` if none)."""
-    return optim.get_lr_scale(self.opt_state)
+  Attributes:
+    batch_size: the training loader's batch size this epoch (``None`` before the first).
+    reference_batch_size: the loader's batch size when the run started; schedules advance
+      by ``batch_size / reference_batch_size`` per step.
+    pending: ``(batch size, scale the LR)`` requested for the next epoch, or ``None``.
+  """
 
-  @lr_scale.setter
-  def lr_scale(self, value: float) -> None:
-    self.opt_state = optim.set_lr_scale(self.opt_state, value)
-
-  @property
-  def lr(self) -> float | None:
-    """LR applied by the last step (``None`` if the optimizer does not expose it)."""
-    return optim.get_lr(self.opt_state)
+  def __init__(self, placement: Placement):
+    self._placement = placement
+    self.batch_size: int | None = None
+    self.reference_batch_size: int | None = None
+    self.pending: tuple[int, bool] | None = None
+    self._memory_cache: dict[Any, dict[str, int]] = {}
 
   def set_batch_size(self, batch_size: int, *, scale_lr: bool = True) -> None:
-    """Change the training batch size from the next epoch on (PruneTrain §4.3).
-
-    With ``scale_lr`` the LR multiplier grows by ``new / old`` (linear scaling rule).
-    Schedules advance by ``batch_size / reference_batch_size`` per step so epoch
-    milestones stay put.
-    """
+    """:meth:`Trainer.set_batch_size <jaxprune.train.Trainer.set_batch_size>`: requests
+    ``batch_size`` (a multiple of the devices) for the next epoch."""
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
       raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if batch_size % self.num_devices:
+    devices = self._placement.num_devices
+    if batch_size % devices:
       raise ValueError(
-        f"batch_size {batch_size} is not divisible by the {self.num_devices} devices of the "
+        f"batch_size {batch_size} is not divisible by the {devices} devices of the "
         "data-parallel mesh"
       )
-    self._pending_batch_size = (int(batch_size), scale_lr)
+    self.pending = (int(batch_size), scale_lr)
 
-  def _apply_pending_batch_size(self, loader: Any) -> None:
-    if self._pending_batch_size is None:
+  def start_fit(self, loader: Any) -> None:
+    """A run's first fit takes the loader's batch size as the reference."""
+    if self.reference_batch_size is None:
+      self.reference_batch_size = _loaders.batch_size(loader)
+
+  def start_epoch(self, loader: Any) -> None:
+    """Applies a requested batch size to ``loader`` (and the LR scale and schedule increment
+    to the optimizer state) and records the epoch's batch size."""
+    self._apply_pending(loader)
+    self.batch_size = _loaders.batch_size(loader)
+
+  def _apply_pending(self, loader: Any) -> None:
+    if self.pending is None:
       return
-    new_size, scale_lr = self._pending_batch_size
-    self._pending_batch_size = None
+    new_size, scale_lr = self.pending
+    self.pending = None
     old_size = _loaders.batch_size(loader)
     if old_size is None:
       raise ValueError("train_loader has no batch_size attribute; cannot change it")
     _loaders.set_batch_size(loader, new_size)
+    placement = self._placement
     if scale_lr and new_size != old_size:
-      self.lr_scale = (self.lr_scale or 1.0) * new_size / old_size
+      placement.lr_scale = (placement.lr_scale or 1.0) * new_size / old_size
     if self.reference_batch_size:
-      self.opt_state = optim.set_step_increment(
-        self.opt_state, new_size / self.reference_batch_size
-      )
+      placement.set_step_increment(new_size / self.reference_batch_size)
+
+  def state_dict(self) -> dict[str, Any]:
+    """The checkpoint's entries of this part."""
+    return {
+      "reference_batch_size": self.reference_batch_size,
+      # A batch change requested by an epoch-end hook applies at the next epoch.
+      "pending_batch_size": list(self.pending) if self.pending else None,
+    }
+
+  def load_state_dict(self, meta: Mapping[str, Any]) -> None:
+    """Takes this part's entries from a checkpoint's metadata."""
+    self.reference_batch_size = meta.get("reference_batch_size")
+    pending = meta.get("pending_batch_size")
+    self.pending = (int(pending[0]), bool(pending[1])) if pending else None
 
   def step_memory(
     self, batch_size: int, image_shape: tuple[int, ...], **kwargs: Any
   ) -> dict[str, int]:
-    """XLA memory statistics of the compiled train step at ``batch_size`` (bytes).
-
-    Memoised per model/optimizer shapes, since each analysis compiles the step."""
-    shapes = tuple(np.shape(x) for x in jax.tree.leaves((self.params, self.rest, self.opt_state)))
+    """:meth:`Trainer.step_memory <jaxprune.train.Trainer.step_memory>`, memoised per
+    model/optimizer shapes, since each analysis compiles the step."""
+    p = self._placement
+    shapes = tuple(np.shape(x) for x in jax.tree.leaves((p.params, p.rest, p.opt_state)))
     key = (
-      id(self._steps),
+      id(p.steps),
       shapes,
       int(batch_size),
       tuple(image_shape),
@@ -80,6 +108,6 @@ class BatchGrowth:
     )
     if key not in self._memory_cache:
       self._memory_cache[key] = train_step_memory(
-        self._steps, self.params, self.rest, self.opt_state, image_shape, batch_size, **kwargs
+        p.steps, p.params, p.rest, p.opt_state, image_shape, batch_size, **kwargs
       )
     return dict(self._memory_cache[key])

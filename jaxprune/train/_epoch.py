@@ -1,53 +1,64 @@
-"""One training epoch and one evaluation pass of :class:`~jaxprune.train.Trainer`: the step
-loop, its timing and throughput, step hooks, the progress bar, and padded evaluation."""
+"""One training epoch and one evaluation pass: the step loop, its timing and throughput, the
+progress bar, the checks of each batch and of non-finite steps, and padded evaluation; one
+part of :class:`~jaxprune.train.Trainer`, held in its ``_loop`` field.
+
+:class:`EpochLoop` writes only its own bookkeeping (which once-per-trainer warnings were
+shown, the run of consecutive non-finite steps); the steps change the trained state through
+:meth:`~jaxprune.train._placement.Placement.run_step`, and the trainer counts the steps (and
+runs the step hooks) in the ``step_done`` it passes to :meth:`EpochLoop.train_epoch`.
+"""
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxprune.train import _checks
+from jaxprune.train._placement import Placement
 from jaxprune.train.step import Metrics
 
-__all__ = ["EpochLoops"]
+__all__ = ["EpochLoop"]
 
 
-class EpochLoops:
-  """``train_epoch`` and ``evaluate`` (a mixin of :class:`~jaxprune.train.Trainer`: the state,
-  step, callbacks and progress setting are the trainer's)."""
+class EpochLoop:
+  """``train_epoch`` and ``evaluate`` over the state and step of ``placement``.
 
-  def train_epoch(self, loader: Iterable) -> dict[str, float]:
-    """One pass over ``loader``; returns train loss / acc and throughput.
+  Args:
+    placement: the trainer's model, state and step.
+    progress: show a tqdm bar for each epoch.
+    max_nonfinite_steps: consecutive non-finite steps that stop training (``None``: never).
+  """
 
-    Steps with a non-finite loss or gradient are skipped: params, optimizer state and
-    BatchNorm's running statistics stay as they were (unless ``skip_nonfinite=False``, which
-    applies their updates), they are left out of ``train_loss`` / ``train_acc`` and counted in
-    ``nonfinite_steps``, with a ``RuntimeWarning`` that says when class ids outside the model's
-    outputs were the cause (see :class:`~jaxprune.train.Metrics`). A batch whose images hold
-    NaN / Inf is named in a ``RuntimeWarning`` too (once per trainer), and so are integer
-    images (unnormalised pixels, a ``UserWarning``).
+  def __init__(self, placement: Placement, *, progress: bool, max_nonfinite_steps: int | None):
+    self._placement = placement
+    self.progress = progress
+    self.max_nonfinite_steps = max_nonfinite_steps
+    self._warned_nonfinite_inputs = False  # the non-finite input warning is shown once
+    self._warned_integer_images = False  # and so is the integer images one
+    # Consecutive non-finite train steps so far and (epoch, step) of the first of them.
+    self._nonfinite_run: tuple[int, tuple[int, int]] = (0, (0, 0))
 
-    Raises:
-      ValueError: the loader yielded no batches, the images' channel count is not the
-        model's (both named), or the labels' shape or dtype do not fit the batch (named).
-      NonFiniteError: ``max_nonfinite_steps`` consecutive steps (counted across epochs) were
-        not finite; raised at the end of the epoch in which the run reached the limit, naming
-        the run's first batch.
-    """
+  def train_epoch(
+    self, loader: Iterable, *, epoch: int, step_done: Callable[[], None], per_step: bool
+  ) -> dict[str, float]:
+    """One pass over ``loader``, epoch ``epoch`` (1-based): :meth:`Trainer.train_epoch
+    <jaxprune.train.Trainer.train_epoch>` (its record entries, warnings and errors).
+    ``step_done()`` runs after each step; ``per_step``: run a
+    :class:`~jaxprune.data.DeviceLoader`'s fused steps one at a time (a step hook is due)."""
+    placement = self._placement
     metrics = Metrics.zeros()._replace(
       nonfinite_run=jnp.float32(self._nonfinite_run[0]),
       max_nonfinite=jnp.float32(self.max_nonfinite_steps or 0),
     )
-    if self.mesh is not None:
-      self._sync_reduction()
-      self._replicate()
-      metrics = self._steps.replicate(metrics)
-    due = [c for c in self.callbacks if c.every_steps]
+    if placement.mesh is not None:
+      placement.sync_reduction()
+      placement.replicate()
+      metrics = placement.steps.replicate(metrics)
     try:
       total = len(loader)  # type: ignore[arg-type]
     except TypeError:
@@ -56,23 +67,19 @@ class EpochLoops:
     if self.progress:
       from tqdm.auto import tqdm
 
-      bar = tqdm(total=total, desc=f"epoch {self.epoch + 1}", leave=False, dynamic_ncols=True)
+      bar = tqdm(total=total, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
     images_seen, data_wait, steps = 0, 0.0, 0
     start = time.perf_counter()
     # CPU seconds of the whole process (XLA's threads, the loader's): unlike wall time, not
     # inflated when a shared host takes the cores away (steal time).
     cpu_start = time.process_time()
     run = self._device_steps if hasattr(loader, "dispatches") else self._host_steps
-    for metrics, count, batch, wait in run(loader, metrics, due):
-      self._model_synced = False
+    for metrics, count, batch, wait in run(loader, metrics, per_step):
       data_wait += wait
       for _ in range(count):
-        self.step += 1
         steps += 1
         images_seen += batch
-        for c in due:
-          if self.step % c.every_steps == 0:
-            c.on_step(self, self.step)
+        step_done()
       if bar is not None:
         bar.update(count)
         if steps % 20 < count:
@@ -86,8 +93,8 @@ class EpochLoops:
       raise ValueError(
         "train_loader yielded no batches (batch_size larger than the dataset with drop_last=True?)"
       )
-    self._warn_nonfinite(summary, steps)
-    self._check_nonfinite_run(summary)
+    self._warn_nonfinite(summary, steps, epoch)
+    self._check_nonfinite_run(summary, epoch)
     compute = max(elapsed - data_wait, 1e-9)
     return {
       "train_loss": summary["loss"],
@@ -101,7 +108,7 @@ class EpochLoops:
       "cpu_time_s": cpu_time,
     }
 
-  def _host_steps(self, loader: Iterable, metrics: Metrics, due: list) -> Iterator:
+  def _host_steps(self, loader: Iterable, metrics: Metrics, per_step: bool) -> Iterator:
     """One step per batch of a host loader: yields ``(metrics, 1, batch size, data wait)``."""
     iterator = iter(loader)
     while True:
@@ -112,39 +119,35 @@ class EpochLoops:
         return
       wait = time.perf_counter() - t0
       self._check_batch(images, labels)
-      self._own_donated_state()
       try:
-        self.params, self.rest, self.opt_state, metrics = self._steps.train(
-          self.params, self.rest, self.opt_state, metrics, images, labels
-        )
+        metrics = self._placement.run_step(self._placement.steps.train, metrics, images, labels)
       except (TypeError, ValueError) as e:  # raised while tracing: nothing was donated
         self._raise_if_wrong_channels(images, e)
         raise
       yield metrics, 1, int(np.shape(images)[0]), wait
 
-  def _device_steps(self, loader: Any, metrics: Metrics, due: list) -> Iterator:
+  def _device_steps(self, loader: Any, metrics: Metrics, per_step: bool) -> Iterator:
     """A :class:`~jaxprune.data.DeviceLoader`'s epoch, several steps per call of the fused
     step (one per call while a callback wants every few steps): yields ``(metrics, steps,
     batch size, data wait)`` per call."""
-    if self.mesh is not None:
+    placement = self._placement
+    if placement.mesh is not None:
       raise ValueError(
         "train_loader: a DeviceLoader trains on one device; with a mesh use jaxprune.data.Loader"
       )
-    fused = self._steps.fused_train(loader.make_batch)
+    fused = placement.steps.fused_train(loader.make_batch)
     images_all, labels_all = loader.device_arrays
     for dispatch in loader.dispatches():
       indices, step_ids = dispatch.indices, dispatch.steps
-      if due:  # step hooks see every step
+      if per_step:  # step hooks see every step
         chunks = [(indices[i : i + 1], step_ids[i : i + 1]) for i in range(len(step_ids))]
       else:
         chunks = [(indices, step_ids)]
       for chunk, ids in chunks:
-        self._own_donated_state()
         try:
-          self.params, self.rest, self.opt_state, metrics = fused(
-            self.params, self.rest, self.opt_state, metrics, images_all, labels_all,
-            chunk, dispatch.seed, dispatch.epoch, ids,
-          )  # fmt: skip
+          metrics = placement.run_step(
+            fused, metrics, images_all, labels_all, chunk, dispatch.seed, dispatch.epoch, ids
+          )
         except (TypeError, ValueError) as e:  # raised while tracing: nothing was donated
           self._raise_if_wrong_channels(np.zeros((1, *images_all.shape[1:])), e)
           raise
@@ -153,12 +156,13 @@ class EpochLoops:
   def evaluate(self, loader: Iterable) -> dict[str, float]:
     """Loss and accuracy over ``loader`` in eval mode (BatchNorm running statistics,
     no dropout), with flip TTA if enabled. Short batches are zero-padded and masked."""
+    placement = self._placement
     metrics = Metrics.zeros()
     multiple = 1
-    if self.mesh is not None:
-      self._replicate()
-      metrics = self._steps.replicate(metrics)
-      multiple = self._steps.batch_multiple
+    if placement.mesh is not None:
+      placement.replicate()
+      metrics = placement.steps.replicate(metrics)
+      multiple = placement.steps.batch_multiple
     full = None
     for images, labels in loader:
       self._check_batch(images, labels)
@@ -175,7 +179,9 @@ class EpochLoops:
         labels = xp.concatenate([labels, xp.zeros((pad, *labels.shape[1:]), labels.dtype)])
         weights[n:] = 0
       try:
-        metrics = self._steps.evaluate(self.params, self.rest, metrics, images, labels, weights)
+        metrics = placement.steps.evaluate(
+          placement.params, placement.rest, metrics, images, labels, weights
+        )
       except (TypeError, ValueError) as e:
         self._raise_if_wrong_channels(images, e)
         raise
@@ -184,9 +190,8 @@ class EpochLoops:
     summary = metrics.summary()
     return {"test_loss": summary["loss"], "test_acc": summary["acc"]}
 
-  def _warn_nonfinite(self, summary: dict, steps: int) -> None:
+  def _warn_nonfinite(self, summary: dict, steps: int, epoch: int) -> None:
     """The epoch's warnings about non-finite steps (see :meth:`train_epoch`)."""
-    epoch = self.epoch + 1
     if summary["nonfinite"]:
       why = ""
       if summary["labels_out_of_range"]:
@@ -198,7 +203,7 @@ class EpochLoops:
       what = (
         "their updates were skipped (params, optimizer state and BatchNorm's running "
         "statistics unchanged)"
-        if self.skip_nonfinite
+        if self._placement.skip_nonfinite
         else "their updates were applied (skip_nonfinite=False)"
       )
       warnings.warn(
@@ -206,7 +211,8 @@ class EpochLoops:
         f"or gradient{why}; {what}, train_loss / train_acc average the other steps and the "
         "record's nonfinite_steps counts them",
         RuntimeWarning,
-        stacklevel=4,
+        # The line that called Trainer.fit: fit -> Trainer.train_epoch -> here.
+        stacklevel=5,
       )
     if summary["nonfinite_inputs"] and not self._warned_nonfinite_inputs:
       self._warned_nonfinite_inputs = True
@@ -216,18 +222,17 @@ class EpochLoops:
         f"images); {summary['nonfinite_inputs']} batches of this epoch had such inputs. Clean "
         "the data: each such step is non-finite (this warning is shown once per trainer)",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
       )
 
-  def _check_nonfinite_run(self, summary: dict) -> None:
+  def _check_nonfinite_run(self, summary: dict, epoch: int) -> None:
     """Carries the run of consecutive non-finite steps into the next epoch, or raises
     :class:`~jaxprune.train.NonFiniteError` when a run reached ``max_nonfinite_steps``."""
-    epoch = self.epoch + 1
     if summary["limit_reached"]:
       start = summary["limit_run_start"]
       first_epoch, first_step = (epoch, start) if start else self._nonfinite_run[1]
       limit = self.max_nonfinite_steps
-      what = "skipped" if self.skip_nonfinite else "applied (skip_nonfinite=False)"
+      what = "skipped" if self._placement.skip_nonfinite else "applied (skip_nonfinite=False)"
       raise _checks.NonFiniteError(
         f"training stopped at the end of epoch {epoch}: {limit} consecutive train steps had "
         f"a non-finite loss or gradient (max_nonfinite_steps={limit}); the first of them was "
@@ -256,12 +261,13 @@ class EpochLoops:
         "normalise them to floats first, e.g. with jaxprune.data.Loader, which normalises "
         "(this warning is shown once per trainer)",
         UserWarning,
-        stacklevel=5,
+        stacklevel=6,
       )
 
   def _raise_if_wrong_channels(self, images, error: Exception) -> None:
     """Turns a step that failed on a batch with the wrong channel count into a ``ValueError``
     naming both counts (instead of XLA's convolution shape error)."""
-    message = _checks.input_channel_error(self._eval_graphdef, self.params, self.rest, images)
+    p = self._placement
+    message = _checks.input_channel_error(p.eval_graphdef, p.params, p.rest, images)
     if message is not None:
       raise ValueError(message) from error

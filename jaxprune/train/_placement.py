@@ -1,38 +1,80 @@
-"""Where the trainer's state lives: the split model, its jitted (or data-parallel) step, and
-the placement of params and optimizer state on the mesh, with the gradient reduction turned
-sparse once the optimizer state holds final masks (:mod:`jaxprune.train.data_parallel`)."""
+"""The trainer's model, its trained arrays and its step: one part of
+:class:`~jaxprune.train.Trainer`, held in its ``_placement`` field.
+
+:class:`Placement` is the only writer of the trained state (``params``, ``rest``,
+``opt_state``) and of the compiled step: the epoch loop runs the step through
+:meth:`Placement.run_step`, batch growth edits the optimizer state through
+:attr:`Placement.lr_scale` and :meth:`Placement.set_step_increment`, and a resume installs
+what it read through :meth:`Placement.set_model`. With a mesh it places params and optimizer
+state on every device and turns the gradient reduction sparse once the optimizer state holds
+final masks (:mod:`jaxprune.train.data_parallel`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 
 from jaxprune import distributed, masking
-from jaxprune.train import _checks, data_parallel
-from jaxprune.train.step import StepFunctions, split_model, step_functions
+from jaxprune.train import _checks, data_parallel, optim
+from jaxprune.train.step import Metrics, PerExampleLoss, split_model, step_functions
 
 __all__ = ["Placement"]
 
 
 class Placement:
-  """:class:`~jaxprune.train.Trainer`'s model, state and step (a mixin of it: the attributes
-  ``tx``, ``loss_fn``, ``flip_tta``, ``donate``, ``skip_nonfinite``, ``mesh`` and
-  ``sync_batchnorm`` are the trainer's)."""
+  """The model, its split state and the jitted (or data-parallel) step for its structure.
 
-  def _set_model(self, model: nnx.Module, opt_state: Any, indices: Any = None) -> None:
+  Args:
+    model: the NNX model; its variables are the trainer's until the first step.
+    opt_state: the optimizer state of ``tx`` for the model's params.
+    tx, loss_fn, flip_tta, donate, skip_nonfinite, mesh, sync_batchnorm: the trainer's
+      settings of the step (see :class:`~jaxprune.train.Trainer`; ``mesh`` resolved).
+
+  Attributes:
+    params, rest, opt_state: the trained state (params, the model's other variables, the raw
+      Optax state); assigning them is how a hook swaps them (e.g. an evaluation of other
+      params), the step donates them.
+    steps: the jitted train / eval functions for the current structure.
+    eval_graphdef: the model's graph definition in eval mode (for the input checks).
+  """
+
+  def __init__(
+    self,
+    model: nnx.Module,
+    opt_state: Any,
+    *,
+    tx: optax.GradientTransformationExtraArgs,
+    loss_fn: PerExampleLoss,
+    flip_tta: bool,
+    donate: bool,
+    skip_nonfinite: bool,
+    mesh: Any,
+    sync_batchnorm: bool,
+  ):
+    self.tx, self.loss_fn, self.flip_tta = tx, loss_fn, flip_tta
+    self.donate, self.skip_nonfinite = donate, skip_nonfinite
+    self.mesh, self.sync_batchnorm = mesh, sync_batchnorm
+    self.set_model(model, opt_state)
+
+  def set_model(self, model: nnx.Module, opt_state: Any, indices: Any = None) -> None:
+    """Installs ``model`` and ``opt_state`` with a step for their structure (``indices``: the
+    data-parallel reduction's kept entries, ``None`` dense)."""
     self._model = model
     train_gd, eval_gd, params, rest = split_model(model)
     self.params, self.rest, self.opt_state = params, rest, opt_state
-    self._eval_graphdef = eval_gd
+    self.eval_graphdef = eval_gd
     self._model_synced = True
     # The arrays came from outside (the model, its clones, the caller's optimizer state, or
     # an optimizer state that aliases the params): copied before the first donating step.
     self._shared = ("params", "rest", "opt_state")
     if self.mesh is None:
-      self._steps = step_functions(
+      self.steps = step_functions(
         train_gd,
         eval_gd,
         self.tx,
@@ -44,7 +86,7 @@ class Placement:
       return
     # A new structure (PruneTrain's reconfiguration) or new masks: a new step, compiled at
     # its first call, and the (new) states replicated on every device.
-    self._steps = data_parallel.step_functions(
+    self.steps = data_parallel.step_functions(
       model,
       self.tx,
       self.loss_fn,
@@ -55,23 +97,23 @@ class Placement:
       indices=indices,
       skip_nonfinite=self.skip_nonfinite,
     )
-    self._replicate()
+    self.replicate()
 
-  def _replicate(self) -> None:
+  def replicate(self) -> None:
     """Places params, rest and optimizer state on every device of the mesh (host-side edits
     between epochs, e.g. an LR scale, may have left some leaves on one device)."""
-    self.params, self.rest, self.opt_state = self._steps.replicate(
+    self.params, self.rest, self.opt_state = self.steps.replicate(
       (self.params, self.rest, self.opt_state)
     )
 
-  def _sync_reduction(self) -> None:
+  def sync_reduction(self) -> None:
     """Data parallelism: reduce only the kept gradient entries once the optimizer state
     holds final masks (ClickTrain §5.3); index arrays built once per set of masks, the step
     rebuilt (and recompiled) only when they change."""
     masks = masking.find_masks(self.opt_state, self.params)
     indices = distributed.mask_indices(masks) if masks is not None else None
-    if data_parallel.indices_digest(indices) != self._steps.indices_digest:
-      self._set_model(self.model, self.opt_state, indices)
+    if data_parallel.indices_digest(indices) != self.steps.indices_digest:
+      self.set_model(self.model, self.opt_state, indices)
 
   @property
   def num_devices(self) -> int:
@@ -82,7 +124,7 @@ class Placement:
   def reduction_indices(self) -> Any:
     """The index arrays of the data-parallel gradient reduction (``None``: dense, or no
     mesh)."""
-    return getattr(self._steps, "indices", None)
+    return getattr(self.steps, "indices", None)
 
   @property
   def model(self) -> nnx.Module:
@@ -93,6 +135,17 @@ class Placement:
       # The model now holds the trainer's arrays: a clone of it would share them.
       self._shared = tuple(dict.fromkeys((*self._shared, "params", "rest")))
     return self._model
+
+  @property
+  def module(self) -> nnx.Module:
+    """The model object without a sync (its variables may lag the trained state): for its
+    class, width spec and shapes, which a sync would not change, without the copy a sync
+    costs the next donating step."""
+    return self._model
+
+  def mark_stale(self) -> None:
+    """The trained state moved past the model's variables: the next :attr:`model` syncs."""
+    self._model_synced = False
 
   def _own_donated_state(self) -> None:
     """Copies the state the train step is about to donate where someone else may hold it.
@@ -112,17 +165,38 @@ class Placement:
     if self._model_synced:
       nnx.update(self._model, self.params, self.rest)
 
+  def run_step(self, step: Callable[..., Any], metrics: Metrics, *batch: Any) -> Metrics:
+    """Runs a train step ``step(params, rest, opt_state, metrics, *batch)`` on the trained
+    state (a copy first where it is shared, see :meth:`_own_donated_state`), keeps the new
+    state and returns the new metrics. The model lags it until the next :attr:`model`."""
+    self._own_donated_state()
+    self.params, self.rest, self.opt_state, metrics = step(
+      self.params, self.rest, self.opt_state, metrics, *batch
+    )
+    self._model_synced = False
+    return metrics
+
   @property
-  def steps(self) -> StepFunctions:
-    """The jitted train / eval functions for the current model structure."""
-    return self._steps
+  def lr_scale(self) -> float | None:
+    """Multiplier on the LR of every ``scale_by_lr`` in the optimizer (``None`` if none)."""
+    return optim.get_lr_scale(self.opt_state)
+
+  @lr_scale.setter
+  def lr_scale(self, value: float) -> None:
+    self.opt_state = optim.set_lr_scale(self.opt_state, value)
+
+  @property
+  def lr(self) -> float | None:
+    """LR applied by the last step (``None`` if the optimizer does not expose it)."""
+    return optim.get_lr(self.opt_state)
+
+  def set_step_increment(self, increment: float) -> None:
+    """Schedules advance by ``increment`` per step (:func:`jaxprune.train.set_step_increment`)."""
+    self.opt_state = optim.set_step_increment(self.opt_state, increment)
 
   def replace(self, model: nnx.Module | None = None, opt_state: Any | None = None) -> None:
-    """Install a new model and/or optimizer state (e.g. after PruneTrain reconfiguration).
-
-    A model with new shapes gets newly jitted steps. If only ``model`` is given the
-    optimizer state must still match its params (same structure and shapes).
-    """
+    """:meth:`Trainer.replace <jaxprune.train.Trainer.replace>`: a new model and/or optimizer
+    state, checked against ``tx.init`` of the model's params."""
     model = self.model if model is None else model
     opt_state = self.opt_state if opt_state is None else opt_state
     expected, expected_def = jax.tree.flatten(
@@ -131,4 +205,4 @@ class Placement:
     got, got_def = jax.tree.flatten(opt_state)
     if expected_def != got_def or [e.shape for e in expected] != [np.shape(g) for g in got]:
       raise ValueError("opt_state: structure or shapes do not match tx.init(model params)")
-    self._set_model(model, opt_state)
+    self.set_model(model, opt_state)

@@ -1,12 +1,18 @@
-"""Checkpoint and resume wiring of :class:`~jaxprune.train.Trainer`: what a checkpoint holds
-beyond the arrays (epoch, loader position, batch sizes, callbacks' state, history, run
-config), claiming ``checkpoint_dir`` for one run, and falling back past damaged checkpoints."""
+"""Checkpoint and resume wiring of :class:`~jaxprune.train.Trainer`: one part of it, held in
+its ``_checkpoints`` field.
+
+:class:`Checkpoints` owns the store: it claims ``checkpoint_dir`` for one run, writes what
+the trainer hands it (with the run config and the starting model's structure), and on a
+resume checks a checkpoint against this run, reads it into a model rebuilt to its width spec
+and falls back past damaged ones. It writes only its own fields; the trainer installs what
+was read into its other parts (the ``install`` of :meth:`Checkpoints.restore`).
+"""
 
 from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -16,12 +22,11 @@ from flax import nnx
 
 from jaxprune import models
 from jaxprune.paths import flatten_with_paths
-from jaxprune.train import _loaders
 from jaxprune.train._spec_json import decode_spec, encode_spec
-from jaxprune.train.checkpoint import DamagedCheckpointError
+from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
 from jaxprune.train.step import split_model
 
-__all__ = ["Resume", "model_spec", "model_structure"]
+__all__ = ["Checkpoints", "model_spec", "model_structure"]
 
 
 def model_spec(model: nnx.Module) -> Any:
@@ -106,44 +111,44 @@ def _check_run_config(
   )
 
 
-class Resume:
-  """``save_checkpoint`` / ``restore_checkpoint`` (a mixin of :class:`~jaxprune.train.Trainer`:
-  ``store``, ``run_config``, ``model_builder`` and the trained state are the trainer's)."""
+class Checkpoints:
+  """``checkpoint_dir``'s store and what ties its checkpoints to this run.
 
-  def _meta(self, loader: Any) -> dict[str, Any]:
-    loader_state = _loaders.position(loader) if loader is not None else None
-    return {
-      "epoch": self.epoch,
-      "step": self.step,
-      "batch_size": _loaders.batch_size(loader),
-      "reference_batch_size": self.reference_batch_size,
-      # A batch change requested by an epoch-end hook applies at the next epoch.
-      "pending_batch_size": (list(self._pending_batch_size) if self._pending_batch_size else None),
-      "loader_state": loader_state,
-      "model_spec": model_spec(self._model),
-      "callbacks": [c.state_dict() for c in self.callbacks],
-      "elapsed_s": self._elapsed_before,
-      "history": self.history,
-      "run_config": self.run_config,
-      "start_model": self._start_model(),
-    }
+  Args:
+    store: the checkpoint store (``None``: no ``checkpoint_dir``, nothing is saved).
+    run_config: the JSON form of the trainer's ``run_config`` (``None``: not checked).
+    model_builder: ``spec -> model`` for a checkpoint of another width spec (``None``:
+      :func:`jaxprune.models.rebuild`).
+  """
 
-  def _start_model(self) -> dict[str, Any]:
+  def __init__(
+    self,
+    store: CheckpointStore | None,
+    run_config: dict[str, Any] | None,
+    model_builder: Callable[[Any], nnx.Module] | None,
+  ):
+    self.store, self.run_config, self.model_builder = store, run_config, model_builder
+    self._start_structure: dict[str, Any] | None = None
+    # True once checkpoint_dir holds only this run's checkpoints (restored from it, found it
+    # empty, or cleared it with fit(overwrite=True)): only then may save write there.
+    self._owns_store = False
+
+  def start_model(self, model: nnx.Module) -> dict[str, Any]:
     """:func:`model_structure` of the model this run started from, taken the first time a
     checkpoint is restored, the folder claimed or a checkpoint written (before any training,
     in ``fit``), so a reconfiguration later does not change it."""
-    if getattr(self, "_start_structure", None) is None:
-      self._start_structure = model_structure(self._model)
+    if self._start_structure is None:
+      self._start_structure = model_structure(model)
     return self._start_structure
 
-  def _claim_store(self, overwrite: bool) -> None:
+  def claim(self, model: nnx.Module, overwrite: bool) -> None:
     """Make ``checkpoint_dir`` this run's own before anything is written into it.
 
     Checkpoints are numbered by epoch and ``fit`` resumes the highest number, so a fresh run
     writing next to another run's checkpoints would leave the other run's later epochs as
     "latest" and a resume would silently continue the wrong run.
     """
-    self._start_model()
+    self.start_model(model)
     if self.store is None or self._owns_store:
       return
     steps = self.store.all_steps()
@@ -157,55 +162,51 @@ class Resume:
       self.store.clear()
     self._owns_store = True
 
-  def save_checkpoint(self, loader: Any = None) -> None:
-    """Write a checkpoint of the current state (no-op without ``checkpoint_dir``).
-
-    Raises:
-      ValueError: if ``checkpoint_dir`` holds another run's checkpoints (this trainer
-        neither restored from it nor cleared it with ``fit(overwrite=True)``).
-    """
+  def save(
+    self, model: nnx.Module, epoch: int, arrays: dict[str, Any], meta: dict[str, Any]
+  ) -> None:
+    """Writes checkpoint ``epoch`` of ``arrays`` and ``meta`` (plus the run config and the
+    starting model's structure) after claiming the folder (no-op without a store)."""
     if self.store is None:
       return
-    self._claim_store(overwrite=False)
-    arrays = {"params": self.params, "rest": self.rest, "opt_state": self.opt_state}
-    self.store.save(self.epoch, arrays, self._meta(loader))
+    self.claim(model, overwrite=False)
+    meta = {**meta, "run_config": self.run_config, "start_model": self.start_model(model)}
+    self.store.save(epoch, arrays, meta)
 
-  def _rebuild_model(self, spec: Any) -> nnx.Module:
+  def _rebuild_model(self, model: nnx.Module, spec: Any) -> nnx.Module:
     if self.model_builder is not None:
       return self.model_builder(spec)
-    if getattr(self._model, "num_classes", None) is None:
+    if getattr(model, "num_classes", None) is None:
       raise ValueError(
         "checkpoint: model spec differs from the current model's and no "
         "model_builder was given to rebuild it"
       )
     # The checkpoint restores every variable, conversion state (e.g. SDGP keys) included.
-    return models.rebuild(self._model, spec)
+    return models.rebuild(model, spec)
 
-  def restore_checkpoint(self, loader: Any = None, step: int | None = None) -> bool:
-    """Restore the latest (or given) checkpoint; returns False if there is none.
+  def restore(
+    self,
+    model: nnx.Module,
+    tx: Any,
+    install: Callable[[nnx.Module, dict[str, Any], dict[str, Any]], None],
+    step: int | None = None,
+  ) -> bool:
+    """Reads the latest (or given) checkpoint of a run of ``model`` trained with ``tx`` and
+    hands it to ``install(model, arrays, meta)``; returns False if there is none.
 
-    A damaged latest checkpoint (files truncated or missing) is renamed to
-    ``<step>.damaged`` with a ``UserWarning`` naming it, and the newest intact one is
-    restored instead.
-
-    Raises:
-      DamagedCheckpointError: if the given ``step`` is damaged, or every checkpoint is (the
-        message names each one's step and path).
-      ValueError: if the checkpoint belongs to a differently configured run (its stored
-        ``run_config`` and this trainer's, both named) or to a run that started from another
-        model (class, width spec or parameter paths and shapes, both named), or does not fit
-        the model.
+    See :meth:`jaxprune.train.Trainer.restore_checkpoint` for the damaged-checkpoint
+    fallback and the errors.
     """
-    self._start_model()
+    self.start_model(model)
     if self.store is None:
       return False
     if step is not None:
-      self._restore_step(loader, step)
+      self._restore_step(model, tx, install, step)
       return True
     damaged: list[DamagedCheckpointError] = []
     for candidate in reversed(self.store.all_steps()):
       try:
-        self._restore_step(loader, candidate)
+        self._restore_step(model, tx, install, candidate)
       except DamagedCheckpointError as e:
         damaged.append(e)
         continue
@@ -223,34 +224,19 @@ class Resume:
       )
     return False
 
-  def _restore_step(self, loader: Any, step: int) -> None:
-    # Every read from the store happens before the trainer's state changes, so a damaged
-    # checkpoint leaves the trainer as it was.
+  def _restore_step(self, model: nnx.Module, tx: Any, install: Callable, step: int) -> None:
+    # Every read from the store happens before install changes the trainer's state, so a
+    # damaged checkpoint leaves the trainer as it was.
     meta = self.store.restore_meta(step)
     _check_run_config(meta.get("run_config"), self.run_config, self.store.directory)
-    _check_start_model(meta.get("start_model"), self._start_model(), self.store.directory)
-    model = self._model
+    _check_start_model(meta.get("start_model"), self.start_model(model), self.store.directory)
     if meta.get("model_spec") is not None and meta["model_spec"] != model_spec(model):
-      model = self._rebuild_model(decode_spec(meta["model_spec"]))
+      model = self._rebuild_model(model, decode_spec(meta["model_spec"]))
     _, _, params, rest = split_model(model)
-    template = {"params": params, "rest": rest, "opt_state": jax.eval_shape(self.tx.init, params)}
+    template = {"params": params, "rest": rest, "opt_state": jax.eval_shape(tx.init, params)}
     template["opt_state"] = jax.tree.map(
       lambda s: jnp.zeros(s.shape, s.dtype), template["opt_state"]
     )
     arrays, meta = self.store.restore(step, template)
-    nnx.update(model, arrays["params"], arrays["rest"])
-    self._set_model(model, arrays["opt_state"])
-    self.epoch, self.step = int(meta["epoch"]), int(meta["step"])
     self._owns_store = True  # the restored run goes on in its own folder
-    self.reference_batch_size = meta.get("reference_batch_size")
-    pending = meta.get("pending_batch_size")
-    self._pending_batch_size = (int(pending[0]), bool(pending[1])) if pending else None
-    self.history = list(meta.get("history", []))
-    self._elapsed_before = float(meta.get("elapsed_s", 0.0))
-    for c, state in zip(self.callbacks, meta.get("callbacks", [])):
-      c.load_state_dict(state)
-    if loader is not None:
-      if meta.get("batch_size") is not None and _loaders.batch_size(loader) is not None:
-        _loaders.set_batch_size(loader, int(meta["batch_size"]))
-      if meta.get("loader_state") is not None:
-        _loaders.restore(loader, meta["loader_state"])
+    install(model, arrays, meta)

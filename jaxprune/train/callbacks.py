@@ -1,4 +1,5 @@
-"""Host-side hooks of :class:`jaxprune.train.Trainer`: the :class:`Callback` base class.
+"""Host-side hooks of :class:`jaxprune.train.Trainer`: the :class:`Callback` base class and
+:class:`TrainerLike`, what a hook may use of the trainer it is given.
 
 A hook may replace the model and optimizer state (PruneTrain's reconfiguration), change the
 batch size (PruneTrain's dynamic mini-batch), add entries to the epoch's JSON record, and keep
@@ -8,16 +9,85 @@ its own state in the checkpoints for exact resume.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-  from jaxprune.train.trainer import Trainer
+import optax
+from flax import nnx
 
-__all__ = ["Callback", "as_callbacks"]
+__all__ = ["Callback", "TrainerLike", "as_callbacks"]
+
+
+class TrainerLike(Protocol):
+  """What a hook may use of the trainer it is given (:class:`jaxprune.train.Trainer` is one).
+
+  The members the library's hooks use (ClickTrain's, PruneTrain's and the experiments'),
+  plus ``tx``, ``lr`` and ``lr_scale``, which a hook that builds a new optimizer state or
+  scales the LR itself needs. Naming them here keeps hooks off the trainer's internals and
+  ``callbacks`` free of an import of the trainer; a test checks that the trainer has every
+  member and that the library's hooks use no other.
+  """
+
+  # The trained state: read, or swapped for a moment (an evaluation of other params);
+  # a lasting change goes through replace().
+  params: Any
+  rest: Any
+  opt_state: Any
+  lr_scale: float | None  # the multiplier on the optimizer's LR; settable
+
+  @property
+  def model(self) -> nnx.Module:
+    """The live model, synced from the trained state."""
+
+  @property
+  def tx(self) -> optax.GradientTransformation:
+    """The optimizer (``tx.init`` makes an optimizer state for a new model)."""
+
+  @property
+  def epoch(self) -> int:
+    """Epochs completed."""
+
+  @property
+  def step(self) -> int:
+    """Optimizer steps completed."""
+
+  @property
+  def history(self) -> list[dict[str, Any]]:
+    """The records of the epochs completed."""
+
+  @property
+  def batch_size(self) -> int | None:
+    """The training loader's batch size this epoch."""
+
+  @property
+  def reference_batch_size(self) -> int | None:
+    """The training loader's batch size when the run started."""
+
+  @property
+  def num_devices(self) -> int:
+    """Devices the global batch is split over (1 without a mesh)."""
+
+  @property
+  def lr(self) -> float | None:
+    """The LR the last step applied (``None`` if the optimizer does not expose it)."""
+
+  def replace(self, model: nnx.Module | None = None, opt_state: Any | None = None) -> None:
+    """Installs a new model and/or optimizer state."""
+
+  def evaluate(self, loader: Iterable) -> dict[str, float]:
+    """Test loss and accuracy over ``loader`` with the trained state."""
+
+  def set_batch_size(self, batch_size: int, *, scale_lr: bool = True) -> None:
+    """Changes the training batch size from the next epoch on."""
+
+  def step_memory(
+    self, batch_size: int, image_shape: tuple[int, ...], **kwargs: Any
+  ) -> dict[str, int]:
+    """Memory statistics of the compiled train step at ``batch_size`` (bytes)."""
 
 
 class Callback:
-  """Base class of host-side hooks (override what you need).
+  """Base class of host-side hooks (override what you need). Each gets the trainer as a
+  :class:`TrainerLike`: a hook that keeps to its members runs on any trainer that has them.
 
   Attributes:
     every_steps: if set, :meth:`on_step` runs after every ``every_steps`` optimizer steps.
@@ -25,29 +95,29 @@ class Callback:
 
   every_steps: int | None = None
 
-  def on_fit_start(self, trainer: "Trainer") -> None:
-    """Runs when :meth:`Trainer.fit` starts, after a checkpoint was restored (a hook that
-    changes the model's structure once, e.g. ClickTrain's sparse execution, re-applies it
-    to a resumed run here)."""
+  def on_fit_start(self, trainer: TrainerLike) -> None:
+    """Runs when :meth:`jaxprune.train.Trainer.fit` starts, after a checkpoint was restored
+    (a hook that changes the model's structure once, e.g. ClickTrain's sparse execution,
+    re-applies it to a resumed run here)."""
     del trainer
 
-  def on_train_epoch_end(self, trainer: "Trainer", epoch: int, train_loader: Iterable) -> None:
+  def on_train_epoch_end(self, trainer: TrainerLike, epoch: int, train_loader: Iterable) -> None:
     """Runs after epoch ``epoch`` (1-based) was trained, before it is evaluated; may change
     the model's non-trained state for evaluation (e.g. re-estimate BatchNorm statistics
     from ``train_loader``, :func:`jaxprune.train.recompute_batch_stats`)."""
     del trainer, epoch, train_loader
 
-  def on_epoch_end(self, trainer: "Trainer", epoch: int) -> Mapping[str, Any] | None:
+  def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> Mapping[str, Any] | None:
     """Runs after epoch ``epoch`` (1-based) was trained and evaluated, before the
     checkpoint. Return a dict to add entries to the epoch's JSON record."""
     del trainer, epoch
     return None
 
-  def on_step(self, trainer: "Trainer", step: int) -> None:
+  def on_step(self, trainer: TrainerLike, step: int) -> None:
     """Runs after optimizer step ``step`` (1-based, global) when ``every_steps`` divides it."""
     del trainer, step
 
-  def after_epoch(self, trainer: "Trainer", record: Mapping[str, Any]) -> None:
+  def after_epoch(self, trainer: TrainerLike, record: Mapping[str, Any]) -> None:
     """Runs after the epoch's record was logged and the checkpoint written (reporting)."""
     del trainer, record
 
@@ -60,15 +130,16 @@ class Callback:
 
 
 class _FunctionCallback(Callback):
-  def __init__(self, fn: Callable[["Trainer", int], Mapping[str, Any] | None]):
+  def __init__(self, fn: Callable[[TrainerLike, int], Mapping[str, Any] | None]):
     self._fn = fn
 
   def on_epoch_end(self, trainer, epoch):
     return self._fn(trainer, epoch)
 
 
-
-def as_callbacks(callbacks: Sequence[Callback | Callable[["Trainer", int], Any]]) -> list[Callback]:
+def as_callbacks(
+  callbacks: Sequence[Callback | Callable[[TrainerLike, int], Any]],
+) -> list[Callback]:
   """``callbacks`` as :class:`Callback` objects (a function ``(trainer, epoch) -> dict | None``
   becomes an ``on_epoch_end`` hook).
 

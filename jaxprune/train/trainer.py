@@ -1,10 +1,22 @@
 """The training loop: ``Trainer`` and ``fit``.
 
-The trainer owns a split NNX model and a raw Optax state and runs epochs: train, hooks,
-evaluation, one JSON line, a checkpoint. Its other jobs live in their own modules, mixed into
-:class:`Trainer`: state and step placement (``_placement``), the epoch loops (``_epoch``),
-batch growth (``_batch_growth``), checkpoint / resume wiring (``_resume``), the JSON-lines log
-(``_run_log``) and the hooks (:mod:`~jaxprune.train.callbacks`).
+The trainer runs epochs: train, hooks, evaluation, one JSON line, a checkpoint. It holds its
+other jobs as parts, each a small class in a field of its own that writes only its own
+attributes:
+
+* ``_placement`` (:class:`~jaxprune.train._placement.Placement`): the model, the trained
+  state (``params``, ``rest``, ``opt_state``) and the compiled step for its structure;
+* ``_batches`` (:class:`~jaxprune.train._batch_growth.BatchGrowth`): ``batch_size``,
+  ``reference_batch_size``, a requested batch change and the step-memory probe;
+* ``_loop`` (:class:`~jaxprune.train._epoch.EpochLoop`): one training epoch, one evaluation
+  and the checks of batches and non-finite steps;
+* ``_checkpoints`` (:class:`~jaxprune.train._resume.Checkpoints`): ``store``, claiming it for
+  one run, saving, and reading a checkpoint back.
+
+The trainer itself writes the run's counters (``epoch``, ``step``, ``history``,
+``stopped_early``) and its settings; an attribute that lives on a part is declared on the
+class as ``_Part("<field>")``, so the class body says where each one is kept. The JSON-lines
+log is :mod:`~jaxprune.train._run_log`, the hooks :mod:`~jaxprune.train.callbacks`.
 
 Host-side callbacks run at epoch end (and optionally every ``k`` steps). They may
 
@@ -37,10 +49,11 @@ from flax import nnx
 from jaxprune import masking
 from jaxprune.train import _loaders, _run_log, data_parallel
 from jaxprune.train._batch_growth import BatchGrowth
-from jaxprune.train._epoch import EpochLoops
+from jaxprune.train._epoch import EpochLoop
 from jaxprune.train._placement import Placement
-from jaxprune.train._resume import Resume
-from jaxprune.train.callbacks import Callback, as_callbacks
+from jaxprune.train._resume import Checkpoints, model_spec
+from jaxprune.train._time_box import TimeBox
+from jaxprune.train.callbacks import Callback, TrainerLike, as_callbacks
 from jaxprune.train.checkpoint import CheckpointStore
 from jaxprune.train.step import PerExampleLoss, default_loss
 
@@ -51,7 +64,28 @@ def _is_tty() -> bool:
   return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
 
 
-class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
+class _Part:
+  """A :class:`Trainer` attribute kept on one of its parts (the field ``part``): reading and
+  setting it read and set the part's, except that a ``read_only`` one cannot be set."""
+
+  def __init__(self, part: str, *, read_only: bool = False):
+    self.part, self.read_only = part, read_only
+
+  def __set_name__(self, owner: type, name: str) -> None:
+    self.name = name
+
+  def __get__(self, instance: Any, owner: type | None = None) -> Any:
+    if instance is None:
+      return self
+    return getattr(getattr(instance, self.part), self.name)
+
+  def __set__(self, instance: Any, value: Any) -> None:
+    if self.read_only:
+      raise AttributeError(f"Trainer.{self.name} cannot be set")
+    setattr(getattr(instance, self.part), self.name, value)
+
+
+class Trainer:
   """Train an NNX model with any Optax transform.
 
   Args:
@@ -118,7 +152,9 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       step. Evaluation always uses those (replicated) running statistics.
 
   Example:
-    >>> trainer = Trainer(model, sgd(0.1, 0.9, weight_decay=5e-4), label_smoothing=0.1)  # doctest: +SKIP
+    >>> trainer = Trainer(  # doctest: +SKIP
+    ...   model, sgd(0.1, 0.9, weight_decay=5e-4), label_smoothing=0.1
+    ... )
     >>> history = trainer.fit(train_loader, test_loader, epochs=10)  # doctest: +SKIP
 
     Data parallel over every device (each loader batch split evenly over them)::
@@ -143,7 +179,7 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     label_smoothing: float = 0.0,
     loss_fn: PerExampleLoss | None = None,
     flip_tta: bool = False,
-    callbacks: Sequence[Callback | Callable[["Trainer", int], Any]] = (),
+    callbacks: Sequence[Callback | Callable[[TrainerLike, int], Any]] = (),
     metrics: Mapping[str, Callable[["Trainer"], Any]] | None = None,
     log_path: str | os.PathLike | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
@@ -170,55 +206,201 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     self.eval_every = int(eval_every)
-    self.tx = optax.with_extra_args_support(tx)
-    self.loss_fn = loss_fn if loss_fn is not None else default_loss(label_smoothing)
-    self.flip_tta = flip_tta
     self.callbacks: list[Callback] = as_callbacks(callbacks)
     self.metrics = dict(metrics or {})
     self.log_path = os.fspath(log_path) if log_path is not None else None
     self.checkpoint_every = checkpoint_every
-    self.store = (
-      CheckpointStore(checkpoint_dir, max_to_keep=max_to_keep)
-      if checkpoint_dir is not None
-      else None
-    )
+    progress_bar = _is_tty() if progress is None else bool(progress)
     # Off a terminal (a log file, a job's output) a bar is noise: one line per epoch instead.
-    self.progress = _is_tty() if progress is None else bool(progress)
-    self.epoch_lines = progress is None and not self.progress
-    self.skip_nonfinite = bool(skip_nonfinite)
-    self.max_nonfinite_steps = None if max_nonfinite_steps is None else int(max_nonfinite_steps)
-    self.model_builder = model_builder
-    self.donate = donate
-    self.mesh = data_parallel.resolve_mesh(mesh)
-    if sync_batchnorm and self.mesh is None:
+    self.epoch_lines = progress is None and not progress_bar
+    resolved_mesh = data_parallel.resolve_mesh(mesh)
+    if sync_batchnorm and resolved_mesh is None:
       raise ValueError("sync_batchnorm=True needs a mesh (data parallelism)")
-    self.sync_batchnorm = bool(sync_batchnorm)
     # Round-trip through JSON so the comparison on resume sees what the checkpoint stores
     # (tuples become lists); unserialisable values fail here, not at the first save.
     try:
-      self.run_config = json.loads(json.dumps(dict(run_config))) if run_config else None
+      run_config = json.loads(json.dumps(dict(run_config))) if run_config else None
     except TypeError as e:
       raise ValueError(f"run_config must be JSON-serialisable: {e}") from None
 
     self.epoch = 0  # completed epochs
     self.step = 0  # completed optimizer steps
     self.history: list[dict[str, Any]] = []
-    self.reference_batch_size: int | None = None
-    self.batch_size: int | None = None  # the training loader's batch size this epoch
-    self._pending_batch_size: tuple[int, bool] | None = None
-    self._elapsed_before = 0.0
     # Why the last fit stopped before its epochs (None: it did not); see fit(max_seconds=...).
     self.stopped_early: str | None = None
-    self._memory_cache: dict[Any, dict[str, int]] = {}
+    self._elapsed_before = 0.0  # seconds of the run before this fit (restored on resume)
     self._refill_check = masking.RefillCheck()  # pruned weights re-filled at an epoch end
-    self._warned_nonfinite_inputs = False  # the non-finite input warning is shown once
-    self._warned_integer_images = False  # and so is the integer images one
-    # Consecutive non-finite train steps so far and (epoch, step) of the first of them.
-    self._nonfinite_run: tuple[int, tuple[int, int]] = (0, (0, 0))
-    # True once checkpoint_dir holds only this run's checkpoints (restored from it, found it
-    # empty, or cleared it with fit(overwrite=True)): only then may save_checkpoint write there.
-    self._owns_store = False
-    self._set_model(model, self.tx.init(nnx.as_pure(nnx.state(model, nnx.Param))))
+
+    # The parts (see the module docstring).
+    tx = optax.with_extra_args_support(tx)
+    self._placement = Placement(
+      model,
+      tx.init(nnx.as_pure(nnx.state(model, nnx.Param))),
+      tx=tx,
+      loss_fn=loss_fn if loss_fn is not None else default_loss(label_smoothing),
+      flip_tta=flip_tta,
+      donate=donate,
+      skip_nonfinite=bool(skip_nonfinite),
+      mesh=resolved_mesh,
+      sync_batchnorm=bool(sync_batchnorm),
+    )
+    self._batches = BatchGrowth(self._placement)
+    self._loop = EpochLoop(
+      self._placement,
+      progress=progress_bar,
+      max_nonfinite_steps=None if max_nonfinite_steps is None else int(max_nonfinite_steps),
+    )
+    store = (
+      CheckpointStore(checkpoint_dir, max_to_keep=max_to_keep)
+      if checkpoint_dir is not None
+      else None
+    )
+    self._checkpoints = Checkpoints(store, run_config, model_builder)
+
+  # Kept by the placement part: the model, its trained state, the step and its settings.
+  model = _Part("_placement", read_only=True)
+  params = _Part("_placement")
+  rest = _Part("_placement")
+  opt_state = _Part("_placement")
+  lr_scale = _Part("_placement")
+  lr = _Part("_placement", read_only=True)
+  steps = _Part("_placement", read_only=True)
+  num_devices = _Part("_placement", read_only=True)
+  reduction_indices = _Part("_placement", read_only=True)
+  tx = _Part("_placement")
+  loss_fn = _Part("_placement")
+  flip_tta = _Part("_placement")
+  donate = _Part("_placement")
+  skip_nonfinite = _Part("_placement")
+  mesh = _Part("_placement")
+  sync_batchnorm = _Part("_placement")
+  # Kept by the batch-growth part.
+  batch_size = _Part("_batches")
+  reference_batch_size = _Part("_batches")
+  # Kept by the epoch loop.
+  progress = _Part("_loop")
+  max_nonfinite_steps = _Part("_loop")
+  # Kept by the checkpoint part.
+  store = _Part("_checkpoints")
+  run_config = _Part("_checkpoints")
+  model_builder = _Part("_checkpoints")
+
+  def replace(self, model: nnx.Module | None = None, opt_state: Any | None = None) -> None:
+    """Install a new model and/or optimizer state (e.g. after PruneTrain reconfiguration).
+
+    A model with new shapes gets newly jitted steps. If only ``model`` is given the
+    optimizer state must still match its params (same structure and shapes).
+    """
+    self._placement.replace(model, opt_state)
+
+  def set_batch_size(self, batch_size: int, *, scale_lr: bool = True) -> None:
+    """Change the training batch size from the next epoch on (PruneTrain §4.3).
+
+    With ``scale_lr`` the LR multiplier grows by ``new / old`` (linear scaling rule).
+    Schedules advance by ``batch_size / reference_batch_size`` per step so epoch
+    milestones stay put.
+    """
+    self._batches.set_batch_size(batch_size, scale_lr=scale_lr)
+
+  def step_memory(
+    self, batch_size: int, image_shape: tuple[int, ...], **kwargs: Any
+  ) -> dict[str, int]:
+    """XLA memory statistics of the compiled train step at ``batch_size`` (bytes).
+
+    Memoised per model/optimizer shapes, since each analysis compiles the step."""
+    return self._batches.step_memory(batch_size, image_shape, **kwargs)
+
+  def train_epoch(self, loader: Iterable) -> dict[str, float]:
+    """One pass over ``loader``; returns train loss / acc and throughput.
+
+    Steps with a non-finite loss or gradient are skipped: params, optimizer state and
+    BatchNorm's running statistics stay as they were (unless ``skip_nonfinite=False``, which
+    applies their updates), they are left out of ``train_loss`` / ``train_acc`` and counted in
+    ``nonfinite_steps``, with a ``RuntimeWarning`` that says when class ids outside the model's
+    outputs were the cause (see :class:`~jaxprune.train.Metrics`). A batch whose images hold
+    NaN / Inf is named in a ``RuntimeWarning`` too (once per trainer), and so are integer
+    images (unnormalised pixels, a ``UserWarning``).
+
+    Raises:
+      ValueError: the loader yielded no batches, the images' channel count is not the
+        model's (both named), or the labels' shape or dtype do not fit the batch (named).
+      NonFiniteError: ``max_nonfinite_steps`` consecutive steps (counted across epochs) were
+        not finite; raised at the end of the epoch in which the run reached the limit, naming
+        the run's first batch.
+    """
+    due = [c for c in self.callbacks if c.every_steps]
+
+    def step_done() -> None:
+      self.step += 1
+      for c in due:
+        if self.step % c.every_steps == 0:
+          c.on_step(self, self.step)
+
+    return self._loop.train_epoch(
+      loader, epoch=self.epoch + 1, step_done=step_done, per_step=bool(due)
+    )
+
+  def evaluate(self, loader: Iterable) -> dict[str, float]:
+    """Loss and accuracy over ``loader`` in eval mode (BatchNorm running statistics,
+    no dropout), with flip TTA if enabled. Short batches are zero-padded and masked."""
+    return self._loop.evaluate(loader)
+
+  def save_checkpoint(self, loader: Any = None) -> None:
+    """Write a checkpoint of the current state (no-op without ``checkpoint_dir``).
+
+    Raises:
+      ValueError: if ``checkpoint_dir`` holds another run's checkpoints (this trainer
+        neither restored from it nor cleared it with ``fit(overwrite=True)``).
+    """
+    if self.store is None:
+      return
+    placement = self._placement
+    arrays = {"params": placement.params, "rest": placement.rest, "opt_state": placement.opt_state}
+    meta = {
+      "epoch": self.epoch,
+      "step": self.step,
+      "batch_size": _loaders.batch_size(loader),
+      **self._batches.state_dict(),
+      "loader_state": _loaders.position(loader) if loader is not None else None,
+      "model_spec": model_spec(placement.module),
+      "callbacks": [c.state_dict() for c in self.callbacks],
+      "elapsed_s": self._elapsed_before,
+      "history": self.history,
+    }
+    self._checkpoints.save(placement.module, self.epoch, arrays, meta)
+
+  def restore_checkpoint(self, loader: Any = None, step: int | None = None) -> bool:
+    """Restore the latest (or given) checkpoint; returns False if there is none.
+
+    A damaged latest checkpoint (files truncated or missing) is renamed to
+    ``<step>.damaged`` with a ``UserWarning`` naming it, and the newest intact one is
+    restored instead.
+
+    Raises:
+      DamagedCheckpointError: if the given ``step`` is damaged, or every checkpoint is (the
+        message names each one's step and path).
+      ValueError: if the checkpoint belongs to a differently configured run (its stored
+        ``run_config`` and this trainer's, both named) or to a run that started from another
+        model (class, width spec or parameter paths and shapes, both named), or does not fit
+        the model.
+    """
+
+    def install(model: nnx.Module, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+      nnx.update(model, arrays["params"], arrays["rest"])
+      self._placement.set_model(model, arrays["opt_state"])
+      self.epoch, self.step = int(meta["epoch"]), int(meta["step"])
+      self._batches.load_state_dict(meta)
+      self.history = list(meta.get("history", []))
+      self._elapsed_before = float(meta.get("elapsed_s", 0.0))
+      for c, state in zip(self.callbacks, meta.get("callbacks", [])):
+        c.load_state_dict(state)
+      if loader is not None:
+        if meta.get("batch_size") is not None and _loaders.batch_size(loader) is not None:
+          _loaders.set_batch_size(loader, int(meta["batch_size"]))
+        if meta.get("loader_state") is not None:
+          _loaders.restore(loader, meta["loader_state"])
+
+    return self._checkpoints.restore(self._placement.module, self.tx, install, step)
 
   def _stop_early(self, train_loader: Iterable, test_loader: Iterable | None, epochs: int) -> None:
     """``fit`` stops at ``max_seconds``: the last record gets its evaluation if it had none,
@@ -304,7 +486,7 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     self.stopped_early = None
     if resume:
       self.restore_checkpoint(train_loader)
-    self._claim_store(overwrite)
+    self._checkpoints.claim(self._placement.module, overwrite)
     if self.epoch > epochs:
       # ``epochs`` is the run's total, so nothing is trained; say so rather than hand back
       # more epochs than were asked for without a word.
@@ -316,19 +498,17 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
       )
     for c in self.callbacks:
       c.on_fit_start(self)
-    if self.reference_batch_size is None:
-      self.reference_batch_size = _loaders.batch_size(train_loader)
+    self._batches.start_fit(train_loader)
     _run_log.rewrite(self.log_path, self.history)
     fit_start = time.perf_counter() - self._elapsed_before
-    box = _TimeBox(max_seconds, must_finish, self.eval_every, epochs)
+    box = TimeBox(max_seconds, must_finish, self.eval_every, epochs)
     while self.epoch < epochs:
       self.stopped_early = box.stop_reason(self.epoch)
       if self.stopped_early is not None:
         self._stop_early(train_loader, test_loader, epochs)
         break
       epoch_start = time.perf_counter()
-      self._apply_pending_batch_size(train_loader)
-      self.batch_size = _loaders.batch_size(train_loader)
+      self._batches.start_epoch(train_loader)
       if hasattr(train_loader, "set_epoch"):
         train_loader.set_epoch(self.epoch)
       record: dict[str, Any] = {"epoch": self.epoch + 1}
@@ -371,73 +551,6 @@ class Trainer(Placement, BatchGrowth, EpochLoops, Resume):
     # point at deleted arrays after fit; sync it (a reconfigured run syncs its new model).
     _ = self.model
     return self.history
-
-
-class _TimeBox:
-  """When :meth:`Trainer.fit` stops before its epochs for ``max_seconds``.
-
-  An epoch's cost is its training and hooks plus, when it is evaluated, an evaluation. The
-  first epoch and the first evaluation of the call also compile, so they only bound the next
-  epoch's cost; the remaining epochs (``must_finish``) are estimated from the latest later
-  epoch and evaluation, once there are such.
-  """
-
-  def __init__(
-    self,
-    max_seconds: float | None,
-    must_finish: bool,
-    eval_every: int,
-    epochs: int,
-    clock: Callable[[], float] = time.perf_counter,
-  ):
-    self.max_seconds, self.must_finish = max_seconds, must_finish
-    self.eval_every, self.epochs = eval_every, epochs
-    self.clock = clock
-    self.start = clock()
-    self.first_s: float | None = None  # the call's first epoch, compilation included
-    self.steady_s: float | None = None  # the latest epoch after it
-    self.first_eval_s: float | None = None  # the call's first evaluation, compilation included
-    self.eval_s: float | None = None  # the latest evaluation after it
-
-  def evaluates(self, epoch: int) -> bool:
-    """Whether the epoch that ends at ``epoch`` completed epochs is evaluated."""
-    return epoch % self.eval_every == 0 or epoch == self.epochs
-
-  def epoch_done(self, seconds: float, eval_s: float) -> None:
-    if self.first_s is None:
-      self.first_s = seconds - eval_s
-    else:
-      self.steady_s = seconds - eval_s
-    if eval_s and self.first_eval_s is None:
-      self.first_eval_s = eval_s
-    elif eval_s:
-      self.eval_s = eval_s
-
-  def _cost(self, first: int, last: int, per_epoch: float, per_eval: float) -> float:
-    """Estimated seconds of epochs ``first+1 .. last`` (completed counts)."""
-    evals = sum(self.evaluates(e) for e in range(first + 1, last + 1))
-    return (last - first) * per_epoch + evals * per_eval
-
-  def stop_reason(self, epoch: int) -> str | None:
-    if self.max_seconds is None or self.first_s is None:
-      return None
-    spent = self.clock() - self.start
-    whole = self.must_finish and self.steady_s is not None
-    if whole:
-      # The remaining epochs at the latest epoch's cost, and their evaluations at the latest
-      # one's after the first (which compiled; until a second, evaluations count as free).
-      need = self._cost(epoch, self.epochs, self.steady_s, self.eval_s or 0.0)
-    else:  # the next epoch, bounded by what the first epoch and evaluation took
-      per_epoch = self.steady_s if self.steady_s is not None else self.first_s
-      per_eval = self.eval_s if self.eval_s is not None else (self.first_eval_s or 0.0)
-      need = self._cost(epoch, epoch + 1, per_epoch, per_eval)
-    if spent + need <= self.max_seconds:
-      return None
-    what = f"the remaining {self.epochs - epoch} epochs" if whole else "the next epoch"
-    return (
-      f"max_seconds={self.max_seconds:g}: {what} would end about {spent + need:.0f} s after "
-      f"fit began ({spent:.0f} s spent)"
-    )
 
 
 def fit(

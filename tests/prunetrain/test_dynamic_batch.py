@@ -120,12 +120,12 @@ def test_dynamic_batch_compiles_at_most_three_probes(monkeypatch, small_trainer)
   monkeypatch.setattr(_batch_growth, "train_step_memory", lambda *args: {"total": probe(args[-1])})
   trainer = small_trainer
   monkeypatch.setattr(trainer, "batch_size", 64)  # (restored for the next test)
-  monkeypatch.setattr(trainer, "_pending_batch_size", None)
+  monkeypatch.setattr(trainer._batches, "pending", None)
   policy = pt.DynamicBatch((6, 6, 3), granularity=32, max_batch_size=4096)
   policy.budget_bytes = _PLANTED["nearly_affine"](300)
   assert policy.grow(trainer) == 288
   assert len(calls) <= 3
-  assert trainer._pending_batch_size == (288, True)  # LR scaled with it (§4.3)
+  assert trainer._batches.pending == (288, True)  # LR scaled with it (§4.3)
 
 
 def test_real_step_memory_of_the_chosen_batch_is_within_budget(small_trainer):

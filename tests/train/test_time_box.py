@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxprune import data, train
-from jaxprune.train.trainer import _TimeBox
+from jaxprune.train._time_box import TimeBox
 
 
 def _data(n=64):
@@ -101,7 +101,7 @@ def test_time_box_decisions_on_a_planted_clock(must_finish):
   """A box of 130 s over 8 epochs evaluated every 2: the first epoch takes 30 s and the first
   evaluation 20 s (both compile), later epochs 10 s and evaluations 4 s."""
   clock = _Clock()
-  box = _TimeBox(130.0, must_finish, eval_every=2, epochs=8, clock=clock)
+  box = TimeBox(130.0, must_finish, eval_every=2, epochs=8, clock=clock)
   assert box.stop_reason(0) is None  # nothing measured yet: the first epoch runs
   timeline = [(30, 0), (10, 20), (10, 0), (10, 4), (10, 0), (10, 4), (10, 0)]
   stops = {}
