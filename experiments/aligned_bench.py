@@ -2,11 +2,11 @@
 
 After the hard prune every pruned conv is either the dense convolution with its masked kernel
 (what training does without a sparse path), the paper's fine-grained pattern-sparse
-convolution (:func:`jaxprune.clicktrain.pattern_conv.pattern_conv`), or the aligned layout
-(:mod:`jaxprune.clicktrain.aligned`: filters in ``G`` groups share each kept input channel's
-pattern; channel gather, static slices, one matrix product per group). This times, on the
-default device, at ClickTrain's per-layer kernel-prune ratios (ResNet-32 55/65/75% by stage,
-VGG-11 35-85%; a library pattern per kept (group, channel)):
+convolution (:func:`jaxprune.clicktrain.execution.pattern_conv.pattern_conv`), or the aligned
+layout (:mod:`jaxprune.clicktrain.execution.aligned_layout`: filters in ``G`` groups share each
+kept input channel's pattern; channel gather, static slices, one matrix product per group).
+This times, on the default device, at ClickTrain's per-layer kernel-prune ratios (ResNet-32
+55/65/75% by stage, VGG-11 35-85%; a library pattern per kept (group, channel)):
 
 * per layer, the forward pass plus both gradients (one jitted ``jax.vjp``) of every distinct
   pruned 3x3 layer of ``clicktrain-vgg11`` and ``clicktrain-resnet32`` (CIFAR, batch 128) and
@@ -53,19 +53,17 @@ from experiments._machine import machine_description
 from experiments.pattern_conv_bench import _pruned_layers, clicktrain_like_mask
 from jaxprune import masking, models, train
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.aligned_conv import COLUMNS, aligned_conv
-from jaxprune.clicktrain.aligned_layout import aligned_mask, build_aligned_layout
-from jaxprune.clicktrain.layout import build_layout
-from jaxprune.clicktrain.pattern_conv import pattern_conv
+from jaxprune.clicktrain.config import default_layer_filter
+from jaxprune.clicktrain.execution import to_sparse_layers
+from jaxprune.clicktrain.execution.aligned_conv import COLUMNS, aligned_conv
+from jaxprune.clicktrain.execution.aligned_layout import aligned_mask, build_aligned_layout
+from jaxprune.clicktrain.execution.layer_timing import time_train_pass
+from jaxprune.clicktrain.execution.options import default_backend
+from jaxprune.clicktrain.execution.pattern_conv import pattern_conv
+from jaxprune.clicktrain.execution.pattern_layout import build_layout
 from jaxprune.clicktrain.preset import paper_kernel_ratios
-from jaxprune.clicktrain.sparse_execution import (
-  convert_model,
-  default_backend,
-  median_call_ms,
-  time_train_pass,
-)
-from jaxprune.clicktrain.transform import default_layer_filter
 from jaxprune.paths import path_string
+from jaxprune.timing import median_call_ms
 from jaxprune.train.step import Metrics, split_model, step_functions
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
@@ -213,17 +211,17 @@ def bench_step(name: str, variant: str, args, rng, dtype: str = "fp32") -> tuple
   nnx.update(model, masking.apply_masks(nnx.as_pure(nnx.state(model, nnx.Param)), masks))
   if variant.startswith("aligned"):
     columns = "shared" if variant.endswith("shared") else "per_group"
-    convert_model(model, masks, threshold=0.0, filter_groups=groups, columns=columns)
+    to_sparse_layers(model, masks, threshold=0.0, filter_groups=groups, columns=columns)
   elif variant.startswith("measured"):  # the default dispatch: each layer timed both ways
     shape = (args.batch, 32, 32, 3)
-    _, choices = convert_model(model, masks, filter_groups=groups, input_shape=shape)
+    _, choices = to_sparse_layers(model, masks, filter_groups=groups, input_shape=shape)
     print(
       f"  measured dispatch: {sum(c.backend != 'dense' for c in choices)} of "
       f"{len(choices)} layers aligned",
       flush=True,
     )
   elif fine:
-    convert_model(model, masks, threshold=0.0)
+    to_sparse_layers(model, masks, threshold=0.0)
   tx = optax.chain(train.sgd(0.05, 0.9, weight_decay=5e-4), masking.mask(masks))
   train_def, eval_def, params, rest = split_model(model)
   steps = step_functions(train_def, eval_def, tx, train.step.default_loss())

@@ -37,10 +37,10 @@ import jaxprune
 from experiments import _tables
 from experiments._machine import machine_description
 from jaxprune import models, train
-from jaxprune.clicktrain import transform as ct
+from jaxprune.clicktrain import state as ct_state
 
 
-def _forced(state: ct.ClickTrainState, stage: int) -> ct.ClickTrainState:
+def _forced(state: ct_state.ClickTrainState, stage: int) -> ct_state.ClickTrainState:
   """The state as it would be in ``stage`` (pool set, masks random but valid)."""
   rng = np.random.default_rng(0)
   layers = {}
@@ -120,10 +120,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   add("inner optimizer alone", inner())
   tx1, tx4 = wrapped(1), wrapped(4)
-  for stage in (ct.WARMUP, ct.POOL, ct.FINALIZE, ct.REGULARIZE, ct.PRUNED):
-    add(f"clicktrain: {ct.STAGE_NAMES[stage]}", tx1, stage)
-  add("clicktrain: pool, importance every 4 steps", tx4, ct.POOL)
-  add("clicktrain: finalize, importance every 4 steps", tx4, ct.FINALIZE)
+  for stage in (
+    ct_state.WARMUP,
+    ct_state.POOL,
+    ct_state.FINALIZE,
+    ct_state.REGULARIZE,
+    ct_state.PRUNED,
+  ):
+    add(f"clicktrain: {ct_state.STAGE_NAMES[stage]}", tx1, stage)
+  add("clicktrain: pool, importance every 4 steps", tx4, ct_state.POOL)
+  add("clicktrain: finalize, importance every 4 steps", tx4, ct_state.FINALIZE)
 
   params = variants["inner optimizer alone"][1][0]
   grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)

@@ -55,7 +55,7 @@ from flax import nnx
 from experiments import _clicktrain_aligned_page, _run_options, _tables
 from jaxprune import data, flops, methods, models, train
 from jaxprune.clicktrain import HardPruneReadout, patterns, preset, readouts
-from jaxprune.clicktrain.sparse_execution import SparseExecution
+from jaxprune.clicktrain.execution import SparseExecution
 
 # Paper Table 1, CIFAR-10, first ClickTrain row per model:
 # (base acc, Δ, compression, train / inference FLOPs saved, hard-prune epoch)

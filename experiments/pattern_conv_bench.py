@@ -7,11 +7,12 @@ kernel-prune ratios, ResNet-32 55/65/75% by stage, VGG-11 35-85%: about 9x compr
 it times on the machine at hand, with the layer's real input shape:
 
 * the forward pass, the data gradient and the weight gradient of the sparse path
-  (:func:`jaxprune.clicktrain.pattern_conv.pattern_conv_values` with ``--backend``) against
-  the dense convolution with the masked kernel (``lax.conv_general_dilated``: XLA / cuDNN);
-* the dense → values conversion at fixed positions (:func:`jaxprune.clicktrain.layout.
-  to_values`, the paper's ``Convert2CSR``) against ``jax.experimental.sparse.BCSR.fromdense``
-  of the same filter matrix (the ``dense2csr`` analogue).
+  (:func:`jaxprune.clicktrain.execution.pattern_conv.pattern_conv_values` with ``--backend``)
+  against the dense convolution with the masked kernel (``lax.conv_general_dilated``: XLA / cuDNN);
+* the dense → values conversion at fixed positions
+  (:func:`jaxprune.clicktrain.execution.pattern_layout.to_values`, the paper's ``Convert2CSR``)
+  against ``jax.experimental.sparse.BCSR.fromdense`` of the same filter matrix (the
+  ``dense2csr`` analogue).
 
 Times are medians of ``--repeats`` calls of the jitted function after a warm-up call; each
 ratio compares two functions timed in the same run. Writes
@@ -42,11 +43,12 @@ from experiments import _tables
 from experiments._machine import machine_description
 from jaxprune import flops, models
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.layout import build_layout, to_values
-from jaxprune.clicktrain.pattern_conv import BACKENDS
+from jaxprune.clicktrain.config import default_layer_filter
+from jaxprune.clicktrain.execution.layer_timing import time_layer
+from jaxprune.clicktrain.execution.pattern_conv import BACKENDS
+from jaxprune.clicktrain.execution.pattern_layout import build_layout, to_values
 from jaxprune.clicktrain.preset import paper_kernel_ratios
-from jaxprune.clicktrain.sparse_execution import median_call_ms, time_layer
-from jaxprune.clicktrain.transform import default_layer_filter
+from jaxprune.timing import median_call_ms
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 

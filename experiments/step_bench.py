@@ -10,7 +10,7 @@ and for each registered method in its steady state:
   a one-step-per-epoch schedule until the hard prune, then timed in the pruned stage with the
   pruned convs left dense and masked, all switched to the fine-grained pattern-sparse layers
   (``threshold=0``), switched where each measured faster (the default dispatch,
-  :func:`jaxprune.clicktrain.sparse_execution.convert_model`), and in the aligned mode
+  :func:`jaxprune.clicktrain.execution.conversion.to_sparse_layers`), and in the aligned mode
   (``filter_groups=G``, every pruned conv an aligned layer);
 * **SDGP** (``sdgp-resnet9``, CIFAR): each N:M method, 2:4, with each backend (the Pallas
   kernel only where it compiles: on CPU it would run interpreted);
@@ -55,8 +55,9 @@ from jaxprune import flops, methods, models, train
 from jaxprune import prunetrain as pt
 from jaxprune.clicktrain import masks as clicktrain_masks
 from jaxprune.clicktrain import stage_name
+from jaxprune.clicktrain.execution import to_sparse_layers
+from jaxprune.clicktrain.execution.options import default_backend
 from jaxprune.clicktrain.preset import paper_kernel_ratios
-from jaxprune.clicktrain.sparse_execution import convert_model, default_backend
 from jaxprune.sdgp import auto_backend
 from jaxprune.train.step import Metrics, default_loss, split_model, step_functions
 
@@ -187,7 +188,9 @@ def clicktrain_variants(
       row: dict[str, Any] = {"compression": compression}
       if label != "masked dense":
         start = time.perf_counter()
-        fresh, choices = convert_model(fresh, masks, threshold=threshold, input_shape=input_shape)
+        fresh, choices = to_sparse_layers(
+          fresh, masks, threshold=threshold, input_shape=input_shape
+        )
         row["convert_s"] = time.perf_counter() - start
         row["sparse_layers"] = f"{sum(c.backend != 'dense' for c in choices)}/{len(choices)}"
       yield label, _Stepper(fresh, pruned.tx, batch, opt_state), row
@@ -195,7 +198,7 @@ def clicktrain_variants(
   for g in groups:
     aligned, masks, compression = _pruned_clicktrain(nnx.clone(model), batch, g)
     fresh, opt_state = aligned.snapshot()
-    fresh, choices = convert_model(fresh, masks, threshold=0.0, filter_groups=g)
+    fresh, choices = to_sparse_layers(fresh, masks, threshold=0.0, filter_groups=g)
     row = {"compression": compression, "sparse_layers": f"{len(choices)}/{len(choices)}"}
     yield f"aligned G={g}", _Stepper(fresh, aligned.tx, batch, opt_state), row
 

@@ -53,7 +53,7 @@ from jaxprune.paths import flatten_with_paths, path_string
 # instead *generates* a pool from the gradients (DPPG), shown further down.
 
 # %%
-print(f"{clicktrain.num_patterns()} patterns of 4 in a 3x3 kernel")
+print(f"{len(clicktrain.all_patterns())} patterns of 4 in a 3x3 kernel")
 
 
 def show_patterns(patterns, title, labels=None):

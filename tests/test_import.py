@@ -134,3 +134,82 @@ def test_the_install_holds_the_library_only():
         else:
           continue
         assert not {n.split(".")[0] for n in names} & {"experiments", "matplotlib"}, path
+
+
+_CLICKTRAIN = _REPO_ROOT / "jaxprune" / "clicktrain"
+_EXECUTION = "jaxprune.clicktrain.execution"
+
+
+def _imported(path: pathlib.Path) -> list[tuple[str, str]]:
+  """``(module, name)`` of every name a source file imports (``name`` empty for a plain
+  ``import module``), those inside functions included; relative imports resolved."""
+  package = ".".join(path.relative_to(_REPO_ROOT).with_suffix("").parts[:-1])
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found += [(alias.name, "") for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+      module = ".".join(p for p in (base, node.module or "") if p)
+      found += [(module, alias.name) for alias in node.names]
+  return found
+
+
+def _reaches_execution(module: str, name: str) -> bool:
+  target = f"{module}.{name}" if name else module
+  return target == _EXECUTION or target.startswith(_EXECUTION + ".")
+
+
+def test_clicktrain_training_half_does_not_import_the_execution_half():
+  # The rule (jaxprune/clicktrain/__init__.py): no module of the training half imports
+  # jaxprune.clicktrain.execution, except the package's __init__, which re-exports names from
+  # the subpackage's face (never from one of its modules), and the preset, the one bridge,
+  # which takes SparseExecution from it and nothing else.
+  allowed = {"__init__.py": None, "preset.py": {"SparseExecution"}}
+  seen = {}
+  for path in sorted(_CLICKTRAIN.glob("*.py")):
+    reached = [(m, n) for m, n in _imported(path) if _reaches_execution(m, n)]
+    if not reached:
+      continue
+    assert path.name in allowed, (path.name, reached)
+    assert all(m == _EXECUTION for m, _ in reached), (path.name, reached)
+    seen[path.name] = {n for _, n in reached}
+  assert seen["preset.py"] == allowed["preset.py"]
+  assert "SparseExecution" in seen["__init__.py"]
+
+
+def test_clicktrain_names_have_one_home():
+  # A module's __all__ lists what it defines; only the package faces (__init__) re-export.
+  for path in sorted(_CLICKTRAIN.rglob("*.py")):
+    if path.name == "__init__.py":
+      continue
+    tree = ast.parse(path.read_text())
+    defined, exported = set(), []
+    for node in tree.body:
+      if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        defined.add(node.name)
+      elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+          for leaf in ast.walk(target):
+            if isinstance(leaf, ast.Name):
+              defined.add(leaf.id)
+          if isinstance(target, ast.Name) and target.id == "__all__":
+            exported = [ast.literal_eval(e) for e in node.value.elts]
+    assert not set(exported) - defined, (path.name, sorted(set(exported) - defined))
+
+
+def test_clicktrain_all_is_the_user_surface():
+  from jaxprune import clicktrain
+  from jaxprune.clicktrain import execution
+
+  for package in (clicktrain, execution):
+    assert len(package.__all__) == len(set(package.__all__)), package.__name__
+    missing = [name for name in package.__all__ if not hasattr(package, name)]
+    assert not missing, (package.__name__, missing)
+  # The design's contracts are on the package's face; internals and the deprecated name are not.
+  for name in ("pattern_scores", "kernel_scores", "all_patterns", "dppg_candidates"):
+    assert name in clicktrain.__all__, name
+  for name in ("convert_model", "vote", "select_pool", "full_mask", "PRUNED", "build_layout"):
+    assert name not in clicktrain.__all__, name
+  assert set(clicktrain.__all__) - set(execution.__all__) >= {"clicktrain", "masks", "method"}

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxprune import clicktrain, methods, sdgp, train
 from jaxprune.clicktrain import preset
-from jaxprune.clicktrain.sparse_execution import (
+from jaxprune.clicktrain.execution import (
   AlignedConv,
   PatternConv,
   SparseExecution,
@@ -136,13 +136,13 @@ def test_presets_are_the_registered_methods():
 def test_clicktrain_preset_places_its_schedule_in_the_run():
   run = methods.Run(steps_per_epoch=3, epochs=190)
   # The paper's hard prune at half the run, the released code's masks 30 epochs before it.
-  assert preset._schedule({}, run) == {"hard_prune_epoch": 95}
-  assert preset._schedule({"mode": "one_shot"}, run) == {
+  assert preset._fill_epoch_settings({}, run) == {"hard_prune_epoch": 95}
+  assert preset._fill_epoch_settings({"mode": "one_shot"}, run) == {
     "mode": "one_shot",
     "hard_prune_epoch": 95,
     "one_shot_epoch": 65,
   }
-  assert preset._schedule({"hard_prune_epoch": 7}, run) == {"hard_prune_epoch": 7}
+  assert preset._fill_epoch_settings({"hard_prune_epoch": 7}, run) == {"hard_prune_epoch": 7}
 
 
 def _recording(name, log):

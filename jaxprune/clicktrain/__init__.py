@@ -1,23 +1,65 @@
 """ClickTrain: pattern and connectivity pruning during training (Zhang et al., ICS'21).
 
 Every 3x3 kernel keeps 4 of its 9 weights in one of a small pool of patterns, and a per-layer
-fraction of whole kernels is removed. The pieces:
+fraction of whole kernels is removed. The package has two halves.
+
+**Training-time pruning** (this folder; what the transform does while training):
 
 * :mod:`~jaxprune.clicktrain.importance` — (g⊙w)² importance, pattern scores (Eq. 1) and kernel
   scores (Eq. 2).
 * :mod:`~jaxprune.clicktrain.patterns` — the pattern library, dynamic pattern pool generation
   (DPPG, §4.2), votes and adaptive finalization (§4.3).
-* :mod:`~jaxprune.clicktrain.transform` — :func:`clicktrain`, the Optax wrapper that runs the
-  stage machine (:class:`Stage`: warm-up, pool, finalize, regularize, pruned) around an inner
-  optimizer.
+* :mod:`~jaxprune.clicktrain.config` — :class:`~jaxprune.clicktrain.config.Config`, the
+  validated settings of one transform (every keyword of :func:`clicktrain`), and
+  :func:`default_layer_filter`.
+* :mod:`~jaxprune.clicktrain.state` — the optimizer state (:class:`ClickTrainState`,
+  :class:`ClickTrainLayerState`) and the stages (:class:`Stage`: warm-up, pool, finalize,
+  regularize, pruned).
+* :mod:`~jaxprune.clicktrain.transform` — :func:`clicktrain`, the Optax wrapper around an inner
+  optimizer; ``_plan`` (which layers are pruned and how), ``_stage_machine`` (the transitions
+  between stages, at epoch ends, inside ``jit``), ``_stage_work`` (the work each stage does
+  per step: scores, votes, masks, the group-lasso gradient, the hard mask) and ``_groups``
+  (the aligned mode's per-group sums) are its private parts.
 * :mod:`~jaxprune.clicktrain.readouts` — masks, stage, pattern usage, compression, FLOPs saved,
-  the aligned mode's filter groups (:func:`filter_partition`), found inside any optimizer state (chains, wrappers, ``nnx.Optimizer``). The masks also feed
-  :func:`jaxprune.masking.mask`, which keeps them whatever is chained after the wrapper.
-* :mod:`~jaxprune.clicktrain.prune_batchnorm` — :class:`HardPruneBatchNorm`, the trainer hook
-  re-estimating the BatchNorm statistics at the hard prune (on in the :func:`method` preset).
+  the aligned mode's filter groups (:func:`filter_partition`), found inside any optimizer state
+  (chains, wrappers, ``nnx.Optimizer``). The masks also feed :func:`jaxprune.masking.mask`,
+  which keeps them whatever is chained after the wrapper.
+* :mod:`~jaxprune.clicktrain.prune_batchnorm` — :class:`HardPruneBatchNorm` (re-estimating the
+  BatchNorm statistics at the hard prune) and :class:`HardPruneCheck`, trainer hooks.
 * :mod:`~jaxprune.clicktrain.prune_readout` — :class:`HardPruneReadout`, the trainer hook
   recording, just before the hard prune, the weight norm it removes and the test accuracy
   with and without the masks.
+* :mod:`~jaxprune.clicktrain.reconfigure` — the state's slicer for PruneTrain's surgery.
+* :mod:`~jaxprune.clicktrain.preset` — :func:`method` and :func:`released_method`, ClickTrain
+  as a :class:`jaxprune.methods.Method`.
+
+**Post-prune sparse execution** (:mod:`jaxprune.clicktrain.execution`; runs the pruned convs on
+their final masks): layouts, sparse convolutions, the sparse layers, and
+:class:`SparseExecution` / :func:`to_sparse_layers`, which switch a pruned model to them.
+
+Import rule: no training-half module imports :mod:`jaxprune.clicktrain.execution`, except this
+``__init__`` (it re-exports the execution entry points from the subpackage) and
+:mod:`~jaxprune.clicktrain.preset`, the one bridge (it attaches :class:`SparseExecution` in the
+aligned mode). ``tests/test_import.py`` checks it. Execution reads the training half's
+read-outs, never the other way round.
+
+Words, one meaning each: a *stage* is one of :class:`Stage`; the *stage machine* moves between
+them; *stage work* is what a stage computes each step; the *pruning schedule* is the epochs at
+which the stages happen (the epoch settings: ``pool_start_epoch``, ``pool_epochs``,
+``finalize_epochs``, ``hard_prune_epoch``, ``one_shot_epoch``, the loss-derivative trigger);
+*schedules* elsewhere (:mod:`jaxprune.train.schedules`) are learning-rate schedules. To change
+the pruning schedule, touch:
+
+* ``config.py`` — the epoch settings, their defaults and their checks (``Config``);
+* ``_stage_machine.py`` — when a stage ends and the next begins (the transitions, the
+  loss-derivative trigger, the moved hard prune and its warnings);
+* ``preset.py`` — ``_fill_epoch_settings``: the settings the preset places in a run of another
+  length (hard prune at half the run);
+* ``transform.py`` — only for a new keyword (it passes every keyword to ``Config`` by name).
+
+The public names below (``__all__``) are the user surface: the transform, its state types, the
+paper's importance and pattern definitions, read-outs, presets, hooks and the execution entry
+points. Everything else stays reachable through its module.
 
 Example:
   >>> import optax
@@ -32,26 +74,24 @@ References:
 """
 
 from jaxprune.clicktrain import reconfigure as _reconfigure  # noqa: F401 (registers the slicer)
-from jaxprune.clicktrain.importance import kernel_scores, pattern_scores, weight_importance
-from jaxprune.clicktrain.patterns import (
-  ONE_SHOT_POOL_SIZES,
-  accumulate_competitive_scores,
-  all_patterns,
-  centre_block_patterns,
-  dppg_candidates,
-  finalize_patterns,
-  kernel_keep_mask,
-  library_pattern_ids,
-  library_patterns,
-  loss_margin_ok,
-  num_patterns,
-  one_shot_pool,
-  pattern_index,
-  pattern_mask,
-  pattern_masks_from_ids,
-  select_pool,
-  vote,
+from jaxprune.clicktrain.config import default_layer_filter
+from jaxprune.clicktrain.execution import (
+  AlignedConv,
+  PatternConv,
+  SparseExecution,
+  SparseExecutionConfig,
+  apply_sparse_layers,
+  convert_model,  # noqa: F401 (deprecated name of to_sparse_layers, kept out of __all__)
+  format_report,
+  pattern_convs,
+  plan_sparse_layers,
+  to_sparse_layers,
 )
+from jaxprune.clicktrain.importance import kernel_scores, pattern_scores, weight_importance
+from jaxprune.clicktrain.patterns import all_patterns, dppg_candidates, library_patterns
+from jaxprune.clicktrain.preset import RELEASED_CIFAR10, method, released_method
+from jaxprune.clicktrain.prune_batchnorm import HardPruneBatchNorm, HardPruneCheck
+from jaxprune.clicktrain.prune_readout import HardPruneReadout
 from jaxprune.clicktrain.readouts import (
   compression,
   filter_partition,
@@ -65,98 +105,52 @@ from jaxprune.clicktrain.readouts import (
   removed_norm_fraction,
   stage_name,
 )
-from jaxprune.clicktrain.transform import (
-  FINALIZE,
-  POOL,
-  PRUNED,
-  REGULARIZE,
-  STAGE_NAMES,
-  WARMUP,
-  ClickTrainLayerState,
-  ClickTrainState,
-  Stage,
-  clicktrain,
-  default_layer_filter,
-)
-from jaxprune.clicktrain.preset import RELEASED_CIFAR10, method, released_method
-from jaxprune.clicktrain.prune_batchnorm import HardPruneBatchNorm, HardPruneCheck
-from jaxprune.clicktrain.prune_readout import HardPruneReadout
-from jaxprune.clicktrain.layout import PatternLayout, build_layout, to_dense, to_values
-from jaxprune.clicktrain.pattern_conv import pattern_conv, pattern_conv_values
-from jaxprune.clicktrain.aligned_conv import aligned_conv
-from jaxprune.clicktrain.aligned_layout import AlignedLayout, aligned_mask, build_aligned_layout
-from jaxprune.clicktrain.sparse_execution import (
-  AlignedConv,
-  LayerChoice,
-  PatternConv,
-  SparseExecution,
-  convert_model,
-  pattern_convs,
-)
+from jaxprune.clicktrain.state import STAGE_NAMES, ClickTrainLayerState, ClickTrainState, Stage
+from jaxprune.clicktrain.transform import clicktrain
 
 __all__ = [
-  "RELEASED_CIFAR10",
-  "released_method",
-  "FINALIZE",
-  "POOL",
-  "PRUNED",
-  "REGULARIZE",
-  "STAGE_NAMES",
-  "WARMUP",
-  "ClickTrainLayerState",
-  "ClickTrainState",
-  "HardPruneBatchNorm",
-  "HardPruneCheck",
-  "HardPruneReadout",
-  "LayerChoice",
-  "AlignedConv",
-  "AlignedLayout",
-  "PatternConv",
-  "PatternLayout",
-  "SparseExecution",
-  "Stage",
-  "accumulate_competitive_scores",
-  "all_patterns",
-  "build_layout",
-  "centre_block_patterns",
+  # the transform and its state
   "clicktrain",
+  "default_layer_filter",
+  "ClickTrainState",
+  "ClickTrainLayerState",
+  "Stage",
+  "STAGE_NAMES",
+  # the paper's importance (Eq. 1, 2) and patterns (§4.2)
+  "weight_importance",
+  "pattern_scores",
+  "kernel_scores",
+  "all_patterns",
+  "library_patterns",
+  "dppg_candidates",
+  # read-outs
   "compression",
   "filter_partition",
-  "aligned_conv",
-  "aligned_mask",
-  "build_aligned_layout",
-  "convert_model",
-  "default_layer_filter",
-  "dppg_candidates",
-  "finalize_patterns",
   "find_state",
   "flops_saved",
   "group_lasso_penalty",
-  "kernel_keep_mask",
   "kernel_masks",
-  "kernel_scores",
-  "library_pattern_ids",
-  "library_patterns",
-  "loss_margin_ok",
   "masks",
-  "method",
-  "num_patterns",
-  "one_shot_pool",
-  "ONE_SHOT_POOL_SIZES",
-  "pattern_conv",
-  "pattern_conv_values",
-  "pattern_convs",
   "pattern_ids",
-  "pattern_index",
-  "pattern_mask",
-  "pattern_masks_from_ids",
-  "pattern_scores",
   "pattern_usage",
   "removed_norm_fraction",
-  "select_pool",
   "stage_name",
-  "to_dense",
-  "to_values",
-  "vote",
-  "weight_importance",
+  # presets
+  "method",
+  "released_method",
+  "RELEASED_CIFAR10",
+  # trainer hooks
+  "HardPruneBatchNorm",
+  "HardPruneCheck",
+  "HardPruneReadout",
+  "SparseExecution",
+  # sparse execution entry points
+  "SparseExecutionConfig",
+  "to_sparse_layers",
+  "plan_sparse_layers",
+  "apply_sparse_layers",
+  "PatternConv",
+  "AlignedConv",
+  "pattern_convs",
+  "format_report",
 ]

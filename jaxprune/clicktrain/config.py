@@ -209,7 +209,7 @@ class Config:
 
   def earliest_hard_prune(self) -> int:
     """The fewest epochs after which the hard prune can come (the stage machine,
-    :func:`jaxprune.clicktrain._schedule.next_state`): ``hard_prune_epoch``, or later where
+    :func:`jaxprune.clicktrain._stage_machine.next_state`): ``hard_prune_epoch``, or later where
     pool generation + finalization + one regularized epoch (§4.1-§4.4) cannot fit before it:
     the loss-derivative trigger compares two epoch means, so it fires at the end of epoch
     :data:`EARLIEST_TRIGGER` at the earliest."""

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from jaxprune.clicktrain.execution import SparseExecution
 from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES, HardPruneBatchNorm, HardPruneCheck
-from jaxprune.clicktrain.sparse_execution import SparseExecution
 from jaxprune.clicktrain.transform import clicktrain
 from jaxprune.method_api import Method, Run, split_config
 
@@ -32,7 +32,7 @@ _HARD_PRUNE_FRACTION = 0.5
 _ONE_SHOT_LEAD_FRACTION = 30 / 190
 
 
-def _schedule(config: dict[str, Any], run: Run) -> dict[str, Any]:
+def _fill_epoch_settings(config: dict[str, Any], run: Run) -> dict[str, Any]:
   """Fills the epoch settings the user left out, scaled to ``run.epochs``."""
   config = dict(config)
   one_shot = config.get("mode", "paper") == "one_shot"
@@ -130,7 +130,7 @@ def method(**config: Any) -> Method:
     return clicktrain(
       inner,
       steps_per_epoch=run.steps_per_epoch,
-      **{"total_epochs": run.epochs, **_schedule(tx_config, run)},
+      **{"total_epochs": run.epochs, **_fill_epoch_settings(tx_config, run)},
     )
 
   return Method(

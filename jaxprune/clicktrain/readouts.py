@@ -2,7 +2,7 @@
 share of the weight norm the hard prune removes.
 
 Every function takes the optimizer state as the training loop holds it and finds the one
-:class:`~jaxprune.clicktrain.transform.ClickTrainState` inside: the state itself, an
+:class:`~jaxprune.clicktrain.state.ClickTrainState` inside: the state itself, an
 ``optax.chain`` tuple, another wrapper's state (e.g. ``jaxprune.prunetrain.with_group_lasso``'s
 ``PruneTrainState.inner``), an ``nnx.Optimizer`` or its ``opt_state`` (NNX Variables). None or
 two ClickTrain states is a ``ValueError``. All run on the host.
@@ -127,8 +127,8 @@ def filter_partition(opt_state: Any) -> dict[str, tuple[tuple[int, ...], ...]]:
   consecutive runs, or (``filter_grouping="clustered"``) the partition chosen when the patterns
   were finalized; after a PruneTrain reconfiguration, the groups of the kept filters (maybe
   uneven). In the paper mode every filter is its own group. The form is the one
-  :func:`~jaxprune.clicktrain.aligned_layout.group_filters` accepts: pass the result to
-  :func:`~jaxprune.clicktrain.convert_model` (``filter_groups=``) or use
+  :func:`~jaxprune.clicktrain.execution.aligned_layout.group_filters` accepts: pass the result to
+  :func:`~jaxprune.clicktrain.to_sparse_layers` (``filter_groups=``) or use
   ``SparseExecution(filter_groups="from_state")``.
 
   Args:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprune.clicktrain.transform import ClickTrainLayerState, ClickTrainState
+from jaxprune.clicktrain.state import ClickTrainLayerState, ClickTrainState
 from jaxprune.state_slicing import ChannelSlices, register_state_slicer
 
 __all__ = ["slice_state"]

@@ -1,8 +1,9 @@
 """ClickTrain as one Optax transform wrapping the inner optimizer (ClickTrain §4).
 
-:func:`clicktrain` runs ClickTrain's stage machine (:class:`Stage`: dense warm-up, dynamic
-pattern pool generation, adaptive pattern / kernel finalization, modified group lasso, hard
-prune) inside ``jit`` around any inner optimizer; ``mode="one_shot"`` is the authors' released
+:func:`clicktrain` runs ClickTrain's stage machine (:mod:`~jaxprune.clicktrain._stage_machine`
+over the stages of :class:`~jaxprune.clicktrain.state.Stage`: dense warm-up, dynamic pattern
+pool generation, adaptive pattern / kernel finalization, modified group lasso, hard prune)
+inside ``jit`` around any inner optimizer; ``mode="one_shot"`` is the authors' released
 rule instead. How the paper is read (triggers, margins, non-finite steps) is in
 ``docs/design.md``, section ClickTrain; the read-outs are in :mod:`jaxprune.clicktrain.readouts`.
 
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxprune.clicktrain import _schedule, _stages
+from jaxprune.clicktrain import _stage_machine, _stage_work
 from jaxprune.clicktrain._plan import (
   check_filter_groups,
   check_layers,
@@ -37,34 +38,10 @@ from jaxprune.clicktrain._plan import (
   init_layer,
   make_plan,
 )
-from jaxprune.clicktrain.config import Config, default_layer_filter
-from jaxprune.clicktrain.state import (
-  FINALIZE,
-  POOL,
-  PRUNED,
-  REGULARIZE,
-  STAGE_NAMES,
-  WARMUP,
-  ClickTrainLayerState,
-  ClickTrainState,
-  Stage,
-  full_mask,
-)
+from jaxprune.clicktrain.config import Config
+from jaxprune.clicktrain.state import POOL, PRUNED, WARMUP, ClickTrainState
 
-__all__ = [
-  "FINALIZE",
-  "POOL",
-  "PRUNED",
-  "REGULARIZE",
-  "STAGE_NAMES",
-  "WARMUP",
-  "ClickTrainLayerState",
-  "ClickTrainState",
-  "Stage",
-  "clicktrain",
-  "default_layer_filter",
-  "full_mask",
-]
+__all__ = ["clicktrain"]
 
 
 def clicktrain(
@@ -134,7 +111,7 @@ def clicktrain(
           head of the released library; 4, the centre 2x2 blocks, is the released default,
           their VGG-16 config uses 12).
       layer_filter: ``fn(path, shape) -> "pattern" | "kernel" | None``;
-          default :func:`default_layer_filter`.
+          default :func:`~jaxprune.clicktrain.config.default_layer_filter`.
       importance_every: run the per-batch importance work every this many
           steps (1 = every batch, as in the paper); paper mode: at most the steps of
           the shorter of the pool and finalization stages.
@@ -148,7 +125,7 @@ def clicktrain(
           keeps one pattern shared by the group's filters. Every per-kernel quantity (Eq. 1,
           Eq. 2, DPPG importance, votes, group-lasso norms) is summed over the group, and each
           group prunes ``ceil(ratio * Cin)`` channels. The pruned layers then run as dense
-          matrix products (:class:`~jaxprune.clicktrain.sparse_layers.AlignedConv`). With
+          matrix products (:class:`~jaxprune.clicktrain.execution.AlignedConv`). With
           PruneTrain's reconfiguration, give it ``channel_multiple=filter_groups`` so the
           widths stay divisible.
           ``None`` (default): the paper's per-kernel patterns.
@@ -182,7 +159,7 @@ def clicktrain(
   options = dict(locals())  # every keyword but inner, by name: a new option is a Config field
   inner = optax.with_extra_args_support(options.pop("inner"))
   cfg = Config(**options)
-  _schedule.warn_unreachable(cfg)
+  _stage_machine.warn_unreachable(cfg)
   # A ratio sequence is matched to the pruned layers (flatten order) at init and remembered by
   # name, so a model that later loses layers (PruneTrain's reconfiguration) still finds its
   # ratios; written at init only, read by the plan.
@@ -220,15 +197,15 @@ def clicktrain(
     w_leaves = jax.tree.leaves(params)
     check_layers(plan, state.layers, params)
     g_leaves, g_def = jax.tree.flatten(updates)
-    clock = _schedule.step_clock(cfg, state, loss)
+    clock = _stage_machine.step_clock(cfg, state, loss)
     if cfg.mode == "paper":
-      layers, moved = _schedule.paper_step(cfg, plan, state, clock, w_leaves, g_leaves)
+      layers, moved = _stage_machine.paper_step(cfg, plan, state, clock, w_leaves, g_leaves)
       stage = state.stage
     else:
-      layers, stage = _schedule.one_shot_step(cfg, plan, state, clock, w_leaves, g_leaves)
+      layers, stage = _stage_machine.one_shot_step(cfg, plan, state, clock, w_leaves, g_leaves)
       moved = jnp.bool_(False)
 
-    g_leaves = _stages.modify_grads(
+    g_leaves = _stage_work.modify_grads(
       g_leaves, layers, plan, w_leaves, stage, cfg.group_lasso_coefficient, cfg.eps
     )
     grads = jax.tree.unflatten(g_def, g_leaves)
@@ -236,10 +213,10 @@ def clicktrain(
       grads, state.inner_state, params, value=value, **extra_args
     )
     u_leaves, u_def = jax.tree.flatten(new_updates)
-    new_state = _schedule.next_state(cfg, state, clock, stage, moved, layers, inner_state)
+    new_state = _stage_machine.next_state(cfg, state, clock, stage, moved, layers, inner_state)
     # The step that enters PRUNED already emits the hard mask: a state (and every read-out
     # of it) that says "pruned" always comes with weights that are zero where the masks prune.
-    u_leaves = _stages.hard_mask(u_leaves, layers, plan, w_leaves, new_state.stage == PRUNED)
+    u_leaves = _stage_work.hard_mask(u_leaves, layers, plan, w_leaves, new_state.stage == PRUNED)
     return jax.tree.unflatten(u_def, u_leaves), new_state
 
   # Jitted: called eagerly (nnx.Optimizer.update outside jit) the stage machine's lax.cond /

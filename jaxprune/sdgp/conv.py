@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels import nm_math
 from jaxprune._conv_args import canonical_padding, spatial_pair
 from jaxprune.models.conversions import record_conversion, replace_submodule
 from jaxprune.models.layers import kaiming_uniform_relu_init
@@ -33,6 +32,7 @@ from jaxprune.models.pluggable_conv import (
   next_call_key,
 )
 from jaxprune.sdgp.prune import SDGPSettings
+from pallas_kernels import nm_math
 
 Array = jax.Array
 
@@ -124,7 +124,7 @@ def with_pruned_data_gradient(
 
   The VJP returns ``dW`` from ``conv_fn``'s own VJP of the dense output gradient and ``dX``
   from its VJP of ``nm_prune(dO, n, m, method, key=key)``. ``conv_fn`` keeps its own
-  backward: a sparse convolution (``jaxprune.clicktrain.pattern_conv``) then computes its
+  backward: a sparse convolution (``jaxprune.clicktrain.execution.pattern_conv``) then computes its
   sparse data gradient from the N:M-pruned output gradient, so the two methods compose.
   (A layer composes through :class:`PrunedDataGradient` instead.)
 

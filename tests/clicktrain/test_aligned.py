@@ -8,9 +8,13 @@ from flax import nnx
 from jax import lax
 
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.aligned_conv import COLUMNS, aligned_conv, shared_columns
-from jaxprune.clicktrain.aligned_layout import aligned_mask, build_aligned_layout, group_filters
-from jaxprune.clicktrain.sparse_execution import AlignedConv, SparseExecution, convert_model
+from jaxprune.clicktrain.execution import AlignedConv, SparseExecution, to_sparse_layers
+from jaxprune.clicktrain.execution.aligned_conv import COLUMNS, aligned_conv, shared_columns
+from jaxprune.clicktrain.execution.aligned_layout import (
+  aligned_mask,
+  build_aligned_layout,
+  group_filters,
+)
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
@@ -151,7 +155,7 @@ def test_bad_columns_raise():
   with pytest.raises(ValueError, match="columns"):
     AlignedConv.from_conv(conv, layout, columns="union")
   with pytest.raises(ValueError, match="columns"):
-    convert_model(_Net(nnx.Rngs(0)), {}, threshold=0.0, filter_groups=2, columns="union")
+    to_sparse_layers(_Net(nnx.Rngs(0)), {}, threshold=0.0, filter_groups=2, columns="union")
   with pytest.raises(ValueError, match="columns"):
     SparseExecution(filter_groups=2, columns=1)
 
@@ -239,19 +243,21 @@ def test_convert_keeps_variables_and_function():
   with jax.default_matmul_precision("highest"):
     before = model(x)
     kernel_var = model.b.kernel
-    _, choices = convert_model(model, masks, threshold=0.0, filter_groups=2)
+    _, choices = to_sparse_layers(model, masks, threshold=0.0, filter_groups=2)
     assert [c.backend for c in choices] == ["aligned"]
     assert isinstance(model.b, AlignedConv) and model.b.kernel is kernel_var
     np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="b: mask is not shared"):
-    convert_model(_Net(nnx.Rngs(0)), masks, threshold=0.0, filter_groups=[(0,), tuple(range(1, 8))])
+    to_sparse_layers(
+      _Net(nnx.Rngs(0)), masks, threshold=0.0, filter_groups=[(0,), tuple(range(1, 8))]
+    )
 
 
 @pytest.mark.parametrize("fastest", COLUMNS)
 def test_measured_dispatch_runs_several_groups_on_the_faster_columns(monkeypatch, fastest):
   # A layer of two groups is timed dense, then with its columns per group, then shared
   # (planted times), and runs the fastest; one group has one way only.
-  from jaxprune.clicktrain import sparse_execution
+  from jaxprune.clicktrain.execution import conversion
 
   def planted(conv, input_shape, kernel, *, repeats):
     planted.calls.append(tuple(kernel.shape))
@@ -259,7 +265,7 @@ def test_measured_dispatch_runs_several_groups_on_the_faster_columns(monkeypatch
     return {1: 5.0, 2: 1.0 if fastest == "per_group" else 3.0, 3: 2.0}[nth]
 
   planted.calls = []
-  monkeypatch.setattr(sparse_execution, "time_train_pass", planted)
+  monkeypatch.setattr(conversion, "time_train_pass", planted)
   rng = np.random.default_rng(6)
   model = _Net(nnx.Rngs(0))
   mask = aligned_mask(_random_taps(rng, 2, 8), 8)
@@ -269,7 +275,7 @@ def test_measured_dispatch_runs_several_groups_on_the_faster_columns(monkeypatch
   x = jnp.asarray(rng.normal(size=(2, 8, 8, 3)), jnp.float32)
   with jax.default_matmul_precision("highest"):
     before = model(x)
-    _, choices = convert_model(
+    _, choices = to_sparse_layers(
       model, masks, input_shape=(2, 8, 8, 3), filter_groups=2, check_model=False
     )
     np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-5)
@@ -282,7 +288,7 @@ def test_measured_dispatch_runs_several_groups_on_the_faster_columns(monkeypatch
   # Named, a way is built without timing the other.
   planted.calls = []
   model = _Net(nnx.Rngs(0))
-  convert_model(
+  to_sparse_layers(
     model, masks, input_shape=(2, 8, 8, 3), filter_groups=2, check_model=False, columns=fastest
   )
   assert len(planted.calls) == 2 and model.b.columns == fastest
@@ -290,5 +296,5 @@ def test_measured_dispatch_runs_several_groups_on_the_faster_columns(monkeypatch
   one = aligned_mask(_random_taps(rng, 1, 8), 8)
   masks["b"]["kernel"] = jnp.asarray(one)
   model = _Net(nnx.Rngs(0))
-  convert_model(model, masks, input_shape=(2, 8, 8, 3), filter_groups=1, check_model=False)
+  to_sparse_layers(model, masks, input_shape=(2, 8, 8, 3), filter_groups=1, check_model=False)
   assert len(planted.calls) == 2 and model.b.columns == "per_group"

@@ -9,8 +9,8 @@ from flax import nnx
 
 from jaxprune import clicktrain, data, models, sdgp, train
 from jaxprune import prunetrain as pt
-from jaxprune.clicktrain.aligned_layout import build_aligned_layout
-from jaxprune.clicktrain.sparse_execution import AlignedConv, SparseExecution, pattern_convs
+from jaxprune.clicktrain.execution import AlignedConv, SparseExecution, pattern_convs
+from jaxprune.clicktrain.execution.aligned_layout import build_aligned_layout
 
 GROUPS = 2
 
@@ -144,7 +144,7 @@ def test_aligned_layers_compose_with_sdgp():
       taps = (rng.random((GROUPS, w.shape[2], 1, 1)) < 0.6) * clicktrain.library_patterns()[
         rng.integers(0, 12, (GROUPS, w.shape[2]))
       ]
-      mask = clicktrain.aligned_mask(taps, w.shape[3])
+      mask = clicktrain.execution.aligned_mask(taps, w.shape[3])
       masks["stages"][block][0][conv]["conv"]["kernel"] = jnp.asarray(mask)
   nnx.update(
     model,
@@ -159,7 +159,7 @@ def test_aligned_layers_compose_with_sdgp():
     return nnx.value_and_grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=(0, 1))(m, x)
 
   loss0, (grads0, dx0) = loss_grads(model)
-  clicktrain.convert_model(model, masks, threshold=0.0, filter_groups=GROUPS)
+  clicktrain.to_sparse_layers(model, masks, threshold=0.0, filter_groups=GROUPS)
   conv = model.stages[0][0].conv1.conv
   assert isinstance(conv, AlignedConv) and conv.conv_general_dilated.settings.n == 2
   loss1, (grads1, dx1) = loss_grads(model)
@@ -212,7 +212,7 @@ def test_the_preset_runs_the_aligned_layers_it_trains_for():
     return [h for h in method.callbacks(run) if isinstance(h, SparseExecution)]
 
   (hook,) = sparse_hooks(methods.get("clicktrain", filter_groups=2))
-  assert hook.filter_groups == "from_state" and hook.threshold is None  # measured
+  assert hook.config.filter_groups == "from_state" and hook.config.threshold is None  # measured
   assert sparse_hooks(methods.get("clicktrain", filter_groups=2, sparse_execution=False)) == []
   assert sparse_hooks(methods.get("clicktrain")) == []  # the paper's layout: masked dense convs
   with pytest.raises(ValueError, match="sparse_execution must be a bool"):

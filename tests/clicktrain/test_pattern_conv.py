@@ -8,8 +8,13 @@ from jax import lax
 
 import pallas_kernels
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.layout import build_layout, to_dense, to_values, transposed_values
-from jaxprune.clicktrain.pattern_conv import pattern_conv, pattern_conv_values
+from jaxprune.clicktrain.execution.pattern_conv import pattern_conv, pattern_conv_values
+from jaxprune.clicktrain.execution.pattern_layout import (
+  build_layout,
+  to_dense,
+  to_values,
+  transposed_values,
+)
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 # The interpreted Pallas kernels need Pallas's Triton backend, which a future JAX may drop.

@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxprune import prunetrain
 from jaxprune.clicktrain import readouts
+from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
 
 
@@ -111,7 +112,7 @@ def test_readouts_find_the_state_in_an_nnx_optimizer():
   step(model, optimizer, x)
   params = nnx.state(model, nnx.Param)
   bare = nnx.as_pure(optimizer.opt_state)[0]  # the ClickTrainState, by hand
-  assert isinstance(bare, ct.ClickTrainState)
+  assert isinstance(bare, ct_state.ClickTrainState)
   expect = _all_readouts(bare, nnx.as_pure(params))
   assert expect["stage"] == "pruned"
   _assert_same(_all_readouts(optimizer.opt_state, params), expect)  # NNX Variables
@@ -131,6 +132,15 @@ def test_readouts_raise_on_no_or_two_states():
 
 
 def test_stage_enum_and_module_names():
-  assert list(ct.Stage) == [ct.WARMUP, ct.POOL, ct.FINALIZE, ct.REGULARIZE, ct.PRUNED]
-  assert [int(s) for s in ct.Stage] == [0, 1, 2, 3, 4]
-  assert ct.STAGE_NAMES[ct.PRUNED] == "pruned" and ct.STAGE_NAMES[ct.Stage.POOL] == "pool"
+  assert list(ct_state.Stage) == [
+    ct_state.WARMUP,
+    ct_state.POOL,
+    ct_state.FINALIZE,
+    ct_state.REGULARIZE,
+    ct_state.PRUNED,
+  ]
+  assert [int(s) for s in ct_state.Stage] == [0, 1, 2, 3, 4]
+  assert (
+    ct_state.STAGE_NAMES[ct_state.PRUNED] == "pruned"
+    and ct_state.STAGE_NAMES[ct_state.Stage.POOL] == "pool"
+  )

@@ -15,6 +15,7 @@ from flax import nnx
 from jaxprune import clicktrain, methods, models
 from jaxprune.clicktrain import preset
 from jaxprune.clicktrain import transform as ct
+from jaxprune.clicktrain.config import default_layer_filter
 from jaxprune.paths import path_string
 
 
@@ -36,7 +37,7 @@ def _pruned_layers(name):
   model = nnx.eval_shape(lambda: models.create(name, num_classes=10, rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  return [p for p, leaf in leaves if ct.default_layer_filter(path_string(p), leaf.shape)]
+  return [p for p, leaf in leaves if default_layer_filter(path_string(p), leaf.shape)]
 
 
 @pytest.mark.parametrize("arch, pool", [("vgg16", 12), ("vgg11", 4)])

@@ -9,12 +9,12 @@ from flax import nnx
 
 from jaxprune import clicktrain, train
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.sparse_execution import (
+from jaxprune.clicktrain.execution import (
   PatternConv,
   SparseExecution,
-  convert_model,
   format_report,
   pattern_convs,
+  to_sparse_layers,
 )
 
 
@@ -74,7 +74,7 @@ def test_converted_model_computes_the_masked_model_and_its_gradients():
 
   loss0, grads0 = loss_grads(model)
   params_before = jax.tree.structure(nnx.as_pure(nnx.state(model, nnx.Param)))
-  converted, choices = convert_model(model, masks, threshold=0.0, backend="reference")
+  converted, choices = to_sparse_layers(model, masks, threshold=0.0, backend="reference")
   assert converted is model
   assert sorted(pattern_convs(model)) == ["conv1", "conv2", "conv3"]
   assert {c.path: c.backend for c in choices} == dict.fromkeys(
@@ -98,7 +98,7 @@ def test_threshold_decides_per_layer_once():
   masks = _masks(model, keep=0.5)
   masks["conv1"]["kernel"] = _pattern_mask(np.random.default_rng(3), (3, 3, 8, 8), keep=1.0)
   # conv1 keeps 4/9 of every kernel (55.6% sparse); conv2 about 78%; conv3 (1x1) about 50%.
-  _, choices = convert_model(model, masks, threshold=0.65, backend="reference")
+  _, choices = to_sparse_layers(model, masks, threshold=0.65, backend="reference")
   by_path = {c.path: c for c in choices}
   assert by_path["conv1"].backend == "dense" and abs(by_path["conv1"].sparsity - 5 / 9) < 1e-9
   assert by_path["conv2"].backend == "reference" and by_path["conv2"].sparsity > 0.65
@@ -118,17 +118,17 @@ def test_convert_rejects_bad_masks_and_arguments():
   k[2, 2, c, f] = 1  # 5 non-zeros
   bad["conv1"]["kernel"] = k
   with pytest.raises(ValueError, match=r"conv1: .*keeps 5 weights"):
-    convert_model(_Net(nnx.Rngs(0)), bad, threshold=0.0)
+    to_sparse_layers(_Net(nnx.Rngs(0)), bad, threshold=0.0)
   wrong_shape = dict(masks, conv1={"kernel": np.ones((3, 3, 8, 9))})
   with pytest.raises(ValueError, match="conv1 has shape"):
-    convert_model(_Net(nnx.Rngs(0)), wrong_shape, threshold=0.0)
+    to_sparse_layers(_Net(nnx.Rngs(0)), wrong_shape, threshold=0.0)
   with pytest.raises(ValueError, match="threshold"):
-    convert_model(_Net(nnx.Rngs(0)), masks, threshold=float("nan"))
+    to_sparse_layers(_Net(nnx.Rngs(0)), masks, threshold=float("nan"))
   with pytest.raises(ValueError, match="backend"):
-    convert_model(_Net(nnx.Rngs(0)), masks, backend="cusparse")
-  convert_model(model, masks, threshold=0.0)
+    to_sparse_layers(_Net(nnx.Rngs(0)), masks, backend="cusparse")
+  to_sparse_layers(model, masks, threshold=0.0)
   with pytest.raises(ValueError, match="already a PatternConv"):
-    convert_model(model, masks, threshold=0.0)
+    to_sparse_layers(model, masks, threshold=0.0)
 
 
 class _Loader:
@@ -237,7 +237,7 @@ def test_sparse_path_composes_with_sdgp(method):
 
   loss0, (grads0, dx0) = loss_grads(model)
   keys_before = jax.tree.leaves(nnx.state(model, sdgp.SDGPKey))
-  convert_model(model, masks, threshold=0.0, backend="reference")
+  to_sparse_layers(model, masks, threshold=0.0, backend="reference")
   assert isinstance(model.conv1, PatternConv)
   assert model.conv1.conv_general_dilated.settings.method == method  # SDGP's wrapper kept
   assert len(jax.tree.leaves(nnx.state(model, sdgp.SDGPKey))) == len(keys_before)
@@ -256,13 +256,14 @@ def test_sparse_path_composes_with_sdgp(method):
 
 
 def test_measured_dispatch_keeps_the_faster_path_per_layer(monkeypatch):
-  from jaxprune.clicktrain import sparse_execution
+  from jaxprune.clicktrain.execution import build_layout, conversion
+  from jaxprune.clicktrain.execution.layer_timing import time_layer
 
   # The timing itself (real calls on this machine): every entry is a positive duration.
   model = _Net(nnx.Rngs(0))
   masks = _masks(model)
-  layout = sparse_execution.build_layout(masks["conv2"]["kernel"])
-  times = sparse_execution.time_layer(layout, (1, 9, 9, 8), strides=2, padding="VALID", repeats=1)
+  layout = build_layout(masks["conv2"]["kernel"])
+  times = time_layer(layout, (1, 9, 9, 8), strides=2, padding="VALID", repeats=1)
   assert set(times) == {f"{p}_{d}_ms" for p in ("dense", "sparse") for d in ("fwd", "dx", "dw")}
   assert all(t > 0 for t in times.values())
 
@@ -281,9 +282,9 @@ def test_measured_dispatch_keeps_the_faster_path_per_layer(monkeypatch):
     dense, sparse = (9.0, 3.0) if sparse_faster else (3.0, 9.0)
     return sparse if is_sparse else dense
 
-  monkeypatch.setattr(sparse_execution, "time_train_pass", fake_time_train_pass)
+  monkeypatch.setattr(conversion, "time_train_pass", fake_time_train_pass)
   _apply(model, masks)
-  _, choices = convert_model(
+  _, choices = to_sparse_layers(
     model, masks, threshold="measure", input_shape=(2, 9, 9, 1), check_model=False
   )
   assert choices.model_ms == {} and choices.kept is None
@@ -298,10 +299,10 @@ def test_measured_dispatch_keeps_the_faster_path_per_layer(monkeypatch):
   assert sorted(pattern_convs(model)) == ["conv2"]
   assert "9.00 / 3.00" in format_report(choices)
   with pytest.raises(ValueError, match="input_shape"):
-    convert_model(_Net(nnx.Rngs(0)), masks, threshold="measure")
+    to_sparse_layers(_Net(nnx.Rngs(0)), masks, threshold="measure")
   with pytest.raises(ValueError, match="threshold"):
-    convert_model(_Net(nnx.Rngs(0)), masks, threshold="fastest", input_shape=(1, 9, 9, 1))
-  assert convert_model(_Net(nnx.Rngs(0)), masks, threshold="fixed")[1][0].backend == "dense"
+    to_sparse_layers(_Net(nnx.Rngs(0)), masks, threshold="fastest", input_shape=(1, 9, 9, 1))
+  assert to_sparse_layers(_Net(nnx.Rngs(0)), masks, threshold="fixed")[1][0].backend == "dense"
 
 
 def _sparse_paths(model):
@@ -317,7 +318,7 @@ def test_whole_model_check_keeps_the_fastest_of_dense_per_layer_and_all_sparse(
 ):
   # conv2 alone measures faster sparse; the whole model is then timed the three ways, each
   # on a copy (the model is switched only once, to the winner), and the fastest kept.
-  from jaxprune.clicktrain import sparse_execution
+  from jaxprune.clicktrain.execution import conversion
 
   def per_layer(conv, input_shape, kernel, *, repeats):
     per_layer.calls.append(kernel.shape)
@@ -333,14 +334,14 @@ def test_whole_model_check_keeps_the_fastest_of_dense_per_layer_and_all_sparse(
     timed.append((label, tuple(input_shape)))
     return 1.0 if label == fastest else 5.0
 
-  monkeypatch.setattr(sparse_execution, "time_train_pass", per_layer)
-  monkeypatch.setattr(sparse_execution, "time_model_pass", whole)
+  monkeypatch.setattr(conversion, "time_train_pass", per_layer)
+  monkeypatch.setattr(conversion, "time_model_pass", whole)
   model = _Net(nnx.Rngs(0))
   masks = _masks(model)
   _apply(model, masks)
   x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 9, 9, 1)), jnp.float32)
   before = model(x)
-  model, report = convert_model(model, masks, input_shape=(2, 9, 9, 1))
+  model, report = to_sparse_layers(model, masks, input_shape=(2, 9, 9, 1))
   assert sorted(timed) == sorted((label, (2, 9, 9, 1)) for label in labels.values())
   assert report.kept == fastest
   assert report.model_ms == {label: 1.0 if label == fastest else 5.0 for label in labels.values()}
@@ -357,7 +358,7 @@ def test_whole_model_check_keeps_the_fastest_of_dense_per_layer_and_all_sparse(
 def test_whole_model_check_leaves_a_conv_no_sparse_layer_can_run_out_of_all_sparse(monkeypatch):
   # conv3 dilated (a 1x1 kernel: the same function): no sparse layer runs it, so the
   # "all sparse" candidate switches the other two, and the check does not raise.
-  from jaxprune.clicktrain import sparse_execution
+  from jaxprune.clicktrain.execution import conversion
 
   def per_layer(conv, input_shape, kernel, *, repeats):
     per_layer.calls.append(kernel.shape)
@@ -371,28 +372,28 @@ def test_whole_model_check_leaves_a_conv_no_sparse_layer_can_run_out_of_all_spar
     timed.append(_sparse_paths(model))
     return 1.0 if len(timed[-1]) == 2 else 5.0
 
-  monkeypatch.setattr(sparse_execution, "time_train_pass", per_layer)
-  monkeypatch.setattr(sparse_execution, "time_model_pass", whole)
+  monkeypatch.setattr(conversion, "time_train_pass", per_layer)
+  monkeypatch.setattr(conversion, "time_model_pass", whole)
   model = _Net(nnx.Rngs(0))
   model.conv3.kernel_dilation = (2, 2)
   masks = _masks(model)
-  model, report = convert_model(model, masks, input_shape=(2, 9, 9, 1))
+  model, report = to_sparse_layers(model, masks, input_shape=(2, 9, 9, 1))
   assert sorted(timed) == [(), ("conv1", "conv2"), ("conv2",)]
   assert report.kept == "all sparse" and _sparse_paths(model) == ("conv1", "conv2")
 
 
 def test_whole_model_check_is_skipped_when_no_layer_goes_sparse_and_needs_measuring(monkeypatch):
-  from jaxprune.clicktrain import sparse_execution
+  from jaxprune.clicktrain.execution import conversion
 
-  monkeypatch.setattr(sparse_execution, "time_train_pass", lambda *a, repeats: 1.0)  # a tie
-  monkeypatch.setattr(sparse_execution, "time_model_pass", lambda *a, **k: pytest.fail("timed"))
+  monkeypatch.setattr(conversion, "time_train_pass", lambda *a, repeats: 1.0)  # a tie
+  monkeypatch.setattr(conversion, "time_model_pass", lambda *a, **k: pytest.fail("timed"))
   model = _Net(nnx.Rngs(0))
   masks = _masks(model)
-  _, report = convert_model(model, masks, input_shape=(2, 9, 9, 1))
+  _, report = to_sparse_layers(model, masks, input_shape=(2, 9, 9, 1))
   assert [c.backend for c in report] == ["dense"] * 3 and report.kept is None
   for threshold in (0.5, "fixed"):
     with pytest.raises(ValueError, match="check_model"):
-      convert_model(_Net(nnx.Rngs(0)), masks, threshold=threshold, check_model=True)
+      to_sparse_layers(_Net(nnx.Rngs(0)), masks, threshold=threshold, check_model=True)
   with pytest.raises(ValueError, match="check_model"):
     SparseExecution(threshold=0.5, check_model=True)
 
@@ -400,7 +401,7 @@ def test_whole_model_check_is_skipped_when_no_layer_goes_sparse_and_needs_measur
 def test_time_model_pass_times_a_real_pass_and_leaves_the_model_alone():
   model = _Net(nnx.Rngs(0))
   state = jax.tree.map(np.asarray, nnx.state(model))
-  from jaxprune.clicktrain.sparse_execution import time_model_pass
+  from jaxprune.clicktrain.execution.layer_timing import time_model_pass
 
   assert time_model_pass(model, (2, 9, 9, 1), repeats=1) > 0
   jax.tree.map(np.testing.assert_array_equal, nnx.state(model), state)
@@ -410,20 +411,20 @@ def test_time_model_pass_times_a_real_pass_and_leaves_the_model_alone():
 def test_default_dispatch_measures_and_keeps_dense_where_dense_is_faster(monkeypatch, platform):
   # No sparse path is known to win on any platform: the default (no threshold) times every
   # layer, with the platform forced, and a layer whose dense conv is faster stays dense.
-  from jaxprune.clicktrain import sparse_execution
+  from jaxprune.clicktrain.execution import conversion, options
 
   monkeypatch.setattr(jax, "default_backend", lambda: platform)
-  assert sparse_execution.default_threshold() == "measure"
+  assert options.default_threshold() == "measure"
   calls = []
 
   def dense_faster(conv, input_shape, kernel, *, repeats):
     calls.append(tuple(kernel.shape))
     return 5.0 if calls.count(tuple(kernel.shape)) == 2 else 1.0  # sparse timed second
 
-  monkeypatch.setattr(sparse_execution, "time_train_pass", dense_faster)
+  monkeypatch.setattr(conversion, "time_train_pass", dense_faster)
   model = _Net(nnx.Rngs(0))
   masks = _masks(model)
-  _, choices = convert_model(model, masks, input_shape=(2, 9, 9, 1))
+  _, choices = to_sparse_layers(model, masks, input_shape=(2, 9, 9, 1))
   assert [c.backend for c in choices] == ["dense"] * 3
   assert all(c.dense_ms == 1.0 and c.sparse_ms == 5.0 for c in choices)
   assert not pattern_convs(model)
@@ -434,26 +435,26 @@ def test_default_backend_is_the_reference_without_the_triton_backend(monkeypatch
   # The Pallas kernels are the GPU default only while this JAX has Pallas's Triton backend; a
   # JAX without it gets the reference, and asking for "pallas" says why it cannot.
   import pallas_kernels
-  from jaxprune.clicktrain import sparse_execution
-  from jaxprune.clicktrain.layout import build_layout
+  from jaxprune.clicktrain.execution import build_layout
+  from jaxprune.clicktrain.execution.options import default_backend
 
   monkeypatch.setattr(pallas_kernels, "triton_available", lambda: True)
-  assert sparse_execution.default_backend("gpu") == "pallas"
-  assert sparse_execution.default_backend("cpu") == "reference"
+  assert default_backend("gpu") == "pallas"
+  assert default_backend("cpu") == "reference"
   monkeypatch.setattr(pallas_kernels, "triton_available", lambda: False)
-  assert sparse_execution.default_backend("gpu") == "reference"
+  assert default_backend("gpu") == "reference"
   model = _Net(nnx.Rngs(0))
   masks = _masks(model)
   unavailable = r"^backend='pallas': the Pallas Triton backend .* unavailable"
   with pytest.raises(ValueError, match=unavailable):
-    convert_model(model, masks, threshold=0.0, backend="pallas")
+    to_sparse_layers(model, masks, threshold=0.0, backend="pallas")
   with pytest.raises(ValueError, match=unavailable):
     SparseExecution(backend="pallas")
   with pytest.raises(ValueError, match=unavailable):
     layout = build_layout(np.asarray(masks["conv1"]["kernel"]))
     PatternConv.from_conv(model.conv1, layout, backend="pallas")
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  _, choices = convert_model(model, masks, threshold=0.0)
+  _, choices = to_sparse_layers(model, masks, threshold=0.0)
   assert [c.backend for c in choices] == ["reference"] * 3
   assert {m.backend for m in pattern_convs(model).values()} == {"reference"}
 
@@ -483,11 +484,9 @@ def test_sparse_execution_checks_every_option_when_built(option, value, message)
   # Built, not converted: no model, no training, no hard prune is needed to see the error.
   with pytest.raises(ValueError, match=message):
     SparseExecution(**{option: value})
-  if option == "filter_groups" and value == "from-state":
-    message = "filter_groups must be None, 'auto', a group"  # convert_model has no optimizer state
   model = _Net(nnx.Rngs(0))
   with pytest.raises(ValueError, match=message):
-    convert_model(model, _masks(model), **{option: value})
+    to_sparse_layers(model, _masks(model), **{option: value})
 
 
 def test_sparse_execution_accepts_the_documented_options():
@@ -496,5 +495,55 @@ def test_sparse_execution_accepts_the_documented_options():
   for groups in (None, "auto", "from_state", 2, [[0, 1], [2, 3]], {"conv1/kernel": 2}):
     SparseExecution(filter_groups=groups, input_shape=(2, 9, 9, 1), repeats=1)
   model = _Net(nnx.Rngs(0))
-  _, report = convert_model(model, _masks(model), threshold=1.0)  # no sparsity exceeds 1
+  _, report = to_sparse_layers(model, _masks(model), threshold=1.0)  # no sparsity exceeds 1
   assert [c.backend for c in report] == ["dense"] * 3
+
+
+def test_plan_reads_the_model_and_apply_swaps_what_it_planned():
+  from jaxprune.clicktrain.execution import SparseExecutionConfig, conversion
+
+  model = _Net(nnx.Rngs(0))
+  masks = _masks(model)
+  config = SparseExecutionConfig(threshold=0.0, backend="reference")
+  report = conversion.plan_sparse_layers(model, masks, config)
+  assert not pattern_convs(model)  # planning leaves the model as it was
+  assert [c.backend for c in report] == ["reference"] * 3
+  assert conversion.apply_sparse_layers(model, report) is model
+  assert sorted(pattern_convs(model)) == ["conv1", "conv2", "conv3"]
+  # One config, given whole or as its fields, not both; "from_state" needs an optimizer state.
+  _, same = to_sparse_layers(_Net(nnx.Rngs(0)), masks, config)
+  assert [c.backend for c in same] == [c.backend for c in report]
+  with pytest.raises(ValueError, match="not both"):
+    to_sparse_layers(_Net(nnx.Rngs(0)), masks, config, threshold=0.0)
+  with pytest.raises(ValueError, match="filter_groups must be None, 'auto', a group"):
+    to_sparse_layers(_Net(nnx.Rngs(0)), masks, filter_groups="from_state", threshold=0.0)
+  assert SparseExecution(config).config is config
+
+
+def test_convert_model_is_a_deprecated_name_of_to_sparse_layers():
+  model = _Net(nnx.Rngs(0))
+  with pytest.warns(DeprecationWarning, match="to_sparse_layers"):
+    converted, report = clicktrain.convert_model(model, _masks(model), threshold=0.0)
+  assert converted is model and [c.backend for c in report] != ["dense"] * 3
+  assert "convert_model" not in clicktrain.__all__
+
+
+def test_the_hook_finds_the_clicktrain_state_once_per_conversion(monkeypatch):
+  from jaxprune.clicktrain.execution import hook as hook_module
+
+  found = []
+  real = hook_module.find_state
+  monkeypatch.setattr(hook_module, "find_state", lambda s: found.append(s) or real(s))
+  model = _Net(nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  tx = clicktrain.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=1)
+  state = tx.init(params)
+  state = state._replace(stage=jnp.asarray(clicktrain.Stage.REGULARIZE, jnp.int32))
+
+  class _Trainer:
+    opt_state = state
+
+  hook = SparseExecution(threshold=0.0)
+  _Trainer.model = model
+  hook._convert(_Trainer())  # not pruned yet: nothing converted, the state found once
+  assert len(found) == 1 and hook.choices is None

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from jaxprune.clicktrain import importance, patterns, readouts
-from jaxprune.clicktrain import transform as ct
+from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain._groups import group_sum, lift
-from jaxprune.clicktrain.aligned_layout import build_aligned_layout
+from jaxprune.clicktrain.execution.aligned_layout import build_aligned_layout
 
 
 def _np_group_sum(x, groups, axis):
@@ -78,7 +78,7 @@ def test_filter_groups_equal_to_the_filters_is_the_balanced_paper_mode(kit):
   _, aligned, u_aligned = kit.run(kit.paper_tx(filter_groups=8))
   _, balanced, u_balanced = kit.run(kit.paper_tx(balanced_kernels=True))
   aligned, balanced = aligned[-1], balanced[-1]
-  assert int(aligned.stage) == ct.REGULARIZE
+  assert int(aligned.stage) == ct_state.REGULARIZE
   for a, b in zip(jax.tree.leaves(aligned.layers), jax.tree.leaves(balanced.layers)):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(jax.tree.leaves(u_aligned), jax.tree.leaves(u_balanced)):
@@ -89,7 +89,7 @@ def test_paper_mode_aligned_masks_and_lifted_group_lasso(kit):
   groups, lam, eps = 2, 0.01, 1e-8
   p, states, update = kit.run(kit.paper_tx(filter_groups=groups))
   st = states[-1]
-  assert int(st.stage) == ct.REGULARIZE
+  assert int(st.stage) == ct_state.REGULARIZE
   for name, ratio in ((kit.CONV1, 0.25), (kit.CONV2, 0.55)):
     ls = st.layers[name]
     cin = ls.kernel_keep.shape[0]

@@ -10,9 +10,10 @@ import pytest
 
 from jaxprune import clicktrain
 from jaxprune.clicktrain import importance, patterns, readouts
+from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
 from jaxprune.clicktrain._groups import cluster_filters, group_ids, group_sum, lift
-from jaxprune.clicktrain.aligned_layout import build_aligned_layout
+from jaxprune.clicktrain.execution.aligned_layout import build_aligned_layout
 from jaxprune.state_slicing import ChannelSlices
 
 
@@ -50,7 +51,7 @@ def _as_groups(ids):
 def test_consecutive_ids_are_stored_in_every_stage(kit, groups):
   _, states, _ = kit.run(kit.paper_tx(filter_groups=groups))
   _, explicit, _ = kit.run(kit.paper_tx(filter_groups=groups, filter_grouping="consecutive"))
-  assert int(states[-1].stage) == ct.REGULARIZE
+  assert int(states[-1].stage) == ct_state.REGULARIZE
   for st in states:
     for ls in st.layers.values():
       cout = ls.kernel_keep.shape[1]
@@ -131,7 +132,7 @@ def test_paper_mode_clusters_the_per_kernel_sums_and_lifts_them(kit):
   p, fine, _ = kit.run(kit.paper_tx())
   _, states, update = kit.run(kit.paper_tx(filter_groups=groups, filter_grouping="clustered"))
   st = states[-1]
-  assert int(st.stage) == ct.REGULARIZE
+  assert int(st.stage) == ct_state.REGULARIZE
   partitions = readouts.filter_partition(st)
   for name, ratio in ((kit.CONV1, 0.25), (kit.CONV2, 0.55)):
     ls, ref = st.layers[name], fine[-1].layers[name]

@@ -9,8 +9,9 @@ import optax
 import pytest
 
 from jaxprune.clicktrain import readouts
+from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
-from jaxprune.clicktrain._stages import group_lasso_grad
+from jaxprune.clicktrain._stage_work import group_lasso_grad
 
 
 def _np_group_lasso(w, pattern_mask, kernel_keep, eps):
@@ -36,7 +37,7 @@ def test_group_lasso_penalty_and_gradient_match_a_plain_loop(kit):
   # checked by central differences of the loop's value.
   update, p, states = kit.paper_run()
   st = states[-1]
-  assert int(st.stage) == ct.REGULARIZE
+  assert int(st.stage) == ct_state.REGULARIZE
   eps = 1e-8
   named = {kit.CONV1: p["block"]["conv1"]["kernel"], kit.CONV2: p["block"]["conv2"]["kernel"]}
   total, grads = 0.0, {}

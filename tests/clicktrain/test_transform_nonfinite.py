@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from jaxprune.clicktrain import importance, patterns, readouts
+from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
 
 
@@ -87,7 +88,7 @@ def test_non_finite_step_neither_votes_nor_adds_scores(guarded, kind, bad_step):
   inner = optax.sgd(0.1)
   tx = _one_epoch_stages(optax.apply_if_finite(inner, 3) if guarded else inner)
   w, gs, states = _nonfinite_run(tx, bad_step, kind, 4)
-  assert int(states[-1].stage) == ct.REGULARIZE
+  assert int(states[-1].stage) == ct_state.REGULARIZE
   _assert_masks_from(
     states[-1].layers["conv/kernel"], w, gs, {0, 1} - {bad_step}, {2, 3} - {bad_step}
   )
@@ -130,12 +131,12 @@ def test_stage_without_a_finite_batch_goes_on_instead_of_choosing_by_index(stage
     w, gs, states = _nonfinite_run(tx, bad, kind, 6)
     jax.effects_barrier()
   held = states[bad[1]]  # after the bad stage's last step: nothing was chosen
-  assert int(held.stage) == (ct.POOL if stage == "pool" else ct.FINALIZE)
+  assert int(held.stage) == (ct_state.POOL if stage == "pool" else ct_state.FINALIZE)
   assert int(held.stage_start_epoch) == (0 if stage == "pool" else 1)
   ls = held.layers["conv/kernel"]
   assert np.all(np.asarray(ls.pattern_id) == -1) and np.all(np.asarray(ls.kernel_keep))
   assert np.all(np.asarray(ls.pattern_mask) == 1)
-  assert [int(s.stage) for s in states[4:]] == [ct.FINALIZE, ct.REGULARIZE]
+  assert [int(s.stage) for s in states[4:]] == [ct_state.FINALIZE, ct_state.REGULARIZE]
   pool_steps, finalize_steps = ({2, 3}, {4, 5}) if stage == "pool" else ({0, 1}, {4, 5})
   _assert_masks_from(states[-1].layers["conv/kernel"], w, gs, pool_steps, finalize_steps)
 
@@ -152,7 +153,7 @@ def test_one_shot_pick_defers_past_a_non_finite_batch(kind, kit):
     kernel_prune_ratio=0.35,
   )
   w, gs, states = _nonfinite_run(tx, 2, kind, 4)
-  assert [int(s.stage) for s in states] == [ct.WARMUP] * 3 + [ct.REGULARIZE]
+  assert [int(s.stage) for s in states] == [ct_state.WARMUP] * 3 + [ct_state.REGULARIZE]
   pat, keep, _ = kit.one_shot_reference(w, gs[3], 0.35)
   ls = states[-1].layers["conv/kernel"]
   np.testing.assert_array_equal(ls.pattern_id, patterns.library_pattern_ids()[:4][pat])

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from jaxprune.clicktrain import importance, patterns, readouts
+from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
 
 
@@ -29,7 +30,7 @@ def test_one_shot_matches_released_rule(num_patterns, kit):
   update = jax.jit(tx.update)
   for i in range(spe + 1):
     _, st = update(kit.fake_grads(p, i), st, p)
-    assert int(st.stage) == (ct.WARMUP if i < spe else ct.REGULARIZE)
+    assert int(st.stage) == (ct_state.WARMUP if i < spe else ct_state.REGULARIZE)
   g = kit.fake_grads(p, spe)  # the first batch of epoch 1
   pat, keep, mask = kit.one_shot_reference(
     p["block"]["conv1"]["kernel"], g["block"]["conv1"]["kernel"], 0.35, num_patterns

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from jaxprune.clicktrain import importance, patterns, readouts
+from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
 from jaxprune.train import checkpoint
 
@@ -23,7 +24,7 @@ def test_pool_accumulation_and_global_pool(kit):
     imp = np.moveaxis(np.asarray((g * w) ** 2), (0, 1), (-2, -1))
     expect += np.bincount(np.asarray(patterns.dppg_candidates(imp)).ravel(), minlength=126)
   st = states[2]
-  assert int(st.stage) == ct.FINALIZE
+  assert int(st.stage) == ct_state.FINALIZE
   np.testing.assert_array_equal(st.layers[kit.CONV1].competitive_scores, expect)
   assert expect.sum() == 2 * 6 * 8
   pool = sorted(range(126), key=lambda i: (-expect[i], i))[:5]
@@ -53,7 +54,7 @@ def test_finalization_votes_skip_batches_failing_margin(kit):
   assert int(states[4].layers[kit.CONV1].votes.sum()) == 48
   votes, kscore = _expected_votes(kit, p, [2, 4, 5], pool_masks)
   st = states[-1]
-  assert int(st.stage) == ct.REGULARIZE
+  assert int(st.stage) == ct_state.REGULARIZE
   ls = st.layers[kit.CONV1]
   np.testing.assert_array_equal(ls.votes, votes)
   np.testing.assert_allclose(ls.kernel_score_sum, kscore, rtol=1e-5)
@@ -76,7 +77,7 @@ def test_kernel_finalization_counts(kit):
 def test_group_lasso_gradient_matches_autodiff(kit):
   update, p, states = kit.paper_run()
   st = states[-1]
-  assert int(st.stage) == ct.REGULARIZE
+  assert int(st.stage) == ct_state.REGULARIZE
   g = kit.fake_grads(p, 99)
   u, _ = update(g, st, p, value=jnp.float32(0.9))
   penalty_grad = jax.grad(lambda q: kit.LAMBDA * readouts.group_lasso_penalty(q, st))(p)
@@ -172,7 +173,7 @@ def test_hard_prune_keeps_pruned_weights_exactly_zero(kit):
         m = np.asarray(masks[path[0]][path[1]]["kernel"])
         assert np.all(w[m == 0] == 0.0), (i, name)
         assert np.all(m == np.asarray(mask0[path[0]][path[1]]["kernel"]))
-  assert int(st.stage) == ct.PRUNED
+  assert int(st.stage) == ct_state.PRUNED
   w = np.asarray(p["block"]["conv1"]["kernel"])
   # 4 of 9 per kept kernel, half of the kernels kept
   assert np.count_nonzero(w) == 4 * 24
@@ -184,7 +185,7 @@ def test_state_round_trip(tmp_path, kit):
   st = kit.paper_run()[2][-1]
   leaves, tdef = jax.tree.flatten(st)
   back = jax.tree.unflatten(tdef, leaves)
-  assert isinstance(back, ct.ClickTrainState)
+  assert isinstance(back, ct_state.ClickTrainState)
   for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back)):
     np.testing.assert_array_equal(a, b)
   ocp = pytest.importorskip("orbax.checkpoint")
@@ -220,7 +221,7 @@ def test_mixed_kernel_sizes_get_one_pool_per_size(kit):
   update = jax.jit(tx.update)
   for i in range(2):
     _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))
-  assert int(st.stage) == ct.REGULARIZE
+  assert int(st.stage) == ct_state.REGULARIZE
   a, b, c = (st.layers[k] for k in ("a/kernel", "b/kernel", "c/kernel"))
   # one global pool per kernel size: the summed competitive scores of that size's layers
   total5 = np.asarray(a.competitive_scores) + np.asarray(c.competitive_scores)
@@ -241,7 +242,7 @@ def test_state_round_trip_through_train_checkpoint_store(tmp_path, kit):
   fresh = jax.tree.map(jnp.zeros_like, st)
   arrays, meta = store.restore(1, {"opt_state": fresh})
   back = arrays["opt_state"]
-  assert isinstance(back, ct.ClickTrainState) and meta["epoch"] == 1
+  assert isinstance(back, ct_state.ClickTrainState) and meta["epoch"] == 1
   for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back)):
     np.testing.assert_array_equal(a, b)
 

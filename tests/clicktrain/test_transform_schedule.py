@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
 from jaxprune.clicktrain.config import Config
 
@@ -64,14 +65,14 @@ def test_stage_schedule_fixed_epochs(kit):
   per_epoch = [stages[e * spe : (e + 1) * spe] for e in range(8)]
   assert all(len(set(s)) == 1 for s in per_epoch)  # transitions only at epoch ends
   assert [s[0] for s in per_epoch] == [
-    ct.WARMUP,
-    ct.WARMUP,
-    ct.POOL,
-    ct.FINALIZE,
-    ct.FINALIZE,
-    ct.REGULARIZE,
-    ct.PRUNED,
-    ct.PRUNED,
+    ct_state.WARMUP,
+    ct_state.WARMUP,
+    ct_state.POOL,
+    ct_state.FINALIZE,
+    ct_state.FINALIZE,
+    ct_state.REGULARIZE,
+    ct_state.PRUNED,
+    ct_state.PRUNED,
   ]
 
 
@@ -87,8 +88,8 @@ def test_loss_derivative_trigger(kit):
   for i, l in enumerate(losses):
     _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(l))
     stages.append(int(st.stage))
-  assert stages[:7] == [ct.WARMUP] * 7
-  assert stages[7] == ct.POOL and int(st.stage_start_epoch) == 4
+  assert stages[:7] == [ct_state.WARMUP] * 7
+  assert stages[7] == ct_state.POOL and int(st.stage_start_epoch) == 4
 
 
 def test_run_still_in_warmup_at_the_hard_prune_epoch_warns_once(kit):
@@ -108,7 +109,7 @@ def test_run_still_in_warmup_at_the_hard_prune_epoch_warns_once(kit):
   messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
   assert len(messages) == 1, messages
   assert messages[0].startswith("clicktrain: still in warmup after 3 epochs (hard_prune_epoch=3)")
-  assert int(st.stage) == ct.WARMUP
+  assert int(st.stage) == ct_state.WARMUP
 
 
 def test_importance_every_longer_than_a_stage_raises():
@@ -171,7 +172,7 @@ def test_per_layer_ratio_callable_and_errors(mode, kit):
   assert calls == {(kit.CONV1, (3, 3, 6, 8)), (kit.CONV2, (1, 1, 8, 8))}
   for i in range(2 if mode == "paper" else 1):
     _, st = tx.update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))
-  assert int(st.stage) == ct.REGULARIZE
+  assert int(st.stage) == ct_state.REGULARIZE
   for name, (cin, cout) in ((kit.CONV1, (6, 8)), (kit.CONV2, (8, 8))):
     pruned = int((~np.asarray(st.layers[name].kernel_keep)).sum())
     assert pruned == math.ceil(table[name] * cin * cout) == {kit.CONV1: 15, kit.CONV2: 45}[name]
@@ -265,7 +266,13 @@ def test_trigger_that_fires_too_late_warns_and_moves_the_hard_prune(kit):
       _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))  # Δ = 0: fires
       jax.effects_barrier()
       stages.append(int(st.stage))
-  assert stages == [ct.WARMUP, ct.POOL, ct.FINALIZE, ct.REGULARIZE, ct.PRUNED]
+  assert stages == [
+    ct_state.WARMUP,
+    ct_state.POOL,
+    ct_state.FINALIZE,
+    ct_state.REGULARIZE,
+    ct_state.PRUNED,
+  ]
   messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
   assert messages == [
     (
@@ -290,7 +297,7 @@ def test_trigger_in_time_does_not_warn(kit):
       _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))
       jax.effects_barrier()
   assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
-  assert int(st.stage) == ct.PRUNED
+  assert int(st.stage) == ct_state.PRUNED
 
 
 def test_a_schedule_that_cannot_prune_inside_the_run_warns_when_built():

@@ -75,13 +75,13 @@ def test_bench_step_builds_the_model_in_its_dtype(monkeypatch):
   import numpy as np
   from flax import nnx
 
-  from jaxprune.clicktrain.sparse_layers import AlignedConv
+  from jaxprune.clicktrain.execution.sparse_layers import AlignedConv
 
   converted = []
-  convert = aligned_bench.convert_model
+  convert = aligned_bench.to_sparse_layers
   monkeypatch.setattr(
     aligned_bench,
-    "convert_model",
+    "to_sparse_layers",
     lambda model, *a, **k: converted.append(model) or convert(model, *a, **k),
   )
   monkeypatch.setattr(aligned_bench, "median_call_ms", lambda step, repeats: 1.0)  # no timing

@@ -11,8 +11,8 @@ from flax import nnx
 
 from experiments import step_bench
 from jaxprune import models
-from jaxprune.clicktrain.sparse_execution import pattern_convs
-from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv
+from jaxprune.clicktrain.execution import pattern_convs
+from jaxprune.clicktrain.execution.sparse_layers import AlignedConv, PatternConv
 
 
 def test_tiny_run_writes_a_table_of_ratios_to_its_own_dense_step(tmp_path):

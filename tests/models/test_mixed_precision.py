@@ -9,8 +9,8 @@ from flax import nnx
 
 from jaxprune import clicktrain, data, models, sdgp, train
 from jaxprune import prunetrain as pt
-from jaxprune.clicktrain.sparse_execution import convert_model as sparse_convert
-from jaxprune.clicktrain.sparse_layers import AlignedConv, PatternConv
+from jaxprune.clicktrain.execution import to_sparse_layers as sparse_convert
+from jaxprune.clicktrain.execution.sparse_layers import AlignedConv, PatternConv
 from jaxprune.sdgp.prune import SDGPSettings
 
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -197,7 +197,7 @@ def test_clicktrain_sparse_layers_keep_bf16(filter_groups):
 def test_measured_dispatch_times_the_layers_in_bf16(monkeypatch):
   """The default dispatch times each layer in its compute dtype: a bf16 model's pruned convs
   dense and sparse in bf16 (before, a float32 kernel and mask timed float32 convolutions)."""
-  from jaxprune.clicktrain import sparse_execution
+  from jaxprune.clicktrain.execution import conversion
 
   seen = []
 
@@ -206,7 +206,7 @@ def test_measured_dispatch_times_the_layers_in_bf16(monkeypatch):
     seen.append((jnp.dtype(kernel.dtype), jnp.dtype(jax.eval_shape(conv, x, kernel).dtype)))
     return 2.0 if len(seen) % 2 else 1.0  # dense, then sparse: the sparse layer is faster
 
-  monkeypatch.setattr(sparse_execution, "time_train_pass", spy)
+  monkeypatch.setattr(conversion, "time_train_pass", spy)
   model = _create("prunetrain-vgg11", jnp.bfloat16)
   masks = _shared_pattern_masks(model)
   _, choices = sparse_convert(

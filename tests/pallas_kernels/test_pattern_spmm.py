@@ -12,13 +12,13 @@ pytest.importorskip(
 )
 
 from jaxprune.clicktrain import patterns
-from jaxprune.clicktrain.layout import (
+from jaxprune.clicktrain.execution.pattern_conv import pattern_conv
+from jaxprune.clicktrain.execution.pattern_layout import (
   PatternLayout,
   build_layout,
   to_values,
   transposed_values,
 )
-from jaxprune.clicktrain.pattern_conv import pattern_conv
 from pallas_kernels import pattern_spmm as kernels
 
 # Small tiles so that the odd shapes below span several ragged tiles in both directions.

@@ -2,11 +2,11 @@
 
 The paper's fine-grained patterns (a 4-of-9 pattern per kernel, ClickTrain §4) give every
 filter its own sparse row, which a GPU runs as an irregular SpMM well below cuDNN's speed. On
-an aligned layout (:mod:`jaxprune.clicktrain.aligned_layout`: filters in groups sharing each
-kept input channel's pattern) the kept channels of each group are gathered in pattern order,
-so each pattern's channels are contiguous; each tap of a pattern is a static spatial slice of
-the padded input; the slices are concatenated along channels and multiplied by the packed
-kept weights in one dense matrix product, batched over the groups:
+an aligned layout (:mod:`jaxprune.clicktrain.execution.aligned_layout`: filters in groups
+sharing each kept input channel's pattern) the kept channels of each group are gathered in
+pattern order, so each pattern's channels are contiguous; each tap of a pattern is a static
+spatial slice of the padded input; the slices are concatenated along channels and multiplied
+by the packed kept weights in one dense matrix product, batched over the groups:
 
     Y_g[(n, h, w), f] = Σ_r X_cols[(n, h, w), r] · W_g[r, f],   r = (pattern, tap, channel)
 
@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from jaxprune._conv_args import canonical_padding, spatial_pair
-from jaxprune.clicktrain.aligned_layout import AlignedGroup, AlignedLayout, tap_blocks
+from jaxprune.clicktrain.execution.aligned_layout import AlignedGroup, AlignedLayout, tap_blocks
 
 __all__ = ["COLUMNS", "AlignedConvFn", "aligned_conv", "check_columns", "shared_columns"]
 
@@ -197,7 +197,7 @@ def aligned_conv(
     x: ``(N, H, W, Cin)`` input.
     kernel: ``(kh, kw, Cin, Cout)`` dense kernel; weights outside the layout are ignored (and
       get a zero gradient).
-    layout: from :func:`~jaxprune.clicktrain.aligned_layout.build_aligned_layout`.
+    layout: from :func:`~jaxprune.clicktrain.execution.aligned_layout.build_aligned_layout`.
     strides: an int or ``(sh, sw)``.
     padding: ``"SAME"``, ``"VALID"`` or explicit ``((top, bottom), (left, right))``.
     precision, preferred_element_type: passed to the matrix products.

@@ -1,5 +1,5 @@
-"""ClickTrain's stage machine (ClickTrain Fig. 4): where a step sits in the epoch schedule,
-which stage functions it runs, and the state it leaves.
+"""ClickTrain's stage machine (ClickTrain Fig. 4): where a step sits in the pruning schedule,
+which stage work (:mod:`jaxprune.clicktrain._stage_work`) it runs, and the state it leaves.
 
 Transitions happen at epoch ends, inside ``jit``: the stage, step and loss statistics live in
 the state, and the importance work and mask choice of a stage run under one ``lax.switch`` /
@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxprune.clicktrain import _stages
+from jaxprune.clicktrain import _stage_work
 from jaxprune.clicktrain import patterns as _pat
 from jaxprune.clicktrain._plan import Plan
 from jaxprune.clicktrain.config import Config
@@ -180,17 +180,21 @@ def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w,
   # batch non-finite or skipped) does not end: it goes on for another epoch, as one_shot
   # defers its pick, instead of choosing the pool / masks from all-zero scores by index.
   def pool_branch(ls):
-    run = do_importance & _stages.all_finite(clock.loss, plan, w, g)
-    ls = jax.lax.cond(run, lambda x: _stages.pool_step(x, plan, w, g), lambda x: x, ls)
-    end = to_final & _stages.scored(ls, plan, POOL)
-    ls = jax.lax.cond(end, lambda x: _stages.select_pools(x, plan, cfg.pool_size), lambda x: x, ls)
+    run = do_importance & _stage_work.all_finite(clock.loss, plan, w, g)
+    ls = jax.lax.cond(run, lambda x: _stage_work.pool_step(x, plan, w, g), lambda x: x, ls)
+    end = to_final & _stage_work.scored(ls, plan, POOL)
+    ls = jax.lax.cond(
+      end, lambda x: _stage_work.select_pools(x, plan, cfg.pool_size), lambda x: x, ls
+    )
     return ls, end
 
   def finalize_branch(ls):
-    run = do_importance & _stages.all_finite(clock.loss, plan, w, g)
-    ls = jax.lax.cond(run, lambda x: _stages.finalize_step(x, plan, w, g, counted), lambda x: x, ls)
-    end = to_reg & _stages.scored(ls, plan, FINALIZE)
-    return jax.lax.cond(end, lambda x: _stages.finalize_masks(x, plan), lambda x: x, ls), end
+    run = do_importance & _stage_work.all_finite(clock.loss, plan, w, g)
+    ls = jax.lax.cond(
+      run, lambda x: _stage_work.finalize_step(x, plan, w, g, counted), lambda x: x, ls
+    )
+    end = to_reg & _stage_work.scored(ls, plan, FINALIZE)
+    return jax.lax.cond(end, lambda x: _stage_work.finalize_masks(x, plan), lambda x: x, ls), end
 
   branch = jnp.where(stage == POOL, 1, jnp.where(stage == FINALIZE, 2, 0))
   layers, ended = jax.lax.switch(
@@ -215,11 +219,11 @@ def one_shot_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock,
   """
   due = (state.stage == WARMUP) & (state.count >= cfg.one_shot_epoch * cfg.steps_per_epoch)
   pick = jax.lax.cond(
-    due, lambda: _stages.all_finite(clock.loss, plan, w, g), lambda: jnp.bool_(False)
+    due, lambda: _stage_work.all_finite(clock.loss, plan, w, g), lambda: jnp.bool_(False)
   )
   layers = jax.lax.cond(
     pick,
-    lambda ls: _stages.one_shot_masks(ls, plan, w, g, cfg.one_shot_patterns),
+    lambda ls: _stage_work.one_shot_masks(ls, plan, w, g, cfg.one_shot_patterns),
     lambda ls: ls,
     state.layers,
   )

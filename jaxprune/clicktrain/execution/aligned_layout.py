@@ -4,8 +4,9 @@ In the aligned layout the filters of a conv are split into groups, and within a 
 input channel is either pruned or keeps **one** set of taps (a ClickTrain pattern) shared by
 all the group's filters. :func:`build_aligned_layout` reads such a layout off a 0/1 mask
 (checking the sharing) and :func:`aligned_mask` writes the mask of per-(group, channel) tap
-sets; :mod:`jaxprune.clicktrain.aligned_conv` runs the convolution on it. ``docs/design.md``
-(ClickTrain, aligned mode) says why and how the paper's quantities are lifted to groups.
+sets; :mod:`jaxprune.clicktrain.execution.aligned_conv` runs the convolution on it.
+``docs/design.md`` (ClickTrain, aligned mode) says why and how the paper's quantities are
+lifted to groups.
 
 Example:
   >>> import numpy as np
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxprune.clicktrain.layout import _as_binary_mask
+from jaxprune.clicktrain.execution.pattern_layout import _as_binary_mask
 
 __all__ = [
   "AlignedGroup",

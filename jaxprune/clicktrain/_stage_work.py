@@ -1,8 +1,8 @@
-"""ClickTrain's stage functions: pure functions of the plan, the param / gradient leaves and the
-per-layer states, one per piece of work of the stage machine (ClickTrain §4.2-4.4).
+"""ClickTrain's stage work: what each stage computes per step (ClickTrain §4.2-4.4), as pure
+functions of the plan, the param / gradient leaves and the per-layer states.
 
 Each takes what it reads explicitly and returns new per-layer states (or leaves); none reads
-anything from an enclosing scope. :mod:`jaxprune.clicktrain._schedule` decides which run.
+anything from an enclosing scope. :mod:`jaxprune.clicktrain._stage_machine` decides which run.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Acceleration"). The kernel argument stays the dense HWIO parameter, so the optim
 masks and checkpoints see the model exactly as before; its gradient is zero at pruned
 positions.
 
-Backends, chosen per call (per layer by :mod:`jaxprune.clicktrain.sparse_execution`):
+Backends, chosen per call (per layer by :mod:`jaxprune.clicktrain.execution.conversion`):
 
 * ``"reference"`` — pure JAX: the gathered SpMM, one kept column per step (the data gradient
   on the layout's transpose, gathers only). The CPU path and the oracle of the GPU kernels.
@@ -41,9 +41,14 @@ from jax import lax
 
 import pallas_kernels
 from jaxprune._conv_args import canonical_padding, spatial_pair
-from jaxprune.clicktrain.layout import PatternLayout, to_dense, to_values, transposed_values
+from jaxprune.clicktrain.execution.pattern_layout import (
+  PatternLayout,
+  to_dense,
+  to_values,
+  transposed_values,
+)
 
-__all__ = ["BACKENDS", "canonical_padding", "check_backend", "pattern_conv", "pattern_conv_values"]
+__all__ = ["BACKENDS", "check_backend", "pattern_conv", "pattern_conv_values"]
 
 BACKENDS = ("reference", "pallas", "auto", "dense")
 _NHWC = ("NHWC", "HWIO", "NHWC")
@@ -206,8 +211,9 @@ def pattern_conv_values(
 
   Args:
     x: ``(N, H, W, Cin)`` input.
-    values: ``(Cout, layout.width)`` kept weights (:func:`jaxprune.clicktrain.layout.to_values`).
-    layout: the kernel's :class:`~jaxprune.clicktrain.layout.PatternLayout`.
+    values: ``(Cout, layout.width)`` kept weights
+      (:func:`~jaxprune.clicktrain.execution.pattern_layout.to_values`).
+    layout: the kernel's :class:`~jaxprune.clicktrain.execution.pattern_layout.PatternLayout`.
     strides: conv strides.
     padding: ``"SAME"``, ``"VALID"`` or ``((top, bottom), (left, right))``.
     backend: one of :data:`BACKENDS`.
@@ -295,7 +301,7 @@ def pattern_conv(
   Args:
     x: ``(N, H, W, Cin)`` input.
     kernel: ``(kh, kw, Cin, Cout)`` dense kernel (its pruned entries are ignored).
-    layout: built once by :func:`jaxprune.clicktrain.layout.build_layout`.
+    layout: built once by :func:`jaxprune.clicktrain.execution.pattern_layout.build_layout`.
     strides, padding, backend: see :func:`pattern_conv_values`.
 
   Returns:

@@ -1,5 +1,5 @@
 """Timing of one conv or a whole model's training pass, for the dispatch of
-:mod:`jaxprune.clicktrain.sparse_execution` and the benchmarks under ``experiments/``.
+:mod:`jaxprune.clicktrain.execution.conversion` and the benchmarks under ``experiments/``.
 
 Each time is the median of ``repeats`` calls of a jitted function after a warm-up call
 (:func:`jaxprune.timing.median_call_ms`), so compilation is not counted; every candidate is
@@ -16,8 +16,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxprune.clicktrain.layout import PatternLayout, to_dense, to_values
-from jaxprune.clicktrain.pattern_conv import pattern_conv_values
+from jaxprune.clicktrain.execution.pattern_conv import pattern_conv_values
+from jaxprune.clicktrain.execution.pattern_layout import PatternLayout, to_dense, to_values
 from jaxprune.timing import median_call_ms
 
 __all__ = ["time_layer", "time_model_pass", "time_train_pass"]
@@ -36,7 +36,7 @@ def time_layer(
   """Wall-clock milliseconds of one conv, sparse path against the dense masked conv.
 
   Times, on the default device, the forward pass, the data gradient and the weight gradient
-  of :func:`~jaxprune.clicktrain.pattern_conv.pattern_conv_values` with ``backend`` and of
+  of :func:`~jaxprune.clicktrain.execution.pattern_conv.pattern_conv_values` with ``backend`` and of
   ``lax.conv_general_dilated`` with the masked kernel, each the median of ``repeats`` calls of
   the jitted function after a warm-up call (so compilation is not counted).
 

@@ -7,11 +7,11 @@ the innermost conv function of the conv they come from and keeps every wrapper a
 SDGP's pruned data gradient), with the layer's key Variable:
 
 * :class:`PatternConv`: the paper's fine-grained pattern-sparse conv on a fixed layout
-  (:func:`~jaxprune.clicktrain.pattern_conv.pattern_conv`);
+  (:func:`~jaxprune.clicktrain.execution.pattern_conv.pattern_conv`);
 * :class:`AlignedConv`: the aligned (group-shared) layout as slices and one batched matrix
-  product (:func:`~jaxprune.clicktrain.aligned_conv.aligned_conv`).
+  product (:func:`~jaxprune.clicktrain.execution.aligned_conv.aligned_conv`).
 
-:mod:`jaxprune.clicktrain.sparse_execution` decides which layer each pruned conv becomes.
+:mod:`jaxprune.clicktrain.execution.conversion` decides which layer each pruned conv becomes.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxprune.clicktrain.aligned_conv import AlignedConvFn, check_columns
-from jaxprune.clicktrain.aligned_layout import AlignedLayout
-from jaxprune.clicktrain.layout import PatternLayout
-from jaxprune.clicktrain.pattern_conv import canonical_padding, check_backend, pattern_conv
+from jaxprune._conv_args import canonical_padding
+from jaxprune.clicktrain.execution.aligned_conv import AlignedConvFn, check_columns
+from jaxprune.clicktrain.execution.aligned_layout import AlignedLayout
+from jaxprune.clicktrain.execution.pattern_conv import check_backend, pattern_conv
+from jaxprune.clicktrain.execution.pattern_layout import PatternLayout
 from jaxprune.models import PluggableConv, base_function, conv_sharing_variables, with_base
 
 __all__ = ["AlignedConv", "PatternConv", "check_convertible"]
@@ -87,7 +88,7 @@ class PatternConv(PluggableConv):
 
   Same parameters (``kernel``, ``bias``: the very Variables of the conv it replaces) and the
   same function as that conv with its pruned weights at zero; the convolution runs
-  :func:`~jaxprune.clicktrain.pattern_conv.pattern_conv` with ``backend``.
+  :func:`~jaxprune.clicktrain.execution.pattern_conv.pattern_conv` with ``backend``.
 
   The sparse convolution replaces the innermost conv function of the conv it comes from
   (:func:`jaxprune.models.with_base`) and keeps every wrapper around it, with the layer's
@@ -95,7 +96,7 @@ class PatternConv(PluggableConv):
   gradient from the dense output gradient, the data gradient from the N:M-pruned one, both
   through the sparse path) without this package knowing SDGP.
 
-  Build it with :meth:`from_conv`; :func:`convert_model` does it for a whole model.
+  Build it with :meth:`from_conv`; :func:`to_sparse_layers` does it for a whole model.
   """
 
   @classmethod
@@ -124,9 +125,9 @@ class PatternConv(PluggableConv):
 class AlignedConv(PluggableConv):
   """``nnx.Conv`` whose kernel is pruned on an aligned layout (ClickTrain's aligned mode).
 
-  The convolution is :class:`~jaxprune.clicktrain.aligned_conv.AlignedConvFn` on the layout,
-  put under every wrapper the conv had (as :class:`PatternConv`). Build it with
-  :meth:`from_conv`; :func:`~jaxprune.clicktrain.sparse_execution.convert_model` with
+  The convolution is :class:`~jaxprune.clicktrain.execution.aligned_conv.AlignedConvFn` on the
+  layout, put under every wrapper the conv had (as :class:`PatternConv`). Build it with
+  :meth:`from_conv`; :func:`~jaxprune.clicktrain.execution.conversion.to_sparse_layers` with
   ``filter_groups`` does it for a whole model.
   """
 
@@ -135,7 +136,7 @@ class AlignedConv(PluggableConv):
     cls, conv: nnx.Conv, layout: AlignedLayout, *, name: str = "conv", columns: str = "per_group"
   ) -> AlignedConv:
     """An ``AlignedConv`` sharing ``conv``'s Variables, running on ``layout`` with its columns
-    made per group or shared (:func:`~jaxprune.clicktrain.aligned_conv.aligned_conv`).
+    made per group or shared (:func:`~jaxprune.clicktrain.execution.aligned_conv.aligned_conv`).
 
     Raises:
       ValueError: a layout of another kernel shape, a conv that is already sparse, one the
