@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from jaxprune.clicktrain.readouts import stage_name
-from jaxprune.train import Callback, epoch_batches, recompute_batch_stats
+from jaxprune.train import Callback, TrainerLike, epoch_batches, recompute_batch_stats
 
 __all__ = ["DEFAULT_BATCHES", "HardPruneBatchNorm", "HardPruneCheck"]
 
@@ -75,10 +75,10 @@ class HardPruneBatchNorm(Callback):
     self.recomputed_at: int | None = None
     self._pruned_before = False  # the stage was already "pruned" at the last check
 
-  def on_fit_start(self, trainer: Any) -> None:
+  def on_fit_start(self, trainer: TrainerLike) -> None:
     self._pruned_before = stage_name(trainer.opt_state) == "pruned"
 
-  def on_train_epoch_end(self, trainer: Any, epoch: int, train_loader: Any) -> None:
+  def on_train_epoch_end(self, trainer: TrainerLike, epoch: int, train_loader: Any) -> None:
     pruned = stage_name(trainer.opt_state) == "pruned"
     if pruned and not self._pruned_before:
       model = trainer.model
@@ -87,7 +87,7 @@ class HardPruneBatchNorm(Callback):
       self.recomputed_at = epoch
     self._pruned_before = pruned
 
-  def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any] | None:
+  def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> Mapping[str, Any] | None:
     del trainer
     # Present in every record (a JSON-lines reader gets even columns); True at the prune.
     return {"ct_bn_recomputed": epoch == self.recomputed_at}
@@ -125,17 +125,17 @@ class HardPruneCheck(Callback):
     self.epochs = int(epochs)
     self._pruned_before = False  # the stage was already "pruned" at the last epoch end
 
-  def on_fit_start(self, trainer: Any) -> None:
+  def on_fit_start(self, trainer: TrainerLike) -> None:
     self._pruned_before = stage_name(trainer.opt_state) == "pruned"
 
-  def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any]:
+  def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> Mapping[str, Any]:
     del epoch
     stage = stage_name(trainer.opt_state)
     pruned_now = stage == "pruned" and not self._pruned_before
     self._pruned_before = stage == "pruned"
     return {"ct_stage": stage, "ct_hard_prune": pruned_now}
 
-  def after_epoch(self, trainer: Any, record: Mapping[str, Any]) -> None:
+  def after_epoch(self, trainer: TrainerLike, record: Mapping[str, Any]) -> None:
     del record
     if trainer.epoch != self.epochs:
       return

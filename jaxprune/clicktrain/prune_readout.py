@@ -30,7 +30,13 @@ from flax import nnx
 from jaxprune import masking
 from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES
 from jaxprune.clicktrain.readouts import masks, removed_norm_fraction, stage_name
-from jaxprune.train import Callback, epoch_batches, recompute_batch_stats, split_model
+from jaxprune.train import (
+  Callback,
+  TrainerLike,
+  epoch_batches,
+  recompute_batch_stats,
+  split_model,
+)
 
 __all__ = ["HardPruneReadout"]
 
@@ -46,7 +52,7 @@ def _check_loader(name: str, loader: Any) -> None:
     raise ValueError(f"{name} must be an iterable of (images, labels) batches, got {loader!r}")
 
 
-def _test_acc(trainer: Any, params: Any, rest: Any, loader: Iterable) -> float:
+def _test_acc(trainer: TrainerLike, params: Any, rest: Any, loader: Iterable) -> float:
   """``trainer.evaluate(loader)``'s accuracy for ``params`` / ``rest`` in place of the
   trainer's (its eval step, flip TTA and padding). The trainer's own arrays are put back
   before this returns; the eval step does not donate them."""
@@ -142,7 +148,7 @@ class HardPruneReadout(Callback):
     self._fit_loader: Iterable | None = None  # fit's training loader, seen at each epoch end
     self._pruned_before = False  # the stage was already "pruned" at the last check
 
-  def on_fit_start(self, trainer: Any) -> None:
+  def on_fit_start(self, trainer: TrainerLike) -> None:
     try:
       self._pruned_before = stage_name(trainer.opt_state) == "pruned"
     except ValueError as e:
@@ -151,11 +157,11 @@ class HardPruneReadout(Callback):
         "no hard prune: leave the hook out)"
       ) from None
 
-  def on_train_epoch_end(self, trainer: Any, epoch: int, train_loader: Iterable) -> None:
+  def on_train_epoch_end(self, trainer: TrainerLike, epoch: int, train_loader: Iterable) -> None:
     del trainer, epoch
     self._fit_loader = train_loader
 
-  def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any] | None:
+  def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> Mapping[str, Any] | None:
     stage = stage_name(trainer.opt_state)
     pruned = stage == "pruned"
     if pruned and not self._pruned_before and self.fired_at != epoch - 1:
@@ -181,7 +187,7 @@ class HardPruneReadout(Callback):
     self.fired_at = epoch
     return self._readout(trainer, epoch)
 
-  def _readout(self, trainer: Any, epoch: int) -> dict[str, Any]:
+  def _readout(self, trainer: TrainerLike, epoch: int) -> dict[str, Any]:
     """The record entries (see the class docstring), from copies of the trainer's state."""
     params = trainer.params
     total, by_layer = removed_norm_fraction(trainer.opt_state, params)

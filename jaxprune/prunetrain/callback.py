@@ -23,7 +23,7 @@ from jaxprune.prunetrain.surgery import (
   _param_count,
   reconfigure,
 )
-from jaxprune.train import Callback, epoch_batches, recompute_batch_stats
+from jaxprune.train import Callback, TrainerLike, epoch_batches, recompute_batch_stats
 
 __all__ = ["RECORD_KEYS", "PruneTrainCallback", "model_costs"]
 
@@ -198,7 +198,7 @@ class PruneTrainCallback(Callback):
       "dense_allreduce_bytes": 0.0,
     }
 
-  def _devices(self, trainer: Any) -> int:
+  def _devices(self, trainer: TrainerLike) -> int:
     """The devices of the all-reduce cost model (see ``num_devices``)."""
     if self.num_devices is not None:
       return self.num_devices
@@ -236,7 +236,7 @@ class PruneTrainCallback(Callback):
     return 1.0 - report.flops_ratio >= self.min_flops_saving
 
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
-  def on_fit_start(self, trainer: Any) -> None:
+  def on_fit_start(self, trainer: TrainerLike) -> None:
     _check_reconfigurable(trainer.model)
 
   def state_dict(self) -> dict[str, Any]:
@@ -250,25 +250,25 @@ class PruneTrainCallback(Callback):
       self.batch_policy.load_state_dict({"budget_bytes": budget})
     self._state.update(state)
 
-  def on_train_epoch_end(self, trainer: Any, epoch: int, train_loader: Any) -> None:
+  def on_train_epoch_end(self, trainer: TrainerLike, epoch: int, train_loader: Any) -> None:
     if not self.recompute_batchnorm:
       return
     # The batches the epoch just trained on.
     self._train_batches = functools.partial(epoch_batches, train_loader, epoch)
     self._recompute_batchnorm(trainer)
 
-  def _recompute_batchnorm(self, trainer: Any) -> None:
+  def _recompute_batchnorm(self, trainer: TrainerLike) -> None:
     model = trainer.model
     recompute_batch_stats(model, self._train_batches(), self.recompute_batchnorm)
     trainer.replace(model)
 
-  def on_epoch_end(self, trainer: Any, epoch: int) -> dict[str, Any]:
+  def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> dict[str, Any]:
     try:
       return self._epoch_end(trainer, epoch)
     finally:
       self._train_batches = None
 
-  def _epoch_end(self, trainer: Any, epoch: int) -> dict[str, Any]:
+  def _epoch_end(self, trainer: TrainerLike, epoch: int) -> dict[str, Any]:
     # Every key in every record (None where it does not apply): no ragged JSON-lines columns.
     record = self._account(trainer) | dict.fromkeys(_RECONFIGURE_KEYS)
     if epoch % self.every_epochs:
@@ -301,7 +301,7 @@ class PruneTrainCallback(Callback):
       record["pt_next_batch_size"] = self._state["batch_size"] = new_batch
     return record
 
-  def _account(self, trainer: Any) -> dict[str, Any]:
+  def _account(self, trainer: TrainerLike) -> dict[str, Any]:
     """Adds the epoch just trained to the running cost totals; returns its record entries."""
     state = self._state
     if state["costs"] is None:

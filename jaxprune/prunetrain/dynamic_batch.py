@@ -20,6 +20,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jaxprune.train import TrainerLike
+
 __all__ = ["DynamicBatch", "grow_batch_size", "largest_batch_size"]
 
 # A budget within this fraction of one step's memory of the next size's predicted memory is
@@ -153,7 +155,7 @@ class _Search:
 
 
 def largest_batch_size(
-  trainer: Any,
+  trainer: TrainerLike,
   budget_bytes: int,
   image_shape: Sequence[int],
   *,
@@ -229,17 +231,17 @@ class DynamicBatch:
     self.max_batch_size = max_batch_size
     self.budget_bytes: int | None = None
 
-  def _memory(self, trainer: Any, batch_size: int) -> int:
+  def _memory(self, trainer: TrainerLike, batch_size: int) -> int:
     return trainer.step_memory(batch_size, self.image_shape)["total"]
 
-  def measure_budget(self, trainer: Any) -> int | None:
+  def measure_budget(self, trainer: TrainerLike) -> int | None:
     """Records the budget (the step's memory at the trainer's batch size) the first time;
     returns it (``None`` while the trainer has no batch size yet)."""
     if self.budget_bytes is None and trainer.batch_size:
       self.budget_bytes = self._memory(trainer, trainer.batch_size)
     return self.budget_bytes
 
-  def grow(self, trainer: Any) -> int:
+  def grow(self, trainer: TrainerLike) -> int:
     """Asks ``trainer`` for the largest batch whose step fits the budget, with the LR scaled
     by the same ratio (both from the next epoch); returns that batch size. The search
     (:func:`grow_batch_size`) compiles the new step about 3 times: two sizes fit the step's

@@ -18,7 +18,7 @@ from jaxprune.clicktrain.execution.conversion import ConversionReport, to_sparse
 from jaxprune.clicktrain.execution.options import SparseExecutionConfig, as_config
 from jaxprune.clicktrain.readouts import filter_partition, find_state, masks, stage_name
 from jaxprune.masking import count_refilled
-from jaxprune.train import Callback
+from jaxprune.train import Callback, TrainerLike
 
 __all__ = ["SparseExecution"]
 
@@ -73,7 +73,7 @@ class SparseExecution(Callback):
   def _input_shape(self) -> tuple[int, ...] | None:
     return self.config.input_shape or self._loader_shape
 
-  def _convert(self, trainer: Any) -> None:
+  def _convert(self, trainer: TrainerLike) -> None:
     model = trainer.model
     if model is self._converted:
       return
@@ -97,21 +97,21 @@ class SparseExecution(Callback):
     trainer.replace(model, trainer.opt_state)
     self._converted = model
 
-  def on_fit_start(self, trainer: Any) -> None:
+  def on_fit_start(self, trainer: TrainerLike) -> None:
     if self.config.measures() and self._input_shape() is None:
       # A resumed run converts at its first epoch end, once the loader's shape is known (its
       # first epoch runs the masked dense convs: pass input_shape to switch at once).
       return
     self._convert(trainer)
 
-  def on_train_epoch_end(self, trainer: Any, epoch: int, train_loader: Any) -> None:
+  def on_train_epoch_end(self, trainer: TrainerLike, epoch: int, train_loader: Any) -> None:
     del trainer, epoch
     shape = getattr(getattr(train_loader, "dataset", None), "image_shape", None)
     size = getattr(train_loader, "batch_size", None)
     if shape is not None and size:
       self._loader_shape = (int(size), *(int(d) for d in shape))
 
-  def on_epoch_end(self, trainer: Any, epoch: int) -> Mapping[str, Any]:
+  def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> Mapping[str, Any]:
     del epoch
     self._convert(trainer)
     # In every record: the layers that run sparse from the next epoch on (0 before the switch).
