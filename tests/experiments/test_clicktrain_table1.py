@@ -257,7 +257,7 @@ def test_every_pruned_layer_keeps_the_ratio_the_table_gave_it_before(row):
   from flax import nnx
 
   from jaxprune import models
-  from jaxprune.clicktrain.transform import default_layer_filter
+  from jaxprune.clicktrain.config import default_layer_filter
   from jaxprune.paths import path_string
 
   model = nnx.eval_shape(
