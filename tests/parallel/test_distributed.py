@@ -4,7 +4,6 @@ Runs in a subprocess: the device count must be set before JAX starts, and the
 rest of the suite shares one process per worker.
 """
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -79,10 +78,8 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_sparse_allreduce_pmap_and_shard_map_match_masked_dense_mean():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["JAX_PLATFORMS"] = "cpu"
+def test_sparse_allreduce_pmap_and_shard_map_match_masked_dense_mean(cpu_env):
+  env = cpu_env()
   proc = subprocess.run(
     [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300
   )

@@ -7,7 +7,6 @@ batch, or a hand average of single-device passes over the four quarters of the b
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -376,10 +375,8 @@ _SCRIPT = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def results():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["JAX_PLATFORMS"] = "cpu"
+def results(cpu_env):
+  env = cpu_env()
   root = pathlib.Path(__file__).resolve().parents[2]
   proc = subprocess.run(
     [sys.executable, "-c", _SCRIPT],
