@@ -37,6 +37,27 @@ __all__ = ["DEFAULT_BATCHES", "HardPruneBatchNorm", "HardPruneCheck"]
 DEFAULT_BATCHES = 10
 
 
+class _PruneEdge:
+  """Finds the epoch end at which ClickTrain's stage first reads ``"pruned"`` (the hard prune).
+
+  The stage a fit starts in counts as seen (:meth:`start`), so a run resumed after the prune
+  does not find it again. Shared by the hooks that act on, or mark, that epoch.
+  """
+
+  def __init__(self):
+    self.pruned = False  # the stage read "pruned" at the last check
+
+  def start(self, opt_state: Any) -> None:
+    self.pruned = stage_name(opt_state) == "pruned"
+
+  def check(self, opt_state: Any) -> tuple[str, bool]:
+    """The stage now, and whether this is the first check that finds it ``"pruned"``."""
+    stage = stage_name(opt_state)
+    first = stage == "pruned" and not self.pruned
+    self.pruned = stage == "pruned"
+    return stage, first
+
+
 class HardPruneBatchNorm(Callback):
   """Trainer hook: re-estimate the BatchNorm running statistics when ClickTrain hard-prunes.
 
@@ -73,19 +94,17 @@ class HardPruneBatchNorm(Callback):
       raise ValueError(f"num_batches must be a positive int, got {num_batches!r}")
     self.num_batches = int(num_batches)
     self.recomputed_at: int | None = None
-    self._pruned_before = False  # the stage was already "pruned" at the last check
+    self._edge = _PruneEdge()
 
   def on_fit_start(self, trainer: TrainerLike) -> None:
-    self._pruned_before = stage_name(trainer.opt_state) == "pruned"
+    self._edge.start(trainer.opt_state)
 
   def on_train_epoch_end(self, trainer: TrainerLike, epoch: int, train_loader: Any) -> None:
-    pruned = stage_name(trainer.opt_state) == "pruned"
-    if pruned and not self._pruned_before:
+    if self._edge.check(trainer.opt_state)[1]:
       model = trainer.model
       recompute_batch_stats(model, epoch_batches(train_loader, epoch), self.num_batches)
       trainer.replace(model)
       self.recomputed_at = epoch
-    self._pruned_before = pruned
 
   def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> Mapping[str, Any] | None:
     del trainer
@@ -123,17 +142,15 @@ class HardPruneCheck(Callback):
     if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
       raise ValueError(f"epochs must be a positive int, got {epochs!r}")
     self.epochs = int(epochs)
-    self._pruned_before = False  # the stage was already "pruned" at the last epoch end
+    self._edge = _PruneEdge()
 
   def on_fit_start(self, trainer: TrainerLike) -> None:
-    self._pruned_before = stage_name(trainer.opt_state) == "pruned"
+    self._edge.start(trainer.opt_state)
 
   def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> Mapping[str, Any]:
     del epoch
-    stage = stage_name(trainer.opt_state)
-    pruned_now = stage == "pruned" and not self._pruned_before
-    self._pruned_before = stage == "pruned"
-    return {"ct_stage": stage, "ct_hard_prune": pruned_now}
+    stage, first = self._edge.check(trainer.opt_state)
+    return {"ct_stage": stage, "ct_hard_prune": first}
 
   def after_epoch(self, trainer: TrainerLike, record: Mapping[str, Any]) -> None:
     del record

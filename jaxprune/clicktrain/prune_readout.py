@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 from jaxprune import masking
-from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES
-from jaxprune.clicktrain.readouts import masks, removed_norm_fraction, stage_name
+from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES, _PruneEdge
+from jaxprune.clicktrain.readouts import masks, removed_norm_fraction
 from jaxprune.train import (
   Callback,
   TrainerLike,
@@ -146,11 +146,11 @@ class HardPruneReadout(Callback):
     self.bn_batches = _positive_int("bn_batches", bn_batches)
     self.fired_at: int | None = None
     self._fit_loader: Iterable | None = None  # fit's training loader, seen at each epoch end
-    self._pruned_before = False  # the stage was already "pruned" at the last check
+    self._edge = _PruneEdge()
 
   def on_fit_start(self, trainer: TrainerLike) -> None:
     try:
-      self._pruned_before = stage_name(trainer.opt_state) == "pruned"
+      self._edge.start(trainer.opt_state)
     except ValueError as e:
       raise ValueError(
         f"HardPruneReadout reads ClickTrain's masks, but the trainer's {e} (a dense run has "
@@ -162,9 +162,9 @@ class HardPruneReadout(Callback):
     self._fit_loader = train_loader
 
   def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> Mapping[str, Any] | None:
-    stage = stage_name(trainer.opt_state)
+    stage, first = self._edge.check(trainer.opt_state)
     pruned = stage == "pruned"
-    if pruned and not self._pruned_before and self.fired_at != epoch - 1:
+    if first and self.fired_at != epoch - 1:
       warnings.warn(
         f"HardPruneReadout: the hard prune ended epoch {epoch} but no reading was taken at the "
         f"end of epoch {epoch - 1} (fired at {self.fired_at}): hard_prune_epoch="
@@ -172,7 +172,6 @@ class HardPruneReadout(Callback):
         "epoch that pruned (one_shot_epoch + 1 == hard_prune_epoch)",
         stacklevel=2,
       )
-    self._pruned_before = pruned
     if self.fired_at is not None and self.fired_at == epoch - 1 and not pruned:
       warnings.warn(
         f"HardPruneReadout: the reading at the end of epoch {self.fired_at} expected the hard "

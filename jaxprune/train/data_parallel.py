@@ -38,6 +38,7 @@ structure changes (PruneTrain's reconfiguration) or the reduction's index arrays
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 from collections.abc import Callable
@@ -93,14 +94,12 @@ def make_mesh(devices: Any = None) -> Mesh:
 def _check_distinct(devices: Any) -> None:
   """A device listed twice would get two shards of one array (JAX fails later, inside
   sharding, with an unrelated ``safe_zip`` message): name it here."""
-  seen: dict[Any, int] = {}
-  for d in devices:
-    seen[d] = seen.get(d, 0) + 1
+  seen = collections.Counter(devices)
   twice = [str(d) for d, n in seen.items() if n > 1]
   if twice:
     raise ValueError(
       f"mesh: every device must appear once, but {', '.join(twice)} appear(s) more than once "
-      f"among its {sum(seen.values())} devices"
+      f"among its {seen.total()} devices"
     )
 
 

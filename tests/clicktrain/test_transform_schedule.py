@@ -249,12 +249,16 @@ def test_every_keyword_lands_in_the_validated_config():
     cfg.pool_size = 8
 
 
-def test_trigger_that_fires_too_late_warns_and_moves_the_hard_prune(kit):
-  # hard_prune_epoch=3 leaves no room: the trigger fires at the end of epoch 2 at the earliest
-  # and pool + finalization + one regularized epoch take 3 more. The stages run in full and
-  # the hard prune moves to the end of epoch 5, said when the trigger fires.
+def _five_epochs_of_flat_loss(kit, hard_prune_epoch):
+  """Five one-step epochs of a constant loss (Δ = 0: the trigger fires at its earliest, the
+  end of epoch 2) with one pool and one finalization epoch; returns the stage after each
+  epoch and the ``RuntimeWarning`` messages."""
   tx = ct.clicktrain(
-    optax.sgd(0.0), steps_per_epoch=1, hard_prune_epoch=3, pool_epochs=1, finalize_epochs=1
+    optax.sgd(0.0),
+    steps_per_epoch=1,
+    hard_prune_epoch=hard_prune_epoch,
+    pool_epochs=1,
+    finalize_epochs=1,
   )
   p = kit.params()
   st = tx.init(p)
@@ -263,9 +267,17 @@ def test_trigger_that_fires_too_late_warns_and_moves_the_hard_prune(kit):
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for i in range(5):
-      _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))  # Δ = 0: fires
+      _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))
       jax.effects_barrier()
       stages.append(int(st.stage))
+  return stages, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_trigger_that_fires_too_late_warns_and_moves_the_hard_prune(kit):
+  # hard_prune_epoch=3 leaves no room: the trigger fires at the end of epoch 2 at the earliest
+  # and pool + finalization + one regularized epoch take 3 more. The stages run in full and
+  # the hard prune moves to the end of epoch 5, said when the trigger fires.
+  stages, messages = _five_epochs_of_flat_loss(kit, hard_prune_epoch=3)
   assert stages == [
     ct_state.WARMUP,
     ct_state.POOL,
@@ -273,7 +285,6 @@ def test_trigger_that_fires_too_late_warns_and_moves_the_hard_prune(kit):
     ct_state.REGULARIZE,
     ct_state.PRUNED,
   ]
-  messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
   assert messages == [
     (
       "clicktrain: the loss-derivative trigger fired after 2 epochs, too late for pool_epochs "
@@ -285,19 +296,9 @@ def test_trigger_that_fires_too_late_warns_and_moves_the_hard_prune(kit):
 
 
 def test_trigger_in_time_does_not_warn(kit):
-  tx = ct.clicktrain(
-    optax.sgd(0.0), steps_per_epoch=1, hard_prune_epoch=5, pool_epochs=1, finalize_epochs=1
-  )
-  p = kit.params()
-  st = tx.init(p)
-  update = jax.jit(tx.update)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    for i in range(5):
-      _, st = update(kit.fake_grads(p, i), st, p, value=jnp.float32(1.0))
-      jax.effects_barrier()
-  assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
-  assert int(st.stage) == ct_state.PRUNED
+  stages, messages = _five_epochs_of_flat_loss(kit, hard_prune_epoch=5)
+  assert not messages
+  assert stages[-1] == ct_state.PRUNED
 
 
 def test_a_schedule_that_cannot_prune_inside_the_run_warns_when_built():
