@@ -62,17 +62,11 @@ def test_notebooks_use_the_installed_library_not_the_experiments():
     assert not imports, (path.name, imports)
 
 
-@pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-  """One JAX compilation cache for the notebooks of this module: they train the same small
-  model with the same methods, and XLA compilation is most of their time on a CPU."""
-  return tmp_path_factory.mktemp("jax-compilation-cache")
-
-
 @pytest.fixture
-def kernel_manager(tmp_path, monkeypatch, compilation_cache):
+def kernel_manager(tmp_path, monkeypatch):
   """A kernel of this interpreter (not whatever ``python3`` spec the machine has), whose
-  ``import jaxprune`` finds this checkout, at the notebooks' small setting."""
+  ``import jaxprune`` finds this checkout, at the notebooks' small setting; it inherits the
+  suite's compilation cache and XLA flags (tests/conftest.py) with this environment."""
   spec_dir = tmp_path / "kernels" / KERNEL
   spec_dir.mkdir(parents=True)
   spec = {
@@ -83,7 +77,6 @@ def kernel_manager(tmp_path, monkeypatch, compilation_cache):
   (spec_dir / "kernel.json").write_text(json.dumps(spec))
   monkeypatch.setenv("JAXPRUNE_NOTEBOOK_SMALL", "1")
   monkeypatch.setenv("MPLBACKEND", "Agg")
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(compilation_cache))
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
   specs = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
   return KernelManager(kernel_name=KERNEL, kernel_spec_manager=specs)
