@@ -250,6 +250,14 @@ def add_publish_argument(parser: argparse.ArgumentParser, where: str) -> None:
   )
 
 
+def fill_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+  """Sets each argument still ``None`` (not given on the command line) to its default: a
+  size preset such as ``--small`` fills what was left out and never overrides a flag given."""
+  for name, value in defaults.items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
+
+
 def add_output_arguments(parser: argparse.ArgumentParser, where: str) -> None:
   """``--publish`` (:func:`add_publish_argument`) and ``--out``, a folder overriding both."""
   add_publish_argument(parser, where)

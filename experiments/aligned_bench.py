@@ -360,10 +360,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--seed", type=int, default=0, help="seed of the masks, weights and batch")
   _tables.add_output_arguments(parser, "benchmarks/")
   args = parser.parse_args(argv)
-  # --small fills only what the command line left out: a flag given is never overridden.
-  for name, value in (_SMALL if args.small else _FULL).items():
-    if getattr(args, name) is None:
-      setattr(args, name, value)
+  _tables.fill_defaults(args, _SMALL if args.small else _FULL)
   if min(args.groups) < 1:
     parser.error("--groups must be >= 1")
   return args

@@ -384,9 +384,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     "sdgp_methods": ["magnitude", "mvue"] if small else list(_SDGP_METHODS),
     "max_seconds": 840.0 if jax.default_backend() == "cpu" else 270.0,
   }
-  for name, value in defaults.items():
-    if getattr(args, name) is None:
-      setattr(args, name, value)
+  _tables.fill_defaults(args, defaults)
   if min(args.groups) < 1:
     parser.error("--groups must be >= 1")
   if any(not 0 < k < 1 for k in args.keep):
