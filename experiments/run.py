@@ -1,8 +1,9 @@
-"""Run an experiment module: ``python -m experiments.run NAME [args...]``.
+"""Run an experiment: ``python -m experiments.run NAME [args...]``.
 
-``NAME`` is a module of the ``experiments`` package (``experiments/NAME.py``) with a
-``main(argv)`` function; the remaining arguments are passed to it.
-``python -m experiments.run --list`` lists the runnable experiments.
+``NAME`` is one of :data:`COMMANDS`, the one list of the commands the pages and docs name; each
+lives in a wing of ``experiments/`` (``clicktrain/``, ``prunetrain/``, ``sdgp/``,
+``benchmarks/`` for the cross-method benches, ``gpu/``) and has a ``main(argv)`` function, which
+gets the remaining arguments. ``python -m experiments.run --list`` lists them.
 
 The multi-host flags of :mod:`jaxprune.multihost` (``--coordinator-address``,
 ``--num-processes``, ``--process-id``, ``--num-cpu-devices``) are accepted anywhere in the
@@ -15,37 +16,60 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import pkgutil
 import sys
 from collections.abc import Sequence
 
-import experiments
 from jaxprune import multihost
 
-_NOT_EXPERIMENTS = {"run", "__init__", "__main__"}
+# Command name -> module (under ``experiments.``). The names are those every page and doc
+# quotes; the modules are named for what they are inside their wing.
+COMMANDS: dict[str, str] = {
+  # ClickTrain
+  "clicktrain_table1": "clicktrain.table1",
+  "aligned_bench": "clicktrain.aligned_bench",
+  "pattern_conv_bench": "clicktrain.pattern_conv_bench",
+  "clicktrain_overhead": "clicktrain.overhead",
+  # PruneTrain
+  "prunetrain_table1": "prunetrain.table1",
+  "prunetrain_speed": "prunetrain.speed",
+  "prunetrain_compile_bench": "prunetrain.compile_bench",
+  # SDGP
+  "sdgp_table1": "sdgp.table1",
+  "sdgp_fig8": "sdgp.fig8",
+  "sdgp_timemodel": "sdgp.timemodel",
+  # Across the methods
+  "quickstart": "benchmarks.quickstart",
+  "step_bench": "benchmarks.step_bench",
+  "allreduce_bench": "benchmarks.allreduce_bench",
+  "cifar_baseline": "benchmarks.cifar_baseline",
+  "model_params": "benchmarks.model_params",
+  "bench_train_step": "benchmarks.train_step",
+  "bench_conv_weight_grad": "benchmarks.conv_weight_grad",
+  "bench_loader": "benchmarks.loader",
+  "bench_decode": "benchmarks.decode",
+  "bench_imagenet_loader": "benchmarks.imagenet_loader",
+  "device_loader_bench": "benchmarks.device_loader",
+  # The accelerator window
+  "gpu_queue": "gpu.queue",
+}
 
 
 def available() -> list[str]:
-  """Names of the experiment modules that define ``main``, sorted."""
-  names = []
-  for info in pkgutil.iter_modules(experiments.__path__):
-    if info.ispkg or info.name.startswith("_") or info.name in _NOT_EXPERIMENTS:
-      continue
-    names.append(info.name)
-  return sorted(names)
+  """The command names, sorted."""
+  return sorted(COMMANDS)
 
 
 def load(name: str):
-  """Import ``experiments.NAME`` and return its ``main``.
+  """Import the module of command ``name`` and return its ``main``.
 
   Raises:
-    ValueError: ``name`` is not an experiment module (the message lists them), or the
-      module has no ``main``.
+    ValueError: ``name`` is not a command (the message lists them), or its module has no
+      ``main``.
   """
-  names = available()
-  if name not in names:
-    raise ValueError(f"unknown experiment {name!r}; available: {', '.join(names) or '(none)'}")
-  module = importlib.import_module(f"experiments.{name}")
+  if name not in COMMANDS:
+    names = ", ".join(available())
+    raise ValueError(f"unknown experiment {name!r}; available: {names}")
+  module = importlib.import_module(f"experiments.{COMMANDS[name]}")
   main = getattr(module, "main", None)
   if not callable(main):
     raise ValueError(f"experiment {name!r} has no main(argv) function")

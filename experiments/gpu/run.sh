@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One accelerator window on the paper-budget queue (experiments/gpu_queue.py), on a bare machine
+# One accelerator window on the paper-budget queue (experiments/gpu/queue.py), on a bare machine
 # with no network: install the library without dependencies, read the CIFAR-10 tarball from the
 # git-ignored data_cache/ folder that travels with the working tree, train the next rows not yet
 # published inside MAX_SECONDS, and leave in OUTDIR the bundle of returned rows

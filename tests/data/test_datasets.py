@@ -459,7 +459,7 @@ def test_real_cifar10_counts():
 
 
 def test_bench_loader_writes_tables(jpeg_tarball, tmp_path):
-  from experiments import bench_loader
+  from experiments.benchmarks import loader as bench_loader
 
   out = tmp_path / "throughput.md"
   argv = ["--root", str(jpeg_tarball), "--cache-dir", str(tmp_path / "cache"), "--batch-sizes", "8",
@@ -477,9 +477,10 @@ def test_bench_loader_writes_tables(jpeg_tarball, tmp_path):
 
 
 def test_bench_decode_writes_tables(jpeg_tarball, tmp_path, monkeypatch):
-  from experiments import _tables, bench_decode
+  from experiments.benchmarks import decode as bench_decode
+  from experiments.common import pages
 
-  monkeypatch.setattr(_tables, "SCRATCH", tmp_path / "runs")
+  monkeypatch.setattr(pages, "SCRATCH", tmp_path / "runs")
   monkeypatch.setattr(_decode, "_MIN_IMAGES_PER_PROCESS", 10)  # 50 images: a pool of 2
   result = bench_decode.main(["--root", str(jpeg_tarball), "--processes", "1,2", "--repeats", "1"])
   assert [(r["processes"], r["images"]) for r in result["rows"]] == [(1, 50), (2, 50)]

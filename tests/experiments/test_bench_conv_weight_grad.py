@@ -6,7 +6,7 @@ import json
 from flax import nnx
 from jax import lax
 
-from experiments import bench_conv_weight_grad as bench
+from experiments.benchmarks import conv_weight_grad as bench
 from jaxprune.models.conv import conv_general_dilated
 
 

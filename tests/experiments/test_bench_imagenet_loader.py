@@ -4,13 +4,13 @@ import json
 
 from PIL import Image
 
-from experiments import _tables
-from experiments import bench_imagenet_loader as bench
+from experiments.benchmarks import imagenet_loader as bench
+from experiments.common import pages
 
 
 def test_bench_times_each_split_and_writes_scratch_unless_published(tmp_path, monkeypatch):
-  monkeypatch.setattr(_tables, "RESULTS", tmp_path / "results")
-  monkeypatch.setattr(_tables, "SCRATCH", tmp_path / "runs")
+  monkeypatch.setattr(pages, "RESULTS", tmp_path / "results")
+  monkeypatch.setattr(pages, "SCRATCH", tmp_path / "runs")
   folder = tmp_path / "folder"
   argv = ["--images", "12", "--workers", "0", "--batch-size", "4", "--image-size", "16"]
   result = bench.main([*argv, "--folder", str(folder)])

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import clicktrain_table1
+from experiments.clicktrain import table1 as clicktrain_table1
 from jaxprune import methods
 from jaxprune.clicktrain import preset
 
@@ -194,7 +194,7 @@ def test_runs_of_other_seeds_go_to_the_aligned_pages_seeds_table(tmp_path):
   }
   stems = {}
   for (method, seed), acc in accs.items():
-    stem = clicktrain_table1._clicktrain_aligned_page.run_stem("cpu", "vgg11", method, seed)
+    stem = clicktrain_table1.aligned_page.run_stem("cpu", "vgg11", method, seed)
     stems[method, seed] = stem
     (tmp_path / f"{stem}.json").write_text(json.dumps({**fine, "test_acc": acc}))
   assert stems["aligned-g2", 0] == "table1_cpu_vgg11_aligned-g2"

@@ -1,11 +1,11 @@
-"""experiments/_compile_cache.py: JAX's persistent compilation cache for the table commands."""
+"""experiments/compile_cache.py: JAX's persistent compilation cache for the table commands."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from experiments import _compile_cache
+from experiments.common import compile_cache
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -13,11 +13,11 @@ _REPO = Path(__file__).resolve().parents[2]
 # the cache's writes and hits (JAX's monitoring events).
 _CHILD = """
 import json, jax, jax.numpy as jnp, optax
-from experiments import _compile_cache
+from experiments.common import compile_cache
 events = []
 jax.monitoring.register_event_listener(lambda name, **kwargs: events.append(name))
 jax.jit(lambda x: x * 3)(jnp.ones(4)).block_until_ready()
-folder = _compile_cache.enable()
+folder = compile_cache.enable()
 
 def loss(w, x, y):
   return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
@@ -43,7 +43,7 @@ def test_a_second_process_loads_every_program_from_the_cache(run_python, tmp_pat
   folder = tmp_path / "jax_cache"
   # No cache before enable() (the suite's own, inherited, would take the first program).
   env = {
-    _compile_cache.ENV_VAR: str(folder),
+    compile_cache.ENV_VAR: str(folder),
     "PYTHONPATH": str(_REPO),
     "JAX_COMPILATION_CACHE_DIR": "",
   }
@@ -62,14 +62,14 @@ def test_a_second_process_loads_every_program_from_the_cache(run_python, tmp_pat
 
 
 def test_the_folder_defaults_to_runs_unless_the_environment_names_one(monkeypatch, tmp_path):
-  monkeypatch.delenv(_compile_cache.ENV_VAR, raising=False)
-  assert _compile_cache.default_dir() == _REPO / "runs" / "jax_cache"
-  monkeypatch.setenv(_compile_cache.ENV_VAR, str(tmp_path / "elsewhere"))
-  assert _compile_cache.default_dir() == tmp_path / "elsewhere"
+  monkeypatch.delenv(compile_cache.ENV_VAR, raising=False)
+  assert compile_cache.default_dir() == _REPO / "runs" / "jax_cache"
+  monkeypatch.setenv(compile_cache.ENV_VAR, str(tmp_path / "elsewhere"))
+  assert compile_cache.default_dir() == tmp_path / "elsewhere"
 
 
 def test_a_file_is_not_a_cache_folder(tmp_path):
   path = tmp_path / "a_file"
   path.write_text("")
   with pytest.raises(ValueError, match="cache_dir"):
-    _compile_cache.enable(path)
+    compile_cache.enable(path)

@@ -7,10 +7,10 @@ import dataclasses
 import json
 import tarfile
 
-import numpy as np
 import pytest
 
-from experiments import _tables, gpu_queue
+from experiments.common import budgets, pages
+from experiments.gpu import queue as gpu_queue
 from jaxprune import data
 
 
@@ -99,7 +99,7 @@ def _fake_tables(calls):
 
 def test_queue_runs_rows_reports_and_bundles(tmp_path, monkeypatch):
   monkeypatch.setattr(data, "load", lambda *a, **k: None)
-  monkeypatch.setattr(_tables, "RESULTS", tmp_path / "results")
+  monkeypatch.setattr(pages, "RESULTS", tmp_path / "results")
   calls = []
   args = gpu_queue._parse(
     [
@@ -150,7 +150,7 @@ def test_publish_merges_returned_rows_beside_the_papers(tmp_path):
   (folder / "logs" / "table1_paper_vgg11_clicktrain.jsonl").write_text("{}\n")  # stopped run
   sdgp_rows = {
     "budget_name": "paper",
-    "budget": dict(_tables.get_budget("sdgp_table1", "paper")),
+    "budget": dict(budgets.get_budget("sdgp_table1", "paper")),
     "rows": [
       {
         "method": "mvue",

@@ -1,11 +1,11 @@
-"""The op-kind split of a compiled step (experiments/_op_profile.py)."""
+"""The op-kind split of a compiled step (experiments/op_profile.py)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from experiments import _op_profile
+from experiments.common import op_profile
 
 # A hand-written module: a fusion that calls a fusion holding a convolution, a transpose
 # fusion, a plain elementwise op and a fusion of elementwise ops.
@@ -46,7 +46,7 @@ ENTRY %main (x: f32[2,4,4,3], w: f32[3,3,3,5]) -> f32[2,4,4,5] {
 
 
 def test_op_kinds_of_a_hand_written_module():
-  kinds = _op_profile.op_kinds(_HLO)
+  kinds = op_profile.op_kinds(_HLO)
   assert kinds == {
     "x": "elementwise / reduction",
     "w": "elementwise / reduction",
@@ -59,7 +59,7 @@ def test_op_kinds_of_a_hand_written_module():
 
 def test_op_kinds_rejects_text_without_entry():
   with pytest.raises(ValueError, match="hlo_text"):
-    _op_profile.op_kinds("HloModule empty\n")
+    op_profile.op_kinds("HloModule empty\n")
 
 
 def _conv_grad():
@@ -76,7 +76,7 @@ def _conv_grad():
 def test_op_kinds_of_a_compiled_conv_gradient():
   compiled, _, _ = _conv_grad()
   text = compiled.as_text()
-  kinds = _op_profile.op_kinds(text)
+  kinds = op_profile.op_kinds(text)
   # Forward, input-gradient and weight-gradient convolutions: at least three instructions
   # are (or call) convolutions, whatever XLA fuses them into.
   assert sum(kind == "convolution / dot" for kind in kinds.values()) >= 3
@@ -89,9 +89,9 @@ def test_op_kinds_of_a_compiled_conv_gradient():
 
 def test_op_seconds_by_kind_traces_a_compiled_step():
   compiled, x, w = _conv_grad()
-  seconds = _op_profile.op_seconds_by_kind(lambda: compiled(x, w), compiled.as_text(), steps=2)
-  assert set(seconds) == set(_op_profile.KINDS)
+  seconds = op_profile.op_seconds_by_kind(lambda: compiled(x, w), compiled.as_text(), steps=2)
+  assert set(seconds) == set(op_profile.KINDS)
   assert seconds["convolution / dot"] > 0
   assert all(value >= 0 for value in seconds.values())
   with pytest.raises(ValueError, match="steps"):
-    _op_profile.op_seconds_by_kind(lambda: compiled(x, w), compiled.as_text(), steps=0)
+    op_profile.op_seconds_by_kind(lambda: compiled(x, w), compiled.as_text(), steps=0)

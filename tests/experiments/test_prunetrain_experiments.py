@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from experiments import _prunetrain_pages, prunetrain_speed, prunetrain_table1
+from experiments.prunetrain import speed as prunetrain_speed
+from experiments.prunetrain import table1 as prunetrain_table1
+from experiments.prunetrain import table1_pages
 
 
 def _write_earlier(path, args, dense):
@@ -162,7 +164,7 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, tiny_rows
   args.paired = True
   results = {run.method: prunetrain_table1._result(args, run) for run in paired}
   paper = prunetrain_table1.PAPER[args.model]
-  _prunetrain_pages.row_page(tmp_path / "paired", args, results, "cmd", paper)
+  table1_pages.row_page(tmp_path / "paired", args, results, "cmd", paper)
   assert (tmp_path / "paired_over_training.png").exists()
   lines = (tmp_path / "paired.md").read_text().splitlines()
   header = lines.index(next(line for line in lines if line.startswith("| epoch | dense epoch")))

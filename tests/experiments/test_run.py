@@ -1,5 +1,9 @@
 """experiments.run: the one entry point takes the multi-host flags out for every experiment."""
 
+import ast
+import re
+from pathlib import Path
+
 from experiments import run as run_module
 
 
@@ -24,3 +28,76 @@ def test_flags_are_not_abbreviated():
 def test_inconsistent_multihost_flags_exit_with_the_error(capsys):
   assert run_module.main(["quickstart", "--num-processes", "2", "--process-id", "2"]) == 2
   assert "process_id 2" in capsys.readouterr().err
+
+
+REPO = Path(__file__).resolve().parents[2]
+_WINGS = ("clicktrain", "prunetrain", "sdgp", "benchmarks", "gpu")
+# Which wings each wing may import (besides experiments.common, which every wing may):
+# the paper wings stand alone, the queue drives the paper tables.
+_MAY_IMPORT = {
+  "common": set(),
+  "clicktrain": set(),
+  "prunetrain": set(),
+  "sdgp": set(),
+  "benchmarks": set(),
+  "gpu": {"clicktrain", "prunetrain", "sdgp"},
+}
+
+
+def _documented_names() -> set[str]:
+  texts = [REPO / "README.md", REPO / "experiments" / "gpu" / "run.sh"]
+  for folder, pattern in (("docs", "*.md"), ("notebooks", "*"), ("experiments/results", "*.md")):
+    texts += [p for p in (REPO / folder).rglob(pattern) if p.is_file()]
+  names = set()
+  for path in texts:
+    names |= set(re.findall(r"experiments\.run ([a-z][a-z0-9_]*)", path.read_text()))
+  return names
+
+
+def test_every_documented_command_runs_from_its_wing():
+  documented = _documented_names()
+  assert {"clicktrain_table1", "step_bench", "gpu_queue", "quickstart"} <= documented
+  assert documented <= set(run_module.COMMANDS), documented - set(run_module.COMMANDS)
+  for name in run_module.COMMANDS:
+    assert callable(run_module.load(name)), name
+
+
+def test_every_module_with_a_main_is_a_command():
+  listed = set(run_module.COMMANDS.values())
+  for wing in _WINGS:
+    for path in (REPO / "experiments" / wing).glob("*.py"):
+      tree = ast.parse(path.read_text())
+      if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+        assert f"{wing}.{path.stem}" in listed, path
+
+
+def test_unknown_command_names_the_choices(capsys):
+  assert run_module.main(["clicktrain_tabel1"]) == 2
+  err = capsys.readouterr().err
+  assert "unknown experiment 'clicktrain_tabel1'" in err and "clicktrain_table1" in err
+
+
+def _imported_wings(path: Path) -> set[str]:
+  wings = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("experiments"):
+      parts = node.module.split(".")
+      if len(parts) > 1:
+        wings.add(parts[1])
+      else:  # from experiments import <wing>
+        wings |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.Import):
+      for alias in node.names:
+        parts = alias.name.split(".")
+        if parts[0] == "experiments" and len(parts) > 1:
+          wings.add(parts[1])
+  return wings - {"run"}
+
+
+def test_wings_import_only_common_and_what_they_drive():
+  for wing, allowed in _MAY_IMPORT.items():
+    for path in (REPO / "experiments" / wing).glob("*.py"):
+      imported = _imported_wings(path) - {wing}
+      if wing != "common":
+        imported.discard("common")
+      assert imported <= allowed, f"{path.relative_to(REPO)} imports {sorted(imported - allowed)}"

@@ -6,7 +6,10 @@ import json
 import pytest
 from flax import nnx
 
-from experiments import _tables, sdgp_fig8, sdgp_table1, sdgp_timemodel
+from experiments.common import budgets
+from experiments.sdgp import fig8 as sdgp_fig8
+from experiments.sdgp import table1 as sdgp_table1
+from experiments.sdgp import timemodel as sdgp_timemodel
 from jaxprune import models
 
 
@@ -125,7 +128,7 @@ def _kernels(model):
 
 @pytest.mark.parametrize("budget", ["paper", "cpu"])
 def test_table_rows_follow_the_released_init_of_the_budget(budget):
-  chosen = _tables.get_budget("sdgp_table1", budget)
+  chosen = budgets.get_budget("sdgp_table1", budget)
   assert chosen["init"] == "released"
 
   def fresh():

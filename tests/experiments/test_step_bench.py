@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import step_bench
+from experiments.benchmarks import step_bench
 from jaxprune import models
 from jaxprune.clicktrain.execution import pattern_convs
 from jaxprune.clicktrain.execution.sparse_layers import AlignedConv, PatternConv
@@ -65,9 +65,15 @@ def test_clicktrain_variants_step_like_the_masked_dense_model():
   )
   rng = np.random.default_rng(0)
   batch = (jnp.asarray(rng.normal(size=(2, 8, 8, 3)), jnp.float32), jnp.asarray([1, 7]))
-  variants = list(step_bench.clicktrain_variants(model, batch, [1]))
+  variants = list(step_bench.clicktrain_variants(model, batch, [2]))
   labels = [label for label, _, _ in variants]
-  assert labels == ["masked dense", "fine-grained (reference)", "measured dispatch", "aligned G=1"]
+  assert labels == [
+    "masked dense",
+    "fine-grained (reference)",
+    "measured dispatch",
+    "aligned G=2",
+    "aligned G=2 shared",
+  ]
   assert all(row["compression"] > 9 / 4 for _, _, row in variants)  # patterns, then kernels
   steppers = {label: stepper for label, stepper, _ in variants}
   fine = nnx.merge(
@@ -75,12 +81,35 @@ def test_clicktrain_variants_step_like_the_masked_dense_model():
   )
   layers = pattern_convs(fine).values()
   assert layers and all(isinstance(m, PatternConv) for m in layers)
-  aligned = nnx.merge(steppers["aligned G=1"].graphdef, *steppers["aligned G=1"].state[:2])
-  layers = pattern_convs(aligned).values()
-  assert layers and all(isinstance(m, AlignedConv) for m in layers)
+  for label, columns in (("aligned G=2", "per_group"), ("aligned G=2 shared", "shared")):
+    aligned = nnx.merge(steppers[label].graphdef, *steppers[label].state[:2])
+    layers = pattern_convs(aligned).values()
+    assert layers and all(isinstance(m, AlignedConv) and m.columns == columns for m in layers)
   # Fine-grained and measured dispatch run the same function as the masked dense model, from
   # the same pruned state: one step lands on the same parameters.
   want = _params_after_one_step(steppers["masked dense"])
   for label in ("fine-grained (reference)", "measured dispatch"):
     got = _params_after_one_step(steppers[label])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
+  # The two column layouts of one pruned state compute the same step.
+  want = _params_after_one_step(steppers["aligned G=2"])
+  got = _params_after_one_step(steppers["aligned G=2 shared"])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
+
+
+def test_clicktrain_variants_keep_the_models_dtype():
+  """A bf16 row times a model computing in bf16, its pruned convs aligned bf16 layers."""
+  model = models.create(
+    "clicktrain-vgg11",
+    num_classes=10,
+    rngs=nnx.Rngs(0),
+    width_multiplier=0.0625,
+    dtype=jnp.bfloat16,
+  )
+  batch = (jnp.zeros((2, 32, 32, 3)), jnp.asarray([1, 7]))
+  ((label, stepper, row),) = step_bench.clicktrain_variants(
+    model, batch, [1], model_name="clicktrain-vgg11", dispatch=False
+  )
+  assert label == "aligned G=1" and row["compression"] > 2.25
+  aligned = pattern_convs(nnx.merge(stepper.graphdef, *stepper.state[:2])).values()
+  assert len(aligned) == 7 and {m.dtype for m in aligned} == {jnp.dtype(jnp.bfloat16)}

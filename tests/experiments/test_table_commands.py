@@ -1,7 +1,6 @@
 """Table pages: SDGP Table I end to end on a tiny budget and a generated data set (two steps),
 and the ClickTrain page from saved rows: the paper's numbers beside ours, logs linked."""
 
-import importlib
 import json
 import math
 import re
@@ -12,7 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import _tables, clicktrain_table1, sdgp_fig8, sdgp_table1
+from experiments import run as run_module
+from experiments.clicktrain import table1 as clicktrain_table1
+from experiments.common import budgets
+from experiments.sdgp import fig8 as sdgp_fig8
+from experiments.sdgp import table1 as sdgp_table1
 from jaxprune import data, models, train
 
 
@@ -30,8 +33,8 @@ def tiny_cifar(monkeypatch):
 
 
 def _tiny(monkeypatch, table, **settings):
-  budget = {**_tables.BUDGETS[table]["cpu"], **settings}
-  monkeypatch.setitem(_tables.BUDGETS, table, {"paper": budget, "cpu": budget})
+  budget = {**budgets.BUDGETS[table]["cpu"], **settings}
+  monkeypatch.setitem(budgets.BUDGETS, table, {"paper": budget, "cpu": budget})
 
 
 def _links(page):
@@ -47,7 +50,7 @@ def test_sdgp_table1_writes_one_page_with_paper_numbers_and_logs(tmp_path, monke
     assert (tmp_path / link).exists(), link
   saved = json.loads((tmp_path / "table1_cpu.json").read_text())
   assert [len(r["history"]) for r in saved["rows"]] == [1]
-  assert saved["budget"] == dict(_tables.get_budget("sdgp_table1", "cpu"))
+  assert saved["budget"] == dict(budgets.get_budget("sdgp_table1", "cpu"))
 
 
 def test_sdgp_table1_rows_run_separately_share_one_page(tmp_path, monkeypatch, tiny_cifar):
@@ -300,7 +303,7 @@ def test_dtype_reaches_the_model_and_names_a_bf16_run_apart(
   argv, log = _COMMANDS[command]
   argv = [*argv, "--out", str(tmp_path), *(["--dtype", "bf16"] if dtype == "bf16" else [])]
   with pytest.raises(_Built):
-    importlib.import_module(f"experiments.{command}").main(argv)
+    run_module.load(command)(argv)
   assert created == [None if dtype == "fp32" else jnp.dtype(jnp.bfloat16)]
   (kwargs,) = built
   if log is not None:

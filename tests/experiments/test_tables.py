@@ -8,22 +8,20 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from experiments import (
-  _tables,
-  clicktrain_table1,
-  prunetrain_table1,
-  quickstart,
-  sdgp_fig8,
-  sdgp_table1,
-  sdgp_timemodel,
-)
+from experiments.benchmarks import quickstart
+from experiments.clicktrain import table1 as clicktrain_table1
+from experiments.common import budgets, cli, pages, run_options
+from experiments.prunetrain import table1 as prunetrain_table1
+from experiments.sdgp import fig8 as sdgp_fig8
+from experiments.sdgp import table1 as sdgp_table1
+from experiments.sdgp import timemodel as sdgp_timemodel
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 # The paper's recipe per table, read off the papers (ClickTrain §6.1, PruneTrain §5, the ffcv
 # ResNet-9 recipe SDGP ran, SDGP Fig. 10's 94.5% target), written out here independently of
-# experiments/_tables.py.
+# experiments/common/budgets.py.
 PAPER_RECIPES = {
   "clicktrain_table1": {"epochs": 190, "batch_size": 128, "width": 1.0, "train_subset": None},
   "prunetrain_table1": {
@@ -43,17 +41,17 @@ PAPER_RECIPES = {
 
 @pytest.mark.parametrize("table", sorted(PAPER_RECIPES))
 def test_paper_budget_is_the_papers_recipe(table):
-  budget = _tables.get_budget(table, "paper")
+  budget = budgets.get_budget(table, "paper")
   for key, value in PAPER_RECIPES[table].items():
     assert budget[key] == value, key
 
 
-@pytest.mark.parametrize("table", sorted(_tables.BUDGETS))
+@pytest.mark.parametrize("table", sorted(budgets.BUDGETS))
 def test_cpu_budget_is_reduced_over_the_full_training_set(table):
-  paper, cpu = _tables.get_budget(table, "paper"), _tables.get_budget(table, "cpu")
+  paper, cpu = budgets.get_budget(table, "paper"), budgets.get_budget(table, "cpu")
   assert set(cpu) == set(paper)  # the same knobs, other values
   for family in ("resnet", "vgg"):
-    assert _tables.row_width(cpu["width"], family) < _tables.row_width(paper["width"], family)
+    assert budgets.row_width(cpu["width"], family) < budgets.row_width(paper["width"], family)
   if "epochs" in cpu:
     assert cpu["epochs"] < paper["epochs"]
     # reduced width over the full training set, not a subset
@@ -61,13 +59,13 @@ def test_cpu_budget_is_reduced_over_the_full_training_set(table):
 
 
 def test_row_width_is_the_budgets_number_or_the_rows_family():
-  assert _tables.row_width(0.5, "vgg11") == 0.5
+  assert budgets.row_width(0.5, "vgg11") == 0.5
   by_family = {"resnet": 0.125, "vgg": 0.25}
-  assert _tables.row_width(by_family, "vgg13") == 0.25
-  assert _tables.row_width(by_family, "resnet50") == 0.125
+  assert budgets.row_width(by_family, "vgg13") == 0.25
+  assert budgets.row_width(by_family, "resnet50") == 0.125
   with pytest.raises(ValueError, match="'mobilenet'"):
-    _tables.row_width(by_family, "mobilenet")
-  line = _tables.describe_budget({"width": by_family, "epochs": 2, "batch_size": 8})
+    budgets.row_width(by_family, "mobilenet")
+  line = budgets.describe_budget({"width": by_family, "epochs": 2, "batch_size": 8})
   assert line.startswith("width resnet ×0.125 / vgg ×0.25, ")
 
 
@@ -78,13 +76,13 @@ def test_clicktrain_cpu_rows_cost_about_the_same():
 
   from jaxprune import flops, models
 
-  width = _tables.get_budget("clicktrain_table1", "cpu")["width"]
+  width = budgets.get_budget("clicktrain_table1", "cpu")["width"]
   for row in ("vgg11", "vgg13", "resnet32", "resnet50"):
     model = models.create(
       f"clicktrain-{row}",
       num_classes=10,
       rngs=nnx.Rngs(0),
-      width_multiplier=_tables.row_width(width, row),
+      width_multiplier=budgets.row_width(width, row),
     )
     mflops = flops.inference_flops(model, (1, 32, 32, 3)) / 1e6
     assert 15 < mflops < 45, (row, mflops)
@@ -92,21 +90,21 @@ def test_clicktrain_cpu_rows_cost_about_the_same():
 
 def test_sdgp_figure_trains_with_table_one_budget():
   for name in ("paper", "cpu"):
-    assert _tables.get_budget("sdgp_fig8", name) == _tables.get_budget("sdgp_table1", name)
+    assert budgets.get_budget("sdgp_fig8", name) == budgets.get_budget("sdgp_table1", name)
 
 
 def test_unknown_budget_or_table_is_a_value_error_naming_it():
   with pytest.raises(ValueError, match="'gpu'"):
-    _tables.get_budget("sdgp_table1", "gpu")
+    budgets.get_budget("sdgp_table1", "gpu")
   with pytest.raises(ValueError, match="'nope'"):
-    _tables.get_budget("nope", "cpu")
+    budgets.get_budget("nope", "cpu")
 
 
 def test_budget_is_read_only():
-  budget = _tables.get_budget("prunetrain_table1", "cpu")
+  budget = budgets.get_budget("prunetrain_table1", "cpu")
   with pytest.raises(TypeError):
     budget["epochs"] = 1
-  assert _tables.get_budget("prunetrain_table1", "cpu")["epochs"] != 1
+  assert budgets.get_budget("prunetrain_table1", "cpu")["epochs"] != 1
 
 
 @pytest.mark.parametrize("budget", ["paper", "cpu"])
@@ -120,15 +118,15 @@ def test_every_row_of_a_table_gets_the_same_budget(budget):
     assert {k: v for k, v in args.items() if k != "rows"} == {
       k: v for k, v in ct[0].items() if k != "rows"
     }
-  expected = _tables.get_budget("clicktrain_table1", budget)
+  expected = budgets.get_budget("clicktrain_table1", budget)
   assert all(args[k] == v for k, v in expected.items() for args in ct)
   pt = prunetrain_table1._parse(["--budget", budget, "--rows", ",".join(prunetrain_table1.ROWS)])
-  for key, value in _tables.get_budget("prunetrain_table1", budget).items():
+  for key, value in budgets.get_budget("prunetrain_table1", budget).items():
     assert getattr(pt, key) == (list(value) if isinstance(value, tuple) else value)
   # one argument set for every SDGP row, so every row trains with one budget
   sd = sdgp_table1._parse(["--budget", budget])
   assert sdgp_table1.resolve_budget("sdgp_table1", sd) == dict(
-    _tables.get_budget("sdgp_table1", budget)
+    budgets.get_budget("sdgp_table1", budget)
   )
 
 
@@ -139,20 +137,20 @@ def test_bad_budget_name_on_the_command_line_is_rejected():
 
 
 def test_output_goes_to_scratch_unless_published(tmp_path, monkeypatch):
-  monkeypatch.setattr(_tables, "SCRATCH", tmp_path / "runs")
-  monkeypatch.setattr(_tables, "RESULTS", tmp_path / "results")
-  assert _tables.output_dir("sdgp") == tmp_path / "runs" / "sdgp"
-  assert _tables.output_dir("sdgp", publish=True) == tmp_path / "results" / "sdgp"
-  assert _tables.output_dir(None, publish=True) == tmp_path / "results"
-  assert _tables.output_dir("sdgp", publish=True, out=tmp_path / "x") == tmp_path / "x"
+  monkeypatch.setattr(pages, "SCRATCH", tmp_path / "runs")
+  monkeypatch.setattr(pages, "RESULTS", tmp_path / "results")
+  assert pages.output_dir("sdgp") == tmp_path / "runs" / "sdgp"
+  assert pages.output_dir("sdgp", publish=True) == tmp_path / "results" / "sdgp"
+  assert pages.output_dir(None, publish=True) == tmp_path / "results"
+  assert pages.output_dir("sdgp", publish=True, out=tmp_path / "x") == tmp_path / "x"
   assert (tmp_path / "runs" / "sdgp").is_dir() and (tmp_path / "x").is_dir()
   with pytest.raises(ValueError, match="'sgdp'"):
-    _tables.output_dir("sgdp")
+    pages.output_dir("sgdp")
 
 
 def test_default_locations_are_the_repository_folders():
-  assert _tables.RESULTS == REPO / "experiments" / "results"
-  assert _tables.SCRATCH == REPO / "runs"
+  assert pages.RESULTS == REPO / "experiments" / "results"
+  assert pages.SCRATCH == REPO / "runs"
   ignored = (REPO / ".gitignore").read_text().splitlines()
   assert "runs/" in ignored
 
@@ -172,22 +170,22 @@ def test_timemodel_and_quickstart_take_the_output_flags():
 
 def test_dtype_argument_maps_its_names_to_the_models_compute_dtype():
   parser = argparse.ArgumentParser()
-  _tables.add_dtype_argument(parser)
+  cli.add_dtype_argument(parser)
   fp32, bf16 = parser.parse_args([]), parser.parse_args(["--dtype", "bf16"])
   assert (fp32.dtype, bf16.dtype) == ("fp32", "bf16")
   # fp32 is the models' own float32 default (None), as the published runs created them.
-  assert _tables.compute_dtype(fp32) is None
-  assert _tables.compute_dtype(bf16) == jnp.dtype(jnp.bfloat16)
-  assert _tables.compute_dtype("bf16") == jnp.dtype(jnp.bfloat16)
-  assert _tables.compute_dtype(argparse.Namespace()) is None  # a namespace without the flag
+  assert cli.compute_dtype(fp32) is None
+  assert cli.compute_dtype(bf16) == jnp.dtype(jnp.bfloat16)
+  assert cli.compute_dtype("bf16") == jnp.dtype(jnp.bfloat16)
+  assert cli.compute_dtype(argparse.Namespace()) is None  # a namespace without the flag
   # fp32 names and saved configurations stay as they were; bf16 ones are marked.
-  assert (_tables.dtype_suffix(fp32), _tables.dtype_suffix(bf16)) == ("", "_bf16")
-  assert (_tables.dtype_config(fp32), _tables.dtype_config(bf16)) == ({}, {"dtype": "bf16"})
-  assert _tables.dtype_notes(fp32) == [] and "bfloat16" in _tables.dtype_notes(bf16)[0]
+  assert (cli.dtype_suffix(fp32), cli.dtype_suffix(bf16)) == ("", "_bf16")
+  assert (cli.dtype_config(fp32), cli.dtype_config(bf16)) == ({}, {"dtype": "bf16"})
+  assert cli.dtype_notes(fp32) == [] and "bfloat16" in cli.dtype_notes(bf16)[0]
   with pytest.raises(SystemExit):
     parser.parse_args(["--dtype", "fp16"])
   with pytest.raises(ValueError, match="dtype"):
-    _tables.compute_dtype("fp16")
+    cli.compute_dtype("fp16")
 
 
 @pytest.mark.parametrize(
@@ -228,28 +226,28 @@ def _cells(line):
 
 def test_saved_result_compares_the_budget_in_the_form_it_was_saved(tmp_path):
   budget = {"epochs": 10, "width": 0.125, "milestones": (5, 8)}
-  assert _tables.saved_result(tmp_path / "t", budget) == (None, False)
+  assert pages.saved_result(tmp_path / "t", budget) == (None, False)
   (tmp_path / "t.json").write_text(json.dumps({"budget": budget, "rows": [1]}))
-  saved, same = _tables.saved_result(tmp_path / "t", budget)
+  saved, same = pages.saved_result(tmp_path / "t", budget)
   assert same and saved["rows"] == [1]  # the tuple came back as a list and still matches
-  assert not _tables.saved_result(tmp_path / "t", {**budget, "epochs": 11})[1]
+  assert not pages.saved_result(tmp_path / "t", {**budget, "epochs": 11})[1]
 
 
 def test_every_preset_has_a_saved_form_that_json_round_trips():
   # The presets are read-only (a per-family width too); runs store them in JSON and in
   # checkpoints' run_config, which must compare equal after a round trip.
-  for table, budgets in _tables.BUDGETS.items():
-    for name in budgets:
-      saved = _tables.as_saved(_tables.get_budget(table, name))
+  for table, table_budgets in budgets.BUDGETS.items():
+    for name in table_budgets:
+      saved = budgets.as_saved(budgets.get_budget(table, name))
       assert json.loads(json.dumps(saved)) == saved, (table, name)
-  width = _tables.as_saved(_tables.get_budget("clicktrain_table1", "cpu"))["width"]
+  width = budgets.as_saved(budgets.get_budget("clicktrain_table1", "cpu"))["width"]
   assert width == {"resnet": 0.125, "vgg": 0.25}
   with pytest.raises(TypeError, match="set"):
-    _tables.as_saved({"rows": {"a"}})
+    budgets.as_saved({"rows": {"a"}})
 
 
 def test_results_page_puts_paper_numbers_beside_ours():
-  page = _tables.results_page(
+  page = pages.results_page(
     "T",
     command="cmd --budget cpu",
     budget_name="cpu",
@@ -289,7 +287,7 @@ def test_results_page_puts_paper_numbers_beside_ours():
 
 def test_results_page_rejects_rows_that_do_not_fit_the_columns():
   with pytest.raises(ValueError, match="rows: 'x'"):
-    _tables.results_page(
+    pages.results_page(
       "T",
       command="c",
       budget_name="cpu",
@@ -302,7 +300,7 @@ def test_results_page_rejects_rows_that_do_not_fit_the_columns():
 
 def test_prunetrain_table_page_gathers_rows_written_separately(tmp_path):
   paper = prunetrain_table1.PAPER
-  budget = dict(_tables.get_budget("prunetrain_table1", "cpu"))
+  budget = dict(budgets.get_budget("prunetrain_table1", "cpu"))
   stale = {**budget, "penalty_ratio": budget["penalty_ratio"] + 0.05}
   for row, acc, args in (
     ("resnet32", 0.70, budget),
@@ -356,20 +354,20 @@ def test_every_relative_link_points_to_an_existing_file():
 
 def test_joined_commands_lists_each_command_once_and_credits_unsaved_ones_to_the_default():
   records = [{"command": "a"}, {}, {"command": "b"}, {"command": "a"}]
-  assert _tables.joined_commands(records, default="now") == "a ; now ; b"
-  assert _tables.joined_commands([], default="now") == "now"
-  assert _tables.joined_commands(records[2:]) == "b ; a"
+  assert pages.joined_commands(records, default="now") == "a ; now ; b"
+  assert pages.joined_commands([], default="now") == "now"
+  assert pages.joined_commands(records[2:]) == "b ; a"
   with pytest.raises(KeyError):  # without a default every record names its command
-    _tables.joined_commands(records)
+    pages.joined_commands(records)
 
 
 def test_checkpoints_go_to_the_scratch_folder_or_under_out_never_to_the_results(tmp_path):
-  folder = _tables.checkpoint_dir("clicktrain", "table1_cpu_vgg11_dense")
-  assert folder == _tables.SCRATCH / "checkpoints" / "clicktrain" / "table1_cpu_vgg11_dense"
-  assert _tables.RESULTS not in folder.parents
-  assert _tables.checkpoint_dir("sdgp", "x", out=tmp_path) == tmp_path / "checkpoints" / "x"
+  folder = run_options.checkpoint_dir("clicktrain", "table1_cpu_vgg11_dense")
+  assert folder == pages.SCRATCH / "checkpoints" / "clicktrain" / "table1_cpu_vgg11_dense"
+  assert pages.RESULTS not in folder.parents
+  assert run_options.checkpoint_dir("sdgp", "x", out=tmp_path) == tmp_path / "checkpoints" / "x"
   with pytest.raises(ValueError, match="paper"):
-    _tables.checkpoint_dir("resnet", "x")
+    run_options.checkpoint_dir("resnet", "x")
 
 
 def _alternatives(names):
@@ -399,15 +397,15 @@ def test_results_follow_one_naming_scheme(paper):
   ``logs/<table>_<budget>[_<dtype>]_<row>_<method>[_seed<S>].jsonl`` for logs,
   anything else (probes) under ``probes/``, nothing more."""
   tables, rows, methods = _SCHEME[paper]
-  budgets = {name for table in _tables.BUDGETS.values() for name in table}
-  dtypes = [name for name in _tables.DTYPES if name != "fp32"]
-  head = f"{_alternatives(tables)}_{_alternatives(sorted(budgets))}(?:_{_alternatives(dtypes)})?"
+  names = {name for table in budgets.BUDGETS.values() for name in table}
+  dtypes = [name for name in cli.DTYPES if name != "fp32"]
+  head = f"{_alternatives(tables)}_{_alternatives(sorted(names))}(?:_{_alternatives(dtypes)})?"
   row, method = _alternatives(rows), "(?:" + "|".join(methods) + ")"
   plot = "(?:_(?:patterns|sparsity|over_training))?"
   seed = r"(?:_seed\d+)?"  # a run under a seed other than the table's 0
   page = rf"{head}(?:_{row}(?:_{method}{seed})?{plot})?\.(?:md|json|png)"
   log = rf"{head}_{row}_{method}{seed}\.jsonl"
-  folder = _tables.RESULTS / paper
+  folder = pages.RESULTS / paper
   odd = []
   for path in folder.rglob("*"):
     rel = path.relative_to(folder)
@@ -430,8 +428,8 @@ def test_sdgp_logs_name_the_model_as_the_row():
 
 
 def test_each_table_writes_to_the_results_folder_of_the_paper_it_is_named_after():
-  assert set(_tables.PAPER_OF) == set(_tables.BUDGETS)
-  for table, folder in _tables.PAPER_OF.items():
-    assert folder in _tables.PAPERS and table.startswith(folder + "_")
+  assert set(budgets.PAPER_OF) == set(budgets.BUDGETS)
+  for table, folder in budgets.PAPER_OF.items():
+    assert folder in budgets.PAPERS and table.startswith(folder + "_")
   with pytest.raises(ValueError, match="does not start with a paper"):
-    _tables._results_of("nopaper_table1")
+    budgets._results_of("nopaper_table1")

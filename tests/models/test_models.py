@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxprune import models
 from jaxprune.models import (
+  VGG,
   BasicBlock,
   BlockSpec,
   Bottleneck,
@@ -22,7 +23,6 @@ from jaxprune.models import (
   ResNet9Spec,
   ResNetSpec,
   StageSpec,
-  VGG,
   VGGSpec,
 )
 
@@ -455,7 +455,7 @@ def test_bad_specs_raise_value_error(make, field):
 
 
 def test_model_params_experiment_writes_table(tmp_path, monkeypatch):
-  from experiments import model_params
+  from experiments.benchmarks import model_params
 
   names = ["prunetrain-resnet20", "sdgp-resnet9"]
   monkeypatch.setattr(model_params.models, "available", lambda: names)

@@ -272,7 +272,7 @@ def _proximal_digits_run(penalty_ratio, epochs=6, seed=0):
   """The setting ``with_group_lasso``'s docstring states: the quickstart's model and recipe
   on the digits, PruneTrain in proximal form, no reconfiguration. Returns every conv
   kernel's output-group max|w| (computed here from the kernels) and the train accuracy."""
-  from experiments.quickstart import build_model, dense_tx
+  from experiments.benchmarks.quickstart import build_model, dense_tx
 
   train_set = data.load("digits", split="train")
   loader = data.Loader(train_set, 64, shuffle=True, seed=seed, augment=None, drop_last=True)

@@ -15,7 +15,6 @@ from flax import nnx
 
 import jaxprune.train as jt
 
-
 # ----------------------------------------------------------------------------- fit / hooks
 
 
@@ -198,7 +197,7 @@ def test_experiment_runner_lists_and_rejects_unknown(capsys):
 
 
 def test_quickstart_rejects_unknown_method_and_formats_rows():
-  from experiments import quickstart
+  from experiments.benchmarks import quickstart
 
   with pytest.raises(SystemExit):
     quickstart._parse(["--methods", "dense,no_such_method"])
@@ -218,7 +217,7 @@ def test_bool_epochs_is_rejected_not_one_epoch(kit):
 
 
 def test_quickstart_seeds_add_each_methods_min_max():
-  from experiments import quickstart
+  from experiments.benchmarks import quickstart
 
   assert quickstart._parse(["--seeds", "0,1,2"]).seed_list == [0, 1, 2]
   assert quickstart._parse(["--seed", "4"]).seed_list == [4]

@@ -1,0 +1,499 @@
+"""PruneTrain Table 1 (CIFAR-10): dense vs PruneTrain, accuracy and training / inference cost.
+
+Paper recipe (PruneTrain §5 and the authors' scripts): batch 128, SGD momentum 0.9, lr 0.1 ×0.1 at epochs
+91 and 136, weight decay 5e-4, 182 epochs, group-lasso penalty ratio 0.2, reconfiguration
+every 10 epochs, dynamic mini-batch (+32 while the step's memory fits the first step's,
+LR scaled linearly).  Both runs use the same data, schedule and number of epochs.
+
+``--budget paper`` is that recipe; ``--budget cpu`` (the default) the reduced one every row
+shares (``experiments/common/budgets.py``): half width over the full training set, 10 epochs at batch
+128 (3 900 steps), LR drops at 50% / 75%, reconfiguration every epoch, penalty ratio 0.55 and
+threshold 1e-2.  Why: with SGD the group lasso shrinks a group's norm by about
+lr·λ/(1−momentum) per step; with the paper's ratio 0.2 (λ ≈ 2e-4 for ResNet-32) that is
+~1e-4 per step, so the ~1.4-norm groups of a fresh ResNet-32 need ~10⁴ steps to die, while
+the budget affords ~4·10³; the groups then jitter around zero with amplitude ~lr·λ, above the
+paper's 1e-4, hence the larger threshold.  Earlier probes (10 240 images × 8 epochs at lr
+0.05, 1 280 steps, full width; summarised in ``results/prunetrain/index.md``): ratios 0.5 and
+0.7 removed nothing, 0.78 removed 34% of the inference FLOPs for −3.3 points, 0.85 removed
+62–68% for −22 to −30 points; the cpu budget has about 6× their shrinkage (lr × steps), so
+0.6 sits between "nothing" and "too much".  At this budget 0.6 (λ ≈ 2.4e-3 for ResNet-32) ended
+at 13% of the inference FLOPs, well past the paper's 34%; most channels died in epochs 3–5, before
+the first LR drop, so the budget uses 0.55 (λ 0.8× that, each group's shrinkage 1.25× slower).
+
+    python -m experiments.run prunetrain_table1 --budget paper --rows resnet32   # GPU
+    python -m experiments.run prunetrain_table1 --budget cpu --rows resnet32     # ~1 h, 2 cores
+
+Each row writes ``table1_<budget>_<row>.{md,json}`` (the per-epoch channels / FLOPs table
+and the plot ``table1_<budget>_<row>_over_training.png``) and its runs' epoch logs
+(``logs/table1_<budget>_<row>_<method>.jsonl``); the table page ``table1_<budget>.md``
+gathers every row present in the folder beside the paper's Table 1.  All go to
+``runs/prunetrain/``, or to ``experiments/results/prunetrain/`` with ``--publish``; a probe
+(``--name-suffix``) to ``probes/`` there.  ``--dtype bf16`` trains the models in bfloat16
+(parameters float32) and names its files with the budget ``<budget>_bf16``
+(``table1_cpu_bf16_resnet32.json``, page ``table1_cpu_bf16.md``), apart from the fp32 rows.
+A row too long for one sitting runs in parts: each run checkpoints after every epoch
+(``runs/checkpoints/``) and the same command with ``--resume`` continues it exactly (a row
+whose dense run is already saved goes on with ``--skip-dense --reuse-dense --resume``).
+
+``--proximal`` applies the group lasso as a proximal step (``with_group_lasso(...,
+proximal=True)``: groups reach exact zero, so the paper's 1e-4 threshold applies);
+``--channel-multiple k`` rounds the kept widths up to multiples of k.  At this budget the
+proximal form did not give a better trade-off: ratio 0.99 (λ ≈ 0.076, the proximal step is
+not amplified by momentum) removed channels from epoch 2 on but held the network at
+13–25% (a probe summarised in ``results/prunetrain/index.md``).
+
+``--min-flops-saving f`` installs a reconfiguration only when it saves at least ``f`` of the
+inference FLOPs (``PruneTrainCallback(min_flops_saving=f)``): on the CPU every installed one
+costs 10–12 s between epochs (the pruning, the cost accounting and one compilation of the
+step to probe the dynamic mini-batch) plus the recompilation of the step in the next epoch
+(measured in a paired probe), together about 25 ResNet-32 steps.  Each
+run's training CPU seconds and the host's steal time are recorded beside the wall time: on a
+shared virtual machine steal time stretches wall time (by 2× in some epochs of earlier runs)
+without changing the work.
+
+``--paired`` trains dense and PruneTrain in one process, alternating epochs, for the
+wall-time comparison. Run back to back, the two rows saw different host loads: two identical
+dense runs, ``_milestones`` and ``_milestones_skip5``, trained in 1310 s and 840 s, far more
+than the saving being measured. Alternating, both see the same drift; the paired run
+computes exactly what the two separate runs compute (tested).
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from experiments.common import budgets, cli, pages, run_options
+from experiments.common.machine import host_steal_seconds, steal_since
+from experiments.prunetrain import table1_pages
+from jaxprune import data, methods, models, train
+from jaxprune import prunetrain as pt
+
+# PruneTrain Table 1, CIFAR-10: accuracy change vs dense, training FLOPs and inference FLOPs
+# of the final model as a fraction of the dense baseline (training time in brackets).
+PAPER = {
+  "prunetrain-resnet32": {
+    "acc_delta": -1.8,
+    "train_flops": 0.47,
+    "train_time": 0.81,
+    "inference_flops": 0.34,
+  },
+  "prunetrain-resnet50": {
+    "acc_delta": -1.1,
+    "train_flops": 0.50,
+    "train_time": 0.81,
+    "inference_flops": 0.30,
+  },
+  "prunetrain-vgg11": {
+    "acc_delta": -0.7,
+    "train_flops": 0.43,
+    "train_time": 0.57,
+    "inference_flops": 0.35,
+  },
+  "prunetrain-vgg13": {
+    "acc_delta": -0.6,
+    "train_flops": 0.44,
+    "train_time": 0.57,
+    "inference_flops": 0.37,
+  },
+}
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="prunetrain_table1", description=__doc__.splitlines()[0])
+  cli.add_table_arguments(parser, "prunetrain_table1")
+  cli.add_resume_argument(parser)
+  cli.add_dtype_argument(parser)
+  parser.add_argument(
+    "--rows",
+    default="resnet32",
+    help=f"comma list of {','.join(ROWS)} (every row trains with the same budget)",
+  )
+  parser.add_argument(
+    "--proximal",
+    action="store_true",
+    help="apply the group lasso as a proximal step (exact zeros; not the paper's)",
+  )
+  parser.add_argument(
+    "--channel-multiple", type=int, default=1, help="round kept widths up to this multiple"
+  )
+  parser.add_argument("--no-dynamic-batch", action="store_true")
+  parser.add_argument(
+    "--min-flops-saving",
+    type=float,
+    default=0.0,
+    help="install a reconfiguration only when it saves at least this fraction of the "
+    "inference FLOPs (each one recompiles the step); 0 = the paper's behaviour",
+  )
+  parser.add_argument(
+    "--recompute-batchnorm",
+    type=int,
+    default=0,
+    metavar="N",
+    help="re-estimate BatchNorm statistics from N training batches before each evaluation and "
+    "after each installed reconfiguration (PruneTrainCallback); 0 = off, the paper's behaviour",
+  )
+  parser.add_argument("--skip-dense", action="store_true", help="run PruneTrain only")
+  parser.add_argument(
+    "--reuse-dense",
+    nargs="?",
+    const="",
+    default=None,
+    metavar="JSON",
+    help="with --skip-dense: keep the dense row of an earlier run's JSON (same model / data / "
+    "schedule; default: this run's name without --name-suffix) instead of dropping it",
+  )
+  parser.add_argument(
+    "--paired",
+    action="store_true",
+    help="train dense and PruneTrain in one process, alternating epochs, so that both see "
+    "the same host load (the wall-time comparison of a shared machine)",
+  )
+  parser.add_argument(
+    "--name-suffix",
+    default="",
+    help="appended to the row's file names: a probe, not a row, written to probes/",
+  )
+  run_options.add_arguments(parser)
+  args = parser.parse_args(argv)
+  rows = [r for r in args.rows.split(",") if r]
+  unknown = sorted(set(rows) - set(ROWS))
+  if unknown or not rows:
+    parser.error(f"--rows: unknown {unknown}; choose from {ROWS}")
+  args.rows = rows
+  args.model = f"prunetrain-{rows[0]}"  # main sets each row's in turn
+  # The budget's settings become attributes, as recorded in each row's JSON.
+  for key, value in budgets.get_budget("prunetrain_table1", args.budget).items():
+    setattr(args, key, list(value) if isinstance(value, tuple) else value)
+  args.weight_decay = 5e-4
+  if args.reuse_dense is not None and not args.skip_dense:
+    parser.error("--reuse-dense needs --skip-dense (otherwise the dense row is run)")
+  if args.paired and args.skip_dense:
+    parser.error("--paired trains the dense row beside PruneTrain: drop --skip-dense")
+  if args.paired and args.max_seconds is not None:
+    parser.error("--max-seconds stops one run at a time: not with --paired")
+  return run_options.resolve(args, args.budget)
+
+
+ROWS = tuple(name.split("-", 1)[1] for name in PAPER)
+# Settings that make a dense row reusable: the dense run does not depend on the others.
+_DENSE_SETTINGS = (
+  "model",
+  "width",
+  "train_subset",
+  "test_subset",
+  "epochs",
+  "batch_size",
+  "lr",
+  "milestones",
+  "weight_decay",
+  "seed",
+)
+
+
+def _reused_dense_run(
+  args: argparse.Namespace, name: str, folder: Path | None = None
+) -> dict[str, Any] | None:
+  """The dense run of ``--reuse-dense``'s JSON (None without the flag).
+
+  Raises:
+    ValueError: that JSON was run with other dense settings (:data:`_DENSE_SETTINGS`) or
+      another ``--dtype``.
+  """
+  if args.reuse_dense is None:
+    return None
+  if args.reuse_dense:
+    previous = Path(args.reuse_dense)
+  else:
+    base = name[: -len(args.name_suffix)] if args.name_suffix else name
+    previous = (
+      (folder or pages.output_dir("prunetrain", args.publish, args.out)) / base
+    ).with_suffix(".json")
+  earlier = json.loads(previous.read_text())
+  different = [k for k in _DENSE_SETTINGS if earlier["args"].get(k) != getattr(args, k)]
+  # A run saved before --dtype existed trained in fp32.
+  if earlier["args"].get("dtype", "fp32") != args.dtype:
+    different.append("dtype")
+  if different:
+    raise ValueError(f"--reuse-dense: {previous} was run with other {', '.join(different)}")
+  return earlier["runs"]["dense"]
+
+
+@dataclasses.dataclass
+class _Run:
+  """One method's training, advanced epoch by epoch (so two can alternate, ``--paired``)."""
+
+  method: str
+  trainer: train.Trainer
+  train_loader: data.Loader
+  test_loader: data.Loader
+  callback: pt.PruneTrainCallback | None
+  dense_costs: dict[str, Any]
+  image_shape: tuple[int, ...]
+  wall_s: float = 0.0
+  steal_s: float | None = 0.0
+
+  def advance(self, epochs: int, **fit_kwargs: Any) -> None:
+    """Train until ``epochs`` epochs are complete (or the time box of ``fit_kwargs`` stops
+    it), adding the wall and steal time taken."""
+    if self.trainer.epoch >= epochs:  # resumed past it (``--paired``: the other run stopped first)
+      return
+    steal_start = host_steal_seconds()
+    start = time.perf_counter()
+    self.trainer.fit(
+      self.train_loader, self.test_loader, epochs=epochs, resume=False, overwrite=True, **fit_kwargs
+    )
+    self.wall_s += time.perf_counter() - start
+    steal = steal_since(steal_start)
+    self.steal_s = None if steal is None or self.steal_s is None else self.steal_s + steal
+
+
+class _RunningStatsEval(train.Callback):
+  """Test accuracy with the BatchNorm running statistics as training left them, recorded
+  before ``PruneTrainCallback(recompute_batchnorm=N)`` re-estimates them (it must come
+  first among the callbacks).
+
+  Training reads batch statistics only, so re-estimation changes evaluation and nothing
+  else: one run gives the accuracy without it (``test_acc_running_stats``) and with it
+  (the trainer's ``test_acc``) at every epoch. A run without re-estimation would carry the
+  same running statistics: BatchNorm's momentum 0.9 forgets a reset within an epoch's
+  hundreds of steps.
+  """
+
+  def __init__(self, test_loader: data.Loader):
+    self.test_loader = test_loader
+    self._acc: float | None = None
+
+  def on_train_epoch_end(self, trainer: train.Trainer, epoch: int, train_loader) -> None:
+    self._acc = trainer.evaluate(self.test_loader)["test_acc"]
+
+  def on_epoch_end(self, trainer: train.Trainer, epoch: int) -> dict[str, Any]:
+    acc, self._acc = self._acc, None
+    return {"test_acc_running_stats": acc}
+
+
+def _build(
+  args: argparse.Namespace,
+  method: str,
+  train_set,
+  test_set,
+  log_stem: Path,
+  checkpoint_dir: Path | None = None,
+) -> _Run:
+  """One method's run, logging each epoch to ``<log_stem>_<method>.jsonl``, restored from
+  ``checkpoint_dir`` under ``--resume``."""
+  train_loader = run_options.train_loader(args, train_set, args.batch_size, "prunetrain")
+  test_loader = run_options.test_loader(args, test_set, min(500, len(test_set)))
+  steps_per_epoch = len(train_loader)
+  # The paper's LR drops at epochs 91 and 136 of 182 (50% and 75%).
+  milestones = sorted({max(1, round(f * args.epochs)) for f in args.milestones})
+  milestones = [m for m in milestones if m < args.epochs]
+  schedule = train.step_schedule(args.lr, steps_per_epoch, milestones) if milestones else args.lr
+  tx = train.sgd(schedule, momentum=0.9, weight_decay=args.weight_decay)
+  model = models.create(
+    args.model,
+    num_classes=train_set.num_classes,
+    rngs=nnx.Rngs(args.seed),
+    width_multiplier=args.width,
+    dtype=cli.compute_dtype(args),
+  )
+  image_shape = tuple(train_set.images.shape[1:])
+  config = {}
+  if method == "prunetrain":
+    config = {
+      "penalty_ratio": args.penalty_ratio,
+      "proximal": args.proximal,
+      "every_epochs": args.interval,
+      "threshold": args.threshold,
+      "channel_multiple": args.channel_multiple,
+      "dynamic_batch": not args.no_dynamic_batch,
+      "max_batch_size": len(train_set),
+      "min_flops_saving": args.min_flops_saving,
+      "recompute_batchnorm": args.recompute_batchnorm,
+    }
+  run = methods.Run.from_loader(train_loader, epochs=args.epochs)
+  chosen = methods.get(method, **config)
+  callbacks = chosen.callbacks(run)
+  callback = callbacks[0] if callbacks else None
+  if callback is not None and args.recompute_batchnorm:
+    callbacks = [_RunningStatsEval(test_loader), *callbacks]
+  dense_costs = pt.model_costs(model, image_shape)
+  trainer = train.Trainer(
+    model,
+    chosen.make_tx(tx, run),
+    callbacks=callbacks,
+    progress=False,
+    log_path=f"{log_stem}_{method}.jsonl",
+    checkpoint_dir=checkpoint_dir,
+    # A resume under other settings is refused, not mixed in.
+    run_config={
+      "method": method,
+      **{k: getattr(args, k) for k in _DENSE_SETTINGS},
+      **config,
+      **cli.dtype_config(args),
+      **run_options.run_config(args),
+    },
+    **run_options.trainer_kwargs(args),
+  )
+  built = _Run(method, trainer, train_loader, test_loader, callback, dense_costs, image_shape)
+  if checkpoint_dir is not None and run_options.start_or_resume(trainer, train_loader, args.resume):
+    # Wall time of the earlier parts as the trainer kept it; their steal time is unknown.
+    built.wall_s, built.steal_s = trainer.history[-1]["wall_time_s"], None
+  return built
+
+
+def _train_paired(runs: Sequence[_Run], epochs: int) -> None:
+  """Alternate the runs epoch by epoch, the order swapped every epoch (ABBA...).
+
+  Both then train under the same host load: on a shared machine the load drifts over
+  minutes, so back-to-back runs (~15 min each at the reduced budget) can differ by more than
+  the saving being measured.
+  """
+  for epoch in range(1, epochs + 1):
+    for run in runs if epoch % 2 else reversed(runs):
+      run.advance(epoch)
+
+
+def _result(args: argparse.Namespace, run: _Run) -> dict[str, Any]:
+  trainer, callback, history = run.trainer, run.callback, run.trainer.history
+  final_model, final_layers_removed = trainer.model, 0
+  if callback is not None:
+    # The inference model: whatever is dead at the end goes, also channels whose removal a
+    # reconfiguration skipped (--min-flops-saving) or that died after the last one.
+    final_model, _, final_report = pt.reconfigure(
+      trainer.model,
+      None,
+      threshold=args.threshold,
+      input_shape=(1, *run.image_shape),
+      channel_multiple=args.channel_multiple,
+    )
+    final_layers_removed = len(final_report.removed_layers)
+  final_costs = pt.model_costs(final_model, run.image_shape)
+  dense_costs = run.dense_costs
+  train_time = sum(r["epoch_time_s"] for r in history)
+  eval_time = sum(r.get("eval_time_s", 0.0) for r in history)
+  result = {
+    "method": run.method,
+    "test_acc": history[-1]["test_acc"],
+    "best_test_acc": max(r["test_acc"] for r in history if "test_acc" in r),
+    "wall_time_s": run.wall_s,
+    "train_time_s": train_time,
+    # between epochs, outside evaluation: reconfigurations, batch-growth probes, logging
+    "between_epochs_s": run.wall_s - train_time - eval_time,
+    # process CPU seconds of the training epochs: the work, whatever the host's steal time
+    "train_cpu_time_s": sum(r["cpu_time_s"] for r in history),
+    "host_steal_s": run.steal_s,
+    "inference_flops": final_costs["inference_flops"],
+    "inference_flops_ratio": final_costs["inference_flops"] / dense_costs["inference_flops"],
+    "params": final_costs["params"],
+    "params_ratio": final_costs["params"] / dense_costs["params"],
+    "final_spec": repr(final_model.spec),
+    # JSON form, so benchmarks can rebuild the final model (prunetrain_speed --run)
+    "final_spec_json": train.encode_spec(final_model.spec),
+    "loader": args.loader,
+    **run_options.provenance(),
+    "history": history,
+  }
+  if callback is not None:
+    last = history[-1]
+    result.update(
+      {
+        "train_flops_ratio": last["pt_train_flops_ratio"],
+        "allreduce_ratio": last["pt_allreduce_ratio"],
+        "bn_bytes": last["pt_bn_bytes_total"],
+        # installed reconfigurations only (a skipped one's report lists layers it kept)
+        "layers_removed": sum(r.get("pt_layers_removed") or 0 for r in history)
+        + final_layers_removed,
+        "batch_sizes": [r["batch_size"] for r in history],
+        "lambda": float(trainer.opt_state.group_lasso.coefficient),
+      }
+    )
+    dense_bn = dense_costs["bn_bytes"] * sum(r["steps"] * r["batch_size"] for r in history)
+    result["bn_bytes_ratio"] = last["pt_bn_bytes_total"] / dense_bn
+  else:
+    result["train_flops_ratio"] = 1.0
+  return result
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = _parse(argv)
+  command = cli.command_line("prunetrain_table1", argv)
+  folder = pages.output_dir("prunetrain", args.publish, args.out)
+  # A subset size of None means the full split.
+  train_set = data.load("cifar10", root=args.root, split="train").balanced_subset(
+    args.train_subset, args.seed
+  )
+  test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
+    args.test_subset, args.seed + 1
+  )
+  out = {}
+  for row in args.rows:
+    args.model = f"prunetrain-{row}"
+    name = f"table1_{args.budget}{cli.dtype_suffix(args)}_{row}{args.name_suffix}"
+    out[row] = _run_row(args, name, folder, command, train_set, test_set)
+    if "stopped" in out[row]:
+      return {**out, "stopped": f"{row} {out[row]['stopped']}"}
+    if not args.name_suffix:  # a probe (named by its suffix) is not a row of the table
+      write_table_page(folder, args.budget, command, args.dtype)
+  return out
+
+
+def write_table_page(folder: Path, budget_name: str, command: str, dtype: str = "fp32") -> Path:
+  """``table1_<budget>.md`` in ``folder`` (``table1_<budget>_bf16.md`` for ``dtype`` bf16):
+  every row of :data:`ROWS` saved there under the budget and dtype, beside the paper's Table 1
+  (:func:`experiments.prunetrain.table1_pages.table_page`)."""
+  return table1_pages.table_page(folder, budget_name, command, ROWS, dtype)
+
+
+def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]:
+  reused = _reused_dense_run(args, name, folder)
+  # A probe (named by its --name-suffix) is not a row of the table: its files go to probes/.
+  folder = pages.probes_dir(folder) if args.name_suffix else folder
+  log_stem = folder / "logs" / name
+  log_stem.parent.mkdir(parents=True, exist_ok=True)
+  runs = {}
+  if reused is not None:
+    runs["dense"] = reused
+  names = ["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]
+  print(
+    f"[{name}] {', '.join(names)}{' (paired)' if args.paired else ''}: {len(train_set)} "
+    f"train / {len(test_set)} test images, {args.epochs} epochs",
+    flush=True,
+  )
+  if args.paired:
+    paired = [
+      _build(args, method, train_set, test_set, log_stem, _checkpoints(args, name, method))
+      for method in names
+    ]
+    _train_paired(paired, args.epochs)
+    for run in paired:
+      runs[run.method] = _result(args, run)
+    table1_pages.row_page(folder / name, args, runs, command, PAPER[args.model])
+    for method in names:
+      shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)
+  for method in [] if args.paired else names:
+    run = _build(args, method, train_set, test_set, log_stem, _checkpoints(args, name, method))
+    run.advance(args.epochs, **run_options.fit_kwargs(args))
+    if run_options.stopped(run.trainer, f"[{name}] {method}"):
+      return {**runs, "stopped": method}  # the command ends here; the checkpoint stays
+    runs[method] = _result(args, run)
+    table1_pages.row_page(folder / name, args, runs, command, PAPER[args.model])
+    shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)  # saved: nothing to resume
+  return runs
+
+
+def _checkpoints(args: argparse.Namespace, name: str, method: str) -> Path:
+  return run_options.checkpoint_dir("prunetrain", f"{name}/{method}", args.out)
+
+
+if __name__ == "__main__":
+  main()
