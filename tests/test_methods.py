@@ -20,11 +20,19 @@ from jaxprune.clicktrain.execution import (
   pattern_convs,
 )
 
-EPOCHS = {"dense": 2, "sdgp": 2, "prunetrain": 2, "clicktrain": 5, "clicktrain-one-shot": 3}
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 
-# A tiny config for every registered method: ClickTrain's stages one epoch each (pool at 1,
-# finalize at 2, regularize at 3, hard prune from 4), the one-shot masks at epoch 1 and the
-# hard prune at 2; PruneTrain's reconfiguration check at the end of the run.
+# A tiny config for every registered method, scheduled to reach its steady state within the
+# run: ClickTrain's stages one epoch each (pool at 1, finalize at 2, regularize at 3, hard
+# prune at the end of 4), the one-shot masks at epoch 1 and the hard prune at the end of 2;
+# each ClickTrain run then switches the pruned convs to the sparse layers (the test attaches
+# SparseExecution at threshold 0: every pruned conv converts, whatever the timings, so the
+# preset's measuring one stays off) and trains two more epochs on them: clicktrain and
+# clicktrain+sdgp on the fine-grained PatternConv, clicktrain-one-shot in the aligned mode
+# (AlignedConv, 2 filter groups). PruneTrain's runs start with four dead stream channels (a
+# whole group of SDGP's m = 4, which its reconfiguration keeps widths a multiple of); the group
+# lasso in its proximal form keeps them at exactly zero, the first reconfiguration removes them
+# and the rebuilt model trains on.
 _CLICKTRAIN = {
   "pool_start_epoch": 1,
   "pool_epochs": 1,
@@ -33,16 +41,40 @@ _CLICKTRAIN = {
   "kernel_prune_ratio": 0.5,
   "pool_size": 4,
 }
-_PRUNETRAIN = {"every_epochs": 2, "dynamic_batch": False}
+_PRUNETRAIN = {
+  "every_epochs": 1,
+  "dynamic_batch": False,
+  "proximal": True,
+  "penalty_ratio": 0.99,
+}
 _SDGP = {"n": 2, "m": 4, "method": "mvue"}
 TINY = {
   "dense": {},
   "clicktrain": _CLICKTRAIN,
-  "clicktrain-one-shot": {"one_shot_epoch": 1, "hard_prune_epoch": 2, "kernel_prune_ratio": 0.5},
+  "clicktrain-one-shot": {
+    "one_shot_epoch": 1,
+    "hard_prune_epoch": 2,
+    "kernel_prune_ratio": 0.5,
+    "filter_groups": 2,
+    "sparse_execution": False,
+  },
   "prunetrain": _PRUNETRAIN,
   "sdgp": _SDGP,
   "prunetrain+sdgp": {**_PRUNETRAIN, **_SDGP, "method": "rescaled_magnitude"},
   "clicktrain+sdgp": {**_CLICKTRAIN, **_SDGP},
+}
+EPOCHS = {"dense": 2, "sdgp": 2, "prunetrain": 3, "clicktrain": 6, "clicktrain-one-shot": 4}
+# Each method trains end to end once in the suite, in float32 or in bfloat16 (parameters,
+# BatchNorm statistics and optimizer state float32 either way): every paper's methods run in
+# both, so a dtype bug in a paper's code fails one of its rows.
+DTYPE = {
+  "dense": F32,
+  "clicktrain": BF16,
+  "clicktrain-one-shot": F32,
+  "clicktrain+sdgp": F32,
+  "prunetrain": F32,
+  "prunetrain+sdgp": BF16,
+  "sdgp": BF16,
 }
 
 
@@ -63,45 +95,78 @@ def _sdgp_convs(model):
   return sum(isinstance(m, sdgp.SDGPConv) for _, m in nnx.iter_modules(model))
 
 
-def test_every_registered_method_has_a_tiny_config():
-  assert set(TINY) == set(methods.available())
+def _compute_dtype(module):
+  """A module's compute dtype (``None``: the float32 of its inputs)."""
+  return jnp.dtype(module.dtype or F32)
+
+
+def _float_dtypes(tree):
+  return {jnp.dtype(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)}
+
+
+def _sdgp_layers(model):
+  """Convs whose conv function is SDGP's (an SDGPConv, or a sparse layer that kept it)."""
+  return sum(
+    isinstance(getattr(m, "conv_general_dilated", None), sdgp.PrunedDataGradient)
+    for _, m in nnx.iter_modules(model)
+  )
+
+
+def _conv_channels(model):
+  return sum(m.kernel.shape[-1] for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Conv))
+
+
+def test_every_registered_method_has_a_tiny_config_and_a_dtype():
+  assert set(TINY) == set(DTYPE) == set(methods.available())
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
-def test_method_trains_a_tiny_model(name, tiny_cnn, tiny_resnet, digits_loader):
-  method = methods.get(name, **TINY[name])
+def test_method_trains_a_tiny_model(
+  name, tiny_cnn, tiny_resnet, digits_loader, scale_stream_channel
+):
+  parts, config, dtype = _parts(name), TINY[name], DTYPE[name]
+  method = methods.get(name, **config)
   assert method.name == name
-  parts = _parts(name)
   epochs = max(EPOCHS[p] for p in parts)
   # PruneTrain rebuilds the model from its spec: a jaxprune.models ResNet.
-  model = tiny_resnet() if "prunetrain" in parts else tiny_cnn()
+  build = tiny_resnet if "prunetrain" in parts else tiny_cnn
   loader = digits_loader()
   run = methods.Run.from_loader(loader, epochs=epochs)
   assert run == methods.Run(steps_per_epoch=6, epochs=epochs, image_shape=(8, 8, 1))
 
-  model = method.convert(model)
+  model = method.convert(build(dtype=None if dtype == F32 else dtype))
   # SDGP converts every conv but the 1-channel stem (the resnet: 2 convs x 3 blocks + 2
   # projections; the CNN: conv1, conv2); the other methods convert nothing.
   expected_convs = (8 if "prunetrain" in parts else 2) if "sdgp" in parts else 0
   assert _sdgp_convs(model) == expected_convs
-
+  if "prunetrain" in parts:
+    scale_stream_channel(model, slice(4, 8), 0.0)
+  channels, sdgp_layers = _conv_channels(model), _sdgp_layers(model)
+  callbacks = method.callbacks(run)
+  clicktrains = any(p.startswith("clicktrain") for p in parts)
+  groups = config.get("filter_groups")
+  if clicktrains:
+    callbacks.append(SparseExecution(threshold=0.0, backend="reference", filter_groups=groups))
   trainer = train.Trainer(
     model,
     method.make_tx(train.sgd(0.05, momentum=0.9), run),
-    callbacks=method.callbacks(run),
+    callbacks=callbacks,
     progress=False,
   )
   history = trainer.fit(loader, epochs=epochs)
 
   # Training metrics (train-mode BatchNorm): a few steps leave the running statistics of
   # evaluation far from the batch statistics.
-  _assert_learned(history)
-  assert _sdgp_convs(trainer.model) == expected_convs
-  if "prunetrain" in parts:
-    # The callback accounted every epoch's costs and checked for dead channels at the end.
-    assert all(r["pt_train_flops_total"] > 0 for r in history)
-    assert "pt_reconfigured" in history[-1]
-  if any(p.startswith("clicktrain") for p in parts):
+  losses = _assert_learned(history)
+  # The compute dtype all along; float32 parameters, statistics and optimizer state.
+  convs = [m for _, m in nnx.iter_modules(trainer.model) if isinstance(m, nnx.Conv)]
+  assert convs and {_compute_dtype(m) for m in convs} == {dtype}
+  assert _float_dtypes(nnx.state(trainer.model, nnx.Param)) == {F32}
+  assert _float_dtypes(nnx.state(trainer.model, nnx.BatchStat)) == {F32}
+  assert _float_dtypes(trainer.opt_state) == {F32}
+  # SDGP's pruned data gradients stay (also under the sparse layers, which keep its wrapper).
+  assert _sdgp_layers(trainer.model) == sdgp_layers and (sdgp_layers > 0) == ("sdgp" in parts)
+  if clicktrains:
     assert clicktrain.stage_name(trainer.opt_state) == "pruned"
     params = trainer.params
     pruned = 0
@@ -113,6 +178,25 @@ def test_method_trains_a_tiny_model(name, tiny_cnn, tiny_resnet, digits_loader):
         assert np.all(w[m == 0] == 0)
         pruned += int((m == 0).sum())
     assert pruned > 0
+    # Converted once, at the epoch end where the stage became "pruned"; two epochs after it
+    # trained the sparse layers without the loss rising.
+    counts = [r["sparse_layers"] for r in history]
+    switched = counts.index(2)  # conv1 and conv2, from then on
+    assert counts == [0] * switched + [2] * (len(counts) - switched)
+    assert switched <= len(history) - 3 and history[switched]["ct_hard_prune"]
+    sparse = pattern_convs(trainer.model)
+    assert len(sparse) == 2
+    layer = PatternConv if groups is None else AlignedConv
+    assert all(isinstance(m, layer) and _compute_dtype(m) == dtype for m in sparse.values())
+    assert losses[-1] <= losses[switched + 1]
+  if "prunetrain" in parts:
+    # The callback accounted every epoch's costs; the first reconfiguration removed the dead
+    # channels where written (stem, block conv2), and the smaller model trained on.
+    assert all(r["pt_train_flops_total"] > 0 for r in history)
+    assert history[0]["pt_reconfigured"] and history[0]["pt_channels_removed"] == 8
+    assert _conv_channels(trainer.model) == channels - 8
+    assert trainer.model.spec.stem_width == 4
+    assert _compute_dtype(trainer.model) == dtype
 
 
 def _leaves(tree):
@@ -259,110 +343,3 @@ def test_methods_refuse_a_model_without_convs_before_training(name, config, says
     )
     trainer.fit(loader, epochs=2)
   assert trainer is None or trainer.step == 0  # refused at set-up: not one step trained
-
-
-# ----------------------------------------------------------------------------- bfloat16
-
-BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-
-# Every method on a model computing in bfloat16, scheduled to reach its steady state within the
-# run. ClickTrain's runs hard-prune, switch the pruned convs to the sparse layers (SparseExecution
-# at threshold 0: every pruned conv converts) and train two more epochs on them: clicktrain and
-# clicktrain+sdgp on the fine-grained PatternConv, clicktrain-one-shot in the aligned mode
-# (AlignedConv, 2 filter groups). PruneTrain's runs start with four dead stream channels (a
-# whole group of SDGP's m = 4, which its reconfiguration keeps widths a multiple of); the group
-# lasso in its proximal form keeps them at exactly zero, the first reconfiguration removes them
-# and the rebuilt model trains on.
-_PRUNETRAIN_BF16 = {**_PRUNETRAIN, "every_epochs": 1, "proximal": True, "penalty_ratio": 0.99}
-TINY_BF16 = {
-  **TINY,
-  # The test attaches its own SparseExecution (threshold 0: every layer converts, whatever
-  # the timings): the preset's measuring one stays off.
-  "clicktrain-one-shot": {
-    **TINY["clicktrain-one-shot"],
-    "filter_groups": 2,
-    "sparse_execution": False,
-  },
-  "prunetrain": _PRUNETRAIN_BF16,
-  "prunetrain+sdgp": {**_PRUNETRAIN_BF16, **_SDGP, "method": "rescaled_magnitude"},
-}
-EPOCHS_BF16 = {**EPOCHS, "prunetrain": 3, "clicktrain": 6, "clicktrain-one-shot": 4}
-
-
-def _float_dtypes(tree):
-  return {jnp.dtype(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)}
-
-
-def _sdgp_layers(model):
-  """Convs whose conv function is SDGP's (an SDGPConv, or a sparse layer that kept it)."""
-  return sum(
-    isinstance(getattr(m, "conv_general_dilated", None), sdgp.PrunedDataGradient)
-    for _, m in nnx.iter_modules(model)
-  )
-
-
-def _conv_channels(model):
-  return sum(m.kernel.shape[-1] for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Conv))
-
-
-def test_every_registered_method_has_a_tiny_bf16_config():
-  assert set(TINY_BF16) == set(methods.available())
-
-
-@pytest.mark.parametrize("name", sorted(TINY_BF16))
-def test_method_trains_a_tiny_bf16_model(
-  name, tiny_cnn, tiny_resnet, digits_loader, scale_stream_channel
-):
-  parts = _parts(name)
-  config = TINY_BF16[name]
-  method = methods.get(name, **config)
-  epochs = max(EPOCHS_BF16[p] for p in parts)
-  build = tiny_resnet if "prunetrain" in parts else tiny_cnn
-  model = method.convert(build(dtype=jnp.bfloat16))
-  if "prunetrain" in parts:
-    scale_stream_channel(model, slice(4, 8), 0.0)
-  channels, sdgp_layers = _conv_channels(model), _sdgp_layers(model)
-  loader = digits_loader()
-  run = methods.Run.from_loader(loader, epochs=epochs)
-  callbacks = method.callbacks(run)
-  clicktrains = any(p.startswith("clicktrain") for p in parts)
-  groups = config.get("filter_groups")
-  if clicktrains:
-    callbacks.append(SparseExecution(threshold=0.0, backend="reference", filter_groups=groups))
-  trainer = train.Trainer(
-    model,
-    method.make_tx(train.sgd(0.05, momentum=0.9), run),
-    callbacks=callbacks,
-    progress=False,
-  )
-  history = trainer.fit(loader, epochs=epochs)
-
-  losses = _assert_learned(history)
-  # bf16 compute all along, float32 parameters, statistics and optimizer state.
-  convs = [m for _, m in nnx.iter_modules(trainer.model) if isinstance(m, nnx.Conv)]
-  assert convs and {jnp.dtype(m.dtype) for m in convs} == {BF16}
-  assert _float_dtypes(nnx.state(trainer.model, nnx.Param)) == {F32}
-  assert _float_dtypes(nnx.state(trainer.model, nnx.BatchStat)) == {F32}
-  assert _float_dtypes(trainer.opt_state) == {F32}
-  # SDGP's pruned data gradients stay (also under the sparse layers, which keep its wrapper).
-  assert _sdgp_layers(trainer.model) == sdgp_layers and (sdgp_layers > 0) == ("sdgp" in parts)
-  if clicktrains:
-    # Converted once, at the epoch end where the stage became "pruned"; two epochs after it
-    # trained the sparse layers without the loss rising.
-    assert clicktrain.stage_name(trainer.opt_state) == "pruned"
-    counts = [r["sparse_layers"] for r in history]
-    switched = counts.index(2)  # conv1 and conv2, from then on
-    assert counts == [0] * switched + [2] * (len(counts) - switched)
-    assert switched <= len(history) - 3 and history[switched]["ct_hard_prune"]
-    sparse = pattern_convs(trainer.model)
-    assert len(sparse) == 2
-    layer = PatternConv if groups is None else AlignedConv
-    assert all(isinstance(m, layer) and jnp.dtype(m.dtype) == BF16 for m in sparse.values())
-    assert losses[-1] <= losses[switched + 1]
-  if "prunetrain" in parts:
-    # The first reconfiguration removed the dead channels where written (stem, block conv2),
-    # and the smaller model trained on.
-    assert history[0]["pt_reconfigured"] and history[0]["pt_channels_removed"] == 8
-    assert _conv_channels(trainer.model) == channels - 8
-    assert trainer.model.spec.stem_width == 4
-    assert trainer.model.dtype == BF16

@@ -4,6 +4,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from experiments import run as run_module
 
 
@@ -101,3 +103,14 @@ def test_wings_import_only_common_and_what_they_drive():
       if wing != "common":
         imported.discard("common")
       assert imported <= allowed, f"{path.relative_to(REPO)} imports {sorted(imported - allowed)}"
+
+
+def test_runner_lists_and_rejects_unknown(capsys):
+  assert {"quickstart", "cifar_baseline"} <= set(run_module.available())
+  assert "run" not in run_module.available()
+  assert run_module.main(["--list"]) == 0
+  assert "quickstart" in capsys.readouterr().out.split()
+  with pytest.raises(ValueError, match="unknown experiment 'no_such_experiment'"):
+    run_module.load("no_such_experiment")
+  assert run_module.main(["no_such_experiment"]) == 2
+  assert "unknown experiment" in capsys.readouterr().err

@@ -187,9 +187,9 @@ def test_clicktrain_row_resumed_after_its_hard_prune_continues_its_checkpoint(
   from jaxprune import train
 
   # read-only, as the presets hold a per-family width
-  width = MappingProxyType({"resnet": 0.0625})
+  width = MappingProxyType({"vgg": 0.0625})
   _tiny(monkeypatch, "clicktrain_table1", width=width, epochs=5, batch_size=16)
-  argv = ["--rows", "resnet18", "--skip-dense", "--out", str(tmp_path)]
+  argv = ["--rows", "vgg11", "--skip-dense", "--out", str(tmp_path)]
   fit, started = train.Trainer.fit, []
 
   def stop_after_epoch_4(self, *args, epochs, **kwargs):
@@ -199,9 +199,9 @@ def test_clicktrain_row_resumed_after_its_hard_prune_continues_its_checkpoint(
   monkeypatch.setattr(train.Trainer, "fit", stop_after_epoch_4)
   with pytest.raises(_Stopped):
     clicktrain_table1.main(argv)
-  checkpoints = tmp_path / "checkpoints" / "table1_cpu_resnet18_clicktrain"
+  checkpoints = tmp_path / "checkpoints" / "table1_cpu_vgg11_clicktrain"
   assert "4" in {p.name for p in checkpoints.iterdir()}
-  log = tmp_path / "logs" / "table1_cpu_resnet18_clicktrain.jsonl"
+  log = tmp_path / "logs" / "table1_cpu_vgg11_clicktrain.jsonl"
   before = [json.loads(line) for line in log.read_text().splitlines()]
   assert [r["epoch"] for r in before] == [1, 2, 3, 4]
   assert before[-1]["stage"] == "pruned"
@@ -211,10 +211,10 @@ def test_clicktrain_row_resumed_after_its_hard_prune_continues_its_checkpoint(
     return fit(self, *args, **kwargs)
 
   monkeypatch.setattr(train.Trainer, "fit", recording)
-  resumed = clicktrain_table1.main([*argv, "--resume"])["resnet18"]["clicktrain"]
+  resumed = clicktrain_table1.main([*argv, "--resume"])["vgg11"]["clicktrain"]
   assert started[0] == 4  # the checkpoint's epoch, not a fresh start
   assert resumed["stage"] == "pruned"
-  saved = json.loads((tmp_path / "table1_cpu_resnet18_clicktrain.json").read_text())
+  saved = json.loads((tmp_path / "table1_cpu_vgg11_clicktrain.json").read_text())
   assert [r["epoch"] for r in saved["history"]] == [1, 2, 3, 4, 5]
   keys = ("train_loss", "stage", "compression")
   assert [[r[k] for k in keys] for r in saved["history"][:4]] == [
@@ -232,7 +232,7 @@ def test_clicktrain_one_shot_row_switches_to_mixup_after_the_epoch_of_its_hard_p
   end finds the stage pruned (epoch 4 of 5: max(4, round(0.6 * 5))) sees plain batches."""
   from jaxprune import train
 
-  _tiny(monkeypatch, "clicktrain_table1", width={"resnet": 0.0625}, epochs=5, batch_size=16)
+  _tiny(monkeypatch, "clicktrain_table1", width={"vgg": 0.0625}, epochs=5, batch_size=16)
   fit, seen = train.Trainer.fit, []
 
   def recording(self, loader, *args, epochs, **kwargs):
@@ -249,8 +249,8 @@ def test_clicktrain_one_shot_row_switches_to_mixup_after_the_epoch_of_its_hard_p
 
   monkeypatch.setattr(data.Loader, "__init__", named)
   monkeypatch.setattr(train.Trainer, "fit", recording)
-  argv = ["--rows", "resnet18", "--skip-dense", "--mode", "one_shot", "--out", str(tmp_path)]
-  run = clicktrain_table1.main(argv)["resnet18"]["clicktrain"]
+  argv = ["--rows", "vgg11", "--skip-dense", "--mode", "one_shot", "--out", str(tmp_path)]
+  run = clicktrain_table1.main(argv)["vgg11"]["clicktrain"]
   assert run["stage"] == "pruned"
   plain = [(start, end) for start, end, augment in seen if augment == "clicktrain"]
   assert plain[0][0] == 0 and max(end for _, end in plain) == 4
@@ -345,16 +345,16 @@ def test_clicktrain_row_on_the_device_loader_stops_at_its_time_box_and_resumes(
   """``--loader device --max-seconds``: the command stops after the first epoch (the second
   would not fit), writes no result, keeps its checkpoint; ``--resume`` finishes the run, which
   then records its loader, machine and date."""
-  _tiny(monkeypatch, "clicktrain_table1", width={"resnet": 0.0625}, epochs=2, batch_size=16)
-  argv = ["--rows", "resnet18", "--methods", "dense", "--loader", "device", "--out", str(tmp_path)]
+  _tiny(monkeypatch, "clicktrain_table1", width={"vgg": 0.0625}, epochs=2, batch_size=16)
+  argv = ["--rows", "vgg11", "--methods", "dense", "--loader", "device", "--out", str(tmp_path)]
   argv += ["--steps-per-dispatch", "2", "--checkpoint-every", "0"]
   with pytest.warns(RuntimeWarning, match="fit stopped after epoch 1 of 2"):
     out = clicktrain_table1.main([*argv, "--max-seconds", "0.001"])
-  assert out == {"stopped": "resnet18 dense"}
-  assert not (tmp_path / "table1_cpu_resnet18_dense.json").exists()
-  assert (tmp_path / "checkpoints" / "table1_cpu_resnet18_dense" / "1").exists()
-  done = clicktrain_table1.main([*argv, "--resume"])["resnet18"]["dense"]
-  saved = json.loads((tmp_path / "table1_cpu_resnet18_dense.json").read_text())
+  assert out == {"stopped": "vgg11 dense"}
+  assert not (tmp_path / "table1_cpu_vgg11_dense.json").exists()
+  assert (tmp_path / "checkpoints" / "table1_cpu_vgg11_dense" / "1").exists()
+  done = clicktrain_table1.main([*argv, "--resume"])["vgg11"]["dense"]
+  saved = json.loads((tmp_path / "table1_cpu_vgg11_dense.json").read_text())
   assert done["loader"] == saved["loader"] == "device" and len(saved["history"]) == 2
   assert "Machine" not in saved and saved["machine"] and saved["date"]
 
