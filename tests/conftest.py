@@ -26,13 +26,37 @@ if _OWN_CACHE:
 # no size floor.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-# The suite's programs are tiny and run a few steps each: LLVM's optimisation of the compiled
-# CPU code costs more than it saves (a PruneTrain command test: 35 s -> 26 s). Tests compare
-# functions computed under the same flag, or against NumPy within tolerances; no test times
-# anything it asserts. Children get it too (_cpu_env).
+# The suite's programs are tiny and run a few steps each, so compiling is most of their time:
+# LLVM's optimisation of the compiled CPU code costs more than it saves (a PruneTrain command
+# test: 35 s -> 26 s), and XLA:CPU's older elemental emitters compile fusions faster than its
+# MLIR fusion emitters (tests/clicktrain/test_aligned_training.py with tests/test_methods.py:
+# 126 s -> 70 s). Tests compare functions computed under the same flags, or against NumPy
+# within tolerances; no test times anything it asserts. Children get them too (_cpu_env).
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
-if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+# An XLA build that no longer knows a flag aborts at start-up: this one is kept only where a
+# child process started with it runs (checked once, by the first process; the workers and
+# children inherit the result in XLA_FLAGS).
+_FASTER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flag: str) -> bool:
+  probe = "import jax.numpy as jnp; jnp.ones(2).sum().block_until_ready()"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flag)
+  done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120)
+  return done.returncode == 0
+
+
+if "PYTEST_XDIST_WORKER" not in os.environ:
+  _flags = os.environ.get("XLA_FLAGS", "").split()
+  if _FAST_COMPILE not in _flags:
+    _flags.append(_FAST_COMPILE)
+  if _FASTER_EMITTERS not in _flags and _xla_accepts(_FASTER_EMITTERS):
+    _flags.append(_FASTER_EMITTERS)
+  os.environ["XLA_FLAGS"] = " ".join(_flags)
+# The compile-speed flags of this run (a child's XLA_FLAGS start from these).
+_COMPILE_FLAGS = " ".join(
+  flag for flag in (_FAST_COMPILE, _FASTER_EMITTERS) if flag in os.environ["XLA_FLAGS"].split()
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -190,7 +214,7 @@ def one_shot_clicktrain():
 def _cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu", **(extra or {}))
   env.pop("XLA_FLAGS", None)  # a device count forced from outside would override the script's
-  env["XLA_FLAGS"] = _FAST_COMPILE
+  env["XLA_FLAGS"] = _COMPILE_FLAGS
   return env
 
 
