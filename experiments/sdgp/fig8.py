@@ -115,12 +115,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if (method, n, m) in done:
       continue
     t0 = time.perf_counter()
-    log = sdgp_table1.log_name(name, method, n, m)
-    (folder / log).parent.mkdir(parents=True, exist_ok=True)
-    record = sdgp_table1.train_row(method, n, m, budget, train_set, test_set, args, folder / log)
+    data = (train_set, test_set)
+    record = sdgp_table1.train_logged(folder, name, method, n, m, budget, data, args, command)
     if record is None:  # stopped at --max-seconds: the command ends here
       return {"budget": budget, "cells": results, "stopped": f"{method} {n}:{m}"}
-    record["command"], record["log"] = command, log
     results.append(record)
     print(
       f"{method} {n}:{m}: test acc {100 * record['test_acc']:.2f}% "

@@ -172,6 +172,27 @@ def train_row(
   }
 
 
+def train_logged(
+  folder: Path,
+  stem: str,
+  method: str,
+  n: int,
+  m: int,
+  budget: dict[str, Any],
+  data: tuple[Any, Any],
+  args: argparse.Namespace,
+  command: str,
+) -> dict[str, Any] | None:
+  """:func:`train_row` with its per-epoch log at ``folder/``:func:`log_name`; the record names
+  its log and ``command``. ``None``: stopped at ``--max-seconds``."""
+  log = log_name(stem, method, n, m)
+  (folder / log).parent.mkdir(parents=True, exist_ok=True)
+  record = train_row(method, n, m, budget, *data, args, folder / log)
+  if record is not None:
+    record["log"], record["command"] = log, command
+  return record
+
+
 def log_name(stem: str, method: str, n: int, m: int) -> str:
   """The per-epoch log of one row or cell, relative to the page's folder:
   ``logs/<stem>_<model>_<method>[_<n>-<m>].jsonl`` (every row trains :data:`MODEL`)."""
@@ -207,13 +228,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   trained: list[dict[str, Any]] = []
   for method in args.rows:
     t0 = time.perf_counter()
-    log = log_name(name, method, 2, 4)
-    (folder / log).parent.mkdir(parents=True, exist_ok=True)
-    record = train_row(method, 2, 4, budget, train_set, test_set, args, folder / log)
+    record = train_logged(folder, name, method, 2, 4, budget, (train_set, test_set), args, command)
     if record is None:  # stopped at --max-seconds: the command ends here
       return {"budget": budget, "rows": results, "stopped": method}
-    record["log"] = log
-    record["command"] = command
     trained.append(record)
     # Read the page again before writing: another invocation (``--rows random`` beside
     # ``--rows magnitude``) may have added its row since this one started.
