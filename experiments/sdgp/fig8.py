@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -114,17 +113,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   for method, n, m in cells:
     if (method, n, m) in done:
       continue
-    t0 = time.perf_counter()
     data = (train_set, test_set)
     record = sdgp_table1.train_logged(folder, name, method, n, m, budget, data, args, command)
     if record is None:  # stopped at --max-seconds: the command ends here
       return {"budget": budget, "cells": results, "stopped": f"{method} {n}:{m}"}
     results.append(record)
-    print(
-      f"{method} {n}:{m}: test acc {100 * record['test_acc']:.2f}% "
-      f"({time.perf_counter() - t0:.0f} s)",
-      flush=True,
-    )
     _write(
       folder / name,
       pages.joined_commands(results),

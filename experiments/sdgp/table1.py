@@ -184,12 +184,18 @@ def train_logged(
   command: str,
 ) -> dict[str, Any] | None:
   """:func:`train_row` with its per-epoch log at ``folder/``:func:`log_name`; the record names
-  its log and ``command``. ``None``: stopped at ``--max-seconds``."""
+  its log and ``command``, and its accuracy and seconds are printed. ``None``: stopped at
+  ``--max-seconds``."""
+  start = time.perf_counter()
   log = log_name(stem, method, n, m)
   (folder / log).parent.mkdir(parents=True, exist_ok=True)
   record = train_row(method, n, m, budget, *data, args, folder / log)
   if record is not None:
     record["log"], record["command"] = log, command
+    seconds = time.perf_counter() - start
+    print(
+      f"{method} {n}:{m}: test acc {100 * record['test_acc']:.2f}% ({seconds:.0f} s)", flush=True
+    )
   return record
 
 
@@ -227,7 +233,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   results = saved_rows(folder / name, args.budget, budget, exclude=args.rows, dtype=args.dtype)
   trained: list[dict[str, Any]] = []
   for method in args.rows:
-    t0 = time.perf_counter()
     record = train_logged(folder, name, method, 2, 4, budget, (train_set, test_set), args, command)
     if record is None:  # stopped at --max-seconds: the command ends here
       return {"budget": budget, "rows": results, "stopped": method}
@@ -243,10 +248,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       dtype=args.dtype,
     )
     results = sorted([*others, *trained], key=lambda r: ROWS.index(r["method"]))
-    print(
-      f"{method}: test acc {100 * record['test_acc']:.2f}% ({time.perf_counter() - t0:.0f} s)",
-      flush=True,
-    )
     # The rows of one page may come from several invocations: the page names each command.
     _write(
       folder / name,
