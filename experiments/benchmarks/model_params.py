@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> str:
   args = parser.parse_args(argv)
   if args.output is None:
     args.output = pages.output_dir("benchmarks", args.publish) / "model_params.md"
-  command = "python -m experiments.run model_params " + shlex.join(list(argv or []))
+  command = cli.command_line("model_params", argv)
   body = table(models.available())
   text = (
     "# Registered models and parameter counts\n\n"
@@ -114,8 +113,9 @@ def main(argv: Sequence[str] | None = None) -> str:
   )
   args.output.parent.mkdir(parents=True, exist_ok=True)
   args.output.write_text(text)
+  print(f"wrote {args.output}")
   return text
 
 
 if __name__ == "__main__":
-  print(main(sys.argv[1:]))
+  main(sys.argv[1:])
