@@ -294,3 +294,35 @@ def test_published_table_page_is_rebuilt_from_its_rows(tmp_path):
 
   assert stable(rebuilt) == stable((results / "table1_cpu.md").read_text())
   assert "(logs/table1_cpu_vgg11_prunetrain.jsonl)" in rebuilt
+
+
+def test_gpu_queue_publishes_a_returned_prunetrain_row(tmp_path, tiny_rows, monkeypatch):
+  """The queue's PruneTrain publisher end to end: a row trained under the ``paper`` budget's
+  names (the budget set to the tiny row's own settings), returned in a bundle folder, lands
+  on ``table1_paper.md`` beside the paper's Table 1 with its logs linked and copied."""
+  import re
+
+  from experiments.common import budgets
+  from experiments.gpu import queue as gpu_queue
+
+  train_set, test_set, make_args = tiny_rows
+  args = make_args()
+  args.budget = "paper"
+  tables = budgets.BUDGETS["prunetrain_table1"]
+  tiny = {key: getattr(args, key) for key in tables["paper"]}
+  monkeypatch.setitem(budgets.BUDGETS, "prunetrain_table1", {**tables, "paper": tiny})
+  returned = tmp_path / "returned" / "prunetrain"
+  returned.mkdir(parents=True)
+  prunetrain_table1._run_row(args, "table1_paper_resnet32", returned, "cmd", train_set, test_set)
+  results = tmp_path / "results"
+  written = gpu_queue.publish(tmp_path / "returned", results)
+  page = results / "prunetrain" / "table1_paper.md"
+  assert str(page) in written
+  text = page.read_text()
+  # the paper's ResNet-32 numbers (Δ accuracy, training and inference FLOPs) beside ours
+  (row,) = [line for line in text.splitlines() if line.startswith("| [resnet32]")]
+  assert "| -1.8 |" in row and "| 47% |" in row and "| 34% |" in row
+  links = re.findall(r"\]\(([^)\s]+)\)", text)
+  assert links and all((page.parent / link).exists() for link in links)
+  assert (results / "prunetrain" / "logs" / "table1_paper_resnet32_prunetrain.jsonl").exists()
+  assert not (results / "prunetrain" / "checkpoints").exists()
