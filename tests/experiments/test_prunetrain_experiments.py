@@ -326,3 +326,26 @@ def test_gpu_queue_publishes_a_returned_prunetrain_row(tmp_path, tiny_rows, monk
   assert links and all((page.parent / link).exists() for link in links)
   assert (results / "prunetrain" / "logs" / "table1_paper_resnet32_prunetrain.jsonl").exists()
   assert not (results / "prunetrain" / "checkpoints").exists()
+
+
+def test_row_stopped_by_its_time_box_resumes_to_the_end(tmp_path, tiny_rows, capsys):
+  """``--max-seconds``: the row stops after the dense run's first epoch (the second would not
+  fit), writes no result and keeps its checkpoint; ``--resume`` continues that run from its
+  epoch, trains the PruneTrain run, writes the row and removes the checkpoints."""
+  train_set, test_set, make_args = tiny_rows
+  args = make_args()
+  args.out, args.max_seconds = str(tmp_path), 0.001
+  name = "table1_cpu_resnet32"
+  with pytest.warns(RuntimeWarning, match="fit stopped after epoch 1 of 2"):
+    out = prunetrain_table1._run_row(args, name, tmp_path, "cmd", train_set, test_set)
+  assert out == {"stopped": "dense"}
+  assert not (tmp_path / f"{name}.json").exists()
+  checkpoints = tmp_path / "checkpoints" / name
+  assert (checkpoints / "dense" / "1").exists()
+  args.max_seconds, args.resume = None, True
+  capsys.readouterr()
+  done = prunetrain_table1._run_row(args, name, tmp_path, "cmd", train_set, test_set)
+  assert "resumed at epoch 1 from" in capsys.readouterr().out  # not a fresh start
+  assert [r["epoch"] for r in done["dense"]["history"]] == [1, 2]
+  assert [r["epoch"] for r in done["prunetrain"]["history"]] == [1, 2]
+  assert (tmp_path / f"{name}.json").exists() and not (checkpoints / "dense").exists()
