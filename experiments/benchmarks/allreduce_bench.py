@@ -20,10 +20,7 @@ The table goes to ``runs/benchmarks/`` unless ``--publish`` writes it to
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from experiments.common import cli, pages
 from experiments.common.machine import machine_description
-from experiments.common.masks import clicktrain_to_hard_prune
+from experiments.common.masks import clicktrain_to_hard_prune, step_until_pruned
 from jaxprune import clicktrain, distributed, flops, masking, models, multihost
 from jaxprune.paths import path_string
 from jaxprune.timing import mean_call_s
@@ -79,12 +76,13 @@ def one_shot_masks(model: nnx.Module, model_name: str, images, labels) -> Any:
     return jnp.mean(loss_fn(nnx.merge(graphdef, p, rest)(images), labels))
 
   value, grads = jax.jit(jax.value_and_grad(loss))(params)
-  state = tx.init(params)
-  for _ in range(run.epochs):
-    _, state = tx.update(grads, state, params, value=value)
-    if clicktrain.stage_name(state) == "pruned":
-      return clicktrain.masks(state, params)
-  raise RuntimeError(f"ClickTrain did not reach the pruned stage: {clicktrain.stage_name(state)}")
+  state = [tx.init(params)]
+
+  def step():
+    _, state[0] = tx.update(grads, state[0], params, value=value)
+    return state[0]
+
+  return clicktrain.masks(step_until_pruned(step, run), params)
 
 
 def bench_model(model_name: str, args: argparse.Namespace, mesh: Mesh) -> dict[str, Any]:
@@ -290,10 +288,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
       flush=True,
     )
   out_dir = pages.output_dir("benchmarks", args.publish, args.out)
-  command = "python -m experiments.run allreduce_bench " + shlex.join(
-    list(sys.argv[2:] if argv is None else argv)
-  )
-  date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+  command = cli.command_line("allreduce_bench", argv)
+  date = pages.utc_now()
   (out_dir / f"{NAME}.md").write_text(markdown(results, command, machine_description(), date))
   record = {"command": command, "date": date, "machine": machine_description()}
   (out_dir / f"{NAME}.json").write_text(

@@ -14,10 +14,7 @@ pipeline alone) and their ratio (the loader should be >= 3x faster than the step
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,9 +89,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   folder = pages.output_dir("benchmarks", args.publish)
   log_path = folder / f"{name}.jsonl"
   ckpt = args.checkpoint_dir or str(Path("runs") / name / "ckpt")
-  command = "python -m experiments.run cifar_baseline " + shlex.join(
-    list(argv) if argv is not None else sys.argv[1:]
-  )
+  command = cli.command_line("cifar_baseline", argv)
 
   train_set = data.load("cifar10", root=args.root, split="train")
   test_set = data.load("cifar10", root=args.root, split="test")
@@ -171,7 +166,7 @@ def _write_markdown(
   history: list[dict[str, Any]],
   command: str,
 ) -> None:
-  date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+  date = pages.utc_now()
   lines = [
     f"# Dense baseline: {args.model} on CIFAR-10 (JPEG), {args.epochs} epochs",
     "",

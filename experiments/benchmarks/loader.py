@@ -10,10 +10,8 @@ prefetch threads); the consumer does nothing with the batches. Training step rat
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -110,11 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
       )
 
-  command = "python -m experiments.run bench_loader " + shlex.join(
-    argv if argv is not None else sys.argv[1:]
-  )
+  command = cli.command_line("bench_loader", argv)
   result = dict(
-    date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    date=pages.utc_now(),
     machine=cpu_description(),
     command=command.strip(),
     epochs=args.epochs,

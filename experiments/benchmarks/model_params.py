@@ -11,7 +11,6 @@ this library must reproduce (the papers, torchvision, kuangliu/pytorch-cifar).
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> str:
   text = (
     "# Registered models and parameter counts\n\n"
     f"Command: `{command.strip()}`  \n"
-    f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}  \n"
+    f"Date: {pages.utc_now()}  \n"
     f"JAX {jax.__version__}, Flax {flax.__version__}\n\n"
     "Parameters = `nnx.Param` entries (weights, biases, BatchNorm γ/β; running statistics "
     "excluded). `prunetrain-*` and `clicktrain-*` models of the same name are different "

@@ -51,11 +51,10 @@ from flax import nnx
 import pallas_kernels
 from experiments.common import cli, pages
 from experiments.common.machine import machine_description
-from experiments.common.masks import clicktrain_to_hard_prune, kill_channels
+from experiments.common.masks import clicktrain_to_hard_prune, kill_channels, step_until_pruned
 from jaxprune import flops, methods, models, train
 from jaxprune import prunetrain as pt
 from jaxprune.clicktrain import masks as clicktrain_masks
-from jaxprune.clicktrain import stage_name
 from jaxprune.clicktrain.execution import to_sparse_layers
 from jaxprune.clicktrain.execution.aligned_conv import COLUMNS
 from jaxprune.clicktrain.execution.options import default_backend
@@ -148,12 +147,12 @@ def _pruned_clicktrain(model: nnx.Module, model_name: str, batch, filter_groups:
   compression (their weights / kept weights)."""
   method, run = clicktrain_to_hard_prune(model_name, filter_groups=filter_groups)
   stepper = _Stepper(model, method.make_tx(_inner(), run), batch)
-  for _ in range(run.epochs):
+
+  def step():
     stepper.step()
-    if stage_name(stepper.state[2]) == "pruned":
-      break
-  else:
-    raise RuntimeError(f"ClickTrain did not reach its hard prune in {run.epochs} steps")
+    return stepper.state[2]
+
+  step_until_pruned(step, run)
   masks = clicktrain_masks(stepper.state[2], stepper.state[0])
   kept = [np.asarray(m) for m in jax.tree.leaves(masks)]
   return stepper, masks, sum(m.size for m in kept) / sum(float(m.sum()) for m in kept)

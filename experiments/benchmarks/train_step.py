@@ -17,9 +17,6 @@ expose the per-call overhead, large ones the compute:
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -109,10 +106,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         {"batch": batch, "method": name, "ms_per_step": 1e3 * seconds, "relative": seconds / base}
       )
       print(f"batch {batch}: {name}: {1e3 * seconds:.2f} ms/step", flush=True)
-  command = "python -m experiments.run bench_train_step " + shlex.join(
-    list(argv) if argv is not None else sys.argv[1:]
-  )
-  date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+  command = cli.command_line("bench_train_step", argv)
+  date = pages.utc_now()
   lines = [
     "# Train-step dispatch: split/merge jax.jit vs nnx.jit",
     "",

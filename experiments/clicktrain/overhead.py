@@ -21,7 +21,6 @@ wrapper's overhead free of the model's noise:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -158,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   }
 
   folder = pages.output_dir("benchmarks", args.publish)
-  date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+  date = pages.utc_now()
   lines = [
     f"# ClickTrain wrapper overhead: {args.model} (width x{args.width}), batch {args.batch}, CPU",
     "",

@@ -6,14 +6,15 @@
 - :func:`pruned_layers`: the convs ClickTrain prunes, with their input shapes;
 - :func:`clicktrain_to_hard_prune`: the real transform, at the paper's per-layer ratios
   (:func:`jaxprune.clicktrain.preset.paper_kernel_ratios`), on a schedule that reaches its hard
-  prune in a few steps (its masks are the transform's own, not random);
+  prune in a few steps (its masks are the transform's own, not random), and
+  :func:`step_until_pruned`, which steps it there;
 - :func:`kill_channels`: PruneTrain-like dead channels, which a reconfiguration removes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from flax import nnx
 
 from jaxprune import flops, methods
 from jaxprune import prunetrain as pt
-from jaxprune.clicktrain import patterns
+from jaxprune.clicktrain import patterns, stage_name
 from jaxprune.clicktrain.config import default_layer_filter
 from jaxprune.clicktrain.execution.aligned_layout import aligned_mask
 from jaxprune.clicktrain.preset import paper_kernel_ratios
@@ -127,6 +128,24 @@ def clicktrain_to_hard_prune(
     **config,
   )
   return method, methods.Run(steps_per_epoch=1, epochs=steps + 6)
+
+
+def step_until_pruned(step: Callable[[], Any], run: methods.Run) -> Any:
+  """Calls ``step()`` (one step of :func:`clicktrain_to_hard_prune`'s run, returning
+  ClickTrain's state after it) until the stage reads ``"pruned"``, at most ``run.epochs`` times;
+  returns that state.
+
+  Raises:
+    RuntimeError: the run ended before the hard prune.
+  """
+  state = None
+  for _ in range(run.epochs):
+    state = step()
+    if stage_name(state) == "pruned":
+      return state
+  raise RuntimeError(
+    f"ClickTrain did not reach its hard prune in {run.epochs} steps (stage {stage_name(state)!r})"
+  )
 
 
 def kill_channels(model: nnx.Module, keep: float, seed: int = 0) -> None:

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -197,9 +195,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
-  command = "python -m experiments.run prunetrain_speed " + shlex.join(
-    list(argv) if argv is not None else sys.argv[1:]
-  )
+  command = cli.command_line("prunetrain_speed", argv)
   image_shape = (args.image_size, args.image_size, 3)
   input_shape = (args.batch_size, *image_shape)
   dense_model = models.create(args.model, num_classes=10, rngs=nnx.Rngs(0))

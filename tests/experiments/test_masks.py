@@ -78,11 +78,20 @@ def test_the_transform_reaches_its_hard_prune_inside_the_run(mode):
   tx = method.make_tx(optax.sgd(0.0), run)
   state = tx.init(params)
   grads = {"stages": {"0": {"conv": {"kernel": jnp.linspace(-1, 1, 576).reshape(3, 3, 8, 8)}}}}
-  stages = []
+  first = state
+  stages, states = [], [state]
   for _ in range(run.epochs):
     _, state = tx.update(grads, state, params, value=jnp.float32(1.0))
     stages.append(clicktrain.stage_name(state))
+    states.append(state)
   assert "pruned" in stages and stages.index("pruned") < run.epochs - 1
+  # step_until_pruned stops at the first pruned state and returns it ...
+  calls = iter(states[1:])
+  reached = masks.step_until_pruned(lambda: next(calls), run)
+  assert reached is states[1 + stages.index("pruned")]
+  # ... and names the stage of a run that never gets there.
+  with pytest.raises(RuntimeError, match=r"did not reach its hard prune in \d+ steps \(stage"):
+    masks.step_until_pruned(lambda: first, run)
 
 
 def test_dead_channels_are_what_reconfigure_removes(tiny_resnet):
