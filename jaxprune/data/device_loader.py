@@ -65,6 +65,12 @@ class DeviceLoader(Loader):
   ``(seed, epoch, step, batch_size)`` however the steps are grouped into dispatches (the
   augmented pixels are not the NumPy loader's: another generator).
 
+  With a :class:`~jaxprune.train.Trainer` on a mesh (data parallelism) the data set is
+  replicated on the mesh's devices (:meth:`place`) and each global batch, the same pixels as
+  on one device, is made sharded over the batch axis: each device gathers and augments its
+  own shard. A copy per device costs the data set's size on each (CIFAR-10: 180 MiB of uint8)
+  and no traffic between devices per step.
+
   Iterating it yields ``(images, labels)`` as device arrays, one batch at a time, for any
   consumer; the trainer instead takes :meth:`dispatches` and fuses :attr:`make_batch`
   ``(images, labels, indices, seed, epoch, step)`` into its step.
@@ -80,7 +86,8 @@ class DeviceLoader(Loader):
     normalize: finish with ``(x/255 - mean)/std`` using the data set's statistics.
     steps_per_dispatch: steps fused into one device call (rounded to the divisor of the
       epoch's full batches closest to it, so every call of an epoch has one shape).
-    device: where the data set lives (default: JAX's default device).
+    device: where the data set lives (default: JAX's default device): a device or a
+      ``jax.sharding.Sharding`` (see :meth:`place`; a trainer with a mesh moves it there).
 
   Raises:
     ValueError: bad arguments (named), an augmentation without a device twin, or a
@@ -109,7 +116,7 @@ class DeviceLoader(Loader):
   ):
     if jax.process_count() > 1:
       raise ValueError(
-        "DeviceLoader holds the whole data set on one device of one process; a multi-process "
+        "DeviceLoader holds the whole data set on the devices of one process; a multi-process "
         "run needs jaxprune.data.Loader"
       )
     super().__init__(
@@ -133,7 +140,18 @@ class DeviceLoader(Loader):
     self.make_batch = _batch_maker(device_augment.batch_function(self._augment, self._normalize))
     self._images = jax.device_put(np.asarray(dataset.images), device)
     self._labels = jax.device_put(np.asarray(dataset.labels), device)
+    self._placed = device
     self._jit_batch = jax.jit(self.make_batch)
+
+  def place(self, where: Any) -> None:
+    """Moves the data set to ``where``: a device, or a ``jax.sharding.Sharding``. A
+    :class:`~jaxprune.train.Trainer` with a mesh places it replicated on the mesh
+    (``NamedSharding(mesh, PartitionSpec())``: a copy on each device, from which each device
+    makes its shard of every batch); nothing is copied when it is there already."""
+    if where is None or where == self._placed:
+      return
+    self._images, self._labels = jax.device_put((self._images, self._labels), where)
+    self._placed = where
 
   @property
   def device_arrays(self) -> tuple[jax.Array, jax.Array]:

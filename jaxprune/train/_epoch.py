@@ -132,9 +132,9 @@ class EpochLoop:
     batch size, data wait)`` per call."""
     placement = self._placement
     if placement.mesh is not None:
-      raise ValueError(
-        "train_loader: a DeviceLoader trains on one device; with a mesh use jaxprune.data.Loader"
-      )
+      # Data parallelism: a copy of the data set on every device of the mesh (once), each
+      # device making its shard of every global batch from its own copy.
+      loader.place(placement.steps.replicated)
     fused = placement.steps.fused_train(loader.make_batch)
     images_all, labels_all = loader.device_arrays
     for dispatch in loader.dispatches():
@@ -163,6 +163,8 @@ class EpochLoop:
       placement.replicate()
       metrics = placement.steps.replicate(metrics)
       multiple = placement.steps.batch_multiple
+      if hasattr(loader, "place"):  # a DeviceLoader: its batches resharded on the devices
+        loader.place(placement.steps.replicated)
     full = None
     for images, labels in loader:
       self._check_batch(images, labels)

@@ -62,6 +62,7 @@ from jaxprune.train.step import (
   count_step,
   eval_step,
   forward_backward,
+  fused_train_steps,
   keep_state_if_finite,
   skip_if_nonfinite,
   step_finite,
@@ -284,14 +285,31 @@ class _GlobalBatchStep:
   def _global(self, x: Any) -> jax.Array:
     if isinstance(x, jax.Array) and x.sharding == self._sharding:
       return x
-    x = np.asarray(x)
+    on_device = isinstance(x, jax.Array) and x.is_fully_addressable
+    if not on_device:
+      x = np.asarray(x)
     if x.shape[0] % self._local_devices:
       where = " on this process" if jax.process_count() > 1 else ""
       raise ValueError(
         f"batch size {x.shape[0]} is not divisible by the {self._local_devices} devices it "
         f"is split over (mesh axis {BATCH_AXIS!r}{where})"
       )
-    return jax.make_array_from_process_local_data(self._sharding, x)
+    if on_device and self._sharding.is_fully_addressable:
+      # A batch already on the device (a DeviceLoader's): resharded there, not via the host.
+      return jax.device_put(x, self._sharding)
+    return jax.make_array_from_process_local_data(self._sharding, np.asarray(x))
+
+
+def _check_divisible_steps(jitted: Callable, devices: int, *args: Any) -> Any:
+  """Calls a fused data-parallel step after checking that its global batch (the second axis
+  of ``indices``, the fourth argument from the end) splits evenly over the devices."""
+  size = np.shape(args[-4])[1]
+  if size % devices:
+    raise ValueError(
+      f"batch size {size} is not divisible by the {devices} devices it is split over (mesh "
+      f"axis {BATCH_AXIS!r})"
+    )
+  return jitted(*args)
 
 
 class DataParallelSteps:
@@ -382,6 +400,9 @@ class DataParallelSteps:
       eval_body, mesh=mesh, in_specs=(rep,) * 3 + (sharded,) * 3, out_specs=rep, check_vma=False
     )
     r, b = self.replicated, batch
+    self._train_mapped, self._batch_sharding = train_mapped, batch
+    self._donate = (0, 1, 2, 3) if donate else ()
+    self._fused: dict[Callable, Callable] = {}
     self.train = _GlobalBatchStep(
       jax.jit(
         train_mapped,
@@ -404,6 +425,37 @@ class DataParallelSteps:
       self.batch_multiple,
       3,
     )
+
+  def fused_train(self, make_batch: Callable) -> Callable:
+    """:meth:`StepFunctions.fused_train <jaxprune.train.StepFunctions.fused_train>` over the
+    mesh: the jitted ``fn(params, rest, opt_state, metrics, images, labels, indices, seed,
+    epoch, steps)``, with the device-resident data set ``images`` / ``labels`` replicated on
+    the mesh (:meth:`jaxprune.data.DeviceLoader.place`) and ``indices`` of shape
+    ``(K, global batch)``.
+
+    Each step's global batch is made as on one device (the gather and the draws of the whole
+    batch: the same pixels), constrained to the batch axis so that XLA makes each device's
+    shard where it trains on it, and then trained on by the data-parallel step.
+
+    Raises:
+      ValueError: (at the call) a global batch not divisible by the devices.
+    """
+    if make_batch not in self._fused:
+      sharding = self._batch_sharding
+
+      def sharded_batch(*args):
+        return jax.lax.with_sharding_constraint(make_batch(*args), sharding)
+
+      r = self.replicated
+      by_step = NamedSharding(self.mesh, P(None, BATCH_AXIS))
+      jitted = jax.jit(
+        functools.partial(fused_train_steps, self._train_mapped, sharded_batch),
+        in_shardings=(r,) * 6 + (by_step, r, r, r),
+        out_shardings=r,
+        donate_argnums=self._donate,
+      )
+      self._fused[make_batch] = functools.partial(_check_divisible_steps, jitted, self.num_devices)
+    return self._fused[make_batch]
 
   def replicate(self, tree: Any) -> Any:
     """``tree`` placed on every device of the mesh (the same value on each).

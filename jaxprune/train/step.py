@@ -243,11 +243,8 @@ def _train_step(
   return params, new_rest, opt_state, count_step(metrics, sums, finite, flags, logits.shape[-1])
 
 
-def _fused_train_steps(
-  graphdef: nnx.GraphDef,
-  tx: optax.GradientTransformationExtraArgs,
-  loss_fn: PerExampleLoss,
-  skip_nonfinite: bool,
+def fused_train_steps(
+  train_step: Callable,
   make_batch: Callable,
   params: Any,
   rest: Any,
@@ -260,20 +257,23 @@ def _fused_train_steps(
   epoch: jax.Array,
   steps: jax.Array,
 ):
+  """``len(steps)`` calls of ``train_step(params, rest, opt_state, metrics, *batch)`` in one
+  ``lax.scan``, step ``k`` on ``make_batch(images, labels, indices[k], seed, epoch,
+  steps[k])``: the body of :meth:`StepFunctions.fused_train` (and of the data-parallel one,
+  whose ``train_step`` is the mapped step). Returns the new ``(params, rest, opt_state,
+  metrics)``."""
   # K train steps in one call: each makes its batch from the device-resident data set, so
   # the host neither builds nor copies batches and dispatches once per K steps.
   if steps.shape[0] == 1:
     # One step: no loop. XLA:CPU ran a train step inside a one-trip scan 7x slower than the
     # same step outside it (a VGG-11 at width 1/8, 2026-11).
     batch = make_batch(images, labels, indices[0], seed, epoch, steps[0])
-    return _train_step(
-      graphdef, tx, loss_fn, skip_nonfinite, params, rest, opt_state, metrics, *batch
-    )
+    return train_step(params, rest, opt_state, metrics, *batch)
 
   def one_step(carry, xs):
     batch_indices, step = xs
     batch = make_batch(images, labels, batch_indices, seed, epoch, step)
-    return _train_step(graphdef, tx, loss_fn, skip_nonfinite, *carry, *batch), None
+    return train_step(*carry, *batch), None
 
   carry, _ = jax.lax.scan(one_step, (params, rest, opt_state, metrics), (indices, steps))
   return carry
@@ -396,7 +396,9 @@ class StepFunctions:
     Each step is :attr:`train`'s, so K fused steps compute what K single steps compute."""
     if make_batch not in self._fused:
       self._fused[make_batch] = jax.jit(
-        functools.partial(_fused_train_steps, *self._fused_parts, make_batch),
+        functools.partial(
+          fused_train_steps, functools.partial(_train_step, *self._fused_parts), make_batch
+        ),
         donate_argnums=self._donate,
       )
     return self._fused[make_batch]

@@ -156,9 +156,3 @@ def test_evaluation_on_a_device_loader_pads_the_short_batch(make_trainer):
   on_device = trainer.evaluate(data.DeviceLoader(ds, 16, shuffle=False, drop_last=False))
   assert on_device["test_acc"] == pytest.approx(on_host["test_acc"])
   assert on_device["test_loss"] == pytest.approx(on_host["test_loss"], rel=1e-5)
-
-
-def test_a_mesh_is_refused_by_name(make_trainer):
-  trainer = make_trainer(mesh="auto")
-  with pytest.raises(ValueError, match="train_loader: a DeviceLoader"):
-    trainer.fit(data.DeviceLoader(_dataset(), 16, augment="none"), epochs=1)

@@ -24,7 +24,7 @@ _SCRIPT = textwrap.dedent(
   r"""
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
-    import dataclasses, functools, json
+    import dataclasses, functools, json, re
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -362,6 +362,47 @@ _SCRIPT = textwrap.dedent(
       "distinct_device_keys": len({tuple(np.asarray(k).tolist()) for k in per_device}),
     }
 
+    # The data set on the devices (DeviceLoader): fused steps on four devices against one, a
+    # step hook's one-step calls, evaluation on device batches, and the per-device program
+    # gathering only its own quarter of each batch.
+    def device_loader(n, batch, k=1, shuffle=True):
+      dataset = loader(n).dataset
+      return data.DeviceLoader(dataset, batch, seed=2, augment="prunetrain", shuffle=shuffle,
+                               drop_last=shuffle, steps_per_dispatch=k)
+
+    class EveryStep(train.Callback):
+      every_steps = 1
+
+      def on_step(self, trainer, step):
+        pass
+
+    one = run(bn_net, sgd, 2, None, device_loader(64, 16, 2), device_loader(40, 20, shuffle=False))
+    four = run(bn_net, sgd, 2, "auto", device_loader(64, 16, 2),
+               device_loader(40, 20, shuffle=False), sync_batchnorm=True)
+    hooked = run(bn_net, sgd, 2, "auto", device_loader(64, 16, 2),
+                 device_loader(40, 20, shuffle=False), sync_batchnorm=True,
+                 callbacks=[EveryStep()])
+    placement, dev = four._placement, device_loader(64, 16, 2)
+    dev.place(placement.steps.replicated)
+    dispatch = next(dev.dispatches())
+    fused = placement.steps.fused_train(dev.make_batch).args[0]  # the jitted step
+    hlo = fused.lower(placement.params, placement.rest, placement.opt_state,
+                      placement.steps.replicate(st.Metrics.zeros()), *dev.device_arrays,
+                      dispatch.indices, dispatch.seed, dispatch.epoch,
+                      dispatch.steps).compile().as_text()
+    out["device_loader"] = {"history": history_diff(one, four),
+                            "params": max_diff(one.params, four.params),
+                            "hooked": max_diff(four.params, hooked.params),
+                            "steps": [one.step, four.step, hooked.step],
+                            "placed": [x.sharding.is_fully_replicated and
+                                       len(x.sharding.device_set) for x in dev.device_arrays],
+                            "gathers": sorted(set(re.findall(r"u8\[\d+,8,8,1\]", hlo)))}
+    try:
+      run(bn_net, sgd, 1, "auto", device_loader(60, 10))
+      out["device_loader"]["indivisible"] = None
+    except ValueError as e:
+      out["device_loader"]["indivisible"] = str(e)
+
     # Images with the wrong channel count: named, not XLA's convolution error.
     try:
       run(bn_net, sgd, 1, "auto", loader(32, channels=3))
@@ -459,6 +500,19 @@ def test_epochs_on_four_devices_match_one_device(results):
   assert "batch_size 18" in got["set_batch_size"] and "4 devices" in got["set_batch_size"]
   assert got["history"] < 1e-4 and got["params"] < 1e-4, got
   assert got["loss"][-1] < got["loss"][0], got  # it trained
+
+
+def test_device_loader_on_four_devices_matches_one_device(results):
+  got = results["device_loader"]
+  assert got["steps"] == [8, 8, 8]
+  assert got["history"] < 1e-4 and got["params"] < 1e-5, got
+  # One step per call (a step hook is due) computes the fused steps' values.
+  assert got["hooked"] < 1e-5, got
+  # A copy of the data set on every device; each device gathers 4 of the batch's 16 images.
+  assert got["placed"] == [4, 4], got
+  assert got["gathers"] == ["u8[4,8,8,1]", "u8[64,8,8,1]"], got
+  message = got["indivisible"]
+  assert message is not None and "batch size 10" in message and "4 devices" in message
 
 
 def test_resume_of_a_data_parallel_run_is_exact(results):
