@@ -130,7 +130,9 @@ class Trainer:
       processes after ``jax.distributed.initialize``) on a mesh axis ``"batch"``. A
       ``jax.sharding.Mesh`` with a ``"batch"`` axis: that mesh. The loader's batch is then
       the global batch (on several processes, each process's loader yields its local part
-      of it), split evenly over the devices; params and optimizer state are replicated and
+      of it; a :class:`~jaxprune.data.DeviceLoader`'s data set is placed replicated on the
+      mesh and each device makes its own shard), split evenly over the devices; params and
+      optimizer state are replicated and
       the gradients averaged explicitly in the step — sparsely, over the kept entries only,
       once the optimizer state holds final masks (:func:`jaxprune.masking.find_masks`, e.g.
       after ClickTrain's hard prune; checked at every epoch start, so also on resume).
