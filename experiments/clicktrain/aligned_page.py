@@ -38,6 +38,31 @@ def pruned_at(run: Mapping[str, Any]) -> int | None:
   return next((r["epoch"] for r in run.get("history", ()) if r.get("stage") == "pruned"), None)
 
 
+def prune_readout(run: Mapping[str, Any]) -> str:
+  """A saved run's hard-prune read-out (:class:`jaxprune.clicktrain.HardPruneReadout`, in the
+  record of the epoch before the prune) as one sentence for a page: the share of the pruned
+  layers' squared weight norm the prune removes (and the three layers it takes most from), the
+  test accuracy before, masked, masked with BatchNorm re-estimated, and at the end of the
+  prune's epoch where that epoch was evaluated."""
+  history = run.get("history", ())
+  record = next((r for r in history if "hard_prune_removed_norm_fraction" in r), None)
+  if record is None:
+    return "hard-prune read-out: not in this run's records"
+  by_layer = record.get("hard_prune_removed_norm_fraction_by_layer") or {}
+  most = sorted(by_layer.items(), key=lambda item: -item[1])[:3]
+  after = next((r.get("test_acc") for r in history if r["epoch"] == record["epoch"] + 1), None)
+  return (
+    f"hard-prune read-out (end of epoch {record['epoch']}, just before the prune): the prune "
+    f"removes {100 * record['hard_prune_removed_norm_fraction']:.1f}% of the pruned layers' "
+    "squared weight norm"
+    + (f" (most from {', '.join(f'`{k}` {100 * v:.1f}%' for k, v in most)})" if most else "")
+    + f"; test accuracy {100 * record['hard_prune_test_acc_before']:.2f}% before, "
+    f"{100 * record['hard_prune_test_acc_after_no_bn']:.2f}% masked, "
+    f"{100 * record['hard_prune_test_acc_after']:.2f}% masked with BatchNorm re-estimated"
+    + (f", {100 * after:.2f}% at the end of the prune's epoch" if after is not None else "")
+  )
+
+
 def _epoch_s(run: Mapping[str, Any], at: int | None, after: bool) -> float | None:
   """Mean epoch time of a run before (epochs 2..``at``: the first compiles) or after the hard
   prune's epoch ``at``."""

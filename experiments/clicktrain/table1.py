@@ -2,10 +2,10 @@
 
 Rows: the clicktrain family's ResNet-32 (4-stage BasicBlock, 64-512), ResNet-50,
 VGG-11 and VGG-13 (and ResNet-18, not in Table 1, as a cheap stand-in for the
-CPU budget run; it uses ResNet-32's per-stage ratios). The full recipe is the paper's (§6.1): 190 epochs, batch 128,
-SGD momentum 0.9, lr 0.1 (x0.1 at 50% / 75% of the run: the paper does not state
-its schedule), weight decay 5e-4, λ = 2.5e-4, stage-2 trigger = loss derivative
-0.27, pool of 12 patterns, hard prune at the paper's epoch for the row, per-layer
+CPU budget run; it uses ResNet-32's per-stage ratios). The full recipe is the paper's
+(§6.1): 190 epochs, batch 128, SGD momentum 0.9, lr 0.1 (x0.1 at 50% / 75% of the run:
+the paper does not state its schedule), weight decay 5e-4, λ = 2.5e-4, stage-2 trigger =
+loss derivative 0.27, pool of 12 patterns, hard prune at the paper's epoch for the row, per-layer
 kernel-prune ratios from the authors' released code: ResNet-32 55 / 65 / 75% by
 stage; VGG-11 35, 45, 65, 75, 80, 80, 85%. ResNet-50 and VGG-13 ratios are not
 published; we use ResNet-32's by stage and VGG-11's stretched to 9 layers
@@ -446,6 +446,7 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
           f"{aligned_page.pruned_at(clk) or '—'}; pool (ids into `all_patterns(4, 3)`, "
           f"most competitive first): {clk['pool']}"
         ),
+        f"- {aligned_page.prune_readout(clk)}",
         "- patterns used by kept kernels (id: count): "
         + ", ".join(f"{i}: {c}" for i, c in zip(*clk["pattern_usage"].get("3", [[], []]))),
         f"- ![patterns]({stem}_patterns.png)",

@@ -153,6 +153,39 @@ def test_clicktrain_page_gathers_saved_rows_beside_the_paper(tmp_path):
   assert "Budget: `cpu`" in page and "6: 10, 61: 20" in page
 
 
+def test_clicktrain_page_reads_out_the_hard_prune_of_each_run(tmp_path):
+  """The read-out recorded in the epoch before the prune, as a sentence under the row; a run
+  without one says so."""
+  history = [
+    {"epoch": 1, "test_acc": 0.50},
+    {
+      "epoch": 2,
+      "test_acc": 0.60,
+      "hard_prune_removed_norm_fraction": 0.125,
+      "hard_prune_removed_norm_fraction_by_layer": {"a": 0.05, "b": 0.5, "c": 0.25, "d": 0.0},
+      "hard_prune_test_acc_before": 0.6,
+      "hard_prune_test_acc_after_no_bn": 0.2,
+      "hard_prune_test_acc_after": 0.4567,
+    },
+    {"epoch": 3, "test_acc": 0.55},
+  ]
+  for method, acc, comp in (("dense", 0.80, 1.0), ("clicktrain", 0.78, 9.0)):
+    run = {**_clicktrain_run(method, acc, comp), "history": history}
+    (tmp_path / f"table1_cpu_vgg11_{method}.json").write_text(json.dumps(run))
+  args = clicktrain_table1._parse(["--budget", "cpu"])
+  page = clicktrain_table1._markdown(args, clicktrain_table1._saved_rows(tmp_path, "cpu"), "cmd")
+  assert (
+    "- hard-prune read-out (end of epoch 2, just before the prune): the prune removes 12.5% of "
+    "the pruned layers' squared weight norm (most from `b` 50.0%, `c` 25.0%, `a` 5.0%); test "
+    "accuracy 60.00% before, 20.00% masked, 45.67% masked with BatchNorm re-estimated, 55.00% "
+    "at the end of the prune's epoch"
+  ) in page.splitlines()
+  run = _clicktrain_run("clicktrain", 0.78, 9.0)
+  (tmp_path / "table1_cpu_vgg11_clicktrain.json").write_text(json.dumps(run))
+  page = clicktrain_table1._markdown(args, clicktrain_table1._saved_rows(tmp_path, "cpu"), "cmd")
+  assert "- hard-prune read-out: not in this run's records" in page.splitlines()
+
+
 def test_clicktrain_page_names_the_command_of_each_saved_run(tmp_path):
   """Rows run by separate invocations share the page: it lists each distinct command once,
   and a run saved without one is credited to this invocation."""
@@ -216,6 +249,8 @@ def test_clicktrain_row_resumed_after_its_hard_prune_continues_its_checkpoint(
   assert resumed["stage"] == "pruned"
   saved = json.loads((tmp_path / "table1_cpu_vgg11_clicktrain.json").read_text())
   assert [r["epoch"] for r in saved["history"]] == [1, 2, 3, 4, 5]
+  # The hard prune (end of epoch 4) is read out at the end of epoch 3, and kept on resume.
+  assert [r["epoch"] for r in saved["history"] if "hard_prune_removed_norm_fraction" in r] == [3]
   keys = ("train_loss", "stage", "compression")
   assert [[r[k] for k in keys] for r in saved["history"][:4]] == [
     [r[k] for k in keys] for r in before
