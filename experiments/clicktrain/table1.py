@@ -531,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"compression {res['compression']:.2f}x",
         flush=True,
       )
+      if prune:  # in the command's output too: a window's files may not all come back
+        print(f"{row} {res['method']}: {aligned_page.prune_readout(res)}", flush=True)
   return {
     r: {k: {kk: vv for kk, vv in v.items() if kk != "history"} for k, v in res.items()}
     for r, res in results.items()
