@@ -38,6 +38,9 @@ def pruned_at(run: Mapping[str, Any]) -> int | None:
   return next((r["epoch"] for r in run.get("history", ()) if r.get("stage") == "pruned"), None)
 
 
+_READOUT = "hard_prune_removed_norm_fraction"  # the key that marks a read-out's record
+
+
 def prune_readout(run: Mapping[str, Any]) -> str:
   """A saved run's hard-prune read-out (:class:`jaxprune.clicktrain.HardPruneReadout`, in the
   record of the epoch before the prune) as one sentence for a page: the share of the pruned
@@ -45,7 +48,7 @@ def prune_readout(run: Mapping[str, Any]) -> str:
   test accuracy before, masked, masked with BatchNorm re-estimated, and at the end of the
   prune's epoch where that epoch was evaluated."""
   history = run.get("history", ())
-  record = next((r for r in history if "hard_prune_removed_norm_fraction" in r), None)
+  record = next((r for r in history if _READOUT in r), None)
   if record is None:
     return "hard-prune read-out: not in this run's records"
   by_layer = record.get("hard_prune_removed_norm_fraction_by_layer") or {}
@@ -99,6 +102,9 @@ def _run_lines(row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> l
     at = pruned_at(r) or default_at
     before, after = _epoch_s(r, at, False), _epoch_s(r, at, True)
     at_prune = next(h["test_acc"] for h in r["history"] if h["epoch"] == at)
+    removed = next(
+      (h["hard_prune_removed_norm_fraction"] for h in r["history"] if _READOUT in h), None
+    )
     vs_fine = (
       f"{100 * (r['test_acc'] - fine['test_acc']):+.2f}"
       if fine is not None and method.startswith("aligned")
@@ -107,7 +113,9 @@ def _run_lines(row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> l
     lines.append(
       f"| {row} | {method} | {100 * r['test_acc']:.2f}% | "
       f"{100 * (r['test_acc'] - dense['test_acc']):+.2f} | {vs_fine} | "
-      f"{r['compression']:.2f}× | {100 * at_prune:.2f}% | {r['history'][-1]['train_loss']:.3f} | "
+      f"{r['compression']:.2f}× | {100 * at_prune:.2f}% | "
+      f"{'–' if removed is None else f'{100 * removed:.1f}%'} | "
+      f"{r['history'][-1]['train_loss']:.3f} | "
       f"{before:.0f} / {after:.0f} | {after / before:.2f}× |"
     )
   return lines
@@ -179,18 +187,20 @@ def aligned_markdown(
       "times are means over one run's epochs before the hard prune (from the second: the first "
       "compiles) and after it (the first of those measures the layers and compiles the new step); "
       "their ratio compares a run with itself, so runs made under different machine load stay "
-      "comparable. Two read-outs say where accuracy goes: the test accuracy evaluated at the end "
-      "of the hard prune's epoch (BatchNorm statistics re-estimated after the masks), and the "
+      "comparable. Three read-outs say where accuracy goes: the test accuracy evaluated at the "
+      "end of the hard prune's epoch (BatchNorm statistics re-estimated after the masks), the "
+      "share of the pruned layers' squared weight norm the prune removes (read just before it; "
+      "small when the group lasso has done its job; – for runs that did not record it), and the "
       "train loss of the last epoch (a pruned network that fits its training data less well "
       "lost capacity, not generalization)."
     ),
     "",
     (
       "| row | method | test acc | Δ vs dense | Δ vs fine-grained | compression "
-      "| test acc at the prune | last train loss | epoch s before / after the prune "
-      "| after / before |"
+      "| test acc at the prune | norm the prune removes | last train loss "
+      "| epoch s before / after the prune | after / before |"
     ),
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   seeds, commands = [], []
   for row in rows:
@@ -201,7 +211,7 @@ def aligned_markdown(
       base, delta, compression = paper[row][:3]
       lines.append(
         f"| {row} | paper: ClickTrain (fine-grained, 190 epochs) | {base + delta:.1f}% | "
-        f"{delta:+.1f} | – | {compression:.1f}× | – | – | – | – |"
+        f"{delta:+.1f} | – | {compression:.1f}× | – | – | – | – | – |"
       )
     lines += _run_lines(row, runs)
     seeds += _seed_lines(row, runs)

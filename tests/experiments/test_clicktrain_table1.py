@@ -126,6 +126,7 @@ def test_filter_groups_reach_clicktrain_and_the_aligned_page(clicktrain_calls, t
   aligned = json.loads((RESULTS / "table1_cpu_vgg11_clicktrain.json").read_text())
   for record in aligned["history"]:
     record["epoch_time_s"] = 10.0
+  aligned["history"][5]["hard_prune_removed_norm_fraction"] = 0.25  # read out before the prune
   aligned["test_acc"] = 0.5
   (tmp_path / "table1_cpu_vgg11_aligned-g2.json").write_text(json.dumps(aligned))
   page = clicktrain_table1.aligned_markdown(tmp_path, "cpu")
@@ -140,10 +141,12 @@ def test_filter_groups_reach_clicktrain_and_the_aligned_page(clicktrain_calls, t
   dense = json.loads((RESULTS / "table1_cpu_vgg11_dense.json").read_text())
   fine = json.loads((RESULTS / "table1_cpu_vgg11_clicktrain.json").read_text())
   assert "| 10 / 10 | 1.00× |" in rows[3]  # every epoch 10 s: after / before = 1
-  # The read-outs: test accuracy at the end of the prune's epoch, the last epoch's train loss.
+  # The read-outs: test accuracy at the end of the prune's epoch, the norm share the prune
+  # removes (where the run recorded it), the last epoch's train loss.
   at = next(h for h in fine["history"] if h["stage"] == "pruned")
   last = fine["history"][-1]["train_loss"]
-  assert f"| {100 * at['test_acc']:.2f}% | {last:.3f} |" in rows[3]
+  assert f"| {100 * at['test_acc']:.2f}% | 25.0% | {last:.3f} |" in rows[3]
+  assert f"| {100 * at['test_acc']:.2f}% | – | {last:.3f} |" in rows[2]
   assert (
     f"| {100 * (0.5 - dense['test_acc']):+.2f} | {100 * (0.5 - fine['test_acc']):+.2f} |" in rows[3]
   )
