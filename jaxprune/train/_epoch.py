@@ -131,10 +131,10 @@ class EpochLoop:
     step (one per call while a callback wants every few steps): yields ``(metrics, steps,
     batch size, data wait)`` per call."""
     placement = self._placement
-    if placement.mesh is not None:
-      # Data parallelism: a copy of the data set on every device of the mesh (once), each
-      # device making its shard of every global batch from its own copy.
-      loader.place(placement.steps.replicated)
+    # Data parallelism: a copy of the data set on every device of the mesh (once), each
+    # device making its shard of every global batch from its own copy. One device: the
+    # loader's own (it may have served a trainer on a mesh before).
+    loader.place(placement.steps.replicated if placement.mesh is not None else None)
     fused = placement.steps.fused_train(loader.make_batch)
     images_all, labels_all = loader.device_arrays
     for dispatch in loader.dispatches():
