@@ -68,8 +68,8 @@ class DeviceLoader(Loader):
   With a :class:`~jaxprune.train.Trainer` on a mesh (data parallelism) the data set is
   replicated on the mesh's devices (:meth:`place`) and each global batch, the same pixels as
   on one device, is made sharded over the batch axis: each device gathers and augments its
-  own shard. A copy per device costs the data set's size on each (CIFAR-10: 180 MiB of uint8)
-  and no traffic between devices per step.
+  own shard. A copy per device costs the data set's size on each (CIFAR-10's training set:
+  146 MiB of uint8) and no traffic between devices per step.
 
   Iterating it yields ``(images, labels)`` as device arrays, one batch at a time, for any
   consumer; the trainer instead takes :meth:`dispatches` and fuses :attr:`make_batch`
