@@ -140,8 +140,8 @@ class DeviceLoader(Loader):
     self.make_batch = _batch_maker(device_augment.batch_function(self._augment, self._normalize))
     self._images = jax.device_put(np.asarray(dataset.images), device)
     self._labels = jax.device_put(np.asarray(dataset.labels), device)
-    # Where the data set lives now, and where it goes back to for a single-device trainer.
-    self._home = self._placed = self._images.sharding
+    # Where the data set goes back to for a single-device trainer.
+    self._home = self._images.sharding
     self._jit_batch = jax.jit(self.make_batch)
 
   def place(self, where: Any = None) -> None:
@@ -151,10 +151,8 @@ class DeviceLoader(Loader):
     device, from which each device makes its shard of every batch), one without a mesh back
     home (a loader may serve both); nothing is copied when it is there already."""
     where = self._home if where is None else where
-    if where == self._placed:
-      return
-    self._images, self._labels = jax.device_put((self._images, self._labels), where)
-    self._placed = where
+    if where != self._images.sharding:
+      self._images, self._labels = jax.device_put((self._images, self._labels), where)
 
   @property
   def device_arrays(self) -> tuple[jax.Array, jax.Array]:

@@ -131,10 +131,7 @@ class EpochLoop:
     step (one per call while a callback wants every few steps): yields ``(metrics, steps,
     batch size, data wait)`` per call."""
     placement = self._placement
-    # Data parallelism: a copy of the data set on every device of the mesh (once), each
-    # device making its shard of every global batch from its own copy. One device: the
-    # loader's own (it may have served a trainer on a mesh before).
-    loader.place(placement.steps.replicated if placement.mesh is not None else None)
+    self._place_data(loader)
     fused = placement.steps.fused_train(loader.make_batch)
     images_all, labels_all = loader.device_arrays
     for dispatch in loader.dispatches():
@@ -153,6 +150,15 @@ class EpochLoop:
           raise
         yield metrics, len(ids), chunk.shape[1], 0.0
 
+  def _place_data(self, loader: Any) -> None:
+    """Puts a :class:`~jaxprune.data.DeviceLoader`'s data set where the step runs (any other
+    loader is left alone). Data parallelism: a copy on every device of the mesh (once), each
+    device making its shard of every global batch from its own copy. One device: the loader's
+    own (it may have served a trainer on a mesh before)."""
+    if hasattr(loader, "place"):
+      placement = self._placement
+      loader.place(placement.steps.replicated if placement.mesh is not None else None)
+
   def evaluate(self, loader: Iterable) -> dict[str, float]:
     """Loss and accuracy over ``loader`` in eval mode (BatchNorm running statistics,
     no dropout), with flip TTA if enabled. Short batches are zero-padded and masked."""
@@ -163,8 +169,7 @@ class EpochLoop:
       placement.replicate()
       metrics = placement.steps.replicate(metrics)
       multiple = placement.steps.batch_multiple
-      if hasattr(loader, "place"):  # a DeviceLoader: its batches resharded on the devices
-        loader.place(placement.steps.replicated)
+    self._place_data(loader)
     full = None
     for images, labels in loader:
       self._check_batch(images, labels)

@@ -377,8 +377,9 @@ _SCRIPT = textwrap.dedent(
         pass
 
     one = run(bn_net, sgd, 2, None, device_loader(64, 16, 2), device_loader(40, 20, shuffle=False))
-    four = run(bn_net, sgd, 2, "auto", device_loader(64, 16, 2),
-               device_loader(40, 20, shuffle=False), sync_batchnorm=True)
+    test_dev = device_loader(40, 20, shuffle=False)
+    four = run(bn_net, sgd, 2, "auto", device_loader(64, 16, 2), test_dev,
+               sync_batchnorm=True)
     hooked = run(bn_net, sgd, 2, "auto", device_loader(64, 16, 2),
                  device_loader(40, 20, shuffle=False), sync_batchnorm=True,
                  callbacks=[EveryStep()])
@@ -398,8 +399,10 @@ _SCRIPT = textwrap.dedent(
                                        len(x.sharding.device_set) for x in dev.device_arrays],
                             "gathers": sorted(set(re.findall(r"u8\[\d+,8,8,1\]", hlo)))}
     # The loader placed on the mesh serves a single-device trainer next: its data set goes home.
-    again = run(bn_net, sgd, 1, None, dev)
-    out["device_loader"]["home"] = [again.step, len(dev.device_arrays[0].sharding.device_set)]
+    # (and so does the evaluation loader the four-device run placed on its mesh).
+    again = run(bn_net, sgd, 1, None, dev, test_dev)
+    out["device_loader"]["home"] = [again.step, len(dev.device_arrays[0].sharding.device_set),
+                                    len(test_dev.device_arrays[0].sharding.device_set)]
     try:
       run(bn_net, sgd, 1, "auto", device_loader(60, 10))
       out["device_loader"]["indivisible"] = None
@@ -514,7 +517,8 @@ def test_device_loader_on_four_devices_matches_one_device(results):
   # A copy of the data set on every device; each device gathers 4 of the batch's 16 images.
   assert got["placed"] == [4, 4], got
   assert got["gathers"] == ["u8[4,8,8,1]", "u8[64,8,8,1]"], got
-  assert got["home"] == [4, 1], got  # then one epoch on one device, the data set back on it
+  # Then one epoch on one device, evaluated: both data sets back on one device.
+  assert got["home"] == [4, 1, 1], got
   message = got["indivisible"]
   assert message is not None and "batch size 10" in message and "4 devices" in message
 
