@@ -38,7 +38,9 @@ def pruned_at(run: Mapping[str, Any]) -> int | None:
   return next((r["epoch"] for r in run.get("history", ()) if r.get("stage") == "pruned"), None)
 
 
-_READOUT = "hard_prune_removed_norm_fraction"  # the key that marks a read-out's record
+def _readout_record(run: Mapping[str, Any]) -> Mapping[str, Any] | None:
+  """The record of a saved run that holds its hard-prune read-out (``None``: none does)."""
+  return next((r for r in run.get("history", ()) if "hard_prune_removed_norm_fraction" in r), None)
 
 
 def prune_readout(run: Mapping[str, Any]) -> str:
@@ -47,13 +49,14 @@ def prune_readout(run: Mapping[str, Any]) -> str:
   layers' squared weight norm the prune removes (and the three layers it takes most from), the
   test accuracy before, masked, masked with BatchNorm re-estimated, and at the end of the
   prune's epoch where that epoch was evaluated."""
-  history = run.get("history", ())
-  record = next((r for r in history if _READOUT in r), None)
+  record = _readout_record(run)
   if record is None:
     return "hard-prune read-out: not in this run's records"
   by_layer = record.get("hard_prune_removed_norm_fraction_by_layer") or {}
   most = sorted(by_layer.items(), key=lambda item: -item[1])[:3]
-  after = next((r.get("test_acc") for r in history if r["epoch"] == record["epoch"] + 1), None)
+  after = next(
+    (r.get("test_acc") for r in run["history"] if r["epoch"] == record["epoch"] + 1), None
+  )
   return (
     f"hard-prune read-out (end of epoch {record['epoch']}, just before the prune): the prune "
     f"removes {100 * record['hard_prune_removed_norm_fraction']:.1f}% of the pruned layers' "
@@ -102,9 +105,8 @@ def _run_lines(row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> l
     at = pruned_at(r) or default_at
     before, after = _epoch_s(r, at, False), _epoch_s(r, at, True)
     at_prune = next(h["test_acc"] for h in r["history"] if h["epoch"] == at)
-    removed = next(
-      (h["hard_prune_removed_norm_fraction"] for h in r["history"] if _READOUT in h), None
-    )
+    readout = _readout_record(r)
+    removed = None if readout is None else readout["hard_prune_removed_norm_fraction"]
     vs_fine = (
       f"{100 * (r['test_acc'] - fine['test_acc']):+.2f}"
       if fine is not None and method.startswith("aligned")

@@ -288,27 +288,28 @@ class _GlobalBatchStep:
     on_device = isinstance(x, jax.Array) and x.is_fully_addressable
     if not on_device:
       x = np.asarray(x)
-    if x.shape[0] % self._local_devices:
-      where = " on this process" if jax.process_count() > 1 else ""
-      raise ValueError(
-        f"batch size {x.shape[0]} is not divisible by the {self._local_devices} devices it "
-        f"is split over (mesh axis {BATCH_AXIS!r}{where})"
-      )
+    _check_divisible(x.shape[0], self._local_devices)
     if on_device and self._sharding.is_fully_addressable:
       # A batch already on the device (a DeviceLoader's): resharded there, not via the host.
       return jax.device_put(x, self._sharding)
     return jax.make_array_from_process_local_data(self._sharding, np.asarray(x))
 
 
+def _check_divisible(size: int, devices: int) -> None:
+  """A batch of ``size`` examples must split evenly over ``devices`` (this process's, on
+  several processes)."""
+  if size % devices:
+    where = " on this process" if jax.process_count() > 1 else ""
+    raise ValueError(
+      f"batch size {size} is not divisible by the {devices} devices it is split over (mesh "
+      f"axis {BATCH_AXIS!r}{where})"
+    )
+
+
 def _check_divisible_steps(jitted: Callable, devices: int, *args: Any) -> Any:
   """Calls a fused data-parallel step after checking that its global batch (the second axis
   of ``indices``, the fourth argument from the end) splits evenly over the devices."""
-  size = np.shape(args[-4])[1]
-  if size % devices:
-    raise ValueError(
-      f"batch size {size} is not divisible by the {devices} devices it is split over (mesh "
-      f"axis {BATCH_AXIS!r})"
-    )
+  _check_divisible(np.shape(args[-4])[1], devices)
   return jitted(*args)
 
 

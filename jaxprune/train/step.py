@@ -377,12 +377,13 @@ class StepFunctions:
     skip_nonfinite: bool = True,
   ):
     tx = optax.with_extra_args_support(tx)
-    self._fused_parts = (train_graphdef, tx, loss_fn, bool(skip_nonfinite))
+    # One train step, jitted alone (train) and inside the fused loop (fused_train).
+    self._train_step = functools.partial(
+      _train_step, train_graphdef, tx, loss_fn, bool(skip_nonfinite)
+    )
     self._donate = (0, 1, 2, 3) if donate else ()
     self._fused: dict[Callable, Callable] = {}
-    self.train = jax.jit(
-      functools.partial(_train_step, *self._fused_parts), donate_argnums=self._donate
-    )
+    self.train = jax.jit(self._train_step, donate_argnums=self._donate)
     self.evaluate = jax.jit(
       functools.partial(eval_step, eval_graphdef, loss_fn, flip_tta),
       donate_argnums=(2,) if donate else (),
@@ -396,9 +397,7 @@ class StepFunctions:
     Each step is :attr:`train`'s, so K fused steps compute what K single steps compute."""
     if make_batch not in self._fused:
       self._fused[make_batch] = jax.jit(
-        functools.partial(
-          fused_train_steps, functools.partial(_train_step, *self._fused_parts), make_batch
-        ),
+        functools.partial(fused_train_steps, self._train_step, make_batch),
         donate_argnums=self._donate,
       )
     return self._fused[make_batch]
