@@ -83,6 +83,7 @@ def next_state(
     last_loss=jnp.where(jnp.isfinite(clock.loss), clock.loss, state.last_loss),
     layers=layers,
     inner_state=inner_state,
+    epoch_length=state.epoch_length,
   )
 
 

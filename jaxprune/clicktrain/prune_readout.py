@@ -54,14 +54,8 @@ def _check_loader(name: str, loader: Any) -> None:
 
 def _test_acc(trainer: TrainerLike, params: Any, rest: Any, loader: Iterable) -> float:
   """``trainer.evaluate(loader)``'s accuracy for ``params`` / ``rest`` in place of the
-  trainer's (its eval step, flip TTA and padding). The trainer's own arrays are put back
-  before this returns; the eval step does not donate them."""
-  saved = trainer.params, trainer.rest
-  trainer.params, trainer.rest = params, rest
-  try:
-    return float(trainer.evaluate(loader)["test_acc"])
-  finally:
-    trainer.params, trainer.rest = saved
+  trainer's (its eval step, flip TTA and padding)."""
+  return float(trainer.evaluate(loader, params=params, rest=rest)["test_acc"])
 
 
 class HardPruneReadout(Callback):

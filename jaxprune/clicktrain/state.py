@@ -13,6 +13,8 @@ from typing import NamedTuple
 import jax
 import optax
 
+from jaxprune.train.optim import EpochLengthState
+
 __all__ = [
   "FINALIZE",
   "PATTERN_SIZE",
@@ -69,6 +71,9 @@ class ClickTrainState(NamedTuple):
   last_loss: jax.Array  # previous batch loss (nan: none)
   layers: dict[str, ClickTrainLayerState]  # keyed by jaxprune.paths.path_string
   inner_state: optax.OptState
+  # The steps per epoch the epoch settings were converted with: the trainer names a training
+  # loader with another number of batches per epoch.
+  epoch_length: EpochLengthState
 
 
 def full_mask(ls: ClickTrainLayerState) -> jax.Array:

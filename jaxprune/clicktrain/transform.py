@@ -40,6 +40,7 @@ from jaxprune.clicktrain._plan import (
 )
 from jaxprune.clicktrain.config import Config
 from jaxprune.clicktrain.state import POOL, PRUNED, WARMUP, ClickTrainState
+from jaxprune.train.optim import epoch_length_state
 
 __all__ = ["clicktrain"]
 
@@ -185,6 +186,7 @@ def clicktrain(
         for n, layer in plan.items()
       },
       inner_state=inner.init(params),
+      epoch_length=epoch_length_state(cfg.steps_per_epoch),
     )
 
   def update_fn(updates, state, params=None, *, value=None, **extra_args):

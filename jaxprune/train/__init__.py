@@ -37,7 +37,10 @@ from jaxprune.train.loss import (
   cross_entropy_per_example,
 )
 from jaxprune.train.optim import (
+  EpochLengthState,
   ScaleByLrState,
+  epoch_length_state,
+  find_epoch_lengths,
   get_lr,
   get_lr_scale,
   kernels_only,
@@ -70,7 +73,10 @@ __all__ = [
   "correct_per_example",
   "cross_entropy",
   "cross_entropy_per_example",
+  "EpochLengthState",
   "ScaleByLrState",
+  "epoch_length_state",
+  "find_epoch_lengths",
   "get_lr",
   "get_lr_scale",
   "kernels_only",

@@ -61,6 +61,10 @@ class BatchGrowth:
     """Applies a requested batch size to ``loader`` (and the LR scale and schedule increment
     to the optimizer state) and records the epoch's batch size."""
     self._apply_pending(loader)
+    self.record_batch_size(loader)
+
+  def record_batch_size(self, loader: Any) -> None:
+    """The epoch trains at ``loader``'s batch size (``None``: it has none)."""
     self.batch_size = _loaders.batch_size(loader)
 
   def _apply_pending(self, loader: Any) -> None:

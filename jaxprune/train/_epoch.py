@@ -159,9 +159,9 @@ class EpochLoop:
       placement = self._placement
       loader.place(placement.steps.replicated if placement.mesh is not None else None)
 
-  def evaluate(self, loader: Iterable) -> dict[str, float]:
-    """Loss and accuracy over ``loader`` in eval mode (BatchNorm running statistics,
-    no dropout), with flip TTA if enabled. Short batches are zero-padded and masked."""
+  def evaluate(self, loader: Iterable, params: Any = None, rest: Any = None) -> dict[str, float]:
+    """:meth:`Trainer.evaluate <jaxprune.train.Trainer.evaluate>`: loss and accuracy over
+    ``loader`` of ``params`` / ``rest`` (``None``: the trained ones) in eval mode."""
     placement = self._placement
     metrics = Metrics.zeros()
     multiple = 1
@@ -169,6 +169,11 @@ class EpochLoop:
       placement.replicate()
       metrics = placement.steps.replicate(metrics)
       multiple = placement.steps.batch_multiple
+    params = placement.params if params is None else params
+    rest = placement.rest if rest is None else rest
+    if placement.mesh is not None:
+      # Arrays from outside may sit on one device; the eval step takes them replicated.
+      params, rest = placement.steps.replicate((params, rest))
     self._place_data(loader)
     full = None
     for images, labels in loader:
@@ -186,9 +191,7 @@ class EpochLoop:
         labels = xp.concatenate([labels, xp.zeros((pad, *labels.shape[1:]), labels.dtype)])
         weights[n:] = 0
       try:
-        metrics = placement.steps.evaluate(
-          placement.params, placement.rest, metrics, images, labels, weights
-        )
+        metrics = placement.steps.evaluate(params, rest, metrics, images, labels, weights)
       except (TypeError, ValueError) as e:
         self._raise_if_wrong_channels(images, e)
         raise
@@ -218,8 +221,8 @@ class EpochLoop:
         f"or gradient{why}; {what}, train_loss / train_acc average the other steps and the "
         "record's nonfinite_steps counts them",
         RuntimeWarning,
-        # The line that called Trainer.fit: fit -> Trainer.train_epoch -> here.
-        stacklevel=5,
+        # The line that called Trainer.fit: fit -> _train_one_epoch -> train_epoch -> here.
+        stacklevel=6,
       )
     if summary["nonfinite_inputs"] and not self._warned_nonfinite_inputs:
       self._warned_nonfinite_inputs = True
@@ -229,7 +232,7 @@ class EpochLoop:
         f"images); {summary['nonfinite_inputs']} batches of this epoch had such inputs. Clean "
         "the data: each such step is non-finite (this warning is shown once per trainer)",
         RuntimeWarning,
-        stacklevel=5,
+        stacklevel=6,
       )
 
   def _check_nonfinite_run(self, summary: dict, epoch: int) -> None:
@@ -268,7 +271,7 @@ class EpochLoop:
         "normalise them to floats first, e.g. with jaxprune.data.Loader, which normalises "
         "(this warning is shown once per trainer)",
         UserWarning,
-        stacklevel=6,
+        stacklevel=7,
       )
 
   def _raise_if_wrong_channels(self, images, error: Exception) -> None:

@@ -38,8 +38,7 @@ class Placement:
 
   Attributes:
     params, rest, opt_state: the trained state (params, the model's other variables, the raw
-      Optax state); assigning them is how a hook swaps them (e.g. an evaluation of other
-      params), the step donates them.
+      Optax state), written by this part only; the step donates them.
     steps: the jitted train / eval functions for the current structure.
     eval_graphdef: the model's graph definition in eval mode (for the input checks).
   """
@@ -98,6 +97,11 @@ class Placement:
       skip_nonfinite=self.skip_nonfinite,
     )
     self.replicate()
+
+  def rebuild_step(self) -> None:
+    """A step for the current settings (``loss_fn``, ``flip_tta``, ``donate``,
+    ``skip_nonfinite`` were changed): the trained state stays, the step is traced anew."""
+    self.set_model(self.model, self.opt_state, self.reduction_indices)
 
   def replicate(self) -> None:
     """Places params, rest and optimizer state on every device of the mesh (host-side edits

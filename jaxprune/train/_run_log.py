@@ -32,9 +32,22 @@ def append(path: str | None, record: Mapping[str, Any]) -> None:
     f.write(json.dumps(record) + "\n")
 
 
-def epoch_line(record: Mapping[str, Any], epochs: int, seconds: float) -> str:
-  """One epoch's summary for a log: epoch, train loss and accuracy, test accuracy when the
-  epoch was evaluated, and the epoch's seconds (training, evaluation and hooks)."""
+def epoch_line(
+  record: Mapping[str, Any], epochs: int, seconds: float, *, compiles: bool = False
+) -> str:
+  """One epoch's summary for a log.
+
+  Args:
+    record: the epoch's record: its epoch, train loss and accuracy, and test accuracy when
+      the epoch was evaluated.
+    epochs: the run's epochs.
+    seconds: the epoch's seconds (training, evaluation and hooks).
+    compiles: the epoch is the first of a ``fit``, whose seconds include compiling the steps
+      (often most of them): the line says so, so that nobody reads them as the epoch's cost.
+
+  Returns:
+    The line.
+  """
   parts = [
     f"epoch {record['epoch']}/{epochs}",
     f"train_loss {record['train_loss']:.4f}",
@@ -44,4 +57,5 @@ def epoch_line(record: Mapping[str, Any], epochs: int, seconds: float) -> str:
     parts.append(f"test_acc {record['test_acc']:.4f}")
   if record.get("nonfinite_steps"):
     parts.append(f"nonfinite_steps {record['nonfinite_steps']}")
-  return "  ".join(parts) + f"  ({seconds:.1f} s)"
+  note = ", compiling the steps included" if compiles else ""
+  return "  ".join(parts) + f"  ({seconds:.1f} s{note})"

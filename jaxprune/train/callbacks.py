@@ -27,12 +27,21 @@ class TrainerLike(Protocol):
   member and that the library's hooks use no other.
   """
 
-  # The trained state: read, or swapped for a moment (an evaluation of other params);
-  # a lasting change goes through replace().
-  params: Any
-  rest: Any
-  opt_state: Any
   lr_scale: float | None  # the multiplier on the optimizer's LR; settable
+
+  # The trained state, read-only: a lasting change goes through replace(), an evaluation of
+  # other arrays through evaluate(loader, params=..., rest=...).
+  @property
+  def params(self) -> Any:
+    """The trained parameters."""
+
+  @property
+  def rest(self) -> Any:
+    """The model's other variables (BatchNorm statistics, RNG streams)."""
+
+  @property
+  def opt_state(self) -> Any:
+    """The optimizer state."""
 
   @property
   def model(self) -> nnx.Module:
@@ -73,8 +82,11 @@ class TrainerLike(Protocol):
   def replace(self, model: nnx.Module | None = None, opt_state: Any | None = None) -> None:
     """Installs a new model and/or optimizer state."""
 
-  def evaluate(self, loader: Iterable) -> dict[str, float]:
-    """Test loss and accuracy over ``loader`` with the trained state."""
+  def evaluate(
+    self, loader: Iterable, *, params: Any = None, rest: Any = None
+  ) -> dict[str, float]:
+    """Test loss and accuracy over ``loader`` with the trained state, or with ``params`` /
+    ``rest`` in its place."""
 
   def set_batch_size(self, batch_size: int, *, scale_lr: bool = True) -> None:
     """Changes the training batch size from the next epoch on."""

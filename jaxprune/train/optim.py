@@ -147,6 +147,40 @@ def get_lr_scale(opt_state: Any) -> float | None:
   return float(lr_states[0].lr_scale) if lr_states else None
 
 
+class EpochLengthState(NamedTuple):
+  """The optimizer steps per epoch a transform's epoch settings were converted with."""
+
+  steps_per_epoch: jax.Array  # int32
+
+
+def epoch_length_state(steps_per_epoch: int) -> EpochLengthState:
+  """An :class:`EpochLengthState` to keep in a transform's state.
+
+  A transform told its steps per epoch (ClickTrain's stages are set in epochs) keeps one in
+  its state, so that :meth:`jaxprune.train.Trainer.fit` can name a training loader with
+  another number of batches per epoch (:func:`find_epoch_lengths`) instead of letting every
+  epoch setting fall at another epoch without a word.
+
+  Args:
+    steps_per_epoch: the optimizer steps per epoch the transform was built for.
+
+  Returns:
+    The state entry.
+  """
+  return EpochLengthState(jnp.asarray(steps_per_epoch, jnp.int32))
+
+
+def _is_epoch_length(node: Any) -> bool:
+  return isinstance(node, EpochLengthState)
+
+
+def find_epoch_lengths(opt_state: Any) -> list[int]:
+  """The distinct steps per epoch of every :class:`EpochLengthState` in ``opt_state``, sorted
+  (empty when no transform of it was told one)."""
+  found = jax.tree.leaves(opt_state, is_leaf=_is_epoch_length)
+  return sorted({int(s.steps_per_epoch) for s in found if _is_epoch_length(s)})
+
+
 def kernels_only(params: Any) -> Any:
   """Weight-decay mask: True for conv / dense kernels (ndim >= 2), False for biases and
   BatchNorm scale/shift."""

@@ -15,7 +15,7 @@ attributes:
 
 The trainer itself writes the run's counters (``epoch``, ``step``, ``history``,
 ``stopped_early``) and its settings; an attribute that lives on a part is declared on the
-class as ``_Part("<field>")``, so the class body says where each one is kept. The JSON-lines
+class as ``Part("<field>")``, so the class body says where each one is kept. The JSON-lines
 log is :mod:`~jaxprune.train._run_log`, the hooks :mod:`~jaxprune.train.callbacks`.
 
 Host-side callbacks run at epoch end (and optionally every ``k`` steps). They may
@@ -47,11 +47,12 @@ import optax
 from flax import nnx
 
 from jaxprune import masking
-from jaxprune.train import _loaders, _run_log, data_parallel
+from jaxprune.train import _fit_checks, _loaders, _run_log, data_parallel
 from jaxprune.train._batch_growth import BatchGrowth
 from jaxprune.train._epoch import EpochLoop
 from jaxprune.train._placement import Placement
 from jaxprune.train._resume import Checkpoints, model_spec
+from jaxprune.train._settings import DERIVED, NEW_TRAINER, PLACED, STATE, Part
 from jaxprune.train._time_box import TimeBox
 from jaxprune.train.callbacks import Callback, TrainerLike, as_callbacks
 from jaxprune.train.checkpoint import CheckpointStore
@@ -62,27 +63,6 @@ __all__ = ["Callback", "Trainer", "fit"]
 
 def _is_tty() -> bool:
   return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
-
-
-class _Part:
-  """A :class:`Trainer` attribute kept on one of its parts (the field ``part``): reading and
-  setting it read and set the part's, except that a ``read_only`` one cannot be set."""
-
-  def __init__(self, part: str, *, read_only: bool = False):
-    self.part, self.read_only = part, read_only
-
-  def __set_name__(self, owner: type, name: str) -> None:
-    self.name = name
-
-  def __get__(self, instance: Any, owner: type | None = None) -> Any:
-    if instance is None:
-      return self
-    return getattr(getattr(instance, self.part), self.name)
-
-  def __set__(self, instance: Any, value: Any) -> None:
-    if self.read_only:
-      raise AttributeError(f"Trainer.{self.name} cannot be set")
-    setattr(getattr(instance, self.part), self.name, value)
 
 
 class Trainer:
@@ -259,33 +239,40 @@ class Trainer:
     )
     self._checkpoints = Checkpoints(store, run_config, model_builder)
 
-  # Kept by the placement part: the model, its trained state, the step and its settings.
-  model = _Part("_placement", read_only=True)
-  params = _Part("_placement")
-  rest = _Part("_placement")
-  opt_state = _Part("_placement")
-  lr_scale = _Part("_placement")
-  lr = _Part("_placement", read_only=True)
-  steps = _Part("_placement", read_only=True)
-  num_devices = _Part("_placement", read_only=True)
-  reduction_indices = _Part("_placement", read_only=True)
-  tx = _Part("_placement")
-  loss_fn = _Part("_placement")
-  flip_tta = _Part("_placement")
-  donate = _Part("_placement")
-  skip_nonfinite = _Part("_placement")
-  mesh = _Part("_placement")
-  sync_batchnorm = _Part("_placement")
+  # Kept by the placement part: the model, its trained state, the step and its settings. A
+  # setting of the step takes effect by rebuilding the step; the optimizer and the mesh cannot
+  # change under a state made for them.
+  model = Part("_placement", fixed=f"{DERIVED}; {STATE}")
+  params = Part("_placement", fixed=STATE)
+  rest = Part("_placement", fixed=STATE)
+  opt_state = Part("_placement", fixed=STATE)
+  lr_scale = Part("_placement")
+  lr = Part("_placement", fixed=DERIVED)
+  steps = Part("_placement", fixed=DERIVED)
+  num_devices = Part("_placement", fixed=DERIVED)
+  reduction_indices = Part("_placement", fixed=DERIVED)
+  tx = Part(
+    "_placement",
+    fixed="the optimizer state was made by it; build a new Trainer with the new transform",
+  )
+  loss_fn = Part("_placement", then="rebuild_step")
+  flip_tta = Part("_placement", then="rebuild_step")
+  donate = Part("_placement", then="rebuild_step")
+  skip_nonfinite = Part("_placement", then="rebuild_step")
+  mesh = Part("_placement", fixed=PLACED)
+  sync_batchnorm = Part("_placement", fixed=PLACED)
   # Kept by the batch-growth part.
-  batch_size = _Part("_batches")
-  reference_batch_size = _Part("_batches")
-  # Kept by the epoch loop.
-  progress = _Part("_loop")
-  max_nonfinite_steps = _Part("_loop")
+  batch_size = Part(
+    "_batches", fixed="it is the loader's; Trainer.set_batch_size changes it from the next epoch"
+  )
+  reference_batch_size = Part("_batches")
+  # Kept by the epoch loop (read at every epoch).
+  progress = Part("_loop")
+  max_nonfinite_steps = Part("_loop")
   # Kept by the checkpoint part.
-  store = _Part("_checkpoints")
-  run_config = _Part("_checkpoints")
-  model_builder = _Part("_checkpoints")
+  store = Part("_checkpoints", fixed=NEW_TRAINER)
+  run_config = Part("_checkpoints", fixed=NEW_TRAINER)
+  model_builder = Part("_checkpoints")
 
   def replace(self, model: nnx.Module | None = None, opt_state: Any | None = None) -> None:
     """Install a new model and/or optimizer state (e.g. after PruneTrain reconfiguration).
@@ -338,14 +325,30 @@ class Trainer:
         if self.step % c.every_steps == 0:
           c.on_step(self, self.step)
 
+    self._batches.record_batch_size(loader)
     return self._loop.train_epoch(
       loader, epoch=self.epoch + 1, step_done=step_done, per_step=bool(due)
     )
 
-  def evaluate(self, loader: Iterable) -> dict[str, float]:
-    """Loss and accuracy over ``loader`` in eval mode (BatchNorm running statistics,
-    no dropout), with flip TTA if enabled. Short batches are zero-padded and masked."""
-    return self._loop.evaluate(loader)
+  def evaluate(
+    self, loader: Iterable, *, params: Any = None, rest: Any = None
+  ) -> dict[str, float]:
+    """Loss and accuracy over ``loader`` in eval mode.
+
+    Eval mode uses BatchNorm's running statistics and no dropout, with flip TTA if enabled;
+    short batches are zero-padded and masked.
+
+    Args:
+      loader: evaluation batches ``(images, labels)``.
+      params: parameters to evaluate in place of the trained ones (the structure of
+        :attr:`params`, e.g. a masked copy); the trainer's own state is not touched.
+      rest: the model's other variables (BatchNorm statistics, ...) to evaluate with, in
+        place of the trained ones (the structure of :attr:`rest`).
+
+    Returns:
+      ``{"test_loss": ..., "test_acc": ...}``.
+    """
+    return self._loop.evaluate(loader, params, rest)
 
   def save_checkpoint(self, loader: Any = None) -> None:
     """Write a checkpoint of the current state (no-op without ``checkpoint_dir``).
@@ -476,15 +479,33 @@ class Trainer:
       NonFiniteError: ``max_nonfinite_steps`` consecutive train steps were not finite (see
         :meth:`train_epoch`).
     """
-    # bool is an int subclass: epochs=True would silently train one epoch.
-    if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
-      raise ValueError(f"epochs must be a positive int, got {epochs!r}")
-    if overwrite and resume:
-      raise ValueError("overwrite=True deletes the checkpoints: it needs resume=False")
-    if max_seconds is not None and not (isinstance(max_seconds, (int, float)) and max_seconds > 0):
-      raise ValueError(f"max_seconds must be a positive number of seconds, got {max_seconds!r}")
-    if must_finish and max_seconds is None:
-      raise ValueError("must_finish=True needs max_seconds")
+    _fit_checks.check_arguments(epochs, resume, overwrite, max_seconds, must_finish)
+    self._start_fit(train_loader, epochs, resume=resume, overwrite=overwrite)
+    fit_start = time.perf_counter() - self._elapsed_before
+    box = TimeBox(max_seconds, must_finish, self.eval_every, epochs)
+    first = True
+    while self.epoch < epochs:
+      self.stopped_early = box.stop_reason(self.epoch)
+      if self.stopped_early is not None:
+        self._stop_early(train_loader, test_loader, epochs)
+        break
+      epoch_start = time.perf_counter()
+      record = self._train_one_epoch(train_loader)
+      eval_s = self._evaluate_epoch(record, test_loader, box)
+      self._end_epoch(record, train_loader, epochs, fit_start)
+      if self.epoch_lines:
+        seconds = time.perf_counter() - epoch_start
+        print(_run_log.epoch_line(record, epochs, seconds, compiles=first), flush=True)
+      box.epoch_done(time.perf_counter() - epoch_start, eval_s)
+      first = False
+    # The step donates its buffers, so the module the caller passed in would otherwise
+    # point at deleted arrays after fit; sync it (a reconfigured run syncs its new model).
+    _ = self.model
+    return self.history
+
+  def _start_fit(self, train_loader: Iterable, epochs: int, *, resume: bool, overwrite: bool):
+    """``fit``'s start: resume, claim ``checkpoint_dir``, take the reference batch size,
+    check the loader against the optimizer, run the hooks' ``on_fit_start``."""
     self.stopped_early = None
     if resume:
       self.restore_checkpoint(train_loader)
@@ -496,63 +517,68 @@ class Trainer:
       warnings.warn(
         f"fit(epochs={epochs}): the run is already at epoch {self.epoch}{where}, past the "
         f"requested epochs; nothing is trained and the history holds {self.epoch} epochs",
-        stacklevel=2,
+        stacklevel=3,
       )
+    # Before the hooks, which may need the reference batch size to count the epochs.
+    self._batches.start_fit(train_loader)
+    _fit_checks.warn_epoch_length(self.opt_state, train_loader, self.reference_batch_size)
     for c in self.callbacks:
       c.on_fit_start(self)
-    self._batches.start_fit(train_loader)
     _run_log.rewrite(self.log_path, self.history)
-    fit_start = time.perf_counter() - self._elapsed_before
-    box = TimeBox(max_seconds, must_finish, self.eval_every, epochs)
-    while self.epoch < epochs:
-      self.stopped_early = box.stop_reason(self.epoch)
-      if self.stopped_early is not None:
-        self._stop_early(train_loader, test_loader, epochs)
-        break
-      epoch_start = time.perf_counter()
-      self._batches.start_epoch(train_loader)
-      if hasattr(train_loader, "set_epoch"):
-        train_loader.set_epoch(self.epoch)
-      record: dict[str, Any] = {"epoch": self.epoch + 1}
-      lr_before = self.lr
-      record.update(self.train_epoch(train_loader))
-      # Pruned weights found non-zero: something chained after the masking re-filled them.
-      self._refill_check(self.opt_state, self.params)
-      self.epoch += 1
-      record["lr"] = self.lr if self.lr is not None else lr_before
-      record["lr_scale"] = self.lr_scale
-      record["batch_size"] = _loaders.batch_size(train_loader)
-      for c in self.callbacks:
-        c.on_train_epoch_end(self, self.epoch, train_loader)
-      eval_s = 0.0
-      if test_loader is not None and box.evaluates(self.epoch):
-        t0 = time.perf_counter()
-        record.update(self.evaluate(test_loader))
-        eval_s = record["eval_time_s"] = time.perf_counter() - t0
-      for c in self.callbacks:
-        extra = c.on_epoch_end(self, self.epoch)
-        if extra:
-          record.update(extra)
-      for name, fn in self.metrics.items():
-        value = fn(self)
-        record[name] = value.item() if hasattr(value, "item") else value
-      self._elapsed_before = time.perf_counter() - fit_start
-      record["wall_time_s"] = self._elapsed_before
-      record["step"] = self.step
-      self.history.append(record)
-      _run_log.append(self.log_path, record)
-      saved = self.checkpoint_every and self.epoch % self.checkpoint_every == 0
-      if saved or self.epoch == epochs:
-        self.save_checkpoint(train_loader)
-      for c in self.callbacks:
-        c.after_epoch(self, record)
-      if self.epoch_lines:
-        print(_run_log.epoch_line(record, epochs, time.perf_counter() - epoch_start), flush=True)
-      box.epoch_done(time.perf_counter() - epoch_start, eval_s)
-    # The step donates its buffers, so the module the caller passed in would otherwise
-    # point at deleted arrays after fit; sync it (a reconfigured run syncs its new model).
-    _ = self.model
-    return self.history
+
+  def _train_one_epoch(self, train_loader: Iterable) -> dict[str, Any]:
+    """Trains the next epoch (a requested batch size applied first) and runs the hooks'
+    ``on_train_epoch_end``; returns the epoch's record so far."""
+    self._batches.start_epoch(train_loader)
+    if hasattr(train_loader, "set_epoch"):
+      train_loader.set_epoch(self.epoch)
+    record: dict[str, Any] = {"epoch": self.epoch + 1}
+    lr_before = self.lr
+    record.update(self.train_epoch(train_loader))
+    # Pruned weights found non-zero: something chained after the masking re-filled them.
+    self._refill_check(self.opt_state, self.params)
+    self.epoch += 1
+    record["lr"] = self.lr if self.lr is not None else lr_before
+    record["lr_scale"] = self.lr_scale
+    record["batch_size"] = _loaders.batch_size(train_loader)
+    for c in self.callbacks:
+      c.on_train_epoch_end(self, self.epoch, train_loader)
+    return record
+
+  def _evaluate_epoch(
+    self, record: dict[str, Any], test_loader: Iterable | None, box: TimeBox
+  ) -> float:
+    """Evaluates the epoch when it is due (its entries into ``record``); returns the
+    evaluation's seconds (0 when not evaluated)."""
+    if test_loader is None or not box.evaluates(self.epoch):
+      return 0.0
+    t0 = time.perf_counter()
+    record.update(self.evaluate(test_loader))
+    record["eval_time_s"] = time.perf_counter() - t0
+    return record["eval_time_s"]
+
+  def _end_epoch(
+    self, record: dict[str, Any], train_loader: Iterable, epochs: int, fit_start: float
+  ) -> None:
+    """The epoch's hooks and metrics into ``record``, then the record logged, the checkpoint
+    written when due, and the hooks' ``after_epoch``."""
+    for c in self.callbacks:
+      extra = c.on_epoch_end(self, self.epoch)
+      if extra:
+        record.update(extra)
+    for name, fn in self.metrics.items():
+      value = fn(self)
+      record[name] = value.item() if hasattr(value, "item") else value
+    self._elapsed_before = time.perf_counter() - fit_start
+    record["wall_time_s"] = self._elapsed_before
+    record["step"] = self.step
+    self.history.append(record)
+    _run_log.append(self.log_path, record)
+    saved = self.checkpoint_every and self.epoch % self.checkpoint_every == 0
+    if saved or self.epoch == epochs:
+      self.save_checkpoint(train_loader)
+    for c in self.callbacks:
+      c.after_epoch(self, record)
 
 
 def fit(

@@ -68,7 +68,11 @@ def test_nonfinite_step_is_left_out_of_the_epoch_loss_and_counted(kit):
     losses.append(float(jt.cross_entropy(logits, y)))
     correct += int(np.sum(np.argmax(np.asarray(logits), -1) == labels[8 * b : 8 * b + 8]))
   trainer = jt.Trainer(model, optax.apply_if_finite(optax.sgd(0.0), 5))
-  with pytest.warns(RuntimeWarning, match="epoch 1: 1 of 4 train steps had a non-finite loss"):
+  # Both warnings: the non-finite step, and the batch whose images are not finite.
+  with (
+    pytest.warns(RuntimeWarning, match=r"train batch 3 of 4 .* inputs are not finite"),
+    pytest.warns(RuntimeWarning, match="epoch 1: 1 of 4 train steps had a non-finite loss"),
+  ):
     (record,) = trainer.fit(kit.ArrayLoader(images, labels, 8, shuffle=False), epochs=1)
   assert record["nonfinite_steps"] == 1
   np.testing.assert_allclose(record["train_loss"], np.mean(losses), rtol=1e-5)
@@ -204,7 +208,9 @@ def test_off_a_terminal_fit_prints_one_line_per_epoch(kit, capsys, monkeypatch):
   )
   assert "test_acc" not in lines[0]  # epoch 1 is not evaluated
   assert f"  test_acc {second['test_acc']:.4f}  (" in lines[1]
-  assert lines[1].endswith(" s)")
+  # The first epoch of a fit also compiles the steps: its line says so, the next does not.
+  assert lines[0].endswith(" s, compiling the steps included)")
+  assert lines[1].endswith(" s)") and "compiling" not in lines[1]
   # progress=False prints nothing; on a terminal the bar replaces the lines.
   kit.trainer(progress=False).fit(*loaders, epochs=1)
   monkeypatch.setattr("jaxprune.train.trainer._is_tty", lambda: True)

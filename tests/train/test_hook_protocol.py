@@ -42,9 +42,11 @@ def test_the_trainer_has_every_member(kit):
       got = inspect.signature(getattr(trainer, name)).parameters
       want = list(inspect.signature(member).parameters)[1:]  # without self
       assert list(got) == want, name
-  # The settable members can be set (here to what they hold).
-  for name in ("params", "rest", "opt_state", "lr_scale"):
-    setattr(trainer, name, getattr(trainer, name))
+  # The settable member can be set (here to what it holds); the trained state cannot.
+  trainer.lr_scale = trainer.lr_scale
+  for name in ("params", "rest", "opt_state"):
+    with pytest.raises(AttributeError, match=rf"Trainer.{name} cannot be set: .*replace"):
+      setattr(trainer, name, getattr(trainer, name))
 
 
 def _callback_classes(tree: ast.AST) -> list[ast.ClassDef]:
