@@ -150,7 +150,7 @@ def _run_case(args: argparse.Namespace) -> dict[str, Any]:
   dataset = data.Dataset.from_arrays(images, rng.integers(0, 10, _EVAL_BATCH), num_classes=10)
   model = models.create(_MODEL, num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width)
   trainer = train.Trainer(model, pt.with_group_lasso(train.sgd(0.1, momentum=0.9)), progress=False)
-  trainer.batch_size = _BATCH
+  # The epoch sets the trainer's batch size (the loader's), which the memory budget reads.
   trainer.train_epoch(data.Loader(dataset.subset(slice(0, _BATCH)), _BATCH, shuffle=False))
   batch_policy = pt.DynamicBatch(_IMAGE, max_batch_size=_EVAL_BATCH)
   batch_policy.measure_budget(trainer)

@@ -119,7 +119,7 @@ def test_dynamic_batch_compiles_at_most_three_probes(monkeypatch, small_trainer)
   probe, calls = _counted(_PLANTED["nearly_affine"])
   monkeypatch.setattr(_batch_growth, "train_step_memory", lambda *args: {"total": probe(args[-1])})
   trainer = small_trainer
-  monkeypatch.setattr(trainer, "batch_size", 64)  # (restored for the next test)
+  monkeypatch.setattr(trainer._batches, "batch_size", 64)  # (restored for the next test)
   monkeypatch.setattr(trainer._batches, "pending", None)
   policy = pt.DynamicBatch((6, 6, 3), granularity=32, max_batch_size=4096)
   policy.budget_bytes = _PLANTED["nearly_affine"](300)
