@@ -105,6 +105,9 @@ class ChannelSlices:
     layer_index: layer path (attribute path tuple, e.g. ``("stages", 0, 1, "conv1")``) ->
       ``(kept input channels, kept output channels)``; ``None`` = all kept.
     old_params, new_params: the params before and after (pure trees).
+    leaf_index: variable path (tuple, e.g. ``("stages", 0, 1, "conv1", "conv", "kernel")``) ->
+      kept indices per axis (``None``: all kept); takes precedence over ``layer_index`` (what a
+      traced channel graph gives: any axis of any variable).
   """
 
   def __init__(
@@ -112,8 +115,14 @@ class ChannelSlices:
     layer_index: Mapping[tuple, tuple[Index, Index]],
     old_params: Any,
     new_params: Any,
+    *,
+    leaf_index: Optional[Mapping[tuple, tuple[Index, ...]]] = None,
   ):
     self.layer_index = dict(layer_index)
+    self.leaf_index = {
+      tuple(path): tuple(None if i is None else np.asarray(i, int) for i in index)
+      for path, index in (leaf_index or {}).items()
+    }
     self.old_params = old_params
     self.new_params = new_params
     self._old_names = {
@@ -140,7 +149,11 @@ class ChannelSlices:
     """Kept ``(input, output)`` channels of the kernel parameter at ``path`` (a
     ``jaxprune.paths.path_string`` such as ``"stages/0/1/conv1/conv/kernel"``, or its
     tuple); ``None`` where all are kept."""
-    found = self._layer_of(self._names(path))
+    names = self._names(path)
+    if names in self.leaf_index:
+      index = self.leaf_index[names]
+      return (index[-2], index[-1]) if len(index) >= 2 else (None, None)
+    found = self._layer_of(names)
     if found is None or found[1][-1:] != ("kernel",):
       return None, None
     return found[0]
@@ -159,6 +172,12 @@ class ChannelSlices:
   def slice_leaf(self, names: tuple, leaf: Any) -> Any:
     """One variable, found by its full path: kernels on both channel axes, 1-D vectors
     (BatchNorm statistics, biases) on their output channels; anything else unchanged."""
+    if names in self.leaf_index:
+      array = leaf
+      for axis, index in enumerate(self.leaf_index[names]):
+        if index is not None:
+          array = _take(array, None, index, 0, axis)
+      return array
     found = self._layer_of(names)
     if found is None:
       return leaf

@@ -148,22 +148,19 @@ def step_until_pruned(step: Callable[[], Any], run: methods.Run) -> Any:
   )
 
 
-def kill_channels(model: nnx.Module, keep: float, seed: int = 0) -> None:
-  """Zeroes every weight of a random ``1 - keep`` share of every channel tensor (at least one
-  channel stays), wherever it is written and read: dead groups, which
+def kill_channels(model: nnx.Module, keep: float, seed: int = 0, input_shape=None) -> None:
+  """Zeroes every kernel weight of a random ``1 - keep`` share of every prunable channel group
+  (at least one channel stays), wherever it is written and read: dead groups, which
   :func:`jaxprune.prunetrain.reconfigure` removes (PruneTrain §4.2). In place."""
   rng = np.random.default_rng(seed)
-  for tensor in pt.channel_graph(model):
-    dead = rng.permutation(tensor.width)[: tensor.width - max(1, round(keep * tensor.width))]
-    if not len(dead):
-      continue
-    # Output channels: a kernel's last axis; input channels: the one before it (HWIO, (in, out)).
-    for layers, index in (
-      (tensor.writers, (..., dead)),
-      (tensor.readers, (..., dead, slice(None))),
-    ):
-      for layer in layers:
-        param = layer.module.conv.kernel if layer.kind == "conv" else layer.module.kernel
-        kernel = np.array(param[...])
-        kernel[index] = 0.0
-        param[...] = kernel
+  kernels = {}
+  for group in pt.channel_graph(model, input_shape).prunable:
+    dead = rng.permutation(group.width)[: group.width - max(1, round(keep * group.width))]
+    for use in group.kernels:
+      value = kernels.setdefault(use.path, np.array(group._values[use.path]))
+      index = [slice(None)] * value.ndim
+      index[use.axis] = np.isin(use.coords, dead)
+      value[tuple(index)] = 0.0
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Variable) and tuple(path) in kernels:
+      node[...] = kernels[tuple(path)]

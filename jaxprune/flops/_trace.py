@@ -225,6 +225,20 @@ class _Walker:
     )
 
 
+def _input_flows(jaxpr: Any, n_leaves: int, input_index: int) -> list[_Flow]:
+  """The flow of every input of a :func:`_trace` jaxpr: parameter leaves, then the other model
+  state (batch statistics, RNG keys: neither data nor parameter), then the batch."""
+  flows = []
+  for i, _ in enumerate(jaxpr.invars):
+    if i < n_leaves:
+      flows.append(_Flow(i, False, True))
+    elif i == input_index:
+      flows.append(_Flow(None, True, False))
+    else:
+      flows.append(_CONST)
+  return flows
+
+
 @contextlib.contextmanager
 def _record_batchnorm_inputs(records: list[tuple[int, tuple[int, ...], Any]]):
   """Temporarily wraps ``nnx.BatchNorm.__call__`` to record (module id, input shape, dtype).

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprune.flops._trace import _CONST, _Flow, _trace, _Walker
+from jaxprune.flops._trace import _input_flows, _trace, _Walker
 from jaxprune.flops.sparsity import _mask_table, _shape
 from jaxprune.paths import ParamPath
 
@@ -88,18 +88,8 @@ class LayerFlops:
 def _layers_from_trace(
   closed: Any, leaves: list[tuple[ParamPath, Any]], input_index: int, masks: Any
 ) -> list[LayerFlops]:
-  jaxpr = closed.jaxpr
-  n_leaves = len(leaves)
-  flows = []
-  for i, _ in enumerate(jaxpr.invars):
-    if i < n_leaves:
-      flows.append(_Flow(i, False, True))
-    elif i == input_index:
-      flows.append(_Flow(None, True, False))
-    else:  # other model state (batch statistics, RNG keys): neither data nor parameter
-      flows.append(_CONST)
   walker = _Walker()
-  walker.walk(jaxpr, flows, 1)
+  walker.walk(closed.jaxpr, _input_flows(closed.jaxpr, len(leaves), input_index), 1)
 
   params_by_path = dict(leaves)
   mask_by_path = _mask_table(masks, params_by_path)

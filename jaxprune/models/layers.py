@@ -410,6 +410,13 @@ class _ResidualBlock(nnx.Module):
     """False when the branch was removed (the block computes only its shortcut)."""
     return self.conv1 is not None
 
+  def remove_branch(self) -> None:
+    """Drops the branch (PruneTrain §4.1 layer removal): the block then computes
+    ``relu(shortcut(x))``, its value with a zero branch output. With ``branch_names`` this
+    declares the branch removable to :func:`jaxprune.prunetrain.reconfigure`."""
+    for name in self.branch_names:
+      setattr(self, name, None)
+
   def __call__(self, x: jax.Array) -> jax.Array:
     shortcut = x if self.shortcut is None else self.shortcut(x)
     if not self.has_branch:

@@ -5,9 +5,12 @@ The pieces:
 * :mod:`~jaxprune.prunetrain.group_lasso` — the channel group lasso (Eq. 2) as Optax transforms,
   λ from the penalty ratio (Eq. 3), the proximal group shrink.
 * :mod:`~jaxprune.prunetrain.optimizer` — :func:`with_group_lasso`, the optimizer wrapper.
-* :mod:`~jaxprune.prunetrain.graph` — the channel graph (who writes and reads each channel).
-* :mod:`~jaxprune.prunetrain.surgery` — :func:`reconfigure`: remove dead channels and layers,
-  rebuild the model smaller (§4.2).
+* :mod:`~jaxprune.prunetrain.graph` — the channel graph of any NNX model, traced from its jaxpr
+  (which variable axes carry each channel group).
+* :mod:`~jaxprune.prunetrain.plan` — :class:`SurgeryPlan`: what a reconfiguration removes, as a
+  value a checkpoint carries and a resume re-applies.
+* :mod:`~jaxprune.prunetrain.surgery` — :func:`reconfigure`: remove dead channels and layers
+  of any NNX model (§4.2).
 * :class:`ChannelSlices`, :func:`register_state_slicer` — re-exported from the shared
   :mod:`jaxprune.state_slicing`: slice the model and every per-parameter optimizer state with
   the same kept indices (other methods register their states' slicers there).
@@ -30,8 +33,9 @@ from jaxprune.prunetrain.callback import PruneTrainCallback, model_costs
 from jaxprune.prunetrain.dynamic_batch import DynamicBatch, grow_batch_size, largest_batch_size
 from jaxprune.prunetrain.graph import (
   DEFAULT_THRESHOLD,
-  ChannelTensor,
-  SliceableLayer,
+  ChannelGraph,
+  ChannelGroup,
+  ChannelUse,
   channel_graph,
   live_channels,
 )
@@ -59,7 +63,13 @@ from jaxprune.state_slicing import (
   register_state_slicer,
   registered_state_slicers,
 )
-from jaxprune.prunetrain.surgery import ReconfigureReport, reconfigure, rounded_width
+from jaxprune.prunetrain.plan import SurgeryPlan, apply_plan, plan_reconfiguration
+from jaxprune.prunetrain.surgery import (
+  ReconfigureReport,
+  apply_reconfiguration,
+  reconfigure,
+  rounded_width,
+)
 from jaxprune.prunetrain.preset import method
 
 __all__ = [
@@ -70,8 +80,9 @@ __all__ = [
   "grow_batch_size",
   "largest_batch_size",
   "DEFAULT_THRESHOLD",
-  "ChannelTensor",
-  "SliceableLayer",
+  "ChannelGraph",
+  "ChannelGroup",
+  "ChannelUse",
   "channel_graph",
   "live_channels",
   "EPSILON",
@@ -96,6 +107,10 @@ __all__ = [
   "register_state_slicer",
   "registered_state_slicers",
   "ReconfigureReport",
+  "SurgeryPlan",
+  "apply_plan",
+  "apply_reconfiguration",
+  "plan_reconfiguration",
   "reconfigure",
   "rounded_width",
 ]

@@ -1,4 +1,25 @@
-"""The channel graph of a model: which layers write and read each channel tensor (PruneTrain §4.2).
+"""The channel graph of any Flax NNX model, traced from its forward pass (PruneTrain §4.2).
+
+PruneTrain removes a channel only where every layer that writes it and every layer that reads
+it agrees it is dead (the *channel union*, §4.2 Fig. 5c). Which layers those are is read off
+the model's jaxpr (:func:`jax.make_jaxpr` of ``model(x)``), not off its module tree, so a model
+the library did not build is handled like one it did: every axis of every value is joined with
+the axes it must stay in step with (a conv's input with its kernel's input axis, the two sides
+of a residual add, a BatchNorm's statistics with its input's channels, a flattened feature map
+with its Linear's rows, ...; the rules are in :mod:`jaxprune.prunetrain._channel_trace`). Each
+resulting class that a conv or dense kernel produces or consumes is a :class:`ChannelGroup`:
+the variables and axes that must be sliced together when one of its channels goes.
+
+A group is *blocked* (never pruned) when it meets the model's input or output, when a
+statistic is taken over its channels (LayerNorm: removing a channel changes the others'
+normalisation), or when an operation the graph cannot follow touches it; the reason names the
+operation, so nothing is silently pruned into a different function.
+
+A module may declare a *removable branch* (PruneTrain §4.1 layer removal): it has
+``branch_names`` (the attribute names of its branch's layers) and ``remove_branch()`` (after
+which it computes what it computed with a zero branch output). A group that lies wholly inside
+such a branch may then die entirely, taking the branch with it; the library's residual blocks
+declare theirs. Any other group keeps at least one channel.
 
 References:
   Lym et al., "PruneTrain: Fast Neural Network Training by Dynamic Sparse Model
@@ -8,190 +29,272 @@ References:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Optional
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["DEFAULT_THRESHOLD", "ChannelTensor", "SliceableLayer", "channel_graph", "live_channels"]
+from jaxprune.flops._trace import _input_flows, _trace, _Walker
+from jaxprune.paths import ParamPath, flatten_with_paths
+from jaxprune.prunetrain._channel_trace import _ChannelWalker
+
+__all__ = [
+  "DEFAULT_THRESHOLD",
+  "ChannelGraph",
+  "ChannelGroup",
+  "ChannelUse",
+  "RemovableBranch",
+  "channel_graph",
+  "default_input_shape",
+  "live_channels",
+]
 
 # PruneTrain §4.1: "we use a small threshold of 1e-4 to zero out these weights".
 DEFAULT_THRESHOLD = 1e-4
 
 
-@dataclasses.dataclass(eq=False)
-class SliceableLayer:
-  """A layer whose kernel channels can be sliced: a ``ConvBN`` or an ``nnx.Linear``.
+@dataclasses.dataclass(frozen=True)
+class ChannelUse:
+  """One axis of one model variable that carries a group's channels.
 
   Attributes:
-    path: attribute path from the model root, e.g. ``("stages", 0, 1, "conv1")``.
-    module: the module itself.
-    kind: ``"conv"`` (``ConvBN``: HWIO kernel + BatchNorm) or ``"linear"`` (``(in, out)``).
+    path: the variable's path, e.g. ``("features", 0, "conv", "kernel")``.
+    axis: the axis of the variable.
+    coords: the group's channel at each position of the axis (-1: the position belongs to
+      another group concatenated on the same axis); a flattened axis repeats each channel.
+    kernel: whether the variable is a conv / dense kernel (its groups decide liveness).
   """
 
-  path: tuple
-  module: Any
-  kind: str
-
-  def kernel(self) -> np.ndarray:
-    param = self.module.conv.kernel if self.kind == "conv" else self.module.kernel
-    return np.asarray(param[...])
-
-  def output_magnitude(self) -> np.ndarray:
-    """max|w| of every output-channel group (PruneTrain's dead-group test)."""
-    kernel = np.abs(self.kernel())
-    return kernel.max(axis=(0, 1, 2)) if self.kind == "conv" else kernel.max(axis=0)
-
-  def input_magnitude(self) -> np.ndarray:
-    """max|w| of every input-channel group."""
-    kernel = np.abs(self.kernel())
-    return kernel.max(axis=(0, 1, 3)) if self.kind == "conv" else kernel.max(axis=1)
+  path: ParamPath
+  axis: int
+  coords: np.ndarray = dataclasses.field(repr=False, compare=False)
+  kernel: bool
 
   @property
   def name(self) -> str:
-    return "/".join(str(p) for p in self.path)
+    return "/".join(map(str, self.path))
 
 
 @dataclasses.dataclass(eq=False)
-class ChannelTensor:
-  """A set of channels shared by its writers' outputs and its readers' inputs.
+class ChannelGroup:
+  """Channels that are pruned together, and every variable axis they run through.
 
   Attributes:
-    name: readable name (the first writer's path, or the block's inner tensor).
-    writers: layers whose output channels are these channels.
-    readers: layers whose input channels are these channels.
-    branch: ``(stage, block)`` if the tensor lives inside a residual branch (it may then
-      shrink to zero width: the branch is removed), else None.
+    name: the first kernel that produces the group (``path[axis]``).
+    width: number of channels.
+    uses: every variable axis carrying the channels.
+    blocked: why the group cannot be pruned (empty when it can).
+    branch: path of the module whose removable branch holds the whole group, or None.
   """
 
   name: str
-  writers: list[SliceableLayer] = dataclasses.field(default_factory=list)
-  readers: list[SliceableLayer] = dataclasses.field(default_factory=list)
-  branch: Optional[tuple[int, int]] = None
+  width: int
+  uses: tuple[ChannelUse, ...]
+  blocked: tuple[str, ...]
+  branch: Optional[ParamPath]
+  _values: dict = dataclasses.field(repr=False, default_factory=dict)
 
   @property
-  def width(self) -> int:
-    layer = self.writers[0]
-    return int(layer.kernel().shape[-1])
+  def prunable(self) -> bool:
+    return not self.blocked and self.width > 1 and any(u.kernel for u in self.uses)
+
+  @property
+  def kernels(self) -> tuple[ChannelUse, ...]:
+    return tuple(u for u in self.uses if u.kernel)
+
+  def magnitude(self, exclude: Sequence[ParamPath] = ()) -> np.ndarray:
+    """max|w| of every channel over the group's kernels (PruneTrain's dead-group test), kernels
+    under a path prefix in ``exclude`` left out."""
+    out = np.zeros(self.width, np.float32)
+    for use in self.kernels:
+      if any(use.path[: len(p)] == tuple(p) for p in exclude):
+        continue
+      value = np.abs(np.asarray(self._values[use.path], np.float32))
+      other = tuple(a for a in range(value.ndim) if a != use.axis)
+      per_position = value.max(axis=other) if other else value
+      valid = use.coords >= 0
+      np.maximum.at(out, use.coords[valid], per_position[valid])
+    return out
 
 
 @dataclasses.dataclass
-class _Graph:
-  tensors: list[ChannelTensor]
-  # (stage, block) -> the branch's layers, for residual models.
-  branches: dict[tuple[int, int], list[SliceableLayer]]
+class ChannelGraph:
+  """The channel groups of a model (see the module docstring).
+
+  Attributes:
+    groups: every group that a kernel produces or consumes, prunable or blocked.
+    branches: path of every module declaring a removable branch -> its layers' paths.
+    conv_groups: conv kernel path -> the groups axis group of a grouped conv.
+    input_shape: the input the forward pass was traced for.
+  """
+
+  groups: list[ChannelGroup]
+  branches: dict[ParamPath, tuple[ParamPath, ...]]
+  conv_groups: dict[ParamPath, ChannelGroup]
+  input_shape: tuple[int, ...]
+
+  @property
+  def prunable(self) -> list[ChannelGroup]:
+    return [g for g in self.groups if g.prunable]
+
+  @property
+  def blocked(self) -> list[ChannelGroup]:
+    return [g for g in self.groups if g.blocked and g.width > 1]
+
+  def unfollowed(self) -> dict[str, list[str]]:
+    """Operation the graph could not follow -> the groups it blocks."""
+    out: dict[str, list[str]] = {}
+    for group in self.blocked:
+      for reason in group.blocked:
+        if reason.startswith("unfollowed"):
+          out.setdefault(reason, []).append(group.name)
+    return out
+
+  def summary(self) -> str:
+    lines = [f"{len(self.prunable)} prunable channel groups, {len(self.blocked)} blocked"]
+    for group in self.blocked:
+      lines.append(f"  {group.name} ({group.width}): {'; '.join(group.blocked)}")
+    return "\n".join(lines)
 
 
-def _branch_layers(block: Any) -> list[Any]:
-  """``conv1, conv2, ...`` of a residual block, in order (empty if the branch was removed)."""
-  layers = []
-  index = 1
-  while hasattr(block, f"conv{index}"):
-    layer = getattr(block, f"conv{index}")
-    if layer is None:
-      return []
-    layers.append(layer)
-    index += 1
-  return layers
+@dataclasses.dataclass(frozen=True)
+class RemovableBranch:
+  """The protocol a module follows to declare a removable branch (see the module docstring):
+  ``branch_names`` and ``remove_branch()``."""
+
+  path: ParamPath
+  layers: tuple[ParamPath, ...]
+
+  @staticmethod
+  def declared_by(module: Any) -> bool:
+    return (
+      isinstance(getattr(module, "branch_names", None), (tuple, list))
+      and callable(getattr(module, "remove_branch", None))
+      and all(getattr(module, n, None) is not None for n in module.branch_names)
+    )
 
 
-def _is_residual_model(model: Any) -> bool:
-  return all(hasattr(model, name) for name in ("stem", "stages", "head"))
+def default_input_shape(model: nnx.Module) -> Optional[tuple[int, ...]]:
+  """One image for a :mod:`jaxprune.models` network (from its spec), None for other models."""
+  spec = getattr(model, "spec", None)
+  if spec is None:
+    return None
+  size = 224 if getattr(spec, "stem_pool", False) else 32
+  return (1, size, size, getattr(spec, "in_channels", 3))
 
 
-def _is_chain_model(model: Any) -> bool:
-  return all(hasattr(model, name) for name in ("features", "classifier"))
-
-
-def channel_graph(model: nnx.Module) -> list[ChannelTensor]:
-  """The channel tensors of a model, found by walking its module tree.
+def channel_graph(model: nnx.Module, input_shape: Optional[Sequence[int]] = None) -> ChannelGraph:
+  """The channel groups of ``model``, traced from ``model(x)`` for an ``x`` of ``input_shape``.
 
   Args:
-    model: a :class:`jaxprune.models.ResNet` or :class:`jaxprune.models.VGG` (or any module
-      with the same attributes: ``stem``/``stages``/``head`` of residual blocks with
-      ``conv1..convN`` and ``shortcut``, or ``features``/``classifier``).
+    model: any NNX module called as ``model(x)`` (no compilation: the forward pass is traced
+      abstractly, once).
+    input_shape: the shape of ``x`` (a batch of one is enough); default one 32x32 image (224
+      for ImageNet) for a :mod:`jaxprune.models` network.
 
   Returns:
-    Every channel tensor, in execution order.
+    A :class:`ChannelGraph`.
 
   Raises:
-    ValueError: the model has neither structure.
+    ValueError: no ``input_shape`` for a model without a width spec, or one the model does
+      not accept.
   """
-  return _build_graph(model).tensors
+  if input_shape is None:
+    input_shape = default_input_shape(model)
+    if input_shape is None:
+      raise ValueError(
+        f"input_shape: {type(model).__name__} has no width spec to take an input shape from; "
+        "pass the shape of one input batch, e.g. (1, 32, 32, 3)"
+      )
+  closed, leaves, input_index = _trace(model, input_shape, None, jnp.float32)
+  jaxpr = closed.jaxpr
+  rest = flatten_with_paths(nnx.split(model, nnx.Param, ...)[2])
+  variables = leaves + rest
+  # Which jaxpr values are kernels, and of which parameter: the FLOP walker's records.
+  flops_walker = _Walker()
+  flops_walker.walk(jaxpr, _input_flows(jaxpr, len(leaves), input_index), 1)
+  weight_origin = {
+    id(r["weight"][0]): r["weight"][1].origin
+    for r in flops_walker.records
+    if r["weight"][1].origin is not None
+  }
+  kernel_leaves = set(weight_origin.values())
+
+  walker = _ChannelWalker(weight_origin)
+  ins = []
+  for i, v in enumerate(jaxpr.invars):
+    mark = ("fixed", "the model's input") if i == input_index else None
+    ins.append([walker.dims.new(int(d), mark) for d in v.aval.shape])
+  outs = walker.walk(jaxpr, ins, closed.consts)
+  for nodes in outs:
+    for node in nodes:
+      walker.dims.mark(node, ("fixed", "the model's output"))
+  return _groups(model, walker, ins, variables, kernel_leaves, tuple(int(d) for d in input_shape))
 
 
-def _build_graph(model: nnx.Module) -> _Graph:
-  if _is_residual_model(model):
-    return _residual_graph(model)
-  if _is_chain_model(model):
-    return _chain_graph(model)
-  raise ValueError(
-    f"model must be a residual (stem/stages/head) or chain (features/classifier) network, "
-    f"got {type(model).__name__}"
-  )
-
-
-def _residual_graph(model: nnx.Module) -> _Graph:
-  stream = ChannelTensor("stem", writers=[SliceableLayer(("stem",), model.stem, "conv")])
-  tensors = [stream]
-  branches: dict[tuple[int, int], list[SliceableLayer]] = {}
-  for s, stage in enumerate(model.stages):
-    for b, block in enumerate(stage):
-      prefix = ("stages", s, b)
-      if block.shortcut is not None:
-        # A projection starts a new stream tensor: it reads the old one, writes the new one.
-        projection = SliceableLayer(prefix + ("shortcut",), block.shortcut, "conv")
-        stream.readers.append(projection)
-        out = ChannelTensor("/".join(map(str, prefix)), writers=[projection])
-        tensors.append(out)
-      else:
-        out = stream  # identity shortcut: the block adds into the same tensor (§4.2 Fig. 5c)
-      modules = _branch_layers(block)
-      if modules:
-        layers = [
-          SliceableLayer(prefix + (f"conv{i + 1}",), m, "conv") for i, m in enumerate(modules)
-        ]
-        branches[(s, b)] = layers
-        stream.readers.append(layers[0])
-        for first, second in zip(layers[:-1], layers[1:]):
-          tensors.append(
-            ChannelTensor(first.name, writers=[first], readers=[second], branch=(s, b))
+def _groups(model, walker, ins, variables, kernel_leaves, input_shape) -> ChannelGraph:
+  dims = walker.dims
+  features = {dims.find(a) for node in walker.feature_nodes for a in dims.atoms(node)}
+  values = {path: value for path, value in variables}
+  uses: dict[int, list[ChannelUse]] = {}
+  for i, (path, value) in enumerate(variables):
+    for axis, node in enumerate(ins[i][: np.ndim(value)]):
+      try:
+        coords = dims.coords(node)
+      except ValueError:
+        for atom in dims.atoms(node):
+          dims.mark(
+            atom,
+            (
+              "unfollowed",
+              f"{'/'.join(map(str, path))} meets its own channels in another order on one axis "
+              "(a channel shuffle against a residual add)",
+            ),
           )
-        out.writers.append(layers[-1])
-      stream = out
-  stream.readers.append(SliceableLayer(("head",), model.head, "linear"))
-  return _Graph(tensors, branches)
+        continue
+      for atom, column in coords.items():
+        if atom in features:
+          uses.setdefault(atom, []).append(ChannelUse(path, axis, column, i in kernel_leaves))
+  branches = {
+    tuple(path): tuple(tuple(path) + (name,) for name in module.branch_names)
+    for path, module in nnx.iter_graph(model)
+    if isinstance(module, nnx.Module) and RemovableBranch.declared_by(module)
+  }
+  groups = {}
+  for atom in sorted(features):
+    atom_uses = tuple(uses.get(atom, ()))
+    kernels = [u for u in atom_uses if u.kernel]
+    name = f"{kernels[0].name}[{kernels[0].axis}]" if kernels else f"#{atom}"
+    blocked = tuple(dict.fromkeys(f"{kind}: {why}" for kind, why in dims.marks(atom)))
+    groups[atom] = ChannelGroup(
+      name, dims.size(atom), atom_uses, blocked, _branch_of(atom_uses, branches), values
+    )
+  conv_groups = {}
+  for conv in walker.convs:
+    if conv.groups_node is not None:
+      conv_groups[variables[conv.leaf][0]] = groups.get(dims.find(conv.groups_node))
+  return ChannelGraph(list(groups.values()), branches, conv_groups, input_shape)
 
 
-def _chain_graph(model: nnx.Module) -> _Graph:
-  tensors = []
-  previous: Optional[ChannelTensor] = None
-  layers = [SliceableLayer(("features", i), m, "conv") for i, m in enumerate(model.features)]
-  layers += [SliceableLayer(("classifier", i), m, "linear") for i, m in enumerate(model.classifier)]
-  for layer in layers:
-    if previous is not None:
-      previous.readers.append(layer)
-    if layer is layers[-1]:
-      break  # the classifier's outputs are the logits: never pruned (§4.1)
-    previous = ChannelTensor(layer.name, writers=[layer])
-    tensors.append(previous)
-  return _Graph(tensors, {})
+def _branch_of(uses: Sequence[ChannelUse], branches: dict) -> Optional[ParamPath]:
+  """The removable branch whose layers hold every variable of the group, if any."""
+  for path, layers in branches.items():
+    if uses and all(any(u.path[: len(l)] == l for l in layers) for u in uses):
+      return path
+  return None
 
 
-def live_channels(tensor: ChannelTensor, threshold: float = DEFAULT_THRESHOLD) -> np.ndarray:
-  """Channel union (PruneTrain §4.2): a channel lives if any writer's output group or any
-  reader's input group has ``max|w| >= threshold``.
+def live_channels(group: ChannelGroup, threshold: float = DEFAULT_THRESHOLD) -> np.ndarray:
+  """Channel union (PruneTrain §4.2): a channel lives if any kernel's group over it has
+  ``max|w| >= threshold``.
 
   Args:
-    tensor: a channel tensor from :func:`channel_graph`.
+    group: a group of :func:`channel_graph`.
     threshold: the dead-group threshold (absolute).
 
   Returns:
-    A boolean vector over the tensor's channels.
+    A boolean vector over the group's channels.
   """
-  alive = np.zeros(tensor.width, dtype=bool)
-  for layer in tensor.writers:
-    alive |= layer.output_magnitude() >= threshold
-  for layer in tensor.readers:
-    alive |= layer.input_magnitude() >= threshold
-  return alive
+  return group.magnitude() >= threshold

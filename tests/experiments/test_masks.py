@@ -96,11 +96,16 @@ def test_the_transform_reaches_its_hard_prune_inside_the_run(mode):
 
 def test_dead_channels_are_what_reconfigure_removes(tiny_resnet):
   model = tiny_resnet()
-  tensors = pt.channel_graph(model)
+  graph = pt.channel_graph(model)
   masks.kill_channels(model, 0.5)
   _, _, report = pt.reconfigure(model, None, count_flops=False)
+  # Each group's writers (the convs producing it on their HWIO kernel's last axis, named by
+  # their ConvBN) lose the same count.
   want = {
-    layer.name: t.width - max(1, round(0.5 * t.width)) for t in tensors for layer in t.writers
+    "/".join(map(str, use.path[:-2])): group.width - max(1, round(0.5 * group.width))
+    for group in graph.prunable
+    for use in group.kernels
+    if use.axis == 3
   }
   assert {name: report.channels_removed[name] for name in want} == want
   assert min(want.values()) > 0

@@ -1,0 +1,245 @@
+"""What one reconfiguration removes, as a value that can be applied again (PruneTrain §4.2).
+
+:func:`plan_reconfiguration` decides, from a model's :func:`~jaxprune.prunetrain.channel_graph`,
+which channels and residual branches die; the result, a :class:`SurgeryPlan`, says it in terms
+of the model's own variables (kept indices per variable axis, removed branches, the layer
+attributes that change) and is JSON-serialisable. :func:`apply_plan` performs it on a module in
+place. A checkpoint of a reconfigured run stores its plans, so a restarted process that builds
+the full-size model re-applies them before reading the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxprune.models.conversions import submodule
+from jaxprune.paths import ParamPath
+from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD, ChannelGraph, ChannelGroup
+
+__all__ = ["SurgeryPlan", "apply_plan", "plan_reconfiguration", "rounded_width"]
+
+# Layer attributes that follow their variables' widths, by module type.
+_NORMS = (nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm)
+
+
+def _key(path: Sequence[Any]) -> str:
+  return "/".join(map(str, path))
+
+
+def _path(key: str) -> ParamPath:
+  return tuple(int(p) if p.isdigit() else p for p in key.split("/")) if key else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SurgeryPlan:
+  """One reconfiguration, in terms of the model's variables.
+
+  Attributes:
+    slices: variable path (``"a/0/kernel"``) -> kept indices per axis (``None``: all kept).
+    removed: paths of the modules whose removable branch goes (``remove_branch()``).
+    attributes: module path -> layer attributes to set (``in_features``, ``num_features``, ...).
+    widths: kernel owner path -> output width after (for a width spec and the report).
+  """
+
+  slices: Mapping[str, tuple[Optional[tuple[int, ...]], ...]]
+  removed: tuple[str, ...]
+  attributes: Mapping[str, Mapping[str, Any]]
+  widths: Mapping[str, int]
+
+  @property
+  def empty(self) -> bool:
+    return not self.slices and not self.removed
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "slices": {k: [None if i is None else list(i) for i in v] for k, v in self.slices.items()},
+      "removed": list(self.removed),
+      "attributes": {k: {a: _jsonable(x) for a, x in v.items()} for k, v in self.attributes.items()},
+      "widths": dict(self.widths),
+    }
+
+  @classmethod
+  def from_json(cls, data: Mapping[str, Any]) -> "SurgeryPlan":
+    return cls(
+      slices={
+        k: tuple(None if i is None else tuple(int(j) for j in i) for i in v)
+        for k, v in data["slices"].items()
+      },
+      removed=tuple(data["removed"]),
+      attributes={
+        k: {a: tuple(x) if isinstance(x, list) else x for a, x in v.items()}
+        for k, v in data["attributes"].items()
+      },
+      widths=dict(data["widths"]),
+    )
+
+
+def _jsonable(value: Any) -> Any:
+  return list(value) if isinstance(value, tuple) else value
+
+
+def rounded_width(width: int, multiple: int, cap: int) -> int:
+  """``width`` rounded up to a multiple of ``multiple``, at most ``cap`` (the width it was
+  pruned from): the width a reconfiguration keeps with ``channel_multiple=multiple``."""
+  return min(cap, -(-width // multiple) * multiple)
+
+
+def _kept(group: ChannelGroup, exclude: Sequence[ParamPath], threshold: float, multiple: int):
+  """The kept channels of a group: the live ones (channel union), at least the strongest one,
+  rounded up to ``multiple`` with the strongest dead ones."""
+  strength = group.magnitude(exclude)
+  live = strength >= threshold
+  target = max(1, int(live.sum()))
+  if multiple > 1:
+    target = rounded_width(target, multiple, group.width)
+  if target > live.sum():
+    dead = np.flatnonzero(~live)
+    # strongest first; ties to the lower index
+    live = live.copy()
+    live[dead[np.argsort(-strength[dead], kind="stable")[: target - int(live.sum())]]] = True
+  return np.flatnonzero(live)
+
+
+def plan_reconfiguration(
+  model: nnx.Module,
+  graph: ChannelGraph,
+  *,
+  threshold: float = DEFAULT_THRESHOLD,
+  multiple: int = 1,
+) -> SurgeryPlan:
+  """Which channels and branches of ``model`` die (PruneTrain §4.2 channel union, §4.1 layer
+  removal), from its channel graph.
+
+  Args:
+    model: the model ``graph`` was traced from.
+    graph: :func:`~jaxprune.prunetrain.channel_graph` of ``model``.
+    threshold: a kernel group is dead when ``max|w| < threshold``.
+    multiple: every kept width is rounded up to a multiple of this (capped at the width).
+
+  Returns:
+    The :class:`SurgeryPlan` (empty when nothing dies).
+  """
+  # 1. A removable branch whose inner group died entirely goes (§4.1); decided first, since a
+  #    removed branch neither reads nor writes the groups around it any more.
+  removed = sorted(
+    {
+      g.branch
+      for g in graph.prunable
+      if g.branch is not None and not (g.magnitude() >= threshold).any()
+    }
+  )
+  removed_layers = [layer for path in removed for layer in graph.branches[path]]
+
+  def gone(path):
+    return any(path[: len(p)] == p for p in removed)
+
+  # 2. Channel union over the remaining kernels of every group.
+  keep: dict[int, np.ndarray] = {}
+  for group in graph.prunable:
+    if group.branch in removed:
+      continue
+    kept = _kept(group, removed_layers, threshold, multiple)
+    if len(kept) < group.width:
+      keep[id(group)] = kept
+
+  # 3. Per variable axis: the positions whose channel survives in every group on that axis.
+  masks = {id(g): np.isin(np.arange(g.width), keep[id(g)]) for g in graph.groups if id(g) in keep}
+  per_axis: dict[ParamPath, dict[int, np.ndarray]] = {}
+  for group in graph.groups:
+    if id(group) not in masks:
+      continue
+    for use in group.uses:
+      if gone(use.path):
+        continue
+      axis_keep = per_axis.setdefault(use.path, {}).setdefault(
+        use.axis, np.ones(len(use.coords), bool)
+      )
+      valid = use.coords >= 0
+      axis_keep[valid] &= masks[id(group)][use.coords[valid]]
+  shapes = {u.path: np.shape(group._values[u.path]) for group in graph.groups for u in group.uses}
+  slices = {
+    _key(path): tuple(
+      tuple(int(i) for i in np.flatnonzero(axes[a])) if a in axes else None
+      for a in range(len(shapes[path]))
+    )
+    for path, axes in per_axis.items()
+  }
+  attributes, widths = _attributes(model, graph, slices, shapes, keep, removed)
+  return SurgeryPlan(slices, tuple(_key(p) for p in removed), attributes, widths)
+
+
+def _new_shape(shape: tuple, index: tuple) -> tuple:
+  return tuple(n if i is None else len(i) for n, i in zip(shape, index))
+
+
+def _attributes(model, graph, slices, shapes, keep, removed):
+  """The layer attributes that follow the sliced variables, and every kernel's new width."""
+  attributes: dict[str, dict[str, Any]] = {}
+  widths: dict[str, int] = {}
+  new_shapes = {p: _new_shape(s, slices.get(_key(p), (None,) * len(s))) for p, s in shapes.items()}
+  for path, shape in new_shapes.items():
+    if any(path[: len(p)] == p for p in removed):
+      continue
+    owner = path[:-1]
+    module = submodule(model, owner)
+    if path[-1] == "kernel" and isinstance(module, nnx.Conv):
+      group = graph.conv_groups.get(path)
+      groups = module.feature_group_count
+      if group is not None and id(group) in keep:
+        groups = len(keep[id(group)])
+      widths[_key(owner)] = shape[-1]
+      attributes[_key(owner)] = {
+        "in_features": shape[-2] * groups,
+        "out_features": shape[-1],
+        "feature_group_count": groups,
+        "kernel_shape": tuple(shape),
+      }
+    elif path[-1] == "kernel" and isinstance(module, nnx.Linear):
+      widths[_key(owner)] = shape[-1]
+      attributes[_key(owner)] = {"in_features": shape[0], "out_features": shape[1]}
+    elif isinstance(module, _NORMS) and len(shape) == 1:
+      entry = {"num_features": shape[0]}
+      if isinstance(module, nnx.GroupNorm):
+        entry["num_groups"] = shape[0] // module.group_size
+      attributes[_key(owner)] = entry
+  # Only what changes.
+  attributes = {
+    k: {a: v for a, v in entry.items() if getattr(submodule(model, _path(k)), a, None) != v}
+    for k, entry in attributes.items()
+  }
+  return {k: v for k, v in attributes.items() if v}, widths
+
+
+def apply_plan(model: nnx.Module, plan: SurgeryPlan) -> None:
+  """Performs ``plan`` on ``model`` in place: removes the branches, slices every variable
+  named in ``plan.slices`` and sets the layer attributes.
+
+  Raises:
+    ValueError: a variable of the plan is missing from the model or has another rank (the
+      plan was made for another model).
+  """
+  for key in plan.removed:
+    submodule(model, _path(key)).remove_branch()
+  variables = {
+    _key(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)
+  }
+  for key, index in plan.slices.items():
+    if key not in variables or np.ndim(variables[key][...]) != len(index):
+      raise ValueError(f"plan: variable {key} is not in the model, or not of rank {len(index)}")
+    value = np.asarray(variables[key][...])
+    dtype = variables[key][...].dtype
+    for axis, kept in enumerate(index):
+      if kept is not None:
+        value = np.take(value, np.asarray(kept, int), axis=axis)
+    variables[key].set_value(jnp.asarray(value, dtype=dtype))
+  for key, entry in plan.attributes.items():
+    module = submodule(model, _path(key))
+    for name, value in entry.items():
+      setattr(module, name, value)
+
