@@ -102,6 +102,7 @@ from jaxprune.clicktrain.readouts import (
   masks,
   pattern_ids,
   pattern_usage,
+  planned_compression,
   removed_norm_fraction,
   stage_name,
 )
@@ -133,6 +134,7 @@ __all__ = [
   "masks",
   "pattern_ids",
   "pattern_usage",
+  "planned_compression",
   "removed_norm_fraction",
   "stage_name",
   # presets

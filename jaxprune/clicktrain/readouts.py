@@ -1,5 +1,8 @@
-"""Read-outs of a ClickTrain run: masks, stage, pattern usage, compression, FLOPs saved, the
-share of the weight norm the hard prune removes.
+"""Read-outs of a ClickTrain run: masks, stage, pattern usage, compression, FLOPs saved.
+
+Compression is that of the weights as they are (:func:`compression`) or that the masks plan
+(:func:`planned_compression`); :func:`removed_norm_fraction` is the share of the weight norm
+the hard prune removes.
 
 Every function takes the optimizer state as the training loop holds it and finds the one
 :class:`~jaxprune.clicktrain.state.ClickTrainState` inside: the state itself, an
@@ -42,6 +45,7 @@ __all__ = [
   "masks",
   "pattern_ids",
   "pattern_usage",
+  "planned_compression",
   "removed_norm_fraction",
   "stage_name",
 ]
@@ -166,7 +170,44 @@ def pattern_usage(opt_state: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:
 
 
 def compression(opt_state: Any, params: PyTree) -> float:
-  """Conv compression ratio (total / nonzero conv weights) with the current masks."""
+  """Conv compression ratio of the weights as they are: total / nonzero conv weights.
+
+  Until the hard prune zeroes the pruned weights every weight is still there, so a run that
+  has not pruned (or ends unpruned) reports about 1.0 whatever its masks plan; what the masks
+  will leave is :func:`planned_compression`.
+
+  Args:
+    opt_state: the optimizer state holding one ClickTrain state (see the module docstring).
+    params: the parameters (a pytree, an NNX ``State`` or a tree of Variables).
+
+  Returns:
+    ``total / nonzero`` over the conv kernels (:func:`jaxprune.flops.compression_ratio`).
+
+  Raises:
+    ValueError: no or several ClickTrain states.
+  """
+  from jaxprune import flops
+
+  find_state(opt_state)  # a read-out of a ClickTrain run
+  return flops.compression_ratio(as_pure(params))
+
+
+def planned_compression(opt_state: Any, params: PyTree) -> float:
+  """Conv compression ratio that the current masks plan: total / conv weights they keep.
+
+  What the hard prune leaves (:func:`compression` once the run is pruned); before the masks
+  are final they keep everything and this is 1.0.
+
+  Args:
+    opt_state: the optimizer state holding one ClickTrain state (see the module docstring).
+    params: the parameters (a pytree, an NNX ``State`` or a tree of Variables).
+
+  Returns:
+    ``total / nonzero`` of ``params * masks`` over the conv kernels.
+
+  Raises:
+    ValueError: no or several ClickTrain states.
+  """
   from jaxprune import flops
 
   params = as_pure(params)

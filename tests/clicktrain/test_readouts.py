@@ -52,6 +52,7 @@ def _all_readouts(opt_state, params):
     "ids": readouts.pattern_ids(opt_state),
     "usage": readouts.pattern_usage(opt_state),
     "compression": readouts.compression(opt_state, params),
+    "planned_compression": readouts.planned_compression(opt_state, params),
     "penalty": readouts.group_lasso_penalty(params, opt_state),
   }
 
@@ -71,9 +72,11 @@ def test_readouts_on_the_bare_state_match_the_state_fields():
   np.testing.assert_array_equal(out["masks"]["conv"]["kernel"], expect)
   assert out["masks"]["stem"]["kernel"] is None
   assert (~out["kernels"]["conv/kernel"]).sum() == 24  # half of 6 x 8
-  # 9 weights per kernel -> 4 per kept kernel, half the kernels kept
+  # The masks plan 4 of 9 weights per kept kernel, half the kernels kept ...
   total = 3 * 3 * 3 * 6 + 9 * 48
-  assert out["compression"] == pytest.approx(total / (3 * 3 * 3 * 6 + 4 * 24))
+  assert out["planned_compression"] == pytest.approx(total / (3 * 3 * 3 * 6 + 4 * 24))
+  # ... while these weights (the unpruned ones) are all there.
+  assert out["compression"] == 1.0
 
 
 @pytest.mark.parametrize("where", ["chain", "nested_chain", "with_group_lasso"])

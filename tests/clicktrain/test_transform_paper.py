@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxprune._states import named_leaves
 from jaxprune.clicktrain import importance, patterns, readouts
 from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
@@ -137,6 +138,40 @@ def test_read_outs_say_pruned_only_once_the_weights_are(kit):
       total, nonzero = sum(w.size for w in convs), sum(np.count_nonzero(w) for w in convs)
       assert readouts.compression(st, p) == pytest.approx(total / nonzero), i
   assert stages == ["regularize", "pruned", "pruned", "pruned"]
+
+
+def test_compression_reports_the_weights_and_planned_compression_the_masks(kit):
+  # Before the hard prune every weight is still there: compression() says 1.0 (a hand count of
+  # the nonzero conv weights) while the final masks plan more, which planned_compression()
+  # says; once pruned the two agree with the hand count.
+  tx = ct.clicktrain(
+    optax.sgd(0.05),
+    steps_per_epoch=2,
+    mode="one_shot",
+    one_shot_epoch=0,
+    hard_prune_epoch=1,
+    kernel_prune_ratio=0.5,
+  )
+  p = kit.params()
+  st = tx.init(p)
+
+  def by_hand(weights, masks=None):
+    convs = [(k, np.asarray(w)) for k, w in named_leaves(weights).items() if np.ndim(w) == 4]
+    kept = [w * np.asarray(masks[k]) if masks and masks.get(k) is not None else w for k, w in convs]
+    return sum(w.size for w in kept) / sum(np.count_nonzero(w) for w in kept)
+
+  u, st = jax.jit(tx.update)(kit.fake_grads(p, 0), st, p)
+  p = optax.apply_updates(p, u)
+  assert readouts.stage_name(st) == "regularize"  # masks final, weights not yet pruned
+  masks = named_leaves(readouts.masks(st, p))
+  assert readouts.compression(st, p) == pytest.approx(by_hand(p)) == pytest.approx(1.0)
+  planned = readouts.planned_compression(st, p)
+  assert planned == pytest.approx(by_hand(p, masks)) and planned > 1.5
+  u, st = jax.jit(tx.update)(kit.fake_grads(p, 1), st, p)
+  p = optax.apply_updates(p, u)
+  assert readouts.stage_name(st) == "pruned"
+  assert readouts.compression(st, p) == pytest.approx(by_hand(p))
+  assert readouts.compression(st, p) == pytest.approx(readouts.planned_compression(st, p))
 
 
 def test_hard_prune_keeps_pruned_weights_exactly_zero(kit):
