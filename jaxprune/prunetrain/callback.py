@@ -238,6 +238,18 @@ class PruneTrainCallback(Callback):
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
   def on_fit_start(self, trainer: TrainerLike) -> None:
     _check_reconfigurable(trainer.model)
+    # Before the first epoch trains, not at its end: the loader's batch size is known now.
+    self._check_countable(trainer)
+
+  def _check_countable(self, trainer: TrainerLike) -> None:
+    """The epochs' images are counted from the loader's batch size: a loader without one is
+    refused (``ValueError``)."""
+    if self._state["batch_size"] is None and trainer.reference_batch_size is None:
+      raise ValueError(
+        "train_loader: PruneTrainCallback counts the images of each epoch (cost accounting, "
+        "batch growth) from the loader's batch_size; the training loader has none (use a "
+        "jaxprune.data.Loader, or give the loader a batch_size attribute)"
+      )
 
   def state_dict(self) -> dict[str, Any]:
     budget = self.batch_policy.state_dict() if self.batch_policy else {"budget_bytes": None}
@@ -310,12 +322,7 @@ class PruneTrainCallback(Callback):
       )
       state["dense_costs"] = dict(state["costs"])
     if state["batch_size"] is None:
-      if trainer.reference_batch_size is None:
-        raise ValueError(
-          "train_loader: PruneTrainCallback counts the images of each epoch (cost accounting, "
-          "batch growth) from the loader's batch_size; the training loader has none (use a "
-          "jaxprune.data.Loader, or give the loader a batch_size attribute)"
-        )
+      self._check_countable(trainer)
       state["batch_size"] = int(trainer.reference_batch_size)
     reference = int(trainer.reference_batch_size or state["batch_size"])
     costs, dense = state["costs"], state["dense_costs"]

@@ -419,6 +419,7 @@ def test_callback_names_a_training_loader_without_batch_size():
   )
   with pytest.raises(ValueError, match="train_loader: .* batch_size"):
     trainer.fit(batches, None, epochs=1)
+  assert trainer.step == 0  # refused when the fit starts, not after a whole epoch trained
 
 
 def test_every_record_holds_every_key_named_per_epoch_or_total(scale_stream_channel):
