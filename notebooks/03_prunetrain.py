@@ -86,10 +86,10 @@ def step_seconds(trainer: train.Trainer) -> float:
   images, labels = jnp.asarray(batch[0]), jnp.asarray(batch[1])
   best = float("inf")
   for _ in range(STEP_TIME_ROUNDS + 1):
-    state = (trainer.params, trainer.rest, trainer.opt_state, train.Metrics.zeros())
+    state = train.TrainState.start(trainer.params, trainer.rest, trainer.opt_state)
     state = jax.block_until_ready(jax.tree.map(jnp.copy, state))
     start = time.perf_counter()
-    jax.block_until_ready(trainer.steps.train(*state, images, labels))
+    jax.block_until_ready(trainer.steps.train(state, images, labels))
     best = min(best, time.perf_counter() - start)
   return best
 

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from experiments.common import cli, pages
 from experiments.common.machine import machine_description
 from experiments.common.masks import clicktrain_to_hard_prune, step_until_pruned
-from jaxprune import clicktrain, distributed, flops, masking, models, multihost
+from jaxprune import clicktrain, distributed, flops, masking, models, multihost, train
 from jaxprune.paths import path_string
 from jaxprune.timing import mean_call_s
 from jaxprune.train import data_parallel
@@ -100,12 +100,12 @@ def bench_model(model_name: str, args: argparse.Namespace, mesh: Mesh) -> dict[s
     tx = optax.sgd(0.05, momentum=0.9)
     # The library's data-parallel step: shard_map over the batch axis, the gradients reduced
     # by distributed.allreduce_gradients (sparse with ``indices``) before ``tx``.
-    steps = data_parallel.step_functions(
-      model, tx, train_step.default_loss(), mesh, indices=idx, donate=False
+    steps = train.step_functions(
+      train.step_settings(model, tx, mesh=mesh, indices=idx, donate=False)
     )
-    state = steps.replicate((params, rest, tx.init(params), train_step.Metrics.zeros()))
+    state = steps.replicate(train.TrainState.start(params, rest, tx.init(params)))
     batch = jax.device_put((images, labels), NamedSharding(mesh, P(data_parallel.BATCH_AXIS)))
-    arguments = (*state, *batch)
+    arguments = (state, *batch)
     compiled = steps.train.lower(*arguments).compile()
     variants[label] = {
       "fn": compiled,

@@ -37,12 +37,15 @@ def step_throughput(
   """Images/s of the jitted train step alone: a fixed device-resident batch, copies of the
   trainer's state (the step donates its inputs), after one warm-up step."""
   x, y = jnp.asarray(images), jnp.asarray(labels)
-  state = [*jax.tree.map(jnp.copy, (trainer.params, trainer.rest, trainer.opt_state))]
-  state.append(train.Metrics.zeros())
+  state = [
+    train.TrainState.start(
+      *jax.tree.map(jnp.copy, (trainer.params, trainer.rest, trainer.opt_state))
+    )
+  ]
 
   def step():
-    state[:] = trainer.steps.train(*state, x, y)
-    return state
+    state[0] = trainer.steps.train(state[0], x, y)
+    return state[0]
 
   return x.shape[0] / mean_call_s(step, calls=steps)
 

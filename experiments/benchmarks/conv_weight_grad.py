@@ -47,8 +47,8 @@ def _step_seconds(trainer: train.Trainer, state: list, x, y, steps: int) -> floa
   donates its buffers)."""
 
   def step():
-    state[:] = trainer.steps.train(*state, x, y)
-    return state[0]
+    state[0] = trainer.steps.train(state[0], x, y)
+    return state[0].params
 
   return mean_call_s(step, calls=steps, warmup=0)
 
@@ -63,7 +63,7 @@ def bench_model(name: str, width: float, batch: int, steps: int, repeats: int) -
     trainer = train.Trainer(
       _model(name, width, variant == VARIANTS[0]), train.sgd(0.05, 0.9, weight_decay=5e-4)
     )
-    state = [trainer.params, trainer.rest, trainer.opt_state, train.Metrics.zeros()]
+    state = [train.TrainState.start(trainer.params, trainer.rest, trainer.opt_state)]
     _step_seconds(trainer, state, x, y, 1)  # compile
     runs[variant] = (trainer, state)
   times = {variant: [] for variant in VARIANTS}

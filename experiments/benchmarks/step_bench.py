@@ -60,7 +60,7 @@ from jaxprune.clicktrain.execution.aligned_conv import COLUMNS
 from jaxprune.clicktrain.execution.options import default_backend
 from jaxprune.sdgp import auto_backend
 from jaxprune.timing import median_call_ms
-from jaxprune.train.step import Metrics, default_loss, split_model, step_functions
+from jaxprune.train import TrainState, split_model, step_functions, step_settings
 
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 _SUITES = ("clicktrain", "clicktrain-vgg11", "sdgp", "prunetrain", "imagenet")
@@ -81,18 +81,18 @@ class _Model:
 
 
 class _Stepper:
-  """The trainer's train step (:func:`jaxprune.train.step.step_functions`, donated buffers)
+  """The trainer's train step (:func:`jaxprune.train.step_functions`, donated buffers)
   for one model and optimizer on one fixed batch."""
 
   def __init__(self, model: nnx.Module, tx, batch: tuple[jax.Array, jax.Array], opt_state=None):
-    self.graphdef, eval_def, params, rest = split_model(model)
+    self.graphdef, _, params, rest = split_model(model)
     # The step donates its inputs: copies, so the arrays ``model`` shares with the clones of
     # the other rows stay alive.
     params, rest = jax.tree.map(jnp.copy, (params, rest))
     self.tx = tx
-    self.fns = step_functions(self.graphdef, eval_def, tx, default_loss())
+    self.fns = step_functions(step_settings(model, tx))
     opt_state = tx.init(params) if opt_state is None else opt_state
-    self.state = [params, rest, opt_state, Metrics.zeros()]
+    self.state = TrainState.start(params, rest, opt_state)
     self.batch = batch
     self.executable: Callable[..., Any] = self.fns.train
 
@@ -102,12 +102,12 @@ class _Stepper:
     after the pruning run that made it) would otherwise read as free."""
     jax.clear_caches()
     start = time.perf_counter()
-    self.executable = self.fns.train.lower(*self.state, *self.batch).compile()
+    self.executable = self.fns.train.lower(self.state, *self.batch).compile()
     return time.perf_counter() - start
 
   def step(self) -> Any:
-    self.state[:] = self.executable(*self.state, *self.batch)
-    return self.state[0]
+    self.state = self.executable(self.state, *self.batch)
+    return self.state.params
 
   def snapshot(self) -> tuple[nnx.Module, Any]:
     """A fresh model with the current parameters and a copy of the optimizer state (the step

@@ -46,11 +46,11 @@ def _time(step: Callable[[], object], steps: int) -> float:
 
 def bench_split_merge(x, y, steps: int) -> float:
   trainer = train.Trainer(_model(), _tx())
-  state = [trainer.params, trainer.rest, trainer.opt_state, train.Metrics.zeros()]
+  state = [train.TrainState.start(trainer.params, trainer.rest, trainer.opt_state)]
 
   def step():
-    state[:] = trainer.steps.train(*state, x, y)
-    return state[0]
+    state[0] = trainer.steps.train(state[0], x, y)
+    return state[0].params
 
   return _time(step, steps)
 

@@ -54,11 +54,11 @@ def _forced(state: ct_state.ClickTrainState, stage: int) -> ct_state.ClickTrainS
 
 
 def _time_variant(step, state, x, y, steps: int) -> float:
-  state = list(jax.tree.map(jnp.copy, state))
+  carried = [jax.tree.map(jnp.copy, state)]
 
   def one_step():
-    state[:] = step(*state, x, y)
-    return state
+    carried[0] = step(carried[0], x, y)
+    return carried[0]
 
   return mean_call_s(one_step, calls=steps, warmup=0)
 
@@ -108,14 +108,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   def add(label, tx, stage=None):
     trainer = train.Trainer(model, tx, progress=False, donate=False)
-    state = (trainer.params, trainer.rest, trainer.opt_state, train.Metrics.zeros())
+    state = train.TrainState.start(trainer.params, trainer.rest, trainer.opt_state)
     if stage is not None:
-      state = state[:2] + (_forced(trainer.opt_state, stage),) + state[3:]
-    jax.block_until_ready(trainer.steps.train(*state[:3], state[3], x, y))  # compile
+      state = state._replace(opt_state=_forced(trainer.opt_state, stage))
+    jax.block_until_ready(trainer.steps.train(state, x, y))  # compile
     variants[label] = (trainer.steps.train, state)
     tx_extra = optax.with_extra_args_support(tx)
     update = jax.jit(lambda g, s, p, l: tx_extra.update(g, s, p, value=l))
-    updates_only[label] = (update, state[2])
+    updates_only[label] = (update, state.opt_state)
 
   add("inner optimizer alone", inner())
   tx1, tx4 = wrapped(1), wrapped(4)

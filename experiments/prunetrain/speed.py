@@ -52,12 +52,12 @@ class _Timed:
 
   def __init__(self, model: nnx.Module, batch: int, image_shape: tuple[int, ...]):
     self.batch, self.image_shape = batch, image_shape
-    train_gd, eval_gd, params, rest = train.split_model(model)
+    _, _, params, rest = train.split_model(model)
     # The step donates its inputs: copy, so the model's own arrays stay valid.
     params, rest = jax.tree.map(jnp.copy, (params, rest))
     self.tx = train.sgd(0.01, momentum=0.9, weight_decay=5e-4)
-    self.steps = train.step_functions(train_gd, eval_gd, self.tx, train.default_loss(), donate=True)
-    self.state = (params, rest, self.tx.init(params), train.Metrics.zeros())
+    self.steps = train.step_functions(train.step_settings(model, self.tx))
+    self.state = train.TrainState.start(params, rest, self.tx.init(params))
     rng = np.random.default_rng(0)
     self.images = jnp.asarray(rng.normal(size=(batch, *image_shape)).astype(np.float32))
     self.labels = jnp.asarray(rng.integers(0, 10, size=batch).astype(np.int32))
@@ -75,7 +75,7 @@ class _Timed:
     cpu_start = time.process_time()
 
     def step():
-      self.state = self.steps.train(*self.state, self.images, self.labels)
+      self.state = self.steps.train(self.state, self.images, self.labels)
       return self.state
 
     wall = mean_call_s(step, calls=steps, warmup=0)
@@ -83,10 +83,10 @@ class _Timed:
 
   def op_profile(self, steps: int) -> dict[str, float]:
     """Op-seconds per step by kind of XLA op (:mod:`experiments.common.op_profile`)."""
-    compiled = self.steps.train.lower(*self.state, self.images, self.labels).compile()
+    compiled = self.steps.train.lower(self.state, self.images, self.labels).compile()
 
     def run():
-      self.state = compiled(*self.state, self.images, self.labels)
+      self.state = compiled(self.state, self.images, self.labels)
       return self.state
 
     return op_seconds_by_kind(run, compiled.as_text(), steps)

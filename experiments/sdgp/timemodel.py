@@ -60,8 +60,8 @@ def step_job(model: nnx.Module, batch: int) -> tuple[Callable, tuple]:
   rng = np.random.default_rng(0)
   images = jnp.asarray(rng.normal(size=(batch, 32, 32, 3)).astype(np.float32))
   labels = jnp.asarray(rng.integers(0, 10, size=batch).astype(np.int32))
-  state = (trainer.params, trainer.rest, trainer.opt_state, train.Metrics.zeros())
-  return trainer.steps.train, (*state, images, labels)
+  state = train.TrainState.start(trainer.params, trainer.rest, trainer.opt_state)
+  return trainer.steps.train, (state, images, labels)
 
 
 def time_to_accuracy(

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxprune.train import _loaders
 from jaxprune.train._placement import Placement
-from jaxprune.train.step import train_step_memory
+from jaxprune.train.compiled import train_step_memory
 
 __all__ = ["BatchGrowth"]
 

@@ -51,9 +51,8 @@ class EpochLoop:
     ``step_done()`` runs after each step; ``per_step``: run a
     :class:`~jaxprune.data.DeviceLoader`'s fused steps one at a time (a step hook is due)."""
     placement = self._placement
-    metrics = Metrics.zeros()._replace(
-      nonfinite_run=jnp.float32(self._nonfinite_run[0]),
-      max_nonfinite=jnp.float32(self.max_nonfinite_steps or 0),
+    metrics = Metrics.zeros(
+      nonfinite_run=self._nonfinite_run[0], max_nonfinite=self.max_nonfinite_steps or 0
     )
     if placement.mesh is not None:
       placement.sync_reduction()

@@ -22,7 +22,8 @@ from flax import nnx
 
 from jaxprune import distributed, masking
 from jaxprune.train import _checks, data_parallel, optim
-from jaxprune.train.step import Metrics, PerExampleLoss, split_model, step_functions
+from jaxprune.train.compiled import step_functions, step_settings
+from jaxprune.train.step import Metrics, PerExampleLoss, ReductionIndices, TrainState, split_model
 
 __all__ = ["Placement"]
 
@@ -65,38 +66,30 @@ class Placement:
     """Installs ``model`` and ``opt_state`` with a step for their structure (``indices``: the
     data-parallel reduction's kept entries, ``None`` dense)."""
     self._model = model
-    train_gd, eval_gd, params, rest = split_model(model)
+    _, eval_gd, params, rest = split_model(model)
     self.params, self.rest, self.opt_state = params, rest, opt_state
     self.eval_graphdef = eval_gd
     self._model_synced = True
     # The arrays came from outside (the model, its clones, the caller's optimizer state, or
     # an optimizer state that aliases the params): copied before the first donating step.
     self._shared = ("params", "rest", "opt_state")
-    if self.mesh is None:
-      self.steps = step_functions(
-        train_gd,
-        eval_gd,
+    # A new structure (PruneTrain's reconfiguration) or new masks: a new step, compiled at
+    # its first call, and on a mesh the (new) states replicated on every device.
+    self.steps = step_functions(
+      step_settings(
+        model,
         self.tx,
         self.loss_fn,
+        mesh=self.mesh,
+        sync_batchnorm=self.sync_batchnorm,
         flip_tta=self.flip_tta,
         donate=self.donate,
         skip_nonfinite=self.skip_nonfinite,
+        indices=indices,
       )
-      return
-    # A new structure (PruneTrain's reconfiguration) or new masks: a new step, compiled at
-    # its first call, and the (new) states replicated on every device.
-    self.steps = data_parallel.step_functions(
-      model,
-      self.tx,
-      self.loss_fn,
-      self.mesh,
-      sync_batchnorm=self.sync_batchnorm,
-      flip_tta=self.flip_tta,
-      donate=self.donate,
-      indices=indices,
-      skip_nonfinite=self.skip_nonfinite,
     )
-    self.replicate()
+    if self.mesh is not None:
+      self.replicate()
 
   def rebuild_step(self) -> None:
     """A step for the current settings (``loss_fn``, ``flip_tta``, ``donate``,
@@ -116,7 +109,7 @@ class Placement:
     rebuilt (and recompiled) only when they change."""
     masks = masking.find_masks(self.opt_state, self.params)
     indices = distributed.mask_indices(masks) if masks is not None else None
-    if data_parallel.indices_digest(indices) != self.steps.indices_digest:
+    if ReductionIndices(indices) != self.steps.settings.indices:
       self.set_model(self.model, self.opt_state, indices)
 
   @property
@@ -128,7 +121,7 @@ class Placement:
   def reduction_indices(self) -> Any:
     """The index arrays of the data-parallel gradient reduction (``None``: dense, or no
     mesh)."""
-    return getattr(self.steps, "indices", None)
+    return self.steps.settings.indices.tree
 
   @property
   def model(self) -> nnx.Module:
@@ -170,13 +163,12 @@ class Placement:
       nnx.update(self._model, self.params, self.rest)
 
   def run_step(self, step: Callable[..., Any], metrics: Metrics, *batch: Any) -> Metrics:
-    """Runs a train step ``step(params, rest, opt_state, metrics, *batch)`` on the trained
-    state (a copy first where it is shared, see :meth:`_own_donated_state`), keeps the new
-    state and returns the new metrics. The model lags it until the next :attr:`model`."""
+    """Runs a train step ``step(state, *batch)`` on the trained state (a copy first where it
+    is shared, see :meth:`_own_donated_state`) and ``metrics``, keeps the new state and
+    returns the new metrics. The model lags it until the next :attr:`model`."""
     self._own_donated_state()
-    self.params, self.rest, self.opt_state, metrics = step(
-      self.params, self.rest, self.opt_state, metrics, *batch
-    )
+    state = TrainState(self.params, self.rest, self.opt_state, metrics)
+    self.params, self.rest, self.opt_state, metrics = step(state, *batch)
     self._model_synced = False
     return metrics
 

@@ -1,74 +1,165 @@
-"""Jit-compiled train and eval steps over a split NNX model.
+"""The train and eval steps over a split NNX model: one step body for one device and for data
+parallelism, and its jitted functions on one device.
 
-The model is split once into ``graphdef`` (static structure, baked into the jitted
-closure) and two pure-array pytrees: ``params`` (``nnx.Param``) and ``rest`` (batch
-statistics, RNG counters and keys, anything else). Each step is a plain ``jax.jit``
-with donated buffers: no NNX graph traversal happens per call (it happens once, at
-trace time), which is measurably faster than ``nnx.jit`` for small models on CPU.
+The model is split once into ``graphdef`` (static structure, baked into the jitted closure)
+and two pure-array pytrees: ``params`` (``nnx.Param``) and ``rest`` (batch statistics, RNG
+counters and keys, anything else). Each step is a plain ``jax.jit`` with donated buffers: no
+NNX graph traversal happens per call (it happens once, at trace time), which is measurably
+faster than ``nnx.jit`` for small models on CPU.
 
-The optimizer sees exactly what ``nnx.Optimizer.update(model, grads, value=loss)``
-passes: ``tx.update(grads, opt_state, params, value=loss)`` with ``nnx.as_pure`` State
-pytrees, so every Optax transform (including ``GradientTransformationExtraArgs``
-wrappers that read the loss) works unchanged and opt states are interchangeable.
+:func:`train_step` is the one sequence of a train step (forward/backward, the optimizer, the
+non-finite guard, the metric sums); with an ``axis_name`` it runs on one device's shard of a
+data-parallel step and adds the reductions over that axis (:mod:`jaxprune.train.data_parallel`
+compiles it over a mesh). What the compiled steps depend on besides their arrays is one
+hashable :class:`StepSettings`, the compile cache key (:func:`jaxprune.train.step_functions`).
+
+The optimizer sees exactly what ``nnx.Optimizer.update(model, grads, value=loss)`` passes:
+``tx.update(grads, opt_state, params, value=loss)`` with ``nnx.as_pure`` State pytrees, so
+every Optax transform (including ``GradientTransformationExtraArgs`` wrappers that read the
+loss) works unchanged and opt states are interchangeable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
+from jaxprune import distributed
 from jaxprune.train import _checks
+from jaxprune.train._nonfinite import (
+  NonFiniteState,
+  count_step,
+  keep_state_if_finite,
+  skip_if_nonfinite,
+  step_finite,
+)
 from jaxprune.train.loss import correct_per_example, cross_entropy_per_example
 
 PerExampleLoss = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 class Metrics(NamedTuple):
-  """Device-side running sums; ``count`` is the number of examples.
+  """Device-side running sums (``count``: examples) and the non-finite bookkeeping.
 
-  A train step whose loss **or gradients** are not finite adds nothing to the sums and counts
-  in ``nonfinite`` instead (one NaN batch would otherwise make the epoch's mean loss NaN and
-  hide the finite ones; a finite loss can come with NaN gradients, e.g. from one NaN pixel);
-  the trainer's step also leaves its update out (see :func:`skip_if_nonfinite`). The fields
-  after ``steps`` say why, for the trainer's warning, and track runs of consecutive
-  non-finite steps for its stop (``max_nonfinite_steps`` of :class:`~jaxprune.train.Trainer`).
+  A train step whose loss **or gradients** are not finite adds nothing to the sums (one NaN
+  batch would otherwise make the epoch's mean loss NaN and hide the finite ones) and is
+  counted in ``nonfinite_state`` instead (:class:`~jaxprune.train.NonFiniteState`).
   """
 
   loss_sum: jax.Array
   correct_sum: jax.Array
   count: jax.Array
-  nonfinite: jax.Array  # train steps with a NaN / Inf loss or gradient, left out of the sums
-  steps: jax.Array  # train steps seen
-  nonfinite_inputs: jax.Array  # train steps whose images (or soft labels) hold NaN / Inf
-  first_nonfinite_input: jax.Array  # 1-based step (of ``steps``) of the first of them; 0: none
-  labels_out_of_range: jax.Array  # non-finite train steps with class ids outside [0, classes)
-  num_classes: jax.Array  # the model's outputs (the logits' last axis); 0 before a train step
-  # Consecutive non-finite steps ending at the latest step; the trainer starts an epoch with
-  # the previous epoch's, so a run spans epochs.
-  nonfinite_run: jax.Array
-  run_start: jax.Array  # 1-based step where that run began; 0: no run, or an earlier epoch
-  max_nonfinite: jax.Array  # the run length that stops the run (set by the trainer); 0: none
-  limit_reached: jax.Array  # 1 once a run reached ``max_nonfinite`` (0 before)
-  limit_run_start: jax.Array  # ``run_start`` of the first such run (0: an earlier epoch)
+  nonfinite_state: NonFiniteState
 
   @classmethod
-  def zeros(cls) -> "Metrics":
-    return cls(*(jnp.zeros([], jnp.float32) for _ in cls._fields))
+  def zeros(cls, *, nonfinite_run: float = 0, max_nonfinite: float = 0) -> "Metrics":
+    """Empty sums; the non-finite run as in :meth:`NonFiniteState.zeros`."""
+    # One buffer per field: the step donates them, and one buffer cannot be donated twice.
+    state = NonFiniteState.zeros(nonfinite_run=nonfinite_run, max_nonfinite=max_nonfinite)
+    return cls(*(jnp.zeros([], jnp.float32) for _ in range(3)), state)
+
+  def add(self, loss_sum: jax.Array, correct_sum: jax.Array, count: jax.Array) -> "Metrics":
+    """These metrics with one batch's sums added."""
+    return self._replace(
+      loss_sum=self.loss_sum + loss_sum,
+      correct_sum=self.correct_sum + correct_sum,
+      count=self.count + count,
+    )
 
   def summary(self) -> dict[str, float]:
+    """Mean ``loss`` and ``acc``, ``count``, and the non-finite counters by name (ints)."""
     count = float(self.count)
     out = {
       "loss": float(self.loss_sum) / count if count else float("nan"),
       "acc": float(self.correct_sum) / count if count else float("nan"),
       "count": int(count),
     }
-    return out | {name: int(getattr(self, name)) for name in self._fields[3:]}
+    return out | {name: int(v) for name, v in self.nonfinite_state._asdict().items()}
+
+
+class TrainState(NamedTuple):
+  """What a train step reads and returns (donated to it): the model's params and other
+  variables, the raw Optax state and the running :class:`Metrics`."""
+
+  params: Any
+  rest: Any
+  opt_state: Any
+  metrics: Metrics
+
+  @classmethod
+  def start(cls, params: Any, rest: Any, opt_state: Any) -> "TrainState":
+    """The state with empty :class:`Metrics`."""
+    return cls(params, rest, opt_state, Metrics.zeros())
+
+
+def indices_digest(indices: Any) -> str | None:
+  """A fingerprint of reduction index arrays (``None`` for the dense reduction), to notice
+  when the masks changed and the step must be rebuilt."""
+  if indices is None:
+    return None
+  digest = hashlib.sha1()
+  for leaf in jax.tree.leaves(indices, is_leaf=lambda x: x is None):
+    digest.update(b"-" if leaf is None else np.asarray(leaf, np.int32).tobytes() + b"|")
+  return digest.hexdigest()
+
+
+class ReductionIndices:
+  """The data-parallel reduction's index arrays (``tree``; ``None``: dense), hashed by content
+  so that :class:`StepSettings` can be a cache key."""
+
+  def __init__(self, tree: Any = None):
+    self.tree, self.digest = tree, indices_digest(tree)
+
+  def __hash__(self) -> int:
+    return hash(self.digest)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, ReductionIndices) and other.digest == self.digest
+
+  def __repr__(self) -> str:
+    return f"ReductionIndices({self.digest})"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+  """Everything the compiled steps depend on besides their arrays; hashable, so it is the
+  compile cache key of :func:`jaxprune.train.step_functions`.
+
+  Attributes:
+    train_graphdef: train-mode graphdef (with a BatchNorm ``axis_name`` for synchronised
+      statistics, :func:`jaxprune.train.data_parallel.train_graphdef`).
+    eval_graphdef: eval-mode graphdef.
+    tx: the optimizer.
+    loss_fn: per-example loss.
+    flip_tta: flip test-time augmentation in eval.
+    donate: donate the states to the steps.
+    skip_nonfinite: a non-finite step leaves params and optimizer state as they were;
+      ``False`` applies whatever the optimizer makes of them.
+    mesh: a mesh with a ``"batch"`` axis for data parallelism; ``None``: one device.
+    rng_keys: per leaf of ``rest``, is it an ``nnx.RngKey`` (folded per device on a mesh;
+      :func:`jaxprune.train.data_parallel.rng_key_leaves`).
+    indices: the data-parallel gradient reduction's kept entries (dense by default).
+  """
+
+  train_graphdef: nnx.GraphDef
+  eval_graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  loss_fn: PerExampleLoss
+  flip_tta: bool = False
+  donate: bool = True
+  skip_nonfinite: bool = True
+  mesh: Any = None
+  rng_keys: tuple[bool, ...] = ()
+  indices: ReductionIndices = ReductionIndices()
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.GraphDef, Any, Any]:
@@ -102,11 +193,7 @@ def forward_backward(
   images: jax.Array,
   labels: jax.Array,
 ) -> tuple[jax.Array, jax.Array, Any, Any]:
-  """Mean loss over ``images``, logits, the new non-param state and the gradients.
-
-  Shared by the single-device step and the data-parallel one
-  (:mod:`jaxprune.train.data_parallel`), which calls it on each device's shard.
-  """
+  """Mean loss over ``images``, logits, the new non-param state and the gradients."""
 
   def compute_loss(params):
     model = nnx.merge(graphdef, params, rest)
@@ -122,188 +209,169 @@ def forward_backward(
 def apply_optimizer(
   tx: optax.GradientTransformationExtraArgs, grads: Any, opt_state: Any, params: Any, loss
 ) -> tuple[Any, Any]:
-  """``(new_params, new_opt_state)``; as ``nnx.Optimizer.update``, the loss reaches
-  ``GradientTransformationExtraArgs`` as ``value``."""
+  """``(new_params, new_opt_state)``; the loss reaches ``tx`` as ``value``, as in
+  ``nnx.Optimizer.update``."""
   updates, opt_state = tx.update(grads, opt_state, params, value=loss)
   return optax.apply_updates(params, updates), opt_state
 
 
-def train_sums(
-  loss: jax.Array, logits: jax.Array, labels: jax.Array, finite: jax.Array | None = None
-) -> Metrics:
-  """One batch's contribution to the running sums of :class:`Metrics` (the counting fields
-  after ``nonfinite`` are :func:`count_step`'s).
+def _map_rng_keys(rest: Any, rng_keys: tuple[bool, ...], fn: Callable) -> Any:
+  """``rest`` with ``fn(leaf, i)`` applied to the ``i``-th leaf where ``rng_keys`` says it is
+  a random stream's key."""
+  if not any(rng_keys):
+    return rest
+  leaves, treedef = jax.tree.flatten(rest)
+  return jax.tree.unflatten(
+    treedef, [fn(x, i) if k else x for i, (x, k) in enumerate(zip(leaves, rng_keys))]
+  )
 
-  ``finite`` (default ``isfinite(loss)``) decides whether the batch counts; the train steps
-  pass :func:`step_finite`'s decision (a data-parallel step the global one, so every device
-  makes the same decision).
-  """
-  finite = jnp.isfinite(loss) if finite is None else finite
-  # A select, not a product: 0 · NaN would poison the sums (see Metrics).
+
+def _shard_forward_backward(
+  settings: StepSettings, params: Any, rest: Any, images: jax.Array, labels: jax.Array, axis_name
+) -> tuple[jax.Array, jax.Array, Any, Any]:
+  """:func:`forward_backward` on this device's shard; on a mapped axis each device draws its
+  own random numbers (keys folded with its index, restored after) while the state stays
+  replicated."""
+  if axis_name is None:
+    return forward_backward(settings.train_graphdef, settings.loss_fn, params, rest, images, labels)
+  index = jax.lax.axis_index(axis_name)
+  folded = _map_rng_keys(rest, settings.rng_keys, lambda x, _: jax.random.fold_in(x, index))
+  with distributed.per_device_keys(axis_name):
+    loss, logits, new_rest, grads = forward_backward(
+      settings.train_graphdef, settings.loss_fn, params, folded, images, labels
+    )
+  old = jax.tree.leaves(rest)
+  new_rest = _map_rng_keys(new_rest, settings.rng_keys, lambda _, i: old[i])
+  # BatchNorm's running statistics: the devices' average, so they stay replicated (counters
+  # and keys are the same on every device already).
+  new_rest = jax.tree.map(
+    lambda x: jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x, new_rest
+  )
+  return loss, logits, new_rest, grads
+
+
+def _step_decision(
+  loss: jax.Array, grads: Any, images: jax.Array, labels: jax.Array, num_classes: int, axis_name
+) -> tuple[jax.Array, _checks.BatchFlags, jax.Array]:
+  """``(finite, flags, loss)``: whether the step is finite, why it may not be, and the loss
+  the optimizer sees; on a mapped axis, one decision and the mean loss over every device."""
+  finite = step_finite(loss, grads)
+  flags = _checks.batch_flags(images, labels, num_classes)
+  if axis_name is None:
+    return finite, flags, loss
+  # From every device's loss and gradients (before the reduction: a NaN at an entry the
+  # sparse reduction leaves out counts too) and batch, in ONE all-reduce with the loss: a NaN
+  # on one device is one non-finite step, counted once, not per device. Equal shards: the
+  # global mean loss is the mean of the shards' means.
+  local = jnp.stack([~finite, *flags]).astype(jnp.float32)
+  loss, local = jax.lax.pmean((loss, local), axis_name)
+  return local[0] == 0, _checks.BatchFlags(*(local[1:] > 0)), loss
+
+
+def _train_sums(
+  loss: jax.Array, logits: jax.Array, labels: jax.Array, finite: jax.Array, axis_name
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One batch's ``(loss_sum, correct_sum, count)``, zero when the step is not finite; summed
+  over a mapped axis."""
+  # A select, not a product: 0 · NaN would poison the sums.
   batch = jnp.where(finite, logits.shape[0], 0).astype(jnp.float32)
-  zero = jnp.zeros([], jnp.float32)
-  return Metrics(
+  sums = (
     jnp.where(finite, loss * batch, 0.0),
     jnp.where(finite, jnp.sum(correct_per_example(logits, labels)), 0.0),
     batch,
-    (~finite).astype(jnp.float32),
-    *(zero for _ in Metrics._fields[4:]),
   )
+  return sums if axis_name is None else jax.lax.psum(sums, axis_name)
 
 
-def step_finite(loss: jax.Array, grads: Any) -> jax.Array:
-  """Whether a train step is finite: its loss **and** every gradient entry (one decision)."""
-  return _checks.tree_all_finite(loss, grads)
-
-
-def count_step(
-  metrics: Metrics, sums: Metrics, finite: jax.Array, flags: _checks.BatchFlags, num_classes: int
-) -> Metrics:
-  """``metrics`` after one train step: ``sums`` added, the step counted, and the causes of a
-  non-finite step (:class:`~jaxprune.train._checks.BatchFlags`) recorded."""
-  out = add_metrics(metrics, sums)
-  bad_inputs = flags.inputs_nonfinite
-  first = jnp.where(
-    (metrics.first_nonfinite_input == 0) & bad_inputs,
-    metrics.steps + 1,
-    metrics.first_nonfinite_input,
-  )
-  # Runs of consecutive non-finite steps: a stop needs the first batch of the run named.
-  run = jnp.where(finite, 0.0, metrics.nonfinite_run + 1)
-  begins = ~finite & (metrics.nonfinite_run == 0)
-  run_start = jnp.where(finite, 0.0, jnp.where(begins, metrics.steps + 1, metrics.run_start))
-  hit = (metrics.limit_reached == 0) & (metrics.max_nonfinite > 0) & (run >= metrics.max_nonfinite)
-  return out._replace(
-    steps=metrics.steps + 1,
-    nonfinite_inputs=metrics.nonfinite_inputs + bad_inputs.astype(jnp.float32),
-    first_nonfinite_input=first,
-    labels_out_of_range=metrics.labels_out_of_range
-    + (flags.labels_out_of_range & ~finite).astype(jnp.float32),
-    num_classes=jnp.full([], num_classes, jnp.float32),
-    nonfinite_run=run,
-    run_start=run_start,
-    limit_reached=jnp.where(hit, 1.0, metrics.limit_reached),
-    limit_run_start=jnp.where(hit, run_start, metrics.limit_run_start),
-  )
-
-
-def skip_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where the step was finite, else ``old``: every leaf (params, the optimizer state
-  with its momentum and step count), so a non-finite step leaves no trace in them.
-
-  A select, not a ``lax.cond``: both branches are already computed, and a select keeps the
-  fused steps of a ``lax.scan`` free of control flow. One NaN gradient applied would make
-  every parameter NaN at the next step through the momentum, and a NaN in ``params`` never
-  leaves.
-  """
-  return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-
-def keep_state_if_finite(finite: jax.Array, new_rest: Any, rest: Any) -> Any:
-  """``new_rest`` where the step was finite, else the floating leaves of ``rest``.
-
-  A non-finite batch would otherwise write NaN into BatchNorm's running statistics even when
-  its update is skipped (:func:`skip_if_nonfinite`), and every later eval would be NaN;
-  counters and keys advance either way.
-  """
-  return jax.tree.map(
-    lambda new, old: jnp.where(finite, new, old) if jnp.issubdtype(new.dtype, jnp.inexact) else new,
-    new_rest,
-    rest,
-  )
-
-
-def add_metrics(metrics: Metrics, sums: Metrics) -> Metrics:
-  return Metrics(*(a + b for a, b in zip(metrics, sums)))
-
-
-def _train_step(
-  graphdef: nnx.GraphDef,
-  tx: optax.GradientTransformationExtraArgs,
-  loss_fn: PerExampleLoss,
-  skip_nonfinite: bool,
-  params: Any,
-  rest: Any,
-  opt_state: Any,
-  metrics: Metrics,
+def train_step(
+  settings: StepSettings,
+  state: TrainState,
   images: jax.Array,
   labels: jax.Array,
-):
-  loss, logits, new_rest, grads = forward_backward(graphdef, loss_fn, params, rest, images, labels)
-  finite = step_finite(loss, grads)
-  flags = _checks.batch_flags(images, labels, logits.shape[-1])
-  new_params, new_opt_state = apply_optimizer(tx, grads, opt_state, params, loss)
-  if skip_nonfinite:
+  *,
+  axis_name: Any = None,
+) -> TrainState:
+  """One train step: forward/backward, the optimizer's update, the non-finite guard, metrics.
+
+  With ``axis_name`` (inside ``jax.shard_map`` or ``jax.pmap`` over it) this is one device's
+  part of a data-parallel step on its shard of the global batch: the loss, the non-finite
+  decision and the metric sums are reduced over the axis, the gradients by
+  :func:`jaxprune.distributed.allreduce_gradients` (sparse with ``settings.indices``), and
+  BatchNorm's running statistics averaged, so ``tx`` runs the same replicated update on
+  every device (:mod:`jaxprune.train.data_parallel`).
+
+  Args:
+    settings: the step's settings (graphdef, ``tx``, loss, non-finite handling).
+    state: params, rest, optimizer state and metrics (replicated on a mapped axis).
+    images: the batch (this device's shard on a mapped axis; equal shard sizes).
+    labels: its labels.
+    axis_name: the mapped axis of a data-parallel step; ``None``: one device.
+
+  Returns:
+    The new :class:`TrainState` (the same on every device). With ``settings.skip_nonfinite``
+    a step whose loss or gradients are not finite leaves params and optimizer state as they
+    were; BatchNorm's statistics are kept either way.
+
+  Example (``jax.pmap``: the batch reshaped to ``[devices, per_device, ...]``)::
+
+    step = jax.pmap(functools.partial(train_step, settings, axis_name="batch"),
+                    axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
+    state = step(state, images.reshape(4, -1, *images.shape[1:]), labels.reshape(4, -1))
+  """
+  params, rest, opt_state, metrics = state
+  loss, logits, new_rest, grads = _shard_forward_backward(
+    settings, params, rest, images, labels, axis_name
+  )
+  num_classes = logits.shape[-1]
+  finite, flags, loss_all = _step_decision(loss, grads, images, labels, num_classes, axis_name)
+  if axis_name is not None:
+    reduce = distributed.allreduce_gradients(axis_name, indices=settings.indices.tree)
+    grads, _ = reduce.update(grads, reduce.init(params))
+  tx = optax.with_extra_args_support(settings.tx)
+  new_params, new_opt_state = apply_optimizer(tx, grads, opt_state, params, loss_all)
+  if settings.skip_nonfinite:
     new_params, new_opt_state = skip_if_nonfinite(
       finite, (new_params, new_opt_state), (params, opt_state)
     )
-  params, opt_state = new_params, new_opt_state
-  new_rest = keep_state_if_finite(finite, new_rest, rest)
-  sums = train_sums(loss, logits, labels, finite)
-  return params, new_rest, opt_state, count_step(metrics, sums, finite, flags, logits.shape[-1])
+  metrics = metrics.add(*_train_sums(loss, logits, labels, finite, axis_name))
+  metrics = metrics._replace(
+    nonfinite_state=count_step(metrics.nonfinite_state, finite, flags, num_classes)
+  )
+  return TrainState(
+    new_params, keep_state_if_finite(finite, new_rest, rest), new_opt_state, metrics
+  )
 
 
 def fused_train_steps(
   train_step: Callable,
   make_batch: Callable,
-  params: Any,
-  rest: Any,
-  opt_state: Any,
-  metrics: Metrics,
+  state: TrainState,
   images: jax.Array,
   labels: jax.Array,
   indices: jax.Array,
   seed: jax.Array,
   epoch: jax.Array,
   steps: jax.Array,
-):
-  """``len(steps)`` calls of ``train_step(params, rest, opt_state, metrics, *batch)`` in one
-  ``lax.scan``, step ``k`` on ``make_batch(images, labels, indices[k], seed, epoch,
-  steps[k])``: the body of :meth:`StepFunctions.fused_train` (and of the data-parallel one,
-  whose ``train_step`` is the mapped step). Returns the new ``(params, rest, opt_state,
-  metrics)``."""
+) -> TrainState:
+  """``len(steps)`` calls of ``train_step(state, *batch)`` in one ``lax.scan``.
+
+  Step ``k`` trains on ``make_batch(images, labels, indices[k], seed, epoch, steps[k])``: the
+  body of :meth:`StepFunctions.fused_train` (and of the data-parallel one, whose
+  ``train_step`` is the mapped step).
+  """
   # K train steps in one call: each makes its batch from the device-resident data set, so
   # the host neither builds nor copies batches and dispatches once per K steps.
   if steps.shape[0] == 1:
     # One step: no loop. XLA:CPU ran a train step inside a one-trip scan 7x slower than the
-    # same step outside it (a VGG-11 at width 1/8, 2026-11).
-    batch = make_batch(images, labels, indices[0], seed, epoch, steps[0])
-    return train_step(params, rest, opt_state, metrics, *batch)
+    # same step outside it (a VGG-11 at width 1/8).
+    return train_step(state, *make_batch(images, labels, indices[0], seed, epoch, steps[0]))
 
   def one_step(carry, xs):
     batch_indices, step = xs
-    batch = make_batch(images, labels, batch_indices, seed, epoch, step)
-    return train_step(*carry, *batch), None
+    return train_step(carry, *make_batch(images, labels, batch_indices, seed, epoch, step)), None
 
-  carry, _ = jax.lax.scan(one_step, (params, rest, opt_state, metrics), (indices, steps))
-  return carry
-
-
-def eval_sums(
-  graphdef: nnx.GraphDef,
-  loss_fn: PerExampleLoss,
-  flip_tta: bool,
-  params: Any,
-  rest: Any,
-  images: jax.Array,
-  labels: jax.Array,
-  weights: jax.Array,
-) -> Metrics:
-  """One eval batch's contribution to the running :class:`Metrics` (weight 0 = padding)."""
-  model = nnx.merge(graphdef, params, rest)
-  logits = model(images)
-  if flip_tta:
-    # Test-time augmentation of the SDGP/ffcv recipe: average the logits of the image
-    # and its horizontal mirror (NHWC: width is axis 2).
-    logits = 0.5 * (logits + model(images[:, :, ::-1, :]))
-  per_example = loss_fn(logits, labels)
-  return Metrics(
-    jnp.sum(per_example * weights),
-    jnp.sum(correct_per_example(logits, labels) * weights),
-    jnp.sum(weights),
-    # eval counts no train steps
-    *(jnp.zeros([], jnp.float32) for _ in Metrics._fields[3:]),
-  )
+  state, _ = jax.lax.scan(one_step, state, (indices, steps))
+  return state
 
 
 def eval_step(
@@ -319,160 +387,76 @@ def eval_step(
   *,
   axis_name: Any = None,
 ) -> Metrics:
-  """``metrics`` plus the batch's sums; with ``axis_name`` (inside a data-parallel step on
-  one shard of the batch) the sums are added up over that axis."""
-  sums = eval_sums(graphdef, loss_fn, flip_tta, params, rest, images, labels, weights)
+  """``metrics`` plus one eval batch's sums (weight 0 = padding); with ``axis_name`` (inside
+  a data-parallel step on one shard of the batch) the sums are added up over that axis."""
+  model = nnx.merge(graphdef, params, rest)
+  logits = model(images)
+  if flip_tta:
+    # Test-time augmentation of the SDGP/ffcv recipe: average the logits of the image
+    # and its horizontal mirror (NHWC: width is axis 2).
+    logits = 0.5 * (logits + model(images[:, :, ::-1, :]))
+  sums = (
+    jnp.sum(loss_fn(logits, labels) * weights),
+    jnp.sum(correct_per_example(logits, labels) * weights),
+    jnp.sum(weights),
+  )
   if axis_name is not None:
     sums = jax.lax.psum(sums, axis_name)
-  return add_metrics(metrics, sums)
-
-
-@functools.lru_cache(maxsize=32)
-def step_functions(
-  train_graphdef: nnx.GraphDef,
-  eval_graphdef: nnx.GraphDef,
-  tx: optax.GradientTransformation,
-  loss_fn: PerExampleLoss,
-  *,
-  flip_tta: bool = False,
-  donate: bool = True,
-  skip_nonfinite: bool = True,
-) -> "StepFunctions":
-  """Cached :class:`StepFunctions`: a model structure seen before (same graphdefs, same
-  ``tx`` and ``loss_fn`` objects) reuses the already compiled executables, e.g. when a
-  run is resumed in the same process or several runs share one optimizer."""
-  return StepFunctions(
-    train_graphdef,
-    eval_graphdef,
-    tx,
-    loss_fn,
-    flip_tta=flip_tta,
-    donate=donate,
-    skip_nonfinite=skip_nonfinite,
-  )
+  return metrics.add(*sums)
 
 
 class StepFunctions:
-  """Jitted train / eval steps for one model structure (rebuilt when shapes change).
+  """Jitted train / eval steps on one device for one :class:`StepSettings`.
 
-  ``train(params, rest, opt_state, metrics, images, labels)`` returns the new
-  ``(params, rest, opt_state, metrics)``; its first four arguments are donated.
+  ``train(state, images, labels)`` returns the new :class:`TrainState` (``state`` donated).
   ``evaluate(params, rest, metrics, images, labels, weights)`` returns metrics; rows with
   weight 0 are padding (so a short last batch reuses the compiled step).
-  :meth:`fused_train` runs several steps per call on batches made on the device.
-  With ``skip_nonfinite`` (default) a step whose loss or gradients are not finite leaves
-  params and optimizer state as they were (:func:`skip_if_nonfinite`); ``False`` applies
-  whatever the optimizer makes of them.
+  :meth:`fused_train` runs several steps per call on batches made on the device. Build it
+  with :func:`jaxprune.train.step_functions` (cached on the settings).
   """
 
-  def __init__(
-    self,
-    train_graphdef: nnx.GraphDef,
-    eval_graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    loss_fn: PerExampleLoss,
-    *,
-    flip_tta: bool = False,
-    donate: bool = True,
-    skip_nonfinite: bool = True,
-  ):
-    tx = optax.with_extra_args_support(tx)
+  axis_name: Any = None  # the mapped axis of the data-parallel steps
+
+  def __init__(self, settings: StepSettings):
+    self.settings = settings
     # One train step, jitted alone (train) and inside the fused loop (fused_train).
-    self._train_step = functools.partial(
-      _train_step, train_graphdef, tx, loss_fn, bool(skip_nonfinite)
-    )
-    self._donate = (0, 1, 2, 3) if donate else ()
+    self._train_step = functools.partial(train_step, settings, axis_name=self.axis_name)
     self._fused: dict[Callable, Callable] = {}
-    self.train = jax.jit(self._train_step, donate_argnums=self._donate)
-    self.evaluate = jax.jit(
-      functools.partial(eval_step, eval_graphdef, loss_fn, flip_tta),
-      donate_argnums=(2,) if donate else (),
+    self.train = self._compile_train(self._train_step)
+    self.evaluate = self._compile_eval(
+      functools.partial(
+        eval_step,
+        settings.eval_graphdef,
+        settings.loss_fn,
+        settings.flip_tta,
+        axis_name=self.axis_name,
+      )
+    )
+
+  @property
+  def _donate(self) -> tuple[int, ...]:
+    return (0,) if self.settings.donate else ()
+
+  def _compile_train(self, step: Callable) -> Callable:
+    return jax.jit(step, donate_argnums=self._donate)
+
+  def _compile_eval(self, step: Callable) -> Callable:
+    return jax.jit(step, donate_argnums=(2,) if self.settings.donate else ())
+
+  def _compile_fused(self, make_batch: Callable) -> Callable:
+    return jax.jit(
+      functools.partial(fused_train_steps, self._train_step, make_batch),
+      donate_argnums=self._donate,
     )
 
   def fused_train(self, make_batch: Callable) -> Callable:
-    """The jitted ``fn(params, rest, opt_state, metrics, images, labels, indices, seed, epoch,
-    steps)``: ``len(steps)`` train steps in one ``lax.scan``, step ``k`` on
-    ``make_batch(images, labels, indices[k], seed, epoch, steps[k])`` (a
-    :class:`~jaxprune.data.DeviceLoader`'s :meth:`~jaxprune.data.DeviceLoader.make_batch`).
-    Each step is :attr:`train`'s, so K fused steps compute what K single steps compute."""
+    """The jitted ``fn(state, images, labels, indices, seed, epoch, steps)``.
+
+    ``len(steps)`` train steps in one ``lax.scan``, step ``k`` on ``make_batch(images,
+    labels, indices[k], seed, epoch, steps[k])`` (a :class:`~jaxprune.data.DeviceLoader`'s
+    :meth:`~jaxprune.data.DeviceLoader.make_batch`). Each step is :attr:`train`'s, so K fused
+    steps compute what K single steps compute.
+    """
     if make_batch not in self._fused:
-      self._fused[make_batch] = jax.jit(
-        functools.partial(fused_train_steps, self._train_step, make_batch),
-        donate_argnums=self._donate,
-      )
+      self._fused[make_batch] = self._compile_fused(make_batch)
     return self._fused[make_batch]
-
-
-def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
-
-
-def memory_bytes(stats: Any) -> int:
-  """Bytes a compiled executable needs: arguments + outputs + temporaries - donated
-  aliases, or XLA's reported peak if that is larger."""
-  total = int(
-    stats.argument_size_in_bytes
-    + stats.output_size_in_bytes
-    + stats.temp_size_in_bytes
-    - stats.alias_size_in_bytes
-  )
-  return max(total, int(getattr(stats, "peak_memory_in_bytes", 0) or 0))
-
-
-def train_step_memory(
-  steps: StepFunctions,
-  params: Any,
-  rest: Any,
-  opt_state: Any,
-  image_shape: tuple[int, ...],
-  batch_size: int,
-  *,
-  num_classes: int | None = None,
-  soft_labels: bool = False,
-) -> dict[str, int]:
-  """XLA memory analysis of the compiled train step at ``batch_size``.
-
-  Compiles (does not run) ``steps.train`` on abstract inputs of shape
-  ``[batch_size, *image_shape]`` and returns the executable's memory statistics;
-  PruneTrain's dynamic mini-batch (§4.3) uses ``"total"`` to pick the largest batch
-  that fits the memory freed by a reconfiguration.
-
-  Args:
-    steps: the jitted step functions.
-    params, rest, opt_state: current model / optimizer states (only shapes are used).
-    image_shape: one example's shape, e.g. ``(32, 32, 3)``.
-    batch_size: batch size to analyse.
-    num_classes: required if ``soft_labels``.
-    soft_labels: analyse with ``[B, C]`` float labels instead of int ``[B]``.
-
-  Returns:
-    dict with ``argument``, ``output``, ``temp``, ``alias``, ``generated_code`` and
-    ``total`` (:func:`memory_bytes`) in bytes.
-  """
-  if batch_size < 1:
-    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-  if soft_labels and num_classes is None:
-    raise ValueError("num_classes is required when soft_labels=True")
-  images = jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32)
-  labels = (
-    jax.ShapeDtypeStruct((batch_size, num_classes), jnp.float32)
-    if soft_labels
-    else jax.ShapeDtypeStruct((batch_size,), jnp.int32)
-  )
-  compiled = steps.train.lower(
-    _abstract(params),
-    _abstract(rest),
-    _abstract(opt_state),
-    _abstract(Metrics.zeros()),
-    images,
-    labels,
-  ).compile()
-  stats = compiled.memory_analysis()
-  return {
-    "argument": int(stats.argument_size_in_bytes),
-    "output": int(stats.output_size_in_bytes),
-    "temp": int(stats.temp_size_in_bytes),
-    "alias": int(stats.alias_size_in_bytes),
-    "generated_code": int(stats.generated_code_size_in_bytes),
-    "total": memory_bytes(stats),
-  }

@@ -41,6 +41,7 @@ _WORKER = textwrap.dedent(
     from jaxprune import data, distributed, masking
     from jaxprune.paths import path_string
     from jaxprune.train import CheckpointStore, Trainer
+    from jaxprune.train import compiled as cp
     from jaxprune.train import data_parallel as dp
     from jaxprune.train import step as st
 
@@ -92,22 +93,22 @@ _WORKER = textwrap.dedent(
     # Pruned weights stay zero (their momentum from the dense steps is masked away).
     tx = optax.chain(optax.sgd(0.1, momentum=0.9), masking.mask(masks))
     steps_for = {
-      "dense": dp.step_functions(model, tx, st.default_loss(), mesh),
-      "sparse": dp.step_functions(model, tx, st.default_loss(), mesh,
-                                  indices=distributed.mask_indices(masks)),
+      "dense": cp.step_functions(cp.step_settings(model, tx, mesh=mesh)),
+      "sparse": cp.step_functions(cp.step_settings(model, tx, mesh=mesh,
+                                                   indices=distributed.mask_indices(masks))),
     }
     def local(tree):
       # Replicated over every process's devices: this process's own copy.
       return jax.tree.map(
         lambda a: np.asarray(a.addressable_data(0) if isinstance(a, jax.Array) else a), tree)
 
-    state = steps_for["dense"].replicate((params, rest, tx.init(params), st.Metrics.zeros()))
+    state = steps_for["dense"].replicate(st.TrainState.start(params, rest, tx.init(params)))
     losses, seen = [], []
     for i, (x, y) in zip(range(4), loader):
       seen.append(np.asarray(x[:, 0, 0, 0]).tolist())
       steps = steps_for["dense" if i < 2 else "sparse"]
-      *state, metrics = steps.train(*state[:3], steps.replicate(st.Metrics.zeros()), x, y)
-      losses.append(st.Metrics(*local(tuple(metrics))).summary()["loss"])
+      state = steps.train(state._replace(metrics=steps.replicate(st.Metrics.zeros())), x, y)
+      losses.append(local(state.metrics).summary()["loss"])
 
     final = local(state[0])
 

@@ -44,14 +44,62 @@ def test_train_step_passes_loss_as_value_to_extra_args_transform(kit):
   reference.train()
   want = jt.cross_entropy(reference(jnp.asarray(images)), jnp.asarray(labels), 0.1)
   trainer = jt.Trainer(model, optax.chain(_record_value(), optax.sgd(0.1)), label_smoothing=0.1)
-  m = jt.Metrics.zeros()
-  _, _, opt_state, m = trainer.steps.train(
-    trainer.params, trainer.rest, trainer.opt_state, m, images, labels
-  )
+  state = jt.TrainState.start(trainer.params, trainer.rest, trainer.opt_state)
+  _, _, opt_state, m = trainer.steps.train(state, images, labels)
   recorded = opt_state[0]
   assert int(recorded.calls) == 1
   np.testing.assert_allclose(float(recorded.value), float(want), rtol=1e-5)
   np.testing.assert_allclose(m.summary()["loss"], float(want), rtol=1e-5)
+
+
+def test_step_settings_value_is_the_compile_cache_key(kit):
+  """One hashable settings value picks the compiled steps: equal settings share them, any
+  changed field (another ``tx`` object, ``donate``) builds new ones."""
+  model, tx = kit.model(dropout=0.0), optax.sgd(0.1)
+  settings = jt.step_settings(model, tx)
+  assert settings == jt.step_settings(model, tx)
+  assert hash(settings) == hash(jt.step_settings(model, tx))
+  steps = jt.step_functions(settings)
+  assert jt.step_functions(jt.step_settings(model, tx)) is steps
+  assert steps.settings is settings and steps.axis_name is None
+  assert jt.step_functions(jt.step_settings(model, tx, donate=False)) is not steps
+  assert jt.step_functions(jt.step_settings(model, optax.sgd(0.1))) is not steps
+
+
+def test_train_step_is_one_function_of_settings_state_and_batch(kit):
+  """``train_step(settings, state, images, labels)`` (``axis_name=None``: one device) is what
+  the jitted step runs."""
+  images, labels = kit.data(8)
+  model, tx = kit.model(dropout=0.0), optax.sgd(0.1, momentum=0.9)
+  settings = jt.step_settings(model, tx, donate=False)
+  _, _, params, rest = jt.split_model(model)
+  state = jt.TrainState.start(params, rest, tx.init(params))
+  want = jt.step_functions(settings).train(state, images, labels)
+  got = jax.jit(jt.train_step, static_argnums=0)(settings, state, images, labels)
+  assert isinstance(got, jt.TrainState)
+  same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6)
+  jax.tree.map(
+    same, (got.params, got.opt_state, got.metrics), (want.params, want.opt_state, want.metrics)
+  )
+
+
+def test_nonfinite_bookkeeping_is_its_own_state(kit):
+  """A NaN batch: nothing added to the sums, params kept, and the step counted in the
+  metrics' ``nonfinite_state`` (a :class:`NonFiniteState`, as optax's apply_if_finite)."""
+  images, labels = kit.data(8)
+  images[2] = np.nan
+  model, tx = kit.model(dropout=0.0), optax.sgd(0.1)
+  steps = jt.step_functions(jt.step_settings(model, tx, donate=False))
+  _, _, params, rest = jt.split_model(model)
+  state = steps.train(jt.TrainState.start(params, rest, tx.init(params)), images, labels)
+  guard = state.metrics.nonfinite_state
+  assert isinstance(guard, jt.NonFiniteState)
+  assert [int(guard.nonfinite), int(guard.steps), int(guard.nonfinite_run)] == [1, 1, 1]
+  assert [int(guard.nonfinite_inputs), int(guard.first_nonfinite_input)] == [1, 1]
+  assert float(state.metrics.count) == 0.0
+  jax.tree.map(np.testing.assert_array_equal, state.params, params)
+  summary = state.metrics.summary()
+  assert summary["nonfinite"] == 1 and summary["count"] == 0
 
 
 def test_train_step_matches_nnx_optimizer(kit):
@@ -68,22 +116,20 @@ def test_train_step_matches_nnx_optimizer(kit):
     opt.update(model, grads, value=loss)
 
   model_b.train()
+  state = jt.TrainState.start(trainer.params, trainer.rest, trainer.opt_state)
   for _ in range(2):
     reference_step(model_b, opt, jnp.asarray(images), jnp.asarray(labels))
-    trainer.params, trainer.rest, trainer.opt_state, _ = trainer.steps.train(
-      trainer.params, trainer.rest, trainer.opt_state, jt.Metrics.zeros(), images, labels
-    )
-    trainer._placement.mark_stale()  # the model lags the arrays the step returned
-  got = nnx.state(trainer.model, nnx.Param)
+    state = trainer.steps.train(state, images, labels)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-    nnx.as_pure(got),
+    state.params,
     nnx.as_pure(nnx.state(model_b, nnx.Param)),
   )
   # batch statistics were updated the same way
+  nnx.update(model_a, state.params, state.rest)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-    nnx.as_pure(nnx.state(trainer.model, nnx.BatchStat)),
+    nnx.as_pure(nnx.state(model_a, nnx.BatchStat)),
     nnx.as_pure(nnx.state(model_b, nnx.BatchStat)),
   )
 
