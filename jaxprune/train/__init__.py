@@ -29,7 +29,7 @@ from jaxprune.train._checks import NonFiniteError
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.batchnorm import epoch_batches, recompute_batch_stats
 from jaxprune.train.callbacks import Callback, TrainerLike
-from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
+from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError, FolderInUseError
 from jaxprune.train.loss import (
   accuracy,
   correct_per_example,
@@ -50,21 +50,14 @@ from jaxprune.train.optim import (
   sgd,
 )
 from jaxprune.train.schedules import step_schedule, triangular_schedule, with_warmup
-from jaxprune.train._nonfinite import NonFiniteState
-from jaxprune.train.compiled import (
-  memory_bytes,
-  step_functions,
-  step_settings,
-  train_step_memory,
-)
 from jaxprune.train.step import (
   Metrics,
   StepFunctions,
-  StepSettings,
-  TrainState,
   default_loss,
+  memory_bytes,
   split_model,
-  train_step,
+  step_functions,
+  train_step_memory,
 )
 from jaxprune.train.trainer import Trainer, fit
 
@@ -73,6 +66,7 @@ __all__ = [
   "recompute_batch_stats",
   "CheckpointStore",
   "DamagedCheckpointError",
+  "FolderInUseError",
   "NonFiniteError",
   "decode_spec",
   "encode_spec",
@@ -95,16 +89,11 @@ __all__ = [
   "triangular_schedule",
   "with_warmup",
   "Metrics",
-  "NonFiniteState",
   "StepFunctions",
-  "StepSettings",
-  "TrainState",
   "default_loss",
   "memory_bytes",
   "split_model",
   "step_functions",
-  "step_settings",
-  "train_step",
   "train_step_memory",
   "Callback",
   "TrainerLike",

@@ -1,11 +1,14 @@
-"""Checks at the start of :meth:`Trainer.fit <jaxprune.train.Trainer.fit>`.
+"""Checks of the :class:`~jaxprune.train.Trainer`'s arguments and of ``fit``'s start.
 
-Its arguments, and the training loader against the epoch length the optimizer was built for.
+The constructor's settings, ``fit``'s arguments, and the training loader against the epoch
+length the optimizer was built for.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -13,7 +16,38 @@ import numpy as np
 from jaxprune.train import _loaders
 from jaxprune.train.optim import find_epoch_lengths
 
-__all__ = ["check_arguments", "warn_epoch_length"]
+__all__ = ["check_arguments", "check_settings", "json_run_config", "warn_epoch_length"]
+
+
+def check_settings(
+  label_smoothing: float, checkpoint_every: Any, eval_every: Any, max_nonfinite_steps: Any
+) -> None:
+  """The checks of the :class:`~jaxprune.train.Trainer`'s numeric settings (named)."""
+  if not 0.0 <= label_smoothing < 1.0:
+    raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+  for name, value, least in (
+    ("checkpoint_every", checkpoint_every, 0),
+    ("eval_every", eval_every, 1),
+    # None: never stop on non-finite steps.
+    ("max_nonfinite_steps", 1 if max_nonfinite_steps is None else max_nonfinite_steps, 1),
+  ):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+      raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+def json_run_config(run_config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+  """``run_config`` as the checkpoint stores it (``None`` when empty).
+
+  Round-tripped through JSON so the comparison on resume sees what the checkpoint stores
+  (tuples become lists); unserialisable values fail here, not at the first save.
+
+  Raises:
+    ValueError: ``run_config`` is not JSON-serialisable.
+  """
+  try:
+    return json.loads(json.dumps(dict(run_config))) if run_config else None
+  except TypeError as e:
+    raise ValueError(f"run_config must be JSON-serialisable: {e}") from None
 
 
 def check_arguments(

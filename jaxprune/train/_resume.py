@@ -149,10 +149,14 @@ class Checkpoints:
     "latest" and a resume would silently continue the wrong run.
     """
     self.start_model(model)
-    if self.store is None or self._owns_store:
+    if self.store is None:
+      return
+    self.store.hold()
+    if self._owns_store:
       return
     steps = self.store.all_steps()
     if steps and not overwrite:
+      self.store.release()  # a run refused here does not keep the folder from the others
       raise ValueError(
         f"checkpoint_dir {self.store.directory} already holds the checkpoints {steps} of "
         "another run: resume it (fit(resume=True)), pass overwrite=True to delete them, or "
@@ -161,6 +165,11 @@ class Checkpoints:
     if steps:
       self.store.clear()
     self._owns_store = True
+
+  def release(self) -> None:
+    """Lets ``checkpoint_dir`` go for another trainer (:meth:`CheckpointStore.hold`)."""
+    if self.store is not None:
+      self.store.release()
 
   def save(
     self, model: nnx.Module, epoch: int, arrays: dict[str, Any], meta: dict[str, Any]
@@ -200,6 +209,17 @@ class Checkpoints:
     self.start_model(model)
     if self.store is None:
       return False
+    # Before reading: a folder another live trainer writes into is not this run's to resume.
+    self.store.hold()
+    try:
+      return self._restore_latest(model, tx, install, step)
+    except Exception:
+      if not self._owns_store:  # a run refused here does not keep the folder from the others
+        self.store.release()
+      raise
+
+  def _restore_latest(self, model: nnx.Module, tx: Any, install: Callable, step: int | None):
+    """:meth:`restore` once the folder is held."""
     if step is not None:
       self._restore_step(model, tx, install, step)
       return True

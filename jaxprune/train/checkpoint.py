@@ -16,10 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import json
 import logging
 import os
+import socket
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
+
+try:  # POSIX: an flock is released by the system when its holder closes it or exits.
+  import fcntl
+except ImportError:  # pragma: no cover - Windows: folders are not held
+  fcntl = None
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +65,13 @@ def _orbax() -> Any:
 
 _log = logging.getLogger(__name__)
 
+# The file in a checkpoint folder that the live trainer writing there holds (CheckpointStore.hold).
+LOCK_FILE = ".run.lock"
+
+
+class FolderInUseError(ValueError):
+  """A checkpoint folder is held by another live trainer (:meth:`CheckpointStore.hold`)."""
+
 
 class _OrbaxToDebug(logging.Filter):
   """Moves orbax's own log records to this module's logger at DEBUG.
@@ -86,6 +102,26 @@ def _quiet_orbax(method: Callable) -> Callable:
       logger.removeFilter(only)
 
   return wrapped
+
+
+def _try_lock(fd: int) -> bool:
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    return False
+  return True
+
+
+def _read_holder(fd: int) -> str:
+  """Who holds a lock file, from what it wrote into it."""
+  try:
+    holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+  except ValueError:
+    holder = {}
+  pid, host = holder.get("pid"), holder.get("host")
+  if pid == os.getpid() and host == socket.gethostname():
+    return "in this process"
+  return f"process {pid} on {host}" if pid else "another process"
 
 
 def _path_entry_name(entry: Any) -> str:
@@ -145,6 +181,46 @@ class CheckpointStore:
       max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._hold: int | None = None  # the lock file's descriptor while this store holds it
+
+  def hold(self) -> None:
+    """Takes the folder for this store's run until :meth:`release` (or until the store is
+    garbage collected, or its process ends).
+
+    A folder belongs to one run: two live trainers writing checkpoints into one folder
+    would each resume the other's latest epoch and silently become one run. The hold is an
+    exclusive ``flock`` on :data:`LOCK_FILE`, so the system drops it when its process ends:
+    a restarted process resumes the folder as before. On several processes (multi-host)
+    only process 0 holds it, as every process writes the same checkpoints.
+
+    Raises:
+      FolderInUseError: another live store (in this process or another) holds the folder;
+        the message names its process.
+    """
+    if self._hold is not None or fcntl is None or jax.process_index() != 0:
+      return
+    fd = os.open(os.path.join(self.directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    if not _try_lock(fd):
+      gc.collect()  # a trainer that only a reference cycle keeps is no longer live
+      if not _try_lock(fd):
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise FolderInUseError(
+          f"checkpoint_dir {self.directory} is in use by another live Trainer ({holder}): a "
+          "folder belongs to one run, and two trainers on it would each resume the other's "
+          "checkpoints. Close that trainer first (Trainer.close(), or let it go), or use "
+          "another checkpoint_dir"
+        )
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+    self._hold = fd
+    self._release_at_collection = weakref.finalize(self, os.close, fd)
+
+  def release(self) -> None:
+    """Lets the folder go (:meth:`hold`); a later :meth:`hold` takes it again."""
+    if self._hold is not None:
+      self._release_at_collection()  # closes the descriptor, which drops the flock
+      self._hold = None
 
   @_quiet_orbax
   def all_steps(self) -> list[int]:

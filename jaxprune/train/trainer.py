@@ -34,7 +34,6 @@ stream of the model inside its NNX state (``nnx.Rngs``), which the checkpoint st
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -82,7 +81,8 @@ class Trainer:
     log_path: file that receives one JSON object per epoch (rewritten on resume).
     checkpoint_dir: orbax checkpoint directory; ``fit`` resumes from its latest checkpoint.
       A fresh start (``fit(resume=False)``) refuses a folder that holds another run's
-      checkpoints unless ``overwrite=True`` (see :meth:`fit`).
+      checkpoints unless ``overwrite=True`` (see :meth:`fit`), and a folder another live
+      trainer holds is refused until that one is closed (see :meth:`close`).
     checkpoint_every: checkpoint every this many epochs (and after the last one); ``0``:
       only after the last epoch and when :meth:`fit` stops at ``max_seconds`` (a long run on
       an accelerator, where each save of a large state costs seconds).
@@ -177,16 +177,7 @@ class Trainer:
     skip_nonfinite: bool = True,
     max_nonfinite_steps: int | None = 20,
   ):
-    if not 0.0 <= label_smoothing < 1.0:
-      raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    for name, value, least in (
-      ("checkpoint_every", checkpoint_every, 0),
-      ("eval_every", eval_every, 1),
-      # None: never stop on non-finite steps.
-      ("max_nonfinite_steps", 1 if max_nonfinite_steps is None else max_nonfinite_steps, 1),
-    ):
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    _fit_checks.check_settings(label_smoothing, checkpoint_every, eval_every, max_nonfinite_steps)
     self.eval_every = int(eval_every)
     self.callbacks: list[Callback] = as_callbacks(callbacks)
     self.metrics = dict(metrics or {})
@@ -198,12 +189,7 @@ class Trainer:
     resolved_mesh = data_parallel.resolve_mesh(mesh)
     if sync_batchnorm and resolved_mesh is None:
       raise ValueError("sync_batchnorm=True needs a mesh (data parallelism)")
-    # Round-trip through JSON so the comparison on resume sees what the checkpoint stores
-    # (tuples become lists); unserialisable values fail here, not at the first save.
-    try:
-      run_config = json.loads(json.dumps(dict(run_config))) if run_config else None
-    except TypeError as e:
-      raise ValueError(f"run_config must be JSON-serialisable: {e}") from None
+    run_config = _fit_checks.json_run_config(run_config)
 
     self.epoch = 0  # completed epochs
     self.step = 0  # completed optimizer steps
@@ -330,9 +316,7 @@ class Trainer:
       loader, epoch=self.epoch + 1, step_done=step_done, per_step=bool(due)
     )
 
-  def evaluate(
-    self, loader: Iterable, *, params: Any = None, rest: Any = None
-  ) -> dict[str, float]:
+  def evaluate(self, loader: Iterable, *, params: Any = None, rest: Any = None) -> dict[str, float]:
     """Loss and accuracy over ``loader`` in eval mode.
 
     Eval mode uses BatchNorm's running statistics and no dropout, with flip TTA if enabled;
@@ -406,6 +390,16 @@ class Trainer:
           _loaders.restore(loader, meta["loader_state"])
 
     return self._checkpoints.restore(self._placement.module, self.tx, install, step)
+
+  def close(self) -> None:
+    """Lets ``checkpoint_dir`` go, so that another trainer may train on it.
+
+    A live trainer holds its ``checkpoint_dir`` from its first ``fit`` (or restore) until
+    this, until it is garbage collected, or until its process ends; another trainer that
+    fits on the folder meanwhile is refused (``ValueError`` naming the folder). The trainer
+    stays readable, and its next ``fit`` takes the folder again.
+    """
+    self._checkpoints.release()
 
   def _stop_early(self, train_loader: Iterable, test_loader: Iterable | None, epochs: int) -> None:
     """``fit`` stops at ``max_seconds``: the last record gets its evaluation if it had none,

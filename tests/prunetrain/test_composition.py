@@ -128,6 +128,7 @@ def test_resume_of_a_reconfigured_sdgp_model_rebuilds_its_sdgp_convs(tmp_path):
   trainer.fit(_loader(), None, epochs=1)  # reconfigured at the end of epoch 1, then saved
   model = trainer.model
   assert model.spec.stages[2].blocks[0].widths is None
+  trainer.close()  # its folder goes to the next run, as at the end of its process
   # A fresh run (dense, converted) resuming from the checkpoint rebuilds the smaller model
   # converted, with the saved keys.
   resumed = _sdgp_trainer(tmp_path / "ckpt")

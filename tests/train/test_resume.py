@@ -99,6 +99,7 @@ def test_interrupted_checkpoint_write_is_not_resumed(tmp_path, monkeypatch, kit)
   monkeypatch.undo()
   leftovers = sorted(os.listdir(tmp_path / "ckpt"))
   assert "1" in leftovers and "2" not in leftovers, leftovers
+  trainer.close()  # the crashed run lets its folder go, as its process would by ending
   fresh = kit.trainer(kit.model(seed=9), checkpoint_dir=tmp_path / "ckpt")
   assert fresh.store.latest_step() == 1
   assert fresh.restore_checkpoint(loader)
@@ -118,6 +119,7 @@ def test_resume_refuses_a_differently_configured_run(tmp_path, kit):
     kit.model(seed=9), checkpoint_dir=ckpt, run_config={"epochs": 3, "milestones": [2]}
   )
   assert same.restore_checkpoint(loader) and same.epoch == 1
+  same.close()  # (a live trainer holds its folder)
   other = kit.trainer(
     kit.model(seed=9), checkpoint_dir=ckpt, run_config={"epochs": 10, "milestones": [5]}
   )
@@ -172,6 +174,7 @@ def test_fresh_start_does_not_leave_the_old_runs_checkpoints_as_latest(tmp_path,
   fresh.fit(loader, epochs=1, resume=False, overwrite=True)
   assert fresh.store.all_steps() == [1]
   fresh.fit(loader, epochs=2, resume=False)  # going on with its own run is not refused
+  fresh.close()
   # a later resume continues the fresh run, not the old one
   later = kit.trainer(kit.model(seed=9), checkpoint_dir=ckpt)
   assert later.restore_checkpoint(loader) and later.epoch == 2

@@ -66,6 +66,7 @@ def test_stopped_run_saves_warns_and_resumes_exactly(tmp_path, device, make_trai
   assert [s.name for s in (tmp_path / "cut" / "ckpt").iterdir() if s.name.isdigit()] == ["1"]
   lines = (tmp_path / "cut" / "log.jsonl").read_text().splitlines()
   assert len(lines) == 1 and "test_acc" in json.loads(lines[0])
+  first.close()  # its folder goes to the next trainer, as at the end of its process
 
   second = make_trainer(tmp_path / "cut", checkpoint_every=0, eval_every=2)
   with warnings.catch_warnings():
