@@ -50,14 +50,21 @@ from jaxprune.train.optim import (
   sgd,
 )
 from jaxprune.train.schedules import step_schedule, triangular_schedule, with_warmup
+from jaxprune.train._nonfinite import NonFiniteState
+from jaxprune.train.compiled import (
+  memory_bytes,
+  step_functions,
+  step_settings,
+  train_step_memory,
+)
 from jaxprune.train.step import (
   Metrics,
   StepFunctions,
+  StepSettings,
+  TrainState,
   default_loss,
-  memory_bytes,
   split_model,
-  step_functions,
-  train_step_memory,
+  train_step,
 )
 from jaxprune.train.trainer import Trainer, fit
 
@@ -89,11 +96,16 @@ __all__ = [
   "triangular_schedule",
   "with_warmup",
   "Metrics",
+  "NonFiniteState",
   "StepFunctions",
+  "StepSettings",
+  "TrainState",
   "default_loss",
   "memory_bytes",
   "split_model",
   "step_functions",
+  "step_settings",
+  "train_step",
   "train_step_memory",
   "Callback",
   "TrainerLike",

@@ -30,6 +30,7 @@ _SCRIPT = textwrap.dedent(
     import optax
     from flax import nnx
     from jaxprune.train import step as st
+    from jaxprune.train import compiled as cp
     from jaxprune.train import data_parallel as dp
     from jax.sharding import PartitionSpec as P
 
@@ -68,14 +69,14 @@ _SCRIPT = textwrap.dedent(
 
     def single_step(model, tx):
       tg, eg, p, r = st.split_model(model)
-      steps = st.StepFunctions(tg, eg, tx, loss_fn, donate=False)
-      return steps.train(p, r, tx.init(p), st.Metrics.zeros(), x, y)
+      steps = st.StepFunctions(st.StepSettings(tg, eg, tx, loss_fn, donate=False))
+      return steps.train(st.TrainState.start(p, r, tx.init(p)), x, y)
 
     def dp_step(model, tx, **kw):
       _, _, p, r = st.split_model(model)
-      steps = dp.step_functions(model, tx, loss_fn, mesh, donate=False, **kw)
-      state = steps.replicate((p, r, tx.init(p), st.Metrics.zeros()))
-      return steps.train(*state, x, y), steps
+      steps = cp.step_functions(cp.step_settings(model, tx, loss_fn, mesh=mesh, donate=False, **kw))
+      state = steps.replicate(st.TrainState.start(p, r, tx.init(p)))
+      return steps.train(state, x, y), steps
 
     def compare(name, a, b):
       out[name] = {
@@ -93,7 +94,7 @@ _SCRIPT = textwrap.dedent(
     sharding = four[0]["head"]["kernel"].sharding
     out["replicated"] = [sharding.is_fully_replicated, len(sharding.device_set)]
     try:
-      steps.train(*four, x[:10], y[:10])
+      steps.train(four, x[:10], y[:10])
       out["indivisible"] = None
     except ValueError as e:
       out["indivisible"] = str(e)
@@ -101,7 +102,7 @@ _SCRIPT = textwrap.dedent(
     # A NaN in one device's quarter: one non-finite step, left out of the sums on every device.
     x_nan = x.copy()
     x_nan[5] = np.nan
-    after_nan = steps.train(*four, x_nan, y)
+    after_nan = steps.train(four, x_nan, y)
     m_nan = after_nan[3]
     out["nonfinite"] = [m_nan.summary()[k] for k in ("nonfinite", "count")]
     out["nonfinite"].append(float(m_nan.loss_sum - four[3].loss_sum))
@@ -127,12 +128,12 @@ _SCRIPT = textwrap.dedent(
     quarter = jax.jit(functools.partial(st.forward_backward, tg, loss_fn))(
       p, r, x_pix[8:12], y[8:12])
     plain_sgd = optax.sgd(0.1)
-    steps = dp.step_functions(model, plain_sgd, loss_fn, mesh, donate=False)
-    state = steps.replicate((p, r, plain_sgd.init(p), st.Metrics.zeros()))
-    after_pix = steps.train(*state, x_pix, y)
+    steps = cp.step_functions(cp.step_settings(model, plain_sgd, loss_fn, mesh=mesh, donate=False))
+    state = steps.replicate(st.TrainState.start(p, r, plain_sgd.init(p)))
+    after_pix = steps.train(state, x_pix, y)
     y_big = y.copy()
     y_big[13] = 7  # device 3's quarter: a class id the 4 outputs do not have
-    after_label = steps.train(*state, x, y_big)
+    after_label = steps.train(state, x, y_big)
     out["nan_pixel"] = {
       "quarter_loss_finite": bool(np.isfinite(quarter[0])),
       "quarter_grads_finite": all(bool(np.all(np.isfinite(g))) for g in jax.tree.leaves(quarter[3])),
@@ -184,14 +185,13 @@ _SCRIPT = textwrap.dedent(
                                == jax.random.key_data(jax.tree.leaves(r)[1]))),
     }
 
-    # The same per-device body under jax.pmap (batch reshaped to [devices, per_device]).
+    # The same train step under jax.pmap (batch reshaped to [devices, per_device]).
     model = Net(batchnorm=True, rngs=nnx.Rngs(0))
-    tg, _, p, r = st.split_model(model)
-    pstep = jax.pmap(
-      functools.partial(dp.data_parallel_train_step, dp.train_graphdef(model, "batch"),
-                        optax.with_extra_args_support(tx), loss_fn, "batch"),
-      axis_name="batch", in_axes=(None, None, None, None, 0, 0), out_axes=None)
-    pm = pstep(p, r, tx.init(p), st.Metrics.zeros(), x.reshape(4, 4, 8, 8, 1), y.reshape(4, 4))
+    _, eg, p, r = st.split_model(model)
+    settings = st.StepSettings(dp.train_graphdef(model, "batch"), eg, tx, loss_fn)
+    pstep = jax.pmap(functools.partial(st.train_step, settings, axis_name="batch"),
+                     axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
+    pm = pstep(st.TrainState.start(p, r, tx.init(p)), x.reshape(4, 4, 8, 8, 1), y.reshape(4, 4))
     compare("pmap", single_step(Net(batchnorm=True, rngs=nnx.Rngs(0)), tx), pm)
 
     # ----------------------------------------------------------- through the Trainer
@@ -237,6 +237,7 @@ _SCRIPT = textwrap.dedent(
         out["epochs"]["set_batch_size"] = str(e)
       first = run(bn_net, sgd, 1, "auto", loader(64), loader(40, shuffle=False, seed=1),
                   sync_batchnorm=True, checkpoint_dir=folder + "/b")
+      first.close()  # its folder goes to the resumed run, as at the end of its process
       first.close()  # its folder goes to the resumed run, as at the end of its process
       resumed = run(bn_net, sgd, 3, "auto", loader(64), loader(40, shuffle=False, seed=1),
                     sync_batchnorm=True, checkpoint_dir=folder + "/b")
@@ -292,10 +293,12 @@ _SCRIPT = textwrap.dedent(
     def reduced_shapes(steps):
       batch = (jax.ShapeDtypeStruct((16, 8, 8, 1), jnp.float32),
                jax.ShapeDtypeStruct((16,), jnp.int32))
-      hlo = steps.train.lower(four.params, four.rest, four.opt_state,
-                              steps.replicate(st.Metrics.zeros()), *batch).compile().as_text()
+      state = st.TrainState(four.params, four.rest, four.opt_state,
+                            steps.replicate(st.Metrics.zeros()))
+      hlo = steps.train.lower(state, *batch).compile().as_text()
       return " ".join(line for line in hlo.splitlines() if "all-reduce(" in line)
-    dense = reduced_shapes(dp.step_functions(plain_net(), ct_tx, four.loss_fn, four.mesh))
+    dense = reduced_shapes(
+      cp.step_functions(cp.step_settings(plain_net(), ct_tx, four.loss_fn, mesh=four.mesh)))
     sparse = reduced_shapes(four.steps)
     kept = out["clicktrain"]["kept"][0]
     out["clicktrain"]["hlo"] = {"dense_whole": "f32[3,3,8,8]" in dense,
@@ -388,8 +391,9 @@ _SCRIPT = textwrap.dedent(
     dev.place(placement.steps.replicated)
     dispatch = next(dev.dispatches())
     fused = placement.steps.fused_train(dev.make_batch).args[0]  # the jitted step
-    hlo = fused.lower(placement.params, placement.rest, placement.opt_state,
-                      placement.steps.replicate(st.Metrics.zeros()), *dev.device_arrays,
+    state = st.TrainState(placement.params, placement.rest, placement.opt_state,
+                          placement.steps.replicate(st.Metrics.zeros()))
+    hlo = fused.lower(state, *dev.device_arrays,
                       dispatch.indices, dispatch.seed, dispatch.epoch,
                       dispatch.steps).compile().as_text()
     out["device_loader"] = {"history": history_diff(one, four),
