@@ -112,7 +112,7 @@ def test_reduced_elements_accepts_nnx_state_and_pure_state():
 
   model = nnx.Conv(2, 3, (3, 3), rngs=nnx.Rngs(0))  # kernel 3*3*2*3 = 54 entries, bias 3
   state = nnx.state(model, nnx.Param)
-  params_forms = (state, nnx.as_pure(state), nnx.as_pure(state).to_pure_dict())
+  params_forms = (state, nnx.as_pure(state), nnx.to_pure_dict(nnx.as_pure(state)))
   kernel_mask = np.zeros((3, 3, 2, 3), bool)
   kernel_mask[:, :, 1, 2] = True  # one 3x3 kernel kept: 9 entries
   masks = {"kernel": kernel_mask, "bias": None}
@@ -138,7 +138,7 @@ def test_sparse_psum_pairs_nnx_state_gradients_with_dict_indices():
   expected = {"kernel": np.asarray(grads["kernel"]) * mask, "bias": np.asarray(grads["bias"])}
   for idx, g in (
     (distributed.mask_indices({"kernel": mask, "bias": None}), grads),
-    (distributed.mask_indices(nnx.State({"kernel": mask, "bias": None})), grads.to_pure_dict()),
+    (distributed.mask_indices(nnx.State({"kernel": mask, "bias": None})), nnx.to_pure_dict(grads)),
   ):
     out = jax.pmap(lambda g: distributed.sparse_psum(g, idx, "i"), axis_name="i")(
       jax.tree.map(lambda x: x[None], g)

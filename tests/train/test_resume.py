@@ -88,13 +88,21 @@ def test_interrupted_checkpoint_write_is_not_resumed(tmp_path, monkeypatch, kit)
   good_params = jax.tree.map(np.asarray, trainer.params)
 
   # Interrupt the next save after the arrays were written but before the metadata
-  # and the final rename (as a crash or kill mid-write would).
+  # and the final rename (as a crash or kill mid-write would). Not a KeyboardInterrupt, which
+  # asyncio and XLA's callbacks treat as the user's; and async_save a coroutine like the one
+  # it replaces, so orbax awaits the arrays' save before the crash.
+  class Crash(BaseException):
+    pass
+
   def crash(*args, **kwargs):
-    raise KeyboardInterrupt("simulated crash during checkpoint write")
+    raise Crash("simulated crash during checkpoint write")
+
+  async def crash_async(*args, **kwargs):
+    crash()
 
   monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "save", crash)
-  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "async_save", crash, raising=False)
-  with pytest.raises(KeyboardInterrupt):
+  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "async_save", crash_async, raising=False)
+  with pytest.raises(Crash):
     trainer.fit(loader, epochs=2)
   monkeypatch.undo()
   leftovers = sorted(os.listdir(tmp_path / "ckpt"))
