@@ -2,7 +2,7 @@
 
 Each worker starts through :func:`jaxprune.multihost.initialize` from the command-line flags,
 loads its shard of every global batch with :class:`jaxprune.data.Loader` (process index and
-count from JAX), trains a few data-parallel steps (:func:`jaxprune.train.data_parallel.step_functions`
+count from JAX), trains a few data-parallel steps (:func:`jaxprune.train.step_functions`
 over every device of every process, ClickTrain-style sparse reduction from the second half
 on), writes an orbax checkpoint from every process, runs ``Trainer.fit`` with ``mesh="auto"``
 and resumes it, and saves what it saw. The
