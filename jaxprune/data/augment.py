@@ -26,6 +26,9 @@ Example:
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -122,6 +125,37 @@ class ShiftParams(NamedTuple):
   offsets: np.ndarray  # (B, 2) int: window origin (row, col) in the padded image, in [0, 2*padding]
 
 
+def _warn_large_shift(crop: RandomCrop, dataset: Dataset) -> None:
+  """Warns when ``crop`` may shift the data set's images by half their side or more.
+
+  The papers' presets pad 32x32 CIFAR images by 4 pixels (an eighth of the side); on small
+  images (8x8 digits) the same padding leaves half of a view empty and training fails to
+  learn without a word.
+  """
+  side = min(np.shape(dataset.images)[1:3])
+  if 2 * crop.padding < side:
+    return
+  warnings.warn(
+    f"augment: {type(crop).__name__}(padding={crop.padding}) shifts the {side}-pixel images "
+    f"of this data set by up to {crop.padding} pixels, half their side or more, so much of "
+    "each view is padding (the papers' presets are sized for 32x32 CIFAR); use a smaller "
+    f"padding, e.g. augment=[RandomCrop({max(1, side // 8)}), RandomHorizontalFlip()], or "
+    "augment=None",
+    UserWarning,
+    stacklevel=_outside_this_package(),
+  )
+
+
+def _outside_this_package() -> int:
+  """The ``stacklevel`` of the first caller outside ``jaxprune.data`` (the line that built
+  the loader, however many frames binding took)."""
+  here = os.path.dirname(__file__)
+  frame, level = sys._getframe(1), 1
+  while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+    frame, level = frame.f_back, level + 1
+  return level
+
+
 class RandomCrop(Augmentation):
   """Pads by ``padding`` pixels on every side with ``fill``, then takes a random window of the
   original size (torchvision ``RandomCrop(H, padding)``; the CIFAR recipe of He et al.).
@@ -143,6 +177,7 @@ class RandomCrop(Augmentation):
     return f"{type(self).__name__}(padding={self.padding}, fill={self.fill!r})"
 
   def bind(self, dataset: Dataset) -> Augmentation:
+    _warn_large_shift(self, dataset)
     if self.fill == "mean":
       return type(self)(self.padding, _mean_colour(dataset))
     return self

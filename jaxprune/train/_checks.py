@@ -160,6 +160,8 @@ def input_channel_error(graphdef: nnx.GraphDef, params: Any, rest: Any, images: 
     if channels != shape[-1] and _fits(graphdef, params, rest, (*shape[:-1], channels), dtype):
       return (
         f"images: the batch has {shape[-1]} channels (shape {tuple(shape)}, NHWC) but the "
-        f"model takes {channels} input channel{'s' if channels != 1 else ''}"
+        f"model takes {channels} input channel{'s' if channels != 1 else ''}: build the model "
+        f"for the data (jaxprune.models.create(name, ..., in_channels={shape[-1]})) or give it "
+        f"{channels}-channel images"
       )
   return None

@@ -3,12 +3,13 @@ random draws."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
 from jaxprune import data
 from jaxprune.data import augment
-
 
 # ---------------------------------------------------------------------------------------------
 # Augmentations: vectorised == per-image loop with the same draws
@@ -55,6 +56,30 @@ def test_crop_offsets_cover_every_shift():
   aug = augment.RandomCrop(4)
   offsets = aug.sample(np.random.default_rng(0), (5000, 32, 32, 3)).offsets
   assert set(np.unique(offsets)) == set(range(9))
+
+
+def _loader(side, augment_with):
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (16, side, side, 3), dtype=np.uint8)
+  dataset = data.Dataset.from_arrays(images, rng.integers(0, 4, 16), num_classes=4)
+  return data.Loader(dataset, 8, augment=augment_with, prefetch=0)
+
+
+def test_a_crop_padding_of_half_the_image_is_named():
+  # The CIFAR preset on 8x8 images: shifts of up to 4 pixels, half the side.
+  with pytest.warns(
+    UserWarning,
+    match=r"augment: RandomCrop\(padding=4\) shifts the 8-pixel images .* by up to 4 "
+    r"pixels, half their side .* augment=\[RandomCrop\(1\), RandomHorizontalFlip\(\)\]",
+  ) as caught:
+    _loader(8, "clicktrain")
+  assert caught[0].filename == __file__  # the line that built the loader
+  with pytest.warns(UserWarning, match=r"RandomTranslate\(padding=3\) shifts the 6-pixel"):
+    _loader(6, [augment.RandomTranslate(3)])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _loader(32, "clicktrain")  # what the preset is for
+    _loader(8, [augment.RandomCrop(1), augment.RandomHorizontalFlip()])
 
 
 def test_flip_matches_loop_and_is_an_involution(batch):
