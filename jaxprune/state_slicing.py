@@ -21,6 +21,9 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
@@ -28,9 +31,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax import nnx
+
+from jaxprune.models.conversions import submodule
 from jaxprune.paths import param_path
 
-__all__ = ["ChannelSlices", "StateSlicer", "register_state_slicer", "registered_state_slicers"]
+__all__ = [
+  "ChannelSlices",
+  "StateSlicer",
+  "SurgeryPlan",
+  "applied_plans",
+  "apply_plan",
+  "register_state_slicer",
+  "registered_state_slicers",
+]
 
 Index = Optional[np.ndarray]
 StateSlicer = Callable[[Any, "ChannelSlices"], Any]
@@ -248,3 +262,105 @@ class ChannelSlices:
       return node
 
     return jax.tree.map_with_path(convert, opt_state, is_leaf=is_leaf)
+
+
+# ----------------------------------------------------------------------------- plans
+
+_PLANS = "surgery_plans"
+
+
+def _key(path: Sequence[Any]) -> str:
+  return "/".join(map(str, path))
+
+
+def _path(key: str) -> ParamPath:
+  return tuple(int(p) if p.isdigit() else p for p in key.split("/")) if key else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SurgeryPlan:
+  """One reconfiguration, in terms of the model's variables.
+
+  Attributes:
+    slices: variable path (``"a/0/kernel"``) -> kept indices per axis (``None``: all kept).
+    removed: paths of the modules whose removable branch goes (``remove_branch()``).
+    attributes: module path -> layer attributes to set (``in_features``, ``num_features``, ...).
+    widths: kernel owner path -> output width after (for a width spec and the report).
+
+  Made by :func:`jaxprune.prunetrain.plan_reconfiguration`; JSON-serialisable, so a checkpoint
+  of a reconfigured run carries its plans and a restarted process that builds the full-size
+  model re-applies them (:func:`apply_plan`) before reading the weights.
+  """
+
+  slices: Mapping[str, tuple[Optional[tuple[int, ...]], ...]]
+  removed: tuple[str, ...]
+  attributes: Mapping[str, Mapping[str, Any]]
+  widths: Mapping[str, int]
+
+  @property
+  def empty(self) -> bool:
+    return not self.slices and not self.removed
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "slices": {k: [None if i is None else list(i) for i in v] for k, v in self.slices.items()},
+      "removed": list(self.removed),
+      "attributes": {k: {a: _jsonable(x) for a, x in v.items()} for k, v in self.attributes.items()},
+      "widths": dict(self.widths),
+    }
+
+  @classmethod
+  def from_json(cls, data: Mapping[str, Any]) -> "SurgeryPlan":
+    return cls(
+      slices={
+        k: tuple(None if i is None else tuple(int(j) for j in i) for i in v)
+        for k, v in data["slices"].items()
+      },
+      removed=tuple(data["removed"]),
+      attributes={
+        k: {a: tuple(x) if isinstance(x, list) else x for a, x in v.items()}
+        for k, v in data["attributes"].items()
+      },
+      widths=dict(data["widths"]),
+    )
+
+
+def _jsonable(value: Any) -> Any:
+  return list(value) if isinstance(value, tuple) else value
+
+
+def apply_plan(model: nnx.Module, plan: SurgeryPlan) -> None:
+  """Performs ``plan`` on ``model`` in place: removes the branches, slices every variable
+  named in ``plan.slices`` and sets the layer attributes.
+
+  Raises:
+    ValueError: a variable of the plan is missing from the model or has another rank (the
+      plan was made for another model).
+  """
+  for key in plan.removed:
+    submodule(model, _path(key)).remove_branch()
+  variables = {
+    _key(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)
+  }
+  for key, index in plan.slices.items():
+    if key not in variables or np.ndim(variables[key][...]) != len(index):
+      raise ValueError(f"plan: variable {key} is not in the model, or not of rank {len(index)}")
+    value = np.asarray(variables[key][...])
+    dtype = variables[key][...].dtype
+    for axis, kept in enumerate(index):
+      if kept is not None:
+        value = np.take(value, np.asarray(kept, int), axis=axis)
+    variables[key].set_value(jnp.asarray(value, dtype=dtype))
+  for key, entry in plan.attributes.items():
+    module = submodule(model, _path(key))
+    for name, value in entry.items():
+      setattr(module, name, value)
+  # Recorded on the model (a string: static, part of its graph definition) for checkpoints.
+  setattr(model, _PLANS, json.dumps([p.to_json() for p in (*applied_plans(model), plan)]))
+
+
+def applied_plans(model: nnx.Module) -> tuple[SurgeryPlan, ...]:
+  """The plans :func:`apply_plan` performed on ``model`` (or on the model it was cloned from),
+  in order."""
+  return tuple(SurgeryPlan.from_json(p) for p in json.loads(getattr(model, _PLANS, "[]")))
+

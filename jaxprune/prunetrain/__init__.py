@@ -60,10 +60,13 @@ from jaxprune.prunetrain.optimizer import PruneTrainState, with_group_lasso
 from jaxprune.state_slicing import (
   ChannelSlices,
   StateSlicer,
+  SurgeryPlan,
+  applied_plans,
+  apply_plan,
   register_state_slicer,
   registered_state_slicers,
 )
-from jaxprune.prunetrain.plan import SurgeryPlan, apply_plan, plan_reconfiguration
+from jaxprune.prunetrain.plan import plan_reconfiguration
 from jaxprune.prunetrain.surgery import (
   ReconfigureReport,
   apply_reconfiguration,
@@ -108,6 +111,7 @@ __all__ = [
   "registered_state_slicers",
   "ReconfigureReport",
   "SurgeryPlan",
+  "applied_plans",
   "apply_plan",
   "apply_reconfiguration",
   "plan_reconfiguration",

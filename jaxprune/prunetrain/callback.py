@@ -16,9 +16,10 @@ from flax import nnx
 
 from jaxprune import flops
 from jaxprune.prunetrain.dynamic_batch import DynamicBatch
-from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD
+from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD, channel_graph
 from jaxprune.prunetrain.surgery import (
   ReconfigureReport,
+  _check_finite,
   _check_reconfigure_args,
   _param_count,
   reconfigure,
@@ -117,12 +118,15 @@ class PruneTrainCallback(Callback):
       model in eval mode) sees, not the trained weights.  The batches come from the
       loader's ``iter_epoch`` when it has one (its position is left alone), otherwise
       from a fresh ``iter`` over it.
+    strict: refuse a model whose channel graph meets an operation it cannot follow (named);
+      False prunes the groups it can follow and leaves the others whole.
 
-  The model must be one :func:`reconfigure` can rebuild: a :mod:`jaxprune.models` network
-  (it carries a width spec) with convolutions. Anything else (an MLP, a hand-written module)
-  is refused with a ``ValueError`` when :meth:`Trainer.fit` starts, not at the first
-  reconfiguration epochs later; doing nothing instead would hide that the run is not
-  PruneTrain. The training loader must have a ``batch_size`` (a ``ValueError`` otherwise).
+  The model may be any NNX model called as ``model(images)``: its channel groups are traced
+  from its forward pass for ``image_shape`` (:func:`~jaxprune.prunetrain.channel_graph`). When
+  :meth:`Trainer.fit` starts, a model with nothing to prune, with non-finite kernels, or (with
+  ``strict``) with an operation the graph cannot follow is refused with a ``ValueError`` naming
+  it, not epochs later; doing nothing instead would hide that the run is not PruneTrain. The
+  training loader must have a ``batch_size`` (a ``ValueError`` otherwise).
 
   Attributes:
     reports: the :class:`ReconfigureReport` of every reconfiguration so far (installed or not).
@@ -146,6 +150,7 @@ class PruneTrainCallback(Callback):
     channel_multiple: int = 1,
     min_flops_saving: float = 0.0,
     recompute_batchnorm: int = 0,
+    strict: bool = True,
   ):
     # checked here too, so a bad value fails when the callback is built, not epochs later
     _check_reconfigure_args(threshold, channel_multiple)
@@ -166,11 +171,16 @@ class PruneTrainCallback(Callback):
         f"recompute_batchnorm must be a non-negative int, got {recompute_batchnorm!r}"
       )
     self.recompute_batchnorm = recompute_batchnorm
+    self.strict = bool(strict)
     self._train_batches = None  # the epoch's training batches, between the two hooks
     # FLOPs are counted here, not by reconfigure: the old model's costs are already known
     # and the new model's are traced once, for the report and the accounting together.
     self._reconfigure_model = functools.partial(
-      reconfigure, threshold=threshold, count_flops=False, channel_multiple=channel_multiple
+      reconfigure,
+      threshold=threshold,
+      count_flops=False,
+      channel_multiple=channel_multiple,
+      input_shape=(1, *tuple(image_shape)),
     )
     self._new_costs: Optional[dict[str, float]] = None
     self.every_epochs = every_epochs
@@ -237,7 +247,7 @@ class PruneTrainCallback(Callback):
 
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
   def on_fit_start(self, trainer: TrainerLike) -> None:
-    _check_reconfigurable(trainer.model)
+    _check_reconfigurable(trainer.model, self.image_shape, self.strict)
     # Before the first epoch trains, not at its end: the loader's batch size is known now.
     self._check_countable(trainer)
 
@@ -305,7 +315,7 @@ class PruneTrainCallback(Callback):
         **{f"pt_{key}": value for key, value in _report_metrics(report).items()},
         "pt_inference_flops_after": costs["inference_flops"],
         "pt_params_after": costs["params"],
-        "pt_spec": repr(new_model.spec),
+        "pt_spec": repr(new_model.spec) if hasattr(new_model, "spec") else None,
       }
     )
     if self.batch_policy is not None and trainer.batch_size:
@@ -377,25 +387,30 @@ RECORD_KEYS = (
 )
 
 
-def _check_reconfigurable(model: nnx.Module) -> None:
-  """At fit start: ``model`` is one :func:`reconfigure` can rebuild (a width spec, convs).
+def _check_reconfigurable(model: nnx.Module, image_shape: tuple, strict: bool) -> None:
+  """At fit start: ``model``'s channel graph has something to prune, nothing it cannot follow
+  (with ``strict``) and finite kernels.
 
   Raises:
-    ValueError: what the callback looked for and what the model holds, instead of a failure
-      at the first reconfiguration epochs later.
+    ValueError: what stops the reconfiguration, named, instead of a failure (or a run that
+      never removes a channel) epochs later.
   """
-  convs = sum(isinstance(m, nnx.Conv) for _, m in nnx.iter_modules(model))
-  if hasattr(model, "spec") and convs:
-    return
-  missing = [] if hasattr(model, "spec") else ["no width spec (model.spec)"]
-  if not convs:
-    missing.append("no nnx.Conv (a model without convolutions)")
-  raise ValueError(
-    "model: PruneTrainCallback removes conv channels and rebuilds the model from its width "
-    "spec, so it needs a jaxprune.models network (e.g. models.create('prunetrain-resnet32')) "
-    f"with conv layers; the trainer's {type(model).__name__} has {' and '.join(missing)}. "
-    "Train it without the callback (prunetrain.with_group_lasso alone still regularizes)"
-  )
+  graph = channel_graph(model, (1, *image_shape))
+  _check_finite(graph)
+  if not graph.prunable:
+    raise ValueError(
+      f"model: PruneTrainCallback finds no channel group of the trainer's {type(model).__name__} "
+      f"that a reconfiguration could remove ({graph.summary()}). Train it without the callback "
+      "(prunetrain.with_group_lasso alone still regularizes)"
+    )
+  unfollowed = graph.unfollowed()
+  if strict and unfollowed:
+    named = "; ".join(f"{op} blocks {', '.join(groups)}" for op, groups in unfollowed.items())
+    raise ValueError(
+      f"model: the channel graph of the trainer's {type(model).__name__} cannot follow some "
+      f"operations ({named}); PruneTrainCallback(strict=False) prunes only the "
+      f"{len(graph.prunable)} other groups"
+    )
 
 
 def _report_metrics(report: ReconfigureReport) -> dict[str, Any]:

@@ -1,87 +1,27 @@
-"""What one reconfiguration removes, as a value that can be applied again (PruneTrain §4.2).
+"""Deciding what one reconfiguration removes (PruneTrain §4.2 channel union, §4.1 layer removal).
 
 :func:`plan_reconfiguration` decides, from a model's :func:`~jaxprune.prunetrain.channel_graph`,
-which channels and residual branches die; the result, a :class:`SurgeryPlan`, says it in terms
-of the model's own variables (kept indices per variable axis, removed branches, the layer
-attributes that change) and is JSON-serialisable. :func:`apply_plan` performs it on a module in
-place. A checkpoint of a reconfigured run stores its plans, so a restarted process that builds
-the full-size model re-applies them before reading the weights.
+which channels and residual branches die, and writes it as a
+:class:`~jaxprune.state_slicing.SurgeryPlan` in terms of the model's own variables.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxprune.models.conversions import submodule
 from jaxprune.paths import ParamPath
 from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD, ChannelGraph, ChannelGroup
+from jaxprune.state_slicing import SurgeryPlan, _key, _path
 
-__all__ = ["SurgeryPlan", "apply_plan", "plan_reconfiguration", "rounded_width"]
+__all__ = ["plan_reconfiguration", "rounded_width"]
 
 # Layer attributes that follow their variables' widths, by module type.
 _NORMS = (nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm)
-
-
-def _key(path: Sequence[Any]) -> str:
-  return "/".join(map(str, path))
-
-
-def _path(key: str) -> ParamPath:
-  return tuple(int(p) if p.isdigit() else p for p in key.split("/")) if key else ()
-
-
-@dataclasses.dataclass(frozen=True)
-class SurgeryPlan:
-  """One reconfiguration, in terms of the model's variables.
-
-  Attributes:
-    slices: variable path (``"a/0/kernel"``) -> kept indices per axis (``None``: all kept).
-    removed: paths of the modules whose removable branch goes (``remove_branch()``).
-    attributes: module path -> layer attributes to set (``in_features``, ``num_features``, ...).
-    widths: kernel owner path -> output width after (for a width spec and the report).
-  """
-
-  slices: Mapping[str, tuple[Optional[tuple[int, ...]], ...]]
-  removed: tuple[str, ...]
-  attributes: Mapping[str, Mapping[str, Any]]
-  widths: Mapping[str, int]
-
-  @property
-  def empty(self) -> bool:
-    return not self.slices and not self.removed
-
-  def to_json(self) -> dict[str, Any]:
-    return {
-      "slices": {k: [None if i is None else list(i) for i in v] for k, v in self.slices.items()},
-      "removed": list(self.removed),
-      "attributes": {k: {a: _jsonable(x) for a, x in v.items()} for k, v in self.attributes.items()},
-      "widths": dict(self.widths),
-    }
-
-  @classmethod
-  def from_json(cls, data: Mapping[str, Any]) -> "SurgeryPlan":
-    return cls(
-      slices={
-        k: tuple(None if i is None else tuple(int(j) for j in i) for i in v)
-        for k, v in data["slices"].items()
-      },
-      removed=tuple(data["removed"]),
-      attributes={
-        k: {a: tuple(x) if isinstance(x, list) else x for a, x in v.items()}
-        for k, v in data["attributes"].items()
-      },
-      widths=dict(data["widths"]),
-    )
-
-
-def _jsonable(value: Any) -> Any:
-  return list(value) if isinstance(value, tuple) else value
 
 
 def rounded_width(width: int, multiple: int, cap: int) -> int:
@@ -214,32 +154,3 @@ def _attributes(model, graph, slices, shapes, keep, removed):
     for k, entry in attributes.items()
   }
   return {k: v for k, v in attributes.items() if v}, widths
-
-
-def apply_plan(model: nnx.Module, plan: SurgeryPlan) -> None:
-  """Performs ``plan`` on ``model`` in place: removes the branches, slices every variable
-  named in ``plan.slices`` and sets the layer attributes.
-
-  Raises:
-    ValueError: a variable of the plan is missing from the model or has another rank (the
-      plan was made for another model).
-  """
-  for key in plan.removed:
-    submodule(model, _path(key)).remove_branch()
-  variables = {
-    _key(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)
-  }
-  for key, index in plan.slices.items():
-    if key not in variables or np.ndim(variables[key][...]) != len(index):
-      raise ValueError(f"plan: variable {key} is not in the model, or not of rank {len(index)}")
-    value = np.asarray(variables[key][...])
-    dtype = variables[key][...].dtype
-    for axis, kept in enumerate(index):
-      if kept is not None:
-        value = np.take(value, np.asarray(kept, int), axis=axis)
-    variables[key].set_value(jnp.asarray(value, dtype=dtype))
-  for key, entry in plan.attributes.items():
-    module = submodule(model, _path(key))
-    for name, value in entry.items():
-      setattr(module, name, value)
-

@@ -63,13 +63,8 @@ from jaxprune.prunetrain.graph import (
   channel_graph,
   default_input_shape,
 )
-from jaxprune.prunetrain.plan import (
-  SurgeryPlan,
-  apply_plan,
-  plan_reconfiguration,
-  rounded_width,
-)
-from jaxprune.state_slicing import ChannelSlices
+from jaxprune.prunetrain.plan import plan_reconfiguration, rounded_width
+from jaxprune.state_slicing import ChannelSlices, SurgeryPlan, _path, apply_plan
 
 __all__ = ["ReconfigureReport", "apply_reconfiguration", "reconfigure", "rounded_width"]
 
@@ -314,10 +309,6 @@ def apply_reconfiguration(
     plan=plan,
   )
   return new_model, new_opt_state, report
-
-
-def _path(key: str) -> tuple:
-  return tuple(int(p) if p.isdigit() else p for p in key.split("/")) if key else ()
 
 
 def _smaller_spec(spec: Any, plan: SurgeryPlan) -> Any:

@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxprune import models
 from jaxprune.paths import flatten_with_paths
+from jaxprune.state_slicing import SurgeryPlan, applied_plans, apply_plan
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError
 from jaxprune.train.step import split_model
@@ -250,8 +251,16 @@ class Checkpoints:
     meta = self.store.restore_meta(step)
     _check_run_config(meta.get("run_config"), self.run_config, self.store.directory)
     _check_start_model(meta.get("start_model"), self.start_model(model), self.store.directory)
+    plans = meta.get("surgery_plans") or []
+    done = len(applied_plans(model))
     if meta.get("model_spec") is not None and meta["model_spec"] != model_spec(model):
       model = self._rebuild_model(model, decode_spec(meta["model_spec"]))
+    elif len(plans) > done:
+      # A reconfigured model without a width spec: the full-size model the restarted process
+      # built is cut as the run cut it (PruneTrain §4.2), then the weights are read into it.
+      model = nnx.clone(model)
+      for plan in plans[done:]:
+        apply_plan(model, SurgeryPlan.from_json(plan))
     _, _, params, rest = split_model(model)
     template = {"params": params, "rest": rest, "opt_state": jax.eval_shape(tx.init, params)}
     template["opt_state"] = jax.tree.map(

@@ -46,6 +46,7 @@ import optax
 from flax import nnx
 
 from jaxprune import masking
+from jaxprune.state_slicing import applied_plans
 from jaxprune.train import _fit_checks, _loaders, _run_log, data_parallel
 from jaxprune.train._batch_growth import BatchGrowth
 from jaxprune.train._epoch import EpochLoop
@@ -352,6 +353,7 @@ class Trainer:
       **self._batches.state_dict(),
       "loader_state": _loaders.position(loader) if loader is not None else None,
       "model_spec": model_spec(placement.module),
+      "surgery_plans": [p.to_json() for p in applied_plans(placement.module)],
       "callbacks": [c.state_dict() for c in self.callbacks],
       "elapsed_s": self._elapsed_before,
       "history": self.history,

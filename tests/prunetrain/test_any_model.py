@@ -1,0 +1,175 @@
+"""PruneTrain on models the library did not build: the traced channel graph, reconfiguration of
+hand-written NNX models, the whole loop, and resume after a reconfiguration."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments.common import masks
+from experiments.prunetrain.architectures import ARCHITECTURES, FlattenCNN, ProjectionResNet
+from jaxprune import data, methods, models, train
+from jaxprune import prunetrain as pt
+
+_SHAPE = (1, 32, 32, 3)
+
+
+def _outputs(model, x):
+  """Eval- and train-mode outputs, on clones (train mode updates the running statistics)."""
+  out = {}
+  for mode in ("eval", "train"):
+    clone = nnx.clone(model)
+    getattr(clone, mode)()
+    out[mode] = np.asarray(clone(x))
+  return out
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_reconfigured_model_computes_the_zeroed_model(name):
+  """Every prunable group loses half its channels (kernels zeroed wherever the group runs);
+  the smaller model gives the zeroed model's outputs in eval and train mode."""
+  model = ARCHITECTURES[name](nnx.Rngs(0))
+  masks.kill_channels(model, 0.5, input_shape=_SHAPE)
+  x = jax.random.normal(jax.random.key(1), (4, 32, 32, 3))
+  want = _outputs(model, x)
+  new, _, report = pt.reconfigure(model, None, input_shape=_SHAPE, count_flops=False)
+  assert report.params_after < report.params_before
+  got = _outputs(new, x)
+  for mode in want:
+    np.testing.assert_allclose(got[mode], want[mode], rtol=1e-5, atol=1e-5)
+  # A clone: the given model keeps its widths.
+  assert pt.channel_graph(model, _SHAPE).prunable[0].width > 0
+  assert sum(np.size(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))) == report.params_before
+
+
+def test_graph_follows_residual_add_concat_depthwise_and_flatten():
+  """Groups counted by hand for three of the hand-written models."""
+  graph = pt.channel_graph(ARCHITECTURES["hand-written ResNet (projection shortcuts)"](nnx.Rngs(0)), _SHAPE)
+  # The stem's output (read by block 0's first conv and projection), block 0's inner tensor,
+  # block 0's sum (its last conv and projection write it), block 1's inner tensor, block 1's
+  # sum (read by the fc): 5 groups.
+  widths = sorted(g.width for g in graph.prunable)
+  assert widths == [16, 16, 16, 32, 32]
+  stream = next(g for g in graph.prunable if any(u.name == "blocks/1/proj/kernel" and u.axis == 3 for u in g.uses))
+  names = {(u.name, u.axis) for u in stream.uses}
+  assert {("blocks/1/b/kernel", 3), ("fc/kernel", 0), ("blocks/1/b_bn/mean", 0)} <= names
+  # Depthwise: the expansion's channels pass through the depthwise conv (one group).
+  graph = pt.channel_graph(ARCHITECTURES["MobileNetV2 inverted residual (depthwise)"](nnx.Rngs(0)), _SHAPE)
+  hidden = next(g for g in graph.prunable if g.width == 64)
+  assert {(u.name, u.axis) for u in hidden.kernels} == {
+    ("expand/kernel", 3), ("depthwise/kernel", 3), ("project/kernel", 2)
+  }
+  # Concatenation: layer 2 reads the stem's 8 channels at offset 0 and layer 0's 8 at 8.
+  graph = pt.channel_graph(ARCHITECTURES["DenseNet-style concatenation"](nnx.Rngs(0)), _SHAPE)
+  layer0 = next(g for g in graph.prunable if ("layers/0/kernel", 3) in {(u.name, u.axis) for u in g.uses})
+  use = next(u for u in layer0.uses if u.name == "layers/2/kernel" and u.axis == 2)
+  np.testing.assert_array_equal(use.coords, [-1] * 8 + list(range(8)) + [-1] * 8)
+  # Flatten into a Linear: channel c is every width-th row of the hidden Linear.
+  graph = pt.channel_graph(FlattenCNN(nnx.Rngs(0)), _SHAPE)
+  conv = next(g for g in graph.prunable if g.width == 8)
+  use = next(u for u in conv.uses if u.name == "hidden/kernel")
+  np.testing.assert_array_equal(use.coords, np.tile(np.arange(8), 64))
+
+
+def test_layernorm_and_unfollowed_operations_block_their_groups_by_name():
+  graph = pt.channel_graph(ARCHITECTURES["ConvNeXt block (7x7 depthwise, LayerNorm, MLP)"](nnx.Rngs(0)), _SHAPE)
+  assert [g.width for g in graph.prunable] == [64]  # the MLP's hidden units
+  stream = next(g for g in graph.blocked if g.width == 16)
+  assert any(r.startswith("normalized: reduce_sum over the channels") for r in stream.blocked)
+  graph = pt.channel_graph(ARCHITECTURES["ShuffleNet unit (grouped 1x1, channel shuffle)"](nnx.Rngs(0)), _SHAPE)
+  assert any("channel shuffle" in r for g in graph.blocked for r in g.blocked)
+  assert graph.unfollowed()
+
+
+def test_zoo_models_give_the_same_model_by_slicing_and_by_rebuilding_from_the_spec():
+  """The traced surgery slices the zoo's models in place; rebuilding from the smaller width
+  spec and copying the values gives the same structure and arrays."""
+  for name in ("prunetrain-resnet20", "prunetrain-resnet50", "prunetrain-vgg11", "clicktrain-vgg11", "sdgp-resnet9"):
+    model = models.create(name, num_classes=10, rngs=nnx.Rngs(0))
+    masks.kill_channels(model, 0.5)
+    sliced, _, _ = pt.reconfigure(model, None, count_flops=False)
+    rebuilt = nnx.eval_shape(lambda: models.rebuild(model, sliced.spec))
+    nnx.update(rebuilt, nnx.state(sliced))
+    a, b = nnx.state(sliced), nnx.state(rebuilt)
+    assert jax.tree.structure(a) == jax.tree.structure(b), name
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      assert x.shape == y.shape
+    assert sliced.spec != model.spec
+
+
+def _loader(seed=0, n=64):
+  rng = np.random.default_rng(seed)
+  images = rng.integers(0, 256, size=(n, 32, 32, 3), dtype=np.uint8)
+  labels = rng.integers(0, 10, size=n).astype(np.int32)
+  return data.Loader(data.Dataset.from_arrays(images, labels, num_classes=10), 16, shuffle=True, seed=0, drop_last=True)
+
+
+def _prunetrain_trainer(model, directory=None):
+  method = methods.get("prunetrain", every_epochs=1, dynamic_batch=False)
+  loader = _loader()
+  run = methods.Run.from_loader(loader, epochs=3)
+  tx = method.make_tx(train.sgd(0.05, momentum=0.9), run)
+  return train.Trainer(
+    model, tx, callbacks=method.callbacks(run), progress=False, checkpoint_dir=directory
+  ), loader
+
+
+def _user_model():
+  model = ProjectionResNet(nnx.Rngs(0), width=8)
+  masks.kill_channels(model, 0.5, input_shape=_SHAPE)  # what group lasso would reach, at once
+  return model
+
+
+def test_prunetrain_loop_on_a_hand_written_model_ends_smaller_and_resumes_bit_exact(tmp_path):
+  trainer, loader = _prunetrain_trainer(_user_model())
+  history = trainer.fit(loader, None, epochs=3)
+  assert history[0]["pt_reconfigured"] and history[0]["pt_channels_removed"] > 0
+  start = sum(np.size(v) for v in jax.tree.leaves(nnx.state(_user_model(), nnx.Param)))
+  assert history[0]["pt_params"] == start and history[-1]["pt_params"] < start
+  whole = nnx.state(trainer.model, nnx.Param)
+  # The same run stopped after epoch 1 (after its reconfiguration), resumed by a new trainer
+  # on a new full-size model: the checkpoint's plans cut it before the weights are read.
+  first, loader = _prunetrain_trainer(_user_model(), tmp_path)
+  first.fit(loader, None, epochs=1)
+  first.close()
+  second, loader = _prunetrain_trainer(_user_model(), tmp_path)
+  second.fit(loader, None, epochs=3)
+  assert len(pt.applied_plans(second.model)) >= 1
+  resumed = nnx.state(second.model, nnx.Param)
+  assert jax.tree.structure(resumed) == jax.tree.structure(whole)
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_reconfigure_bad_input_is_named():
+  model = ProjectionResNet(nnx.Rngs(0), width=8)
+  with pytest.raises(ValueError, match="input_shape: ProjectionResNet has no width spec"):
+    pt.reconfigure(model, None)
+  with pytest.raises(ValueError, match="input_shape .* does not fit the model"):
+    pt.reconfigure(model, None, input_shape=(1, 32, 32, 5))
+  model.blocks[0].a.kernel[...] = model.blocks[0].a.kernel[...].at[0, 0, 0, 0].set(jnp.nan)
+  with pytest.raises(ValueError, match="non-finite weights in blocks/0/a/kernel"):
+    pt.reconfigure(model, None, input_shape=_SHAPE)
+  model = ProjectionResNet(nnx.Rngs(0), width=8)
+  masks.kill_channels(model, 0.5, input_shape=_SHAPE)
+  wrong = {"mu": jax.tree.map(jnp.zeros_like, nnx.as_pure(nnx.state(FlattenCNN(nnx.Rngs(0)), nnx.Param)))}
+  with pytest.raises(ValueError, match="opt_state: leaf"):
+    pt.reconfigure(model, wrong, input_shape=_SHAPE)
+
+
+def test_a_layer_that_keeps_its_own_width_is_refused_by_name():
+  class Stubborn(nnx.Module):
+    def __init__(self, rngs):
+      self.conv = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+      self.head = nnx.Linear(8, 10, rngs=rngs)
+      self.width = 8
+
+    def __call__(self, x):
+      y = nnx.relu(self.conv(x)).reshape(x.shape[0], -1, self.width)
+      return self.head(y.mean(1))
+
+  model = Stubborn(nnx.Rngs(0))
+  masks.kill_channels(model, 0.5, input_shape=_SHAPE)
+  with pytest.raises(ValueError, match="does not compute with its new widths"):
+    pt.reconfigure(model, None, input_shape=_SHAPE)
