@@ -15,9 +15,12 @@ touches JAX, and the rest goes to the experiment.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from jaxprune import multihost
 
@@ -59,6 +62,28 @@ def available() -> list[str]:
   return sorted(COMMANDS)
 
 
+def plain(text: str) -> str:
+  """``text`` without its reStructuredText markup, for a terminal: ``:role:`~a.b``` becomes
+  ``b`` (``a.b`` without the tilde), a double-backquoted literal its bare text."""
+  text = re.sub(r":\w+:`~[\w.]*?(\w+)`", r"\1", text)
+  text = re.sub(r":\w+:`([^`]+)`", r"\1", text)
+  return text.replace("``", "")
+
+
+def describe(name: str) -> str:
+  """The one-line summary of command ``name``: its module's docstring's first line, read from
+  the source (nothing is imported), without markup.
+
+  Raises:
+    ValueError: ``name`` is not a command.
+  """
+  if name not in COMMANDS:
+    raise ValueError(f"unknown experiment {name!r}; available: {', '.join(available())}")
+  path = Path(__file__).parent.joinpath(*COMMANDS[name].split(".")).with_suffix(".py")
+  doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+  return plain(doc.splitlines()[0]) if doc else ""
+
+
 def load(name: str):
   """Import the module of command ``name`` and return its ``main``.
 
@@ -97,12 +122,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {err}", file=sys.stderr)
     return 2
   if not argv or argv[0] in ("-h", "--help"):
-    print(__doc__.strip())
+    print(plain(__doc__.strip()))
     print("\nexperiments:", ", ".join(available()))
     return 0 if argv else 2
   if argv[0] == "--list":
+    width = max(map(len, available()))
     for name in available():
-      print(name)
+      print(f"{name:<{width}}  {describe(name)}")
     return 0
   try:
     experiment_main = load(argv[0])

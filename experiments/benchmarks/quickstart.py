@@ -160,12 +160,20 @@ def _seeds(text: str | None, seed: int) -> list[int]:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="quickstart", description=__doc__.splitlines()[0])
-  parser.add_argument("--epochs", type=int, default=15)
-  parser.add_argument("--batch-size", type=int, default=64)
-  parser.add_argument("--lr", type=float, default=0.1)
-  parser.add_argument("--weight-decay", type=float, default=5e-4)
-  parser.add_argument("--label-smoothing", type=float, default=0.0)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--epochs", type=int, default=15, help="epochs of every method's run")
+  parser.add_argument("--batch-size", type=int, default=64, help="training batch size")
+  parser.add_argument(
+    "--lr", type=float, default=0.1, help="peak learning rate of the triangular schedule"
+  )
+  parser.add_argument(
+    "--weight-decay", type=float, default=5e-4, help="SGD's coupled weight decay (all params)"
+  )
+  parser.add_argument(
+    "--label-smoothing", type=float, default=0.0, help="label smoothing of the cross-entropy"
+  )
+  parser.add_argument(
+    "--seed", type=int, default=0, help="seed of the model's initialisation and the data order"
+  )
   parser.add_argument(
     "--seeds",
     default=None,

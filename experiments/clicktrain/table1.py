@@ -86,7 +86,12 @@ def _parse(argv):
     default="vgg11",
     help=f"comma list of {','.join(PAPER)} (and {','.join(EXTRA_ROWS)}, not a Table 1 row)",
   )
-  p.add_argument("--mode", default="paper", choices=["paper", "one_shot"])
+  p.add_argument(
+    "--mode",
+    default="paper",
+    choices=["paper", "one_shot"],
+    help="ClickTrain's rule: the paper's stages (§4) or one_shot (the authors' released code)",
+  )
   p.add_argument("--skip-dense", action="store_true", help="the same as --methods clicktrain")
   p.add_argument(
     "--methods",

@@ -141,7 +141,9 @@ def add_table_arguments(parser: argparse.ArgumentParser, table: str) -> None:
     help="named recipe shared by every row: paper (the paper's, for a GPU) or cpu (reduced)",
   )
   add_output_arguments(parser, budgets.PAPER_OF[table] + "/")
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--seed", type=int, default=0, help="seed of the data subset, the models and the data order"
+  )
   parser.add_argument("--root", default=None, help="CIFAR-10 source (default: data package's)")
 
 

@@ -126,7 +126,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--channel-multiple", type=int, default=1, help="round kept widths up to this multiple"
   )
-  parser.add_argument("--no-dynamic-batch", action="store_true")
+  parser.add_argument(
+    "--no-dynamic-batch",
+    action="store_true",
+    help="keep the batch size after a reconfiguration (no PruneTrain §4.3 mini-batch growth)",
+  )
   parser.add_argument(
     "--min-flops-saving",
     type=float,

@@ -70,8 +70,17 @@ def _parse_settings(text: str) -> list[tuple[int, int]]:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="sdgp_fig8", description=__doc__.splitlines()[0])
   sdgp_table1.add_budget_arguments(parser, "sdgp_fig8")
-  parser.add_argument("--settings", default=",".join(f"{n}:{m}" for n, m in SWEEP))
-  parser.add_argument("--method", choices=sdgp.METHODS, default="rescaled_magnitude")
+  parser.add_argument(
+    "--settings",
+    default=",".join(f"{n}:{m}" for n, m in SWEEP),
+    help="comma list of the n:m settings to train (default: the paper's Fig. 8 sweep)",
+  )
+  parser.add_argument(
+    "--method",
+    choices=sdgp.METHODS,
+    default="rescaled_magnitude",
+    help="how the n of every m data-gradient entries are kept (the paper's Fig. 8: rescaled)",
+  )
   parser.add_argument("--no-dense", action="store_true", help="skip the dense reference row")
   parser.add_argument("--name", default=None, help="result file stem")
   parser.add_argument(

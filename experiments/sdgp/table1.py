@@ -49,8 +49,14 @@ def add_budget_arguments(parser: argparse.ArgumentParser, table: str) -> None:
   """Arguments shared by the SDGP training experiments (Table I, Fig. 8)."""
   cli.add_table_arguments(parser, table)
   cli.add_dtype_argument(parser)
-  parser.add_argument("--backend", choices=sdgp.BACKENDS, default="auto")
-  parser.add_argument("--progress", action="store_true")
+  parser.add_argument(
+    "--backend",
+    choices=sdgp.BACKENDS,
+    default="auto",
+    help="N:M pruning of the data gradient: the Pallas kernel, the pure-JAX reference, or auto "
+    "(the one measured faster on the device)",
+  )
+  parser.add_argument("--progress", action="store_true", help="show a progress bar per epoch")
   run_options.add_arguments(parser)
 
 

@@ -1,5 +1,6 @@
 """experiments.run: the one entry point takes the multi-host flags out for every experiment."""
 
+import argparse
 import ast
 import re
 from pathlib import Path
@@ -109,8 +110,43 @@ def test_runner_lists_and_rejects_unknown(capsys):
   assert {"quickstart", "cifar_baseline"} <= set(run_module.available())
   assert "run" not in run_module.available()
   assert run_module.main(["--list"]) == 0
-  assert "quickstart" in capsys.readouterr().out.split()
+  lines = capsys.readouterr().out.splitlines()
+  # One line per command: its name and the first line of its module's docstring, plain.
+  assert [line.split()[0] for line in lines] == run_module.available()
+  quickstart = next(line for line in lines if line.startswith("quickstart "))
+  assert quickstart.split(None, 1)[1] == (
+    "Quickstart: train on scikit-learn's 8x8 digits and print a results table."
+  )
+  train_step = next(line for line in lines if line.startswith("bench_train_step "))
+  assert "jaxprune.train's split/merge jax.jit step vs nnx.jit" in train_step  # no ``markup``
+  assert run_module.main(["--help"]) == 0
+  shown = capsys.readouterr().out
+  assert "python -m experiments.run NAME" in shown and "jaxprune.multihost (" in shown
+  assert not any(mark in shown for mark in ("``", ":data:", ":mod:", ":func:"))
   with pytest.raises(ValueError, match="unknown experiment 'no_such_experiment'"):
     run_module.load("no_such_experiment")
   assert run_module.main(["no_such_experiment"]) == 2
   assert "unknown experiment" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+  "command", ["quickstart", "clicktrain_table1", "prunetrain_table1", "sdgp_table1", "sdgp_fig8"]
+)
+def test_every_flag_of_the_readme_commands_says_what_it_does(monkeypatch, capsys, command):
+  # Every option the parser of a command the README runs defines (its own and the shared
+  # ones) has a help text.
+  missing: dict[str, list[str]] = {}
+  add_argument = argparse.ArgumentParser.add_argument
+
+  def recording(parser, *names, **kwargs):
+    if names and names[0].startswith("--") and not kwargs.get("help"):
+      missing.setdefault(current, []).append(names[0])
+    return add_argument(parser, *names, **kwargs)
+
+  monkeypatch.setattr(argparse.ArgumentParser, "add_argument", recording)
+  current = command
+  with pytest.raises(SystemExit) as exit_:
+    run_module.load(command)(["--help"])
+  assert exit_.value.code == 0
+  assert "--seed" in capsys.readouterr().out
+  assert not missing
