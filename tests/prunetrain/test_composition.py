@@ -195,7 +195,7 @@ def test_clicktrain_state_is_sliced_and_trains_on(ratios):
   tx = pt.with_group_lasso(
     ct.clicktrain(
       train.sgd(0.05, momentum=0.9),
-      steps_per_epoch=4,
+      steps_per_epoch=len(_loader()),  # 2
       mode="one_shot",
       one_shot_epoch=0,
       hard_prune_epoch=1,
