@@ -147,6 +147,8 @@ class ChannelGraph:
     """Operation the graph could not follow -> the groups it blocks."""
     out: dict[str, list[str]] = {}
     for group in self.blocked:
+      if any(r.startswith("fixed") for r in group.blocked):
+        continue  # the model's input or output: never pruned, whatever else touched it
       for reason in group.blocked:
         if reason.startswith("unfollowed"):
           out.setdefault(reason, []).append(group.name)
