@@ -218,15 +218,14 @@ def test_presets_are_the_registered_methods():
 
 
 def test_clicktrain_preset_places_its_schedule_in_the_run():
-  run = methods.Run(steps_per_epoch=3, epochs=190)
+  from jaxprune.clicktrain import Schedule
+
   # The paper's hard prune at half the run, the released code's masks 30 epochs before it.
-  assert preset._fill_epoch_settings({}, run) == {"hard_prune_epoch": 95}
-  assert preset._fill_epoch_settings({"mode": "one_shot"}, run) == {
-    "mode": "one_shot",
-    "hard_prune_epoch": 95,
-    "one_shot_epoch": 65,
-  }
-  assert preset._fill_epoch_settings({"hard_prune_epoch": 7}, run) == {"hard_prune_epoch": 7}
+  paper = Schedule.for_run(3, 190)
+  assert (paper.steps_per_epoch, paper.hard_prune_epoch, paper.total_epochs) == (3, 95, 190)
+  one_shot = Schedule.for_run(3, 190, mode="one_shot")
+  assert (one_shot.hard_prune_epoch, one_shot.one_shot_epoch) == (95, 65)
+  assert Schedule.for_run(3, 190, hard_prune_epoch=7).hard_prune_epoch == 7
 
 
 def _recording(name, log):

@@ -156,13 +156,6 @@ def _stage_epochs(args, row: str) -> dict[str, Any]:
   return {"pool_epochs": args.pool_epochs, "finalize_epochs": args.finalize_epochs, **epochs}
 
 
-def _hard_prune_epoch(args, row: str) -> int:
-  """The hard-prune epoch ``row``'s ClickTrain run is built with (the table's, else the
-  preset's half of the run)."""
-  hard = _stage_epochs(args, row).get("hard_prune_epoch")
-  return hard if hard is not None else max(1, round(preset._HARD_PRUNE_FRACTION * args.epochs))
-
-
 def _method(args, row: str) -> methods.Method:
   """ClickTrain for ``row``: the registered preset with this table's ratios and stage epochs
   (and ``--filter-groups``: the aligned mode)."""
@@ -226,8 +219,9 @@ def _run(
   hooks = []
   if prune and args.mode == "paper":
     # What the hard prune removes and costs, read at the epoch end before it (the group
-    # lasso's job, ClickTrain §4.4): saved in that epoch's record.
-    hooks.append(HardPruneReadout(test_loader, hard_prune_epoch=_hard_prune_epoch(args, row)))
+    # lasso's job, ClickTrain §4.4): saved in that epoch's record. The hook reads the hard
+    # prune's epoch from the schedule the preset placed in the transform's state.
+    hooks.append(HardPruneReadout(test_loader))
   if prune and args.filter_groups is not None:
     # Each layer's groups as the ClickTrain state holds them (the clustered partition).
     hooks.append(SparseExecution(filter_groups="from_state"))

@@ -9,9 +9,11 @@ fraction of whole kernels is removed. The package has two halves.
   scores (Eq. 2).
 * :mod:`~jaxprune.clicktrain.patterns` — the pattern library, dynamic pattern pool generation
   (DPPG, §4.2), votes and adaptive finalization (§4.3).
+* :mod:`~jaxprune.clicktrain.schedule` — :class:`Schedule`, the pruning schedule as one frozen
+  value: the epoch settings, their checks, their placement in a run, and when each stage is due.
 * :mod:`~jaxprune.clicktrain.config` — :class:`~jaxprune.clicktrain.config.Config`, the
-  validated settings of one transform (every keyword of :func:`clicktrain`), and
-  :func:`default_layer_filter`.
+  validated settings of one transform (every keyword of :func:`clicktrain`, the epoch settings
+  as its ``schedule``), and :func:`default_layer_filter`.
 * :mod:`~jaxprune.clicktrain.state` — the optimizer state (:class:`ClickTrainState`,
   :class:`ClickTrainLayerState`) and the stages (:class:`Stage`: warm-up, pool, finalize,
   regularize, pruned).
@@ -48,14 +50,10 @@ them; *stage work* is what a stage computes each step; the *pruning schedule* is
 which the stages happen (the epoch settings: ``pool_start_epoch``, ``pool_epochs``,
 ``finalize_epochs``, ``hard_prune_epoch``, ``one_shot_epoch``, the loss-derivative trigger);
 *schedules* elsewhere (:mod:`jaxprune.train.schedules`) are learning-rate schedules. To change
-the pruning schedule, touch:
-
-* ``config.py`` — the epoch settings, their defaults and their checks (``Config``);
-* ``_stage_machine.py`` — when a stage ends and the next begins (the transitions, the
-  loss-derivative trigger, the moved hard prune and its warnings);
-* ``preset.py`` — ``_fill_epoch_settings``: the settings the preset places in a run of another
-  length (hard prune at half the run);
-* ``transform.py`` — only for a new keyword (it passes every keyword to ``Config`` by name).
+the pruning schedule, touch ``schedule.py``: the epoch settings, their defaults and checks, how
+the presets place them in a run (:meth:`Schedule.for_run`), and when each stage is due (the
+stage machine asks it). The transform keeps the :class:`Schedule` in its state
+(``find_state(opt_state).schedule``), where the hooks and experiments read it.
 
 The public names below (``__all__``) are the user surface: the transform, its state types, the
 paper's importance and pattern definitions, read-outs, presets, hooks and the execution entry
@@ -75,6 +73,7 @@ References:
 
 from jaxprune.clicktrain import reconfigure as _reconfigure  # noqa: F401 (registers the slicer)
 from jaxprune.clicktrain.config import default_layer_filter
+from jaxprune.clicktrain.schedule import Schedule
 from jaxprune.clicktrain.execution import (
   AlignedConv,
   PatternConv,
@@ -113,6 +112,7 @@ __all__ = [
   # the transform and its state
   "clicktrain",
   "default_layer_filter",
+  "Schedule",
   "ClickTrainState",
   "ClickTrainLayerState",
   "Stage",

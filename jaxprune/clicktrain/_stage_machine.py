@@ -9,8 +9,6 @@ the state, and the importance work and mask choice of a stage run under one ``la
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +16,7 @@ from jaxprune.clicktrain import _stage_work
 from jaxprune.clicktrain import patterns as _pat
 from jaxprune.clicktrain._plan import Plan
 from jaxprune.clicktrain.config import Config
+from jaxprune.clicktrain.schedule import Clock
 from jaxprune.clicktrain.state import (
   FINALIZE,
   POOL,
@@ -27,7 +26,6 @@ from jaxprune.clicktrain.state import (
 )
 
 __all__ = [
-  "Clock",
   "next_state",
   "one_shot_step",
   "paper_step",
@@ -37,33 +35,10 @@ __all__ = [
 ]
 
 
-class Clock(NamedTuple):
-  """Where a step sits in the epoch schedule (all traced scalars)."""
-
-  done: jax.Array  # steps done after this one
-  epoch_end: jax.Array  # this step ends an epoch
-  epochs_done: jax.Array
-  loss_sum: jax.Array  # the epoch's loss sum including this step
-  mean: jax.Array  # the epoch's mean loss (meaningful at its end)
-  in_stage: jax.Array  # epochs spent in the current stage
-  loss: jax.Array  # this step's loss (0 when none is given)
-
-
 def step_clock(cfg: Config, state: ClickTrainState, loss) -> Clock:
-  """The :class:`Clock` of the step that takes ``state`` on with ``loss``."""
-  done = state.count + 1
-  spe = cfg.steps_per_epoch
-  epochs_done = done // spe
-  loss_sum = state.epoch_loss_sum + loss
-  return Clock(
-    done=done,
-    epoch_end=(done % spe) == 0,
-    epochs_done=epochs_done,
-    loss_sum=loss_sum,
-    mean=loss_sum / spe,
-    in_stage=epochs_done - state.stage_start_epoch,
-    loss=loss,
-  )
+  """The :class:`~jaxprune.clicktrain.schedule.Clock` of the step that takes ``state`` on with
+  ``loss`` (the schedule's epochs advance by the learning rate's step increment)."""
+  return cfg.schedule.clock(state.epoch_length, state.epoch_loss_sum, loss)
 
 
 def next_state(
@@ -71,10 +46,9 @@ def next_state(
 ) -> ClickTrainState:
   """The state after this step: stage + 1 where a transition (or the hard prune, from
   ``hard_prune_epoch`` at the end of REGULARIZE) ends this step; the epoch's loss bookkeeping."""
-  to_pruned = clock.epoch_end & (stage == REGULARIZE) & (clock.epochs_done >= cfg.hard_prune_epoch)
-  moved = moved | to_pruned
+  moved = moved | ((stage == REGULARIZE) & cfg.schedule.prune_due(clock))
   return ClickTrainState(
-    count=clock.done,
+    count=state.count + 1,
     stage=stage + moved.astype(jnp.int32),
     stage_start_epoch=jnp.where(moved, clock.epochs_done, state.stage_start_epoch),
     epoch_loss_sum=jnp.where(clock.epoch_end, 0.0, clock.loss_sum),
@@ -83,7 +57,8 @@ def next_state(
     last_loss=jnp.where(jnp.isfinite(clock.loss), clock.loss, state.last_loss),
     layers=layers,
     inner_state=inner_state,
-    epoch_length=state.epoch_length,
+    epoch_length=state.epoch_length._replace(step=clock.step),
+    schedule=state.schedule,
   )
 
 
@@ -102,23 +77,24 @@ def warn_unreachable(cfg: Config) -> None:
   """A ``RuntimeWarning`` when ``clicktrain()`` is built for a run (``total_epochs``) that
   ends before its earliest possible hard prune (:meth:`Config.earliest_hard_prune`): such a
   run ends dense, in its pool, finalization or regularization stage."""
-  if cfg.total_epochs is None or cfg.earliest_hard_prune() <= cfg.total_epochs:
+  sch = cfg.schedule
+  if sch.total_epochs is None or sch.earliest_hard_prune() <= sch.total_epochs:
     return
-  if cfg.mode != "paper":
-    why = f"hard_prune_epoch={cfg.hard_prune_epoch}"
+  if sch.mode != "paper":
+    why = f"hard_prune_epoch={sch.hard_prune_epoch}"
   else:
     start = (
       "the loss-derivative trigger fires at the end of epoch 2 at the earliest"
-      if cfg.pool_start_epoch is None
-      else f"pool_start_epoch={cfg.pool_start_epoch}"
+      if sch.pool_start_epoch is None
+      else f"pool_start_epoch={sch.pool_start_epoch}"
     )
     why = (
-      f"hard_prune_epoch={cfg.hard_prune_epoch}; {start}, then pool_epochs + finalize_epochs"
-      f" = {cfg.pool_epochs} + {cfg.finalize_epochs} and one regularized epoch"
+      f"hard_prune_epoch={sch.hard_prune_epoch}; {start}, then pool_epochs + finalize_epochs"
+      f" = {sch.pool_epochs} + {sch.finalize_epochs} and one regularized epoch"
     )
   warnings.warn(
-    f"clicktrain: the run of total_epochs={cfg.total_epochs} ends before its hard prune, "
-    f"which comes after {cfg.earliest_hard_prune()} epochs at the earliest ({why}): the run "
+    f"clicktrain: the run of total_epochs={sch.total_epochs} ends before its hard prune, "
+    f"which comes after {sch.earliest_hard_prune()} epochs at the earliest ({why}): the run "
     "would end dense; train longer, or shorten pool_epochs / finalize_epochs / "
     "hard_prune_epoch",
     RuntimeWarning,
@@ -132,14 +108,8 @@ def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w,
 
   Returns the new per-layer states and whether this step ends WARMUP, POOL or FINALIZE.
   """
-  stage = state.stage
-  if cfg.pool_start_epoch is None:  # §4.1's loss-derivative trigger
-    start_pool = (~jnp.isnan(state.prev_epoch_loss)) & (
-      jnp.abs(clock.mean - state.prev_epoch_loss) < cfg.loss_derivative_threshold
-    )
-  else:
-    start_pool = clock.epochs_done >= cfg.pool_start_epoch
-  to_pool = clock.epoch_end & (stage == WARMUP) & start_pool
+  stage, sch = state.stage, cfg.schedule
+  to_pool = clock.epoch_end & (stage == WARMUP) & sch.pool_due(clock, state.prev_epoch_loss)
   # Only the data-driven trigger can leave the run in warmup at the hard prune epoch (a set
   # pool_start_epoch that late is a ValueError in clicktrain()): say so once, or the run
   # ends dense without a word.
@@ -147,10 +117,10 @@ def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w,
     clock.epoch_end
     & (stage == WARMUP)
     & ~to_pool
-    & (clock.epochs_done == max(cfg.hard_prune_epoch, 1)),
+    & (clock.epochs_done == max(sch.hard_prune_epoch, 1)),
     "clicktrain: still in warmup after {epoch} epochs (hard_prune_epoch="
-    f"{cfg.hard_prune_epoch}): the loss-derivative trigger (|change of the epoch mean loss| "
-    f"< loss_derivative_threshold={cfg.loss_derivative_threshold}) has not fired, so nothing "
+    f"{sch.hard_prune_epoch}): the loss-derivative trigger (|change of the epoch mean loss| "
+    f"< loss_derivative_threshold={sch.loss_derivative_threshold}) has not fired, so nothing "
     "is pruned yet; pool generation starts when it fires and the hard prune comes "
     "pool_epochs + finalize_epochs + 1 epochs later (set pool_start_epoch for a fixed "
     "schedule)",
@@ -159,19 +129,20 @@ def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w,
   # A trigger that fires too late to fit pool generation, finalization and one regularized
   # epoch (§4.1-§4.4) before hard_prune_epoch does not cut those stages short: the hard prune
   # moves later, to the first epoch end in regularization (next_state). Say when.
-  late = cfg.pool_start_epoch is None and cfg.mode == "paper"
-  stages = cfg.pool_epochs + cfg.finalize_epochs + 1
+  late = sch.pool_start_epoch is None and sch.mode == "paper"
+  stages = sch.pool_epochs + sch.finalize_epochs + 1
   warn_when(
-    to_pool & late & (clock.epochs_done + stages > cfg.hard_prune_epoch),
+    to_pool & late & (clock.epochs_done + stages > sch.hard_prune_epoch),
     "clicktrain: the loss-derivative trigger fired after {epoch} epochs, too late for "
     f"pool_epochs + finalize_epochs + 1 = {stages} epochs before hard_prune_epoch="
-    f"{cfg.hard_prune_epoch}: the stages run in full and the hard prune moves to the end of "
+    f"{sch.hard_prune_epoch}: the stages run in full and the hard prune moves to the end of "
     "epoch {prune_epoch}, if the run lasts that long (otherwise it ends dense)",
     clock.epochs_done,
     prune_epoch=clock.epochs_done + stages,
   )
-  to_final = clock.epoch_end & (stage == POOL) & (clock.in_stage >= cfg.pool_epochs)
-  to_reg = clock.epoch_end & (stage == FINALIZE) & (clock.in_stage >= cfg.finalize_epochs)
+  in_stage = clock.epochs_done - state.stage_start_epoch
+  to_final = (stage == POOL) & sch.stage_done(clock, in_stage, finalize=False)
+  to_reg = (stage == FINALIZE) & sch.stage_done(clock, in_stage, finalize=True)
   counted = _pat.loss_margin_ok(state.last_loss, clock.loss, cfg.loss_margin, cfg.margin_rule)
   counted = counted | jnp.isnan(state.last_loss)
   do_importance = (state.count % cfg.importance_every) == 0
@@ -218,7 +189,7 @@ def one_shot_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock,
 
   Returns the new per-layer states and the stage.
   """
-  due = (state.stage == WARMUP) & (state.count >= cfg.one_shot_epoch * cfg.steps_per_epoch)
+  due = (state.stage == WARMUP) & cfg.schedule.one_shot_due(state.epoch_length)
   pick = jax.lax.cond(
     due, lambda: _stage_work.all_finite(clock.loss, plan, w, g), lambda: jnp.bool_(False)
   )

@@ -1,9 +1,8 @@
 """The validated settings of one :func:`jaxprune.clicktrain.clicktrain` transform.
 
-Every argument of ``clicktrain()`` except the inner optimizer becomes one field of the frozen
-:class:`Config`, checked once when it is built; the transform reads nothing else. A new option
-is one more field here (with its check in :meth:`Config.__post_init__`) and one more keyword
-of ``clicktrain()``, which passes its keywords on by name.
+Every argument of ``clicktrain()`` except the inner optimizer and the epoch settings becomes one
+field of the frozen :class:`Config`, checked once when it is built; the epoch settings are its
+``schedule`` (:class:`~jaxprune.clicktrain.schedule.Schedule`). The transform reads nothing else.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxprune.clicktrain import patterns as _pat
+from jaxprune.clicktrain.schedule import Schedule, check_int
 from jaxprune.clicktrain.state import PATTERN_SIZE
 
 __all__ = [
@@ -81,16 +81,6 @@ def check_ratio(r: Any, name: str | None = None) -> float:
   return float(r)
 
 
-def _check_int(name: str, v: Any, lo: int) -> None:
-  if not isinstance(v, (int, np.integer)) or v < lo:
-    raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-
-
-# The loss-derivative trigger (§4.1) compares an epoch's mean loss with the one before, so the
-# end of the second epoch is the first where it can fire.
-EARLIEST_TRIGGER = 2
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
   """The schedule, coefficients and layer choice of one ``clicktrain()`` (see its Args).
@@ -102,19 +92,12 @@ class Config:
     ValueError: a bad field, named in the message (the checks of ``clicktrain()``).
   """
 
-  steps_per_epoch: int
-  hard_prune_epoch: int
-  mode: str
+  schedule: Schedule
   kernel_prune_ratio: RatioSpec
-  pool_start_epoch: int | None
-  loss_derivative_threshold: float
-  pool_epochs: int
-  finalize_epochs: int
   pool_size: int
   loss_margin: float
   margin_rule: str
   group_lasso_coefficient: float
-  one_shot_epoch: int | None
   one_shot_patterns: int
   layer_filter: LayerFilter | None
   importance_every: int
@@ -122,15 +105,19 @@ class Config:
   filter_groups: int | None
   filter_grouping: str
   eps: float
-  total_epochs: int | None = None
+
+  @property
+  def mode(self) -> str:
+    """``"paper"`` or ``"one_shot"`` (the schedule's)."""
+    return self.schedule.mode
 
   def __post_init__(self):
-    if self.mode not in ("paper", "one_shot"):
-      raise ValueError(f"mode must be 'paper' or 'one_shot', got {self.mode!r}")
+    if not isinstance(self.schedule, Schedule):
+      raise ValueError(f"schedule must be a clicktrain.Schedule, got {self.schedule!r}")
     if not isinstance(self.balanced_kernels, bool):
       raise ValueError(f"balanced_kernels must be a bool, got {self.balanced_kernels!r}")
     if self.filter_groups is not None:
-      _check_int("filter_groups", self.filter_groups, 1)
+      check_int("filter_groups", self.filter_groups, 1)
       if isinstance(self.filter_groups, bool):
         raise ValueError(f"filter_groups must be an int >= 1, got {self.filter_groups!r}")
     if self.filter_grouping not in FILTER_GROUPINGS:
@@ -142,20 +129,8 @@ class Config:
         "filter_grouping='clustered' chooses the filter groups of the aligned mode: it needs "
         "filter_groups (the number of groups)"
       )
-    _check_int("steps_per_epoch", self.steps_per_epoch, 1)
-    _check_int("hard_prune_epoch", self.hard_prune_epoch, 0)
-    _check_int("pool_epochs", self.pool_epochs, 1)
-    _check_int("finalize_epochs", self.finalize_epochs, 1)
-    _check_int("pool_size", self.pool_size, 1)
-    _check_int("importance_every", self.importance_every, 1)
-    if self.total_epochs is not None:
-      _check_int("total_epochs", self.total_epochs, 1)
-    if self.pool_start_epoch is not None and (
-      not isinstance(self.pool_start_epoch, (int, np.integer)) or self.pool_start_epoch < 0
-    ):
-      raise ValueError(
-        f"pool_start_epoch must be None or an int >= 0, got {self.pool_start_epoch!r}"
-      )
+    check_int("pool_size", self.pool_size, 1)
+    check_int("importance_every", self.importance_every, 1)
     if (
       isinstance(self.one_shot_patterns, bool)
       or self.one_shot_patterns not in _pat.ONE_SHOT_POOL_SIZES
@@ -165,10 +140,8 @@ class Config:
         f"got {self.one_shot_patterns!r}"
       )
     if self.mode == "paper":
-      self._check_paper_schedule()
-    else:
-      self._check_one_shot_schedule()
-    for name in ("loss_derivative_threshold", "loss_margin", "group_lasso_coefficient", "eps"):
+      self._check_importance_every()
+    for name in ("loss_margin", "group_lasso_coefficient", "eps"):
       v = getattr(self, name)
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -179,54 +152,22 @@ class Config:
     # Normalised once, so the transform reads plain values.
     set_ = object.__setattr__  # frozen: __post_init__ is the one place that may write
     set_(self, "kernel_prune_ratio", _normalise_ratio(self.kernel_prune_ratio))
-    set_(self, "steps_per_epoch", int(self.steps_per_epoch))
     set_(self, "one_shot_patterns", int(self.one_shot_patterns))
     if self.layer_filter is None:
       set_(self, "layer_filter", default_layer_filter)
 
-  def _check_paper_schedule(self) -> None:
-    shortest = min(self.pool_epochs, self.finalize_epochs) * self.steps_per_epoch
+  def _check_importance_every(self) -> None:
+    schedule = self.schedule
+    shortest = min(schedule.pool_epochs, schedule.finalize_epochs) * schedule.steps_per_epoch
     if self.importance_every > shortest:
       # A stage of fewer steps than importance_every may hold no importance step: all-zero
       # scores, and the pool / masks would go by index.
-      stage = "pool_epochs" if self.pool_epochs <= self.finalize_epochs else "finalize_epochs"
+      stage = (
+        "pool_epochs" if schedule.pool_epochs <= schedule.finalize_epochs else "finalize_epochs"
+      )
       raise ValueError(
         f"importance_every ({self.importance_every}) must be <= the shortest importance "
         f"stage, {stage} * steps_per_epoch = {shortest} steps, or that stage may score no batch"
-      )
-    if self.pool_start_epoch is not None:
-      # A fixed schedule is known here: masks final at pool_start + pool + finalize, then at
-      # least one epoch of regularization (§4.4) before the hard prune. A later hard prune
-      # than asked (or a run still in warmup at hard_prune_epoch) is a mis-configuration.
-      final = self.pool_start_epoch + self.pool_epochs + self.finalize_epochs
-      if self.hard_prune_epoch <= final:
-        raise ValueError(
-          f"hard_prune_epoch ({self.hard_prune_epoch}) must be > pool_start_epoch + "
-          f"pool_epochs + finalize_epochs ({self.pool_start_epoch} + {self.pool_epochs} + "
-          f"{self.finalize_epochs} = {final}): the masks are final only at that epoch and get "
-          "at least one epoch of regularization"
-        )
-
-  def earliest_hard_prune(self) -> int:
-    """The fewest epochs after which the hard prune can come (the stage machine,
-    :func:`jaxprune.clicktrain._stage_machine.next_state`): ``hard_prune_epoch``, or later where
-    pool generation + finalization + one regularized epoch (§4.1-§4.4) cannot fit before it:
-    the loss-derivative trigger compares two epoch means, so it fires at the end of epoch
-    :data:`EARLIEST_TRIGGER` at the earliest."""
-    if self.mode != "paper":
-      return self.hard_prune_epoch
-    start = EARLIEST_TRIGGER if self.pool_start_epoch is None else self.pool_start_epoch
-    return max(self.hard_prune_epoch, start + self.pool_epochs + self.finalize_epochs + 1)
-
-  def _check_one_shot_schedule(self) -> None:
-    if not isinstance(self.one_shot_epoch, (int, np.integer)) or self.one_shot_epoch < 0:
-      raise ValueError(
-        f"one_shot_epoch must be an int >= 0 in mode 'one_shot', got {self.one_shot_epoch!r}"
-      )
-    if self.hard_prune_epoch <= self.one_shot_epoch:
-      raise ValueError(
-        f"hard_prune_epoch ({self.hard_prune_epoch}) must come after one_shot_epoch "
-        f"({self.one_shot_epoch})"
       )
 
 

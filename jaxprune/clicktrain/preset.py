@@ -14,6 +14,7 @@ from typing import Any
 
 from jaxprune.clicktrain.execution import SparseExecution
 from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES, HardPruneBatchNorm, HardPruneCheck
+from jaxprune.clicktrain.schedule import Schedule
 from jaxprune.clicktrain.transform import clicktrain
 from jaxprune.method_api import Method, Run, split_config
 
@@ -26,22 +27,14 @@ __all__ = [
   "released_method",
 ]
 
-# The paper prunes at epoch 90-98 of 190 (Table 1); the released code picks its masks 30
-# epochs before that. Both are placed at the same fractions of a run of another length.
-_HARD_PRUNE_FRACTION = 0.5
-_ONE_SHOT_LEAD_FRACTION = 30 / 190
 
-
-def _fill_epoch_settings(config: dict[str, Any], run: Run) -> dict[str, Any]:
-  """Fills the epoch settings the user left out, scaled to ``run.epochs``."""
-  config = dict(config)
-  one_shot = config.get("mode", "paper") == "one_shot"
-  if config.get("hard_prune_epoch") is None:
-    config["hard_prune_epoch"] = max(2 if one_shot else 1, round(_HARD_PRUNE_FRACTION * run.epochs))
-  if one_shot and config.get("one_shot_epoch") is None:
-    lead = max(1, round(_ONE_SHOT_LEAD_FRACTION * run.epochs))
-    config["one_shot_epoch"] = max(0, config["hard_prune_epoch"] - lead)
-  return config
+def _split_schedule(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """``config`` split into the schedule's fields and the rest of ``clicktrain()``'s keywords."""
+  keys = {f.name for f in dataclasses.fields(Schedule)}
+  return (
+    {k: v for k, v in config.items() if k in keys},
+    {k: v for k, v in config.items() if k not in keys},
+  )
 
 
 def _hook_settings(
@@ -80,9 +73,9 @@ def method(**config: Any) -> Method:
   """ClickTrain's pattern + connectivity pruning (ClickTrain §4) as a method.
 
   ``make_tx(inner, run)`` returns :func:`jaxprune.clicktrain.clicktrain` around ``inner`` with
-  ``steps_per_epoch`` from ``run``. When ``hard_prune_epoch`` is not given it is half the run
-  (the paper's 95 of 190 epochs); in ``mode="one_shot"`` a missing ``one_shot_epoch`` comes
-  30/190 of the run before it (the released code's lead). ``callbacks(run)`` returns a
+  the epoch settings placed in ``run`` as one :class:`~jaxprune.clicktrain.Schedule`
+  (:meth:`~jaxprune.clicktrain.Schedule.for_run`: a missing ``hard_prune_epoch`` is half the
+  run, a missing one-shot ``one_shot_epoch`` 30/190 of the run before it). ``callbacks(run)`` returns a
   :class:`~jaxprune.clicktrain.HardPruneBatchNorm`: the hard prune zeroes about half of each
   pruned conv's weights in one step, and without it the BatchNorm running statistics still
   describe the dense weights when that epoch is evaluated (notebook 01 scored 15% there,
@@ -118,7 +111,7 @@ def method(**config: Any) -> Method:
     >>> m = clicktrain.method(kernel_prune_ratio=0.65, pool_start_epoch=10)
   """
   targets = {
-    "clicktrain": (clicktrain, ("inner", "steps_per_epoch")),
+    "clicktrain": (clicktrain, ("inner", "steps_per_epoch", "schedule")),
     "hooks": (_hook_settings, ()),
   }
   routed = split_config(config, targets, owner="clicktrain")
@@ -126,11 +119,11 @@ def method(**config: Any) -> Method:
   tx_config = routed["clicktrain"]
   sparse = sparse and tx_config.get("filter_groups") is not None
 
+  given, rest = _split_schedule(tx_config)
+
   def make_tx(inner, run: Run):
     return clicktrain(
-      inner,
-      steps_per_epoch=run.steps_per_epoch,
-      **{"total_epochs": run.epochs, **_fill_epoch_settings(tx_config, run)},
+      inner, schedule=Schedule.for_run(run.steps_per_epoch, run.epochs, **given), **rest
     )
 
   return Method(
@@ -246,23 +239,19 @@ def released_method(arch: str, **overrides: Any) -> Method:
   if arch not in RELEASED_CIFAR10:
     raise ValueError(f"arch must be one of {sorted(RELEASED_CIFAR10)}, got {arch!r}")
   config = {**RELEASED_CIFAR10[arch], **overrides}
-  fixed = {k: config.pop(k) for k in ("one_shot_epoch", "hard_prune_epoch")}
+  fixed = {k: RELEASED_CIFAR10[arch][k] for k in ("one_shot_epoch", "hard_prune_epoch")}
+  kept = {k: config.pop(k) for k in fixed if k in overrides}  # given: not scaled
+  for k in fixed:
+    config.pop(k, None)
   base = one_shot_method(**config)
   for key in ("recompute_batchnorm", "sparse_execution"):  # the preset's hook settings
     config.pop(key, None)
+  given, rest = _split_schedule(config)
 
   def make_tx(inner, run: Run):
-    epochs = {
-      k: v if k in overrides else round(v * run.epochs / _RELEASED_EPOCHS) for k, v in fixed.items()
-    }
-    # A short run keeps the order: pick, at least one regularized epoch, then the prune.
-    epochs["hard_prune_epoch"] = max(epochs["hard_prune_epoch"], epochs["one_shot_epoch"] + 1)
-    return clicktrain(
-      inner,
-      steps_per_epoch=run.steps_per_epoch,
-      mode="one_shot",
-      **{"total_epochs": run.epochs, **config},
-      **epochs,
+    schedule = Schedule.scaled(
+      run.steps_per_epoch, run.epochs, _RELEASED_EPOCHS, fixed=fixed, **kept, **given
     )
+    return clicktrain(inner, schedule=schedule, **rest)
 
-  return dataclasses.replace(base, make_tx=make_tx, config={**base.config, **fixed})
+  return dataclasses.replace(base, make_tx=make_tx, config={**base.config, **fixed, **kept})

@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxprune import masking
 from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES, _PruneEdge
-from jaxprune.clicktrain.readouts import masks, removed_norm_fraction
+from jaxprune.clicktrain.readouts import find_state, masks, removed_norm_fraction
 from jaxprune.train import (
   Callback,
   TrainerLike,
@@ -86,16 +86,17 @@ class HardPruneReadout(Callback):
   rather than read from the epoch's record, which hooks do not see; with ``fit``'s own test
   loader it is that record's ``test_acc``.)
 
-  ``hard_prune_epoch`` must be the transform's: the optimizer state does not hold it. Where
-  the prune comes at another epoch end, or when the masks become final within the epoch that
+  ``hard_prune_epoch`` is the transform's, read from its state's schedule when the fit starts
+  (``find_state(opt_state).schedule``), unless given. Where the prune comes at another epoch
+  end, or when the masks become final within the epoch that
   prunes (``mode="one_shot"`` with ``hard_prune_epoch == one_shot_epoch + 1``: no epoch end
   sees final, unpruned masks), a ``UserWarning`` says so and nothing is recorded. A fit that
   starts after the prune records nothing.
 
   Args:
     test_loader: the evaluation batches ``(images, labels)``, e.g. ``fit``'s ``test_loader``.
-    hard_prune_epoch: the ``hard_prune_epoch`` the ClickTrain transform was built with
-      (an int >= 0).
+    hard_prune_epoch: the epoch the prune is expected to end (an int >= 0); ``None``
+      (default): the transform's.
     train_loader: the batches to re-estimate BatchNorm statistics from (``iter_epoch`` of the
       epoch just trained when it has one, :func:`jaxprune.train.epoch_batches`); ``None``:
       ``fit``'s training loader.
@@ -110,7 +111,7 @@ class HardPruneReadout(Callback):
 
   Example::
 
-    readout = clicktrain.HardPruneReadout(test_loader, hard_prune_epoch=95)
+    readout = clicktrain.HardPruneReadout(test_loader)
     trainer = train.Trainer(model, clicktrain.clicktrain(inner, ..., hard_prune_epoch=95),
                             callbacks=[readout])
     trainer.fit(loader, test_loader, epochs=190)
@@ -121,14 +122,14 @@ class HardPruneReadout(Callback):
     self,
     test_loader: Iterable,
     *,
-    hard_prune_epoch: int,
+    hard_prune_epoch: int | None = None,
     train_loader: Iterable | None = None,
     bn_batches: int = DEFAULT_BATCHES,
   ):
     _check_loader("test_loader", test_loader)
     if train_loader is not None:
       _check_loader("train_loader", train_loader)
-    if (
+    if hard_prune_epoch is not None and (
       isinstance(hard_prune_epoch, bool)
       or not isinstance(hard_prune_epoch, (int, np.integer))
       or hard_prune_epoch < 0
@@ -136,7 +137,8 @@ class HardPruneReadout(Callback):
       raise ValueError(f"hard_prune_epoch must be an int >= 0, got {hard_prune_epoch!r}")
     self.test_loader = test_loader
     self.train_loader = train_loader
-    self.hard_prune_epoch = int(hard_prune_epoch)
+    self._given = None if hard_prune_epoch is None else int(hard_prune_epoch)
+    self.hard_prune_epoch = self._given
     self.bn_batches = _positive_int("bn_batches", bn_batches)
     self.fired_at: int | None = None
     self._fit_loader: Iterable | None = None  # fit's training loader, seen at each epoch end
@@ -145,6 +147,8 @@ class HardPruneReadout(Callback):
   def on_fit_start(self, trainer: TrainerLike) -> None:
     try:
       self._edge.start(trainer.opt_state)
+      if self._given is None:
+        self.hard_prune_epoch = find_state(trainer.opt_state).schedule.hard_prune_epoch
     except ValueError as e:
       raise ValueError(
         f"HardPruneReadout reads ClickTrain's masks, but the trainer's {e} (a dense run has "

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import optax
 
+from jaxprune.clicktrain.schedule import Schedule
 from jaxprune.train.optim import EpochLengthState
 
 __all__ = [
@@ -71,9 +72,11 @@ class ClickTrainState(NamedTuple):
   last_loss: jax.Array  # previous batch loss (nan: none)
   layers: dict[str, ClickTrainLayerState]  # keyed by jaxprune.paths.path_string
   inner_state: optax.OptState
-  # The steps per epoch the epoch settings were converted with: the trainer names a training
-  # loader with another number of batches per epoch.
+  # The steps per epoch the epoch settings were converted with (the trainer names a training
+  # loader with another number of batches per epoch) and the reference steps done, advanced
+  # by the learning rate's step increment: the schedule's epochs follow the trainer's.
   epoch_length: EpochLengthState
+  schedule: Schedule  # the epoch settings; static (no leaves)
 
 
 def full_mask(ls: ClickTrainLayerState) -> jax.Array:

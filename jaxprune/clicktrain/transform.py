@@ -24,7 +24,9 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,23 +41,27 @@ from jaxprune.clicktrain._plan import (
   make_plan,
 )
 from jaxprune.clicktrain.config import Config
+from jaxprune.clicktrain.schedule import Schedule
 from jaxprune.clicktrain.state import POOL, PRUNED, WARMUP, ClickTrainState
 from jaxprune.train.optim import epoch_length_state
 
 __all__ = ["clicktrain"]
 
+# The keywords of clicktrain() that are the schedule's fields.
+_SCHEDULE_KEYS = tuple(f.name for f in dataclasses.fields(Schedule))
+
 
 def clicktrain(
   inner: optax.GradientTransformation,
   *,
-  steps_per_epoch: int,
-  hard_prune_epoch: int,
-  mode: str = "paper",
+  steps_per_epoch: int | None = None,
+  hard_prune_epoch: int | None = None,
+  mode: str | None = None,
   kernel_prune_ratio: float | Sequence[float] | Callable[[str, tuple[int, ...]], float] = 0.5,
   pool_start_epoch: int | None = None,
-  loss_derivative_threshold: float = 0.27,
-  pool_epochs: int = 5,
-  finalize_epochs: int = 5,
+  loss_derivative_threshold: float | None = None,
+  pool_epochs: int | None = None,
+  finalize_epochs: int | None = None,
   pool_size: int = 12,
   loss_margin: float = 0.0018,
   margin_rule: str = "relative",
@@ -69,20 +75,25 @@ def clicktrain(
   filter_grouping: str = "consecutive",
   eps: float = 1e-8,
   total_epochs: int | None = None,
+  schedule: Schedule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """ClickTrain pattern + connectivity pruning around an inner optimizer.
 
   Args:
       inner: the optimizer (e.g. ``optax.sgd(0.1, momentum=0.9)`` chained with
           weight decay); receives the regularized / masked gradient.
-      steps_per_epoch: optimizer steps per epoch (converts the epoch settings).
+      steps_per_epoch: optimizer steps per epoch (converts the epoch settings). This and
+          every epoch setting below (``hard_prune_epoch``, ``mode``, ``pool_start_epoch``,
+          ``loss_derivative_threshold``, ``pool_epochs``, ``finalize_epochs``,
+          ``one_shot_epoch``, ``total_epochs``) are the fields of one
+          :class:`~jaxprune.clicktrain.Schedule`; give them here or as ``schedule``.
       hard_prune_epoch: epochs trained before the hard prune (paper Table 1: 90-98 of
           190): the last step of epoch ``hard_prune_epoch`` zeroes the pruned weights and
           enters the pruned stage, and every later epoch trains pruned. Like every epoch
           setting here it counts completed epochs, which is the 1-based epoch number of the
           trainer's records: the record with ``epoch == hard_prune_epoch`` is the epoch that
           ends with the prune (the preset's hook marks it ``ct_hard_prune``).
-      mode: ``"paper"`` (DPPG + adaptive finalization) or ``"one_shot"``
+      mode: ``"paper"`` (DPPG + adaptive finalization, the default) or ``"one_shot"``
           (the authors' released code).
       kernel_prune_ratio: fraction of kernels removed per layer: one float,
           a sequence (one per pruned layer, in param flatten order) or
@@ -96,9 +107,9 @@ def clicktrain(
           (``RuntimeWarning`` when the trigger fires, naming that epoch). When set,
           ``hard_prune_epoch`` must be larger than ``pool_start_epoch + pool_epochs +
           finalize_epochs``.
-      loss_derivative_threshold: the trigger's threshold (0.27 in the paper).
-      pool_epochs: epochs of DPPG (stage 2).
-      finalize_epochs: epochs of adaptive finalization (stage 3).
+      loss_derivative_threshold: the trigger's threshold (default 0.27, the paper's).
+      pool_epochs: epochs of DPPG (stage 2; default 5).
+      finalize_epochs: epochs of adaptive finalization (stage 3; default 5).
       pool_size: N, patterns in the final pool (8 or 12).
       loss_margin: δ of §4.3.
       margin_rule: ``"relative"`` or ``"literal"`` (see
@@ -146,6 +157,9 @@ def clicktrain(
           transform is built if the hard prune cannot come inside it (e.g.
           ``hard_prune_epoch=3`` in a 4-epoch run with the default 5 + 5 pool and
           finalization epochs after the trigger). ``None``: not checked.
+      schedule: the epoch settings as one :class:`~jaxprune.clicktrain.Schedule` (what the
+          presets build, :meth:`~jaxprune.clicktrain.Schedule.for_run`), instead of the
+          keywords; the state keeps it (:func:`jaxprune.clicktrain.schedule_of`).
 
   Returns:
       An ``optax.GradientTransformationExtraArgs``; its ``update`` needs
@@ -159,7 +173,7 @@ def clicktrain(
   """
   options = dict(locals())  # every keyword but inner, by name: a new option is a Config field
   inner = optax.with_extra_args_support(options.pop("inner"))
-  cfg = Config(**options)
+  cfg = Config(schedule=_schedule(options), **options)
   _stage_machine.warn_unreachable(cfg)
   # A ratio sequence is matched to the pruned layers (flatten order) at init and remembered by
   # name, so a model that later loses layers (PruneTrain's reconfiguration) still finds its
@@ -173,7 +187,7 @@ def clicktrain(
     if isinstance(cfg.kernel_prune_ratio, tuple) and len(plan) == len(cfg.kernel_prune_ratio):
       ratio_by_name.update((name, layer.ratio) for name, layer in plan.items())
     leaves = jax.tree.leaves(params)
-    start = POOL if (cfg.mode == "paper" and cfg.pool_start_epoch == 0) else WARMUP
+    start = POOL if (cfg.mode == "paper" and cfg.schedule.pool_start_epoch == 0) else WARMUP
     return ClickTrainState(
       count=jnp.zeros([], jnp.int32),
       stage=jnp.asarray(start, jnp.int32),
@@ -186,7 +200,8 @@ def clicktrain(
         for n, layer in plan.items()
       },
       inner_state=inner.init(params),
-      epoch_length=epoch_length_state(cfg.steps_per_epoch),
+      epoch_length=epoch_length_state(cfg.schedule.steps_per_epoch),
+      schedule=cfg.schedule,
     )
 
   def update_fn(updates, state, params=None, *, value=None, **extra_args):
@@ -226,3 +241,27 @@ def clicktrain(
   # JAX's eager dispatch would compile and cache one executable per branch (memory grew by about
   # 12 MB a step). Inside a jitted train step this inner jit is inlined.
   return optax.GradientTransformationExtraArgs(init_fn, jax.jit(update_fn))
+
+
+def _schedule(options: dict[str, Any]) -> Schedule:
+  """The :class:`Schedule` of ``clicktrain()``'s keywords, popped from ``options``: the one
+  given as ``schedule``, or one built from the epoch keywords that are not ``None``.
+
+  Raises:
+    ValueError: both, or neither ``schedule`` nor ``steps_per_epoch`` and
+      ``hard_prune_epoch``.
+  """
+  given = options.pop("schedule")
+  epoch_settings = {k: options.pop(k) for k in _SCHEDULE_KEYS}
+  epoch_settings = {k: v for k, v in epoch_settings.items() if v is not None}
+  if given is not None:
+    if epoch_settings:
+      raise ValueError(
+        f"clicktrain: give the epoch settings either as schedule= or as keywords, not both "
+        f"(got schedule and {sorted(epoch_settings)})"
+      )
+    return given
+  missing = [k for k in ("steps_per_epoch", "hard_prune_epoch") if k not in epoch_settings]
+  if missing:
+    raise ValueError(f"clicktrain needs {' and '.join(missing)} (or schedule=)")
+  return Schedule(**epoch_settings)

@@ -78,17 +78,22 @@ def _is_lr_state(node: Any) -> bool:
   return isinstance(node, ScaleByLrState)
 
 
-def _replace_lr_states(opt_state: Any, **fields: float) -> tuple[Any, int]:
+def _replace_lr_states(opt_state: Any, types: tuple = (), **fields: float) -> tuple[Any, int]:
+  """``opt_state`` with ``fields`` set in every :class:`ScaleByLrState` (and every state of
+  ``types``); the number of LR states found."""
   found = 0
+
+  def is_state(node):
+    return isinstance(node, (ScaleByLrState, *types))
 
   def replace(node):
     nonlocal found
-    if _is_lr_state(node):
-      found += 1
-      return node._replace(**{k: jnp.asarray(v, jnp.float32) for k, v in fields.items()})
-    return node
+    if not is_state(node):
+      return node
+    found += _is_lr_state(node)
+    return node._replace(**{k: jnp.asarray(v, jnp.float32) for k, v in fields.items()})
 
-  new_state = jax.tree.map(replace, opt_state, is_leaf=_is_lr_state)
+  new_state = jax.tree.map(replace, opt_state, is_leaf=is_state)
   return new_state, found
 
 
@@ -111,13 +116,15 @@ def set_lr_scale(opt_state: Any, lr_scale: float) -> Any:
 
 
 def set_step_increment(opt_state: Any, step_increment: float) -> Any:
-  """Return ``opt_state`` whose schedules advance by ``step_increment`` per update.
+  """Return ``opt_state`` whose schedules advance by ``step_increment`` per update: the
+  learning rate's (every :class:`ScaleByLrState`) and the epoch clocks of transforms set in
+  epochs (every :class:`EpochLengthState`, e.g. ClickTrain's stages).
 
-  No-op (returns the state unchanged) when the optimizer has no ``scale_by_lr``.
+  No-op (returns the state unchanged) when the optimizer has neither.
   """
   if not step_increment > 0:
     raise ValueError(f"step_increment must be positive, got {step_increment}")
-  return _replace_lr_states(opt_state, step_increment=step_increment)[0]
+  return _replace_lr_states(opt_state, (EpochLengthState,), step_increment=step_increment)[0]
 
 
 def find_lr_states(opt_state: Any) -> list[ScaleByLrState]:
@@ -148,9 +155,15 @@ def get_lr_scale(opt_state: Any) -> float | None:
 
 
 class EpochLengthState(NamedTuple):
-  """The optimizer steps per epoch a transform's epoch settings were converted with."""
+  """The optimizer steps per epoch a transform's epoch settings were converted with, and how
+  far its epochs have run."""
 
   steps_per_epoch: jax.Array  # int32
+  # Reference steps done: advanced by ``step_increment`` per update, the increment of the
+  # learning rate's schedule (set_step_increment), so epochs of a grown batch end where the
+  # trainer's do.
+  step: jax.Array  # float32
+  step_increment: jax.Array  # float32
 
 
 def epoch_length_state(steps_per_epoch: int) -> EpochLengthState:
@@ -167,7 +180,9 @@ def epoch_length_state(steps_per_epoch: int) -> EpochLengthState:
   Returns:
     The state entry.
   """
-  return EpochLengthState(jnp.asarray(steps_per_epoch, jnp.int32))
+  return EpochLengthState(
+    jnp.asarray(steps_per_epoch, jnp.int32), jnp.zeros([], jnp.float32), jnp.ones([], jnp.float32)
+  )
 
 
 def _is_epoch_length(node: Any) -> bool:

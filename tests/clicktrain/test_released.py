@@ -46,13 +46,14 @@ def test_released_preset_passes_the_pool_size_and_one_ratio_per_pruned_layer(cap
     optax.sgd(0.1), methods.Run(steps_per_epoch=5, epochs=19)
   )
   (kwargs,) = captured
-  assert kwargs["mode"] == "one_shot" and kwargs["one_shot_patterns"] == pool
+  schedule = kwargs["schedule"]  # the epoch settings, as one value
+  assert schedule.mode == "one_shot" and kwargs["one_shot_patterns"] == pool
   assert len(kwargs["kernel_prune_ratio"]) == len(_pruned_layers(f"clicktrain-{arch}"))
   released = clicktrain.RELEASED_CIFAR10[arch]
   # the released epochs (of 190) at the same fractions of this 19-epoch run
-  assert kwargs["one_shot_epoch"] == round(released["one_shot_epoch"] / 10)
-  assert kwargs["hard_prune_epoch"] == round(released["hard_prune_epoch"] / 10)
-  assert kwargs["steps_per_epoch"] == 5
+  assert schedule.one_shot_epoch == round(released["one_shot_epoch"] / 10)
+  assert schedule.hard_prune_epoch == round(released["hard_prune_epoch"] / 10)
+  assert schedule.steps_per_epoch == 5
   assert isinstance(tx, optax.GradientTransformationExtraArgs)
 
 
@@ -61,8 +62,8 @@ def test_released_preset_overrides_and_short_runs(captured):
     optax.sgd(0.1), methods.Run(steps_per_epoch=1, epochs=1)
   )
   (kwargs,) = captured
-  assert kwargs["one_shot_patterns"] == 8 and kwargs["one_shot_epoch"] == 0
-  assert kwargs["hard_prune_epoch"] == 1  # kept after the pick in a run this short
+  assert kwargs["one_shot_patterns"] == 8 and kwargs["schedule"].one_shot_epoch == 0
+  assert kwargs["schedule"].hard_prune_epoch == 1  # kept after the pick in a run this short
   with pytest.raises(ValueError, match="^arch must be one of"):
     clicktrain.released_method("resnet9")
   with pytest.raises(ValueError, match="^one_shot_patterns must be one of"):

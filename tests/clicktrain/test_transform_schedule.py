@@ -239,14 +239,20 @@ def test_bool_kernel_prune_ratio_is_rejected_not_pruning_every_kernel(ratio, kit
 
 
 def test_every_keyword_lands_in_the_validated_config():
-  # clicktrain() hands its keywords to Config by name: a keyword without a field (or a field
-  # without a keyword) would be a setting that is never validated or never settable.
+  # clicktrain() hands its keywords to Config by name, the epoch settings to its Schedule: a
+  # keyword without a field (or a field without a keyword) would be a setting that is never
+  # validated or never settable.
   defaults = {k: p.default for k, p in inspect.signature(ct.clicktrain).parameters.items()}
   del defaults["inner"]
-  assert set(defaults) == {f.name for f in dataclasses.fields(Config)}
-  cfg = Config(**{**defaults, "steps_per_epoch": 2, "hard_prune_epoch": 3})
+  schedule_fields = {f.name for f in dataclasses.fields(ct.Schedule)}
+  config_fields = {f.name for f in dataclasses.fields(Config)}
+  assert set(defaults) == (config_fields | schedule_fields)
+  options = {k: v for k, v in defaults.items() if k not in schedule_fields and k != "schedule"}
+  cfg = Config(schedule=ct.Schedule(steps_per_epoch=2, hard_prune_epoch=3), **options)
   with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.pool_size = 8
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.schedule.hard_prune_epoch = 8
 
 
 def _five_epochs_of_flat_loss(kit, hard_prune_epoch):
