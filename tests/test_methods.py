@@ -326,7 +326,6 @@ class _MLP(nnx.Module):
   [
     ("clicktrain", {}, r"clicktrain prunes conv kernels .* no 4-D kernel among its 6 param"),
     ("sdgp", {}, r"SDGP prunes .* nnx\.Conv with >= min_in_channels=4 .* no nnx\.Conv in _MLP"),
-    ("prunetrain", {"every_epochs": 1}, r"PruneTrainCallback .* no width spec .* no nnx\.Conv"),
   ],
 )
 def test_methods_refuse_a_model_without_convs_before_training(name, config, says, digits_loader):

@@ -397,7 +397,7 @@ def _check_reconfigurable(model: nnx.Module, image_shape: tuple, strict: bool) -
   """
   graph = channel_graph(model, (1, *image_shape))
   _check_finite(graph)
-  if not graph.prunable:
+  if not any(g.kernels and not g.blocked for g in graph.groups):  # width 1: already cut down
     raise ValueError(
       f"model: PruneTrainCallback finds no channel group of the trainer's {type(model).__name__} "
       f"that a reconfiguration could remove ({graph.summary()}). Train it without the callback "

@@ -76,8 +76,8 @@ def plan_reconfiguration(
   )
   removed_layers = [layer for path in removed for layer in graph.branches[path]]
 
-  def gone(path):
-    return any(path[: len(p)] == p for p in removed)
+  def gone(path):  # inside a removed branch's layers (a shortcut beside them stays)
+    return any(path[: len(p)] == p for p in removed_layers)
 
   # 2. Channel union over the remaining kernels of every group.
   keep: dict[int, np.ndarray] = {}
@@ -123,8 +123,9 @@ def _attributes(model, graph, slices, shapes, keep, removed):
   attributes: dict[str, dict[str, Any]] = {}
   widths: dict[str, int] = {}
   new_shapes = {p: _new_shape(s, slices.get(_key(p), (None,) * len(s))) for p, s in shapes.items()}
+  removed_layers = [layer for path in removed for layer in graph.branches[path]]
   for path, shape in new_shapes.items():
-    if any(path[: len(p)] == p for p in removed):
+    if any(path[: len(p)] == p for p in removed_layers):
       continue
     owner = path[:-1]
     module = submodule(model, owner)

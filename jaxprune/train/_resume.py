@@ -253,7 +253,7 @@ class Checkpoints:
     _check_start_model(meta.get("start_model"), self.start_model(model), self.store.directory)
     plans = meta.get("surgery_plans") or []
     done = len(applied_plans(model))
-    if meta.get("model_spec") is not None and meta["model_spec"] != model_spec(model):
+    if len(plans) <= done and meta.get("model_spec") not in (None, model_spec(model)):
       model = self._rebuild_model(model, decode_spec(meta["model_spec"]))
     elif len(plans) > done:
       # A reconfigured model without a width spec: the full-size model the restarted process
