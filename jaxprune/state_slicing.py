@@ -331,7 +331,8 @@ def _jsonable(value: Any) -> Any:
 
 def apply_plan(model: nnx.Module, plan: SurgeryPlan) -> None:
   """Performs ``plan`` on ``model`` in place: removes the branches, slices every variable
-  named in ``plan.slices`` and sets the layer attributes.
+  named in ``plan.slices``, sets the layer attributes and, for a model carrying a width spec,
+  its narrower spec.
 
   Raises:
     ValueError: a variable of the plan is missing from the model or has another rank (the
@@ -355,8 +356,23 @@ def apply_plan(model: nnx.Module, plan: SurgeryPlan) -> None:
     module = submodule(model, _path(key))
     for name, value in entry.items():
       setattr(module, name, value)
+  spec = getattr(model, "spec", None)
+  if spec is not None and hasattr(spec, "with_widths"):
+    model.spec = _narrower_spec(spec, plan)
   # Recorded on the model (a string: static, part of its graph definition) for checkpoints.
   setattr(model, _PLANS, json.dumps([p.to_json() for p in (*applied_plans(model), plan)]))
+
+
+def _narrower_spec(spec: Any, plan: SurgeryPlan) -> Any:
+  """A :mod:`jaxprune.models` width spec after ``plan`` (its layer paths name the ``ConvBN``,
+  whose kernel sits in ``conv``; ``with_widths`` ignores the layers of removed branches)."""
+  known = spec.layer_widths()
+  widths = {}
+  for owner, width in plan.widths.items():
+    name = owner[: -len("/conv")] if owner.endswith("/conv") else owner
+    if name in known:
+      widths[name] = width
+  return spec.with_widths(widths, removed_blocks=list(plan.removed))
 
 
 def applied_plans(model: nnx.Module) -> tuple[SurgeryPlan, ...]:

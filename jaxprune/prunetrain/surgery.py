@@ -280,9 +280,6 @@ def apply_reconfiguration(
   params_before = _param_count(model)
   new_model = model if inplace else nnx.clone(model)
   apply_plan(new_model, plan)
-  spec = getattr(model, "spec", None)
-  if spec is not None and hasattr(spec, "with_widths"):
-    new_model.spec = _smaller_spec(spec, plan)
   _check_computes(model, new_model, shape, plan)
   slices = ChannelSlices(
     {},
@@ -309,18 +306,6 @@ def apply_reconfiguration(
     plan=plan,
   )
   return new_model, new_opt_state, report
-
-
-def _smaller_spec(spec: Any, plan: SurgeryPlan) -> Any:
-  """A zoo model's width spec after the plan (its layer paths name the ``ConvBN``, whose
-  kernel sits in ``conv``)."""
-  known = spec.layer_widths()
-  widths = {}
-  for owner, width in plan.widths.items():
-    name = owner[: -len("/conv")] if owner.endswith("/conv") else owner
-    if name in known and not any(name.startswith(r + "/") for r in plan.removed):
-      widths[name] = width
-  return spec.with_widths(widths, removed_blocks=list(plan.removed))
 
 
 def _check_computes(old: nnx.Module, new: nnx.Module, shape: tuple, plan: SurgeryPlan) -> None:

@@ -204,7 +204,6 @@ def test_running_stats_probe_gives_before_and_after_of_one_run(tmp_path, tiny_ro
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.xfail(reason="a zoo row resumed after a reconfiguration that removed every branch: plan/spec replay mismatch, open in issue 49", strict=False)
 def test_resumed_run_continues_from_the_reconfigured_checkpoint(tmp_path, tiny_rows):
   """``--resume`` is wired through: a PruneTrain run stopped after the epoch that reconfigured
   the network and continued by a new build starts from that checkpoint (the smaller model and
