@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from flax import nnx
 
 from jaxprune.models.conversions import submodule
-from jaxprune.paths import param_path
+from jaxprune.paths import ParamPath, param_path
 
 __all__ = [
   "ChannelSlices",
@@ -109,6 +107,16 @@ def _take(array: Any, in_index: Index, out_index: Index, in_axis: int, out_axis:
   return jnp.asarray(array, dtype=dtype)
 
 
+def _take_axes(array: Any, index: Sequence[Any]) -> Any:
+  """``array`` with ``index[a]`` kept along every axis ``a`` (``None``: all), on the host."""
+  dtype = array.dtype
+  array = np.asarray(array)
+  for axis, kept in enumerate(index):
+    if kept is not None:
+      array = np.take(array, np.asarray(kept, int), axis=axis)
+  return jnp.asarray(array, dtype=dtype)
+
+
 class ChannelSlices:
   """The kept channels of one reconfiguration, and how to apply them to any state.
 
@@ -148,9 +156,7 @@ class ChannelSlices:
 
   # ------------------------------------------------------------------ by parameter path
   def _names(self, path: str | tuple) -> tuple:
-    if isinstance(path, tuple):
-      return path
-    return tuple(int(p) if p.isdigit() else p for p in path.split("/"))
+    return path if isinstance(path, tuple) else _path(path)
 
   def _layer_of(self, names: tuple) -> Optional[tuple[tuple[Index, Index], tuple]]:
     for length in range(len(names) - 1, 0, -1):
@@ -187,11 +193,7 @@ class ChannelSlices:
     """One variable, found by its full path: kernels on both channel axes, 1-D vectors
     (BatchNorm statistics, biases) on their output channels; anything else unchanged."""
     if names in self.leaf_index:
-      array = leaf
-      for axis, index in enumerate(self.leaf_index[names]):
-        if index is not None:
-          array = _take(array, None, index, 0, axis)
-      return array
+      return _take_axes(leaf, self.leaf_index[names])
     found = self._layer_of(names)
     if found is None:
       return leaf
@@ -297,10 +299,6 @@ class SurgeryPlan:
   attributes: Mapping[str, Mapping[str, Any]]
   widths: Mapping[str, int]
 
-  @property
-  def empty(self) -> bool:
-    return not self.slices and not self.removed
-
   def to_json(self) -> dict[str, Any]:
     return {
       "slices": {k: [None if i is None else list(i) for i in v] for k, v in self.slices.items()},
@@ -346,12 +344,7 @@ def apply_plan(model: nnx.Module, plan: SurgeryPlan) -> None:
   for key, index in plan.slices.items():
     if key not in variables or np.ndim(variables[key][...]) != len(index):
       raise ValueError(f"plan: variable {key} is not in the model, or not of rank {len(index)}")
-    value = np.asarray(variables[key][...])
-    dtype = variables[key][...].dtype
-    for axis, kept in enumerate(index):
-      if kept is not None:
-        value = np.take(value, np.asarray(kept, int), axis=axis)
-    variables[key].set_value(jnp.asarray(value, dtype=dtype))
+    variables[key].set_value(_take_axes(variables[key][...], index))
   for key, entry in plan.attributes.items():
     module = submodule(model, _path(key))
     for name, value in entry.items():

@@ -153,11 +153,12 @@ def kill_channels(model: nnx.Module, keep: float, seed: int = 0, input_shape=Non
   (at least one channel stays), wherever it is written and read: dead groups, which
   :func:`jaxprune.prunetrain.reconfigure` removes (PruneTrain §4.2). In place."""
   rng = np.random.default_rng(seed)
+  graph = pt.channel_graph(model, input_shape)
   kernels = {}
-  for group in pt.channel_graph(model, input_shape).prunable:
+  for group in graph.prunable:
     dead = rng.permutation(group.width)[: group.width - max(1, round(keep * group.width))]
     for use in group.kernels:
-      value = kernels.setdefault(use.path, np.array(group._values[use.path]))
+      value = kernels.setdefault(use.path, np.array(graph.values[use.path]))
       index = [slice(None)] * value.ndim
       index[use.axis] = np.isin(use.coords, dead)
       value[tuple(index)] = 0.0

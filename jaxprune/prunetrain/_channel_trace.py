@@ -28,7 +28,7 @@ _ELEMENTWISE = frozenset(
   expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt
   cbrt integer_pow square abs erf erfc erf_inv lgamma digamma select_n clamp
   convert_element_type eq ne lt le gt ge and or not xor nextafter copy copy_p reduce_precision
-  stop_gradient add_any real imag conj optimization_barrier sharding_constraint
+  stop_gradient add_any real imag conj sharding_constraint
   mesh_cast pvary bitcast_convert_type shift_left shift_right_logical shift_right_arithmetic
   population_count""".split()
 )
@@ -67,14 +67,16 @@ class _ChannelWalker:
   Attributes:
     dims: the nodes.
     axes: ``var -> [node per axis]``.
+    weight_origin: ``id(var) -> parameter leaf index`` of every kernel operand (from the
+      FLOP walker).
     feature_nodes: nodes of the axes a conv / dense kernel multiplies over or produces.
-    convs: the grouped-conv facts of each conv kernel var.
+    convs: every conv whose kernel is a parameter, with its groups axis.
   """
 
   def __init__(self, weight_origin: dict[int, int]) -> None:
     self.dims = _Dims()
     self.axes: dict[Any, list[int]] = {}
-    self.weight_vars = weight_origin
+    self.weight_origin = weight_origin
     self.feature_nodes: list[int] = []
     self.convs: list[_ConvUse] = []
 
@@ -160,10 +162,6 @@ class _ChannelWalker:
   def _elementwise(self, eqn: Any) -> None:
     name = eqn.primitive.name
     shaped = [self.read(v) for v in eqn.invars if _shape(v)]
-    if name == "optimization_barrier":
-      for v, nodes in zip(eqn.outvars, [self.read(v) for v in eqn.invars]):
-        self.axes[v] = nodes
-      return
     out_shape = _shape(eqn.outvars[0])
     # Operands of the output's rank meet axis by axis; a size-1 axis is broadcast (it carries
     # no channel) and a rank-0 operand is a scalar.
@@ -234,9 +232,9 @@ class _ChannelWalker:
     for axis in out_spec[2:]:
       out[axis] = self.dims.new(out_shape[axis], ("fixed", "a conv's spatial axis"))
     self.axes[eqn.outvars[0]] = out
-    if id(eqn.invars[1]) in self.weight_vars:
+    if id(eqn.invars[1]) in self.weight_origin:
       self.feature_nodes += [kernel_in, kernel_out]
-      self.convs.append(_ConvUse(self.weight_vars[id(eqn.invars[1])], groups_node))
+      self.convs.append(_ConvUse(self.weight_origin[id(eqn.invars[1])], groups_node))
 
   def _dot(self, eqn: Any) -> None:
     lhs, rhs = self.read(eqn.invars[0]), self.read(eqn.invars[1])
@@ -249,8 +247,13 @@ class _ChannelWalker:
     rhs_free = [n for i, n in enumerate(rhs) if i not in rc and i not in rb]
     self.axes[eqn.outvars[0]] = [lhs[a] for a in lb] + lhs_free + rhs_free
     for v, nodes, batch in ((eqn.invars[0], lhs, lb), (eqn.invars[1], rhs, rb)):
-      if id(v) in self.weight_vars:
+      if id(v) in self.weight_origin:
         self.feature_nodes += [n for i, n in enumerate(nodes) if i not in batch]
+
+  def _identity(self, eqn: Any) -> None:
+    """Each output is its operand (``optimization_barrier``)."""
+    for v, operand in zip(eqn.outvars, eqn.invars):
+      self.axes[v] = self.read(operand)
 
   def _broadcast(self, eqn: Any) -> None:
     nodes = self.read(eqn.invars[0])
@@ -368,6 +371,7 @@ def _uniform(array: np.ndarray, axis: int) -> bool:
 _RULES = {
   "conv_general_dilated": _ChannelWalker._conv,
   "dot_general": _ChannelWalker._dot,
+  "optimization_barrier": _ChannelWalker._identity,
   "broadcast_in_dim": _ChannelWalker._broadcast,
   "transpose": _ChannelWalker._transpose,
   "squeeze": _ChannelWalker._squeeze,

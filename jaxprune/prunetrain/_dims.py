@@ -141,11 +141,8 @@ class _Dims:
       return [self.find(node)]
     return [atom for part in exp[1] for atom in self.atoms(part)]
 
-  def marks(self, atom: int) -> list[Mark]:
-    """The marks of ``atom`` and of every expanded node that contains it."""
-    return self._inherited().get(self.find(atom), [])
-
-  def _inherited(self) -> dict[int, list[Mark]]:
+  def atom_marks(self) -> dict[int, list[Mark]]:
+    """Every marked atom -> its marks and those of every expanded node that contains it."""
     inherited: dict[int, list[Mark]] = {}
     for root, marks in list(self._marks.items()):
       if self.find(root) != root:

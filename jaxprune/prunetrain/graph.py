@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 import numpy as np
@@ -87,6 +87,7 @@ class ChannelGroup:
     uses: every variable axis carrying the channels.
     blocked: why the group cannot be pruned (empty when it can).
     branch: path of the module whose removable branch holds the whole group, or None.
+    values: the model's variables by path, as traced (the graph's :attr:`ChannelGraph.values`).
   """
 
   name: str
@@ -94,7 +95,7 @@ class ChannelGroup:
   uses: tuple[ChannelUse, ...]
   blocked: tuple[str, ...]
   branch: Optional[ParamPath]
-  _values: dict = dataclasses.field(repr=False, default_factory=dict)
+  values: dict = dataclasses.field(repr=False, default_factory=dict)
 
   @property
   def prunable(self) -> bool:
@@ -109,9 +110,9 @@ class ChannelGroup:
     under a path prefix in ``exclude`` left out."""
     out = np.zeros(self.width, np.float32)
     for use in self.kernels:
-      if any(use.path[: len(p)] == tuple(p) for p in exclude):
+      if under(use.path, exclude):
         continue
-      value = np.abs(np.asarray(self._values[use.path], np.float32))
+      value = np.abs(np.asarray(self.values[use.path], np.float32))
       other = tuple(a for a in range(value.ndim) if a != use.axis)
       per_position = value.max(axis=other) if other else value
       valid = use.coords >= 0
@@ -128,12 +129,14 @@ class ChannelGraph:
     branches: path of every module declaring a removable branch -> its layers' paths.
     conv_groups: conv kernel path -> the groups axis group of a grouped conv.
     input_shape: the input the forward pass was traced for.
+    values: every variable of the model (parameters and other state) by path, as traced.
   """
 
   groups: list[ChannelGroup]
   branches: dict[ParamPath, tuple[ParamPath, ...]]
   conv_groups: dict[ParamPath, ChannelGroup]
   input_shape: tuple[int, ...]
+  values: dict[ParamPath, Any] = dataclasses.field(repr=False, default_factory=dict)
 
   @property
   def prunable(self) -> list[ChannelGroup]:
@@ -161,21 +164,27 @@ class ChannelGraph:
     return "\n".join(lines)
 
 
-@dataclasses.dataclass(frozen=True)
-class RemovableBranch:
-  """The protocol a module follows to declare a removable branch (see the module docstring):
-  ``branch_names`` and ``remove_branch()``."""
+@runtime_checkable
+class RemovableBranch(Protocol):
+  """What a module has to declare a removable branch (PruneTrain §4.1 layer removal; see the
+  module docstring)."""
 
-  path: ParamPath
-  layers: tuple[ParamPath, ...]
+  branch_names: Sequence[str]
 
-  @staticmethod
-  def declared_by(module: Any) -> bool:
-    return (
-      isinstance(getattr(module, "branch_names", None), (tuple, list))
-      and callable(getattr(module, "remove_branch", None))
-      and all(getattr(module, n, None) is not None for n in module.branch_names)
-    )
+  def remove_branch(self) -> None:
+    """Drops the branch; the module then computes its value with a zero branch output."""
+
+
+def _has_removable_branch(module: Any) -> bool:
+  """A module following :class:`RemovableBranch` whose branch is still there."""
+  return isinstance(module, RemovableBranch) and all(
+    getattr(module, name, None) is not None for name in module.branch_names
+  )
+
+
+def under(path: ParamPath, prefixes: Sequence[ParamPath]) -> bool:
+  """Whether ``path`` lies under (or is) one of ``prefixes``."""
+  return any(path[: len(p)] == tuple(p) for p in prefixes)
 
 
 def default_input_shape(model: nnx.Module) -> Optional[tuple[int, ...]]:
@@ -262,14 +271,15 @@ def _groups(model, walker, ins, variables, kernel_leaves, input_shape) -> Channe
   branches = {
     tuple(path): tuple(tuple(path) + (name,) for name in module.branch_names)
     for path, module in nnx.iter_graph(model)
-    if isinstance(module, nnx.Module) and RemovableBranch.declared_by(module)
+    if isinstance(module, nnx.Module) and _has_removable_branch(module)
   }
+  marks = dims.atom_marks()  # after the shuffle marks above
   groups = {}
   for atom in sorted(features):
     atom_uses = tuple(uses.get(atom, ()))
     kernels = [u for u in atom_uses if u.kernel]
     name = f"{kernels[0].name}[{kernels[0].axis}]" if kernels else f"#{atom}"
-    blocked = tuple(dict.fromkeys(f"{kind}: {why}" for kind, why in dims.marks(atom)))
+    blocked = tuple(dict.fromkeys(f"{kind}: {why}" for kind, why in marks.get(atom, ())))
     groups[atom] = ChannelGroup(
       name, dims.size(atom), atom_uses, blocked, _branch_of(atom_uses, branches), values
     )
@@ -277,13 +287,13 @@ def _groups(model, walker, ins, variables, kernel_leaves, input_shape) -> Channe
   for conv in walker.convs:
     if conv.groups_node is not None:
       conv_groups[variables[conv.leaf][0]] = groups.get(dims.find(conv.groups_node))
-  return ChannelGraph(list(groups.values()), branches, conv_groups, input_shape)
+  return ChannelGraph(list(groups.values()), branches, conv_groups, input_shape, values)
 
 
 def _branch_of(uses: Sequence[ChannelUse], branches: dict) -> Optional[ParamPath]:
   """The removable branch whose layers hold every variable of the group, if any."""
   for path, layers in branches.items():
-    if uses and all(any(u.path[: len(l)] == l for l in layers) for u in uses):
+    if uses and all(under(u.path, layers) for u in uses):
       return path
   return None
 

@@ -15,7 +15,13 @@ from flax import nnx
 
 from jaxprune.models.conversions import submodule
 from jaxprune.paths import ParamPath
-from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD, ChannelGraph, ChannelGroup
+from jaxprune.prunetrain.graph import (
+  DEFAULT_THRESHOLD,
+  ChannelGraph,
+  ChannelGroup,
+  live_channels,
+  under,
+)
 from jaxprune.state_slicing import SurgeryPlan, _key, _path
 
 __all__ = ["plan_reconfiguration", "rounded_width"]
@@ -41,7 +47,6 @@ def _kept(group: ChannelGroup, exclude: Sequence[ParamPath], threshold: float, m
   if target > live.sum():
     dead = np.flatnonzero(~live)
     # strongest first; ties to the lower index
-    live = live.copy()
     live[dead[np.argsort(-strength[dead], kind="stable")[: target - int(live.sum())]]] = True
   return np.flatnonzero(live)
 
@@ -71,13 +76,11 @@ def plan_reconfiguration(
     {
       g.branch
       for g in graph.prunable
-      if g.branch is not None and not (g.magnitude() >= threshold).any()
+      if g.branch is not None and not live_channels(g, threshold).any()
     }
   )
+  # Only the branch's own layers go: a projection shortcut beside them stays.
   removed_layers = [layer for path in removed for layer in graph.branches[path]]
-
-  def gone(path):  # inside a removed branch's layers (a shortcut beside them stays)
-    return any(path[: len(p)] == p for p in removed_layers)
 
   # 2. Channel union over the remaining kernels of every group.
   keep: dict[int, np.ndarray] = {}
@@ -89,28 +92,27 @@ def plan_reconfiguration(
       keep[id(group)] = kept
 
   # 3. Per variable axis: the positions whose channel survives in every group on that axis.
-  masks = {id(g): np.isin(np.arange(g.width), keep[id(g)]) for g in graph.groups if id(g) in keep}
   per_axis: dict[ParamPath, dict[int, np.ndarray]] = {}
   for group in graph.groups:
-    if id(group) not in masks:
+    if id(group) not in keep:
       continue
+    mask = np.isin(np.arange(group.width), keep[id(group)])
     for use in group.uses:
-      if gone(use.path):
+      if under(use.path, removed_layers):
         continue
       axis_keep = per_axis.setdefault(use.path, {}).setdefault(
         use.axis, np.ones(len(use.coords), bool)
       )
       valid = use.coords >= 0
-      axis_keep[valid] &= masks[id(group)][use.coords[valid]]
-  shapes = {u.path: np.shape(group._values[u.path]) for group in graph.groups for u in group.uses}
+      axis_keep[valid] &= mask[use.coords[valid]]
   slices = {
     _key(path): tuple(
       tuple(int(i) for i in np.flatnonzero(axes[a])) if a in axes else None
-      for a in range(len(shapes[path]))
+      for a in range(np.ndim(graph.values[path]))
     )
     for path, axes in per_axis.items()
   }
-  attributes, widths = _attributes(model, graph, slices, shapes, keep, removed)
+  attributes, widths = _attributes(model, graph, slices, keep, removed_layers)
   return SurgeryPlan(slices, tuple(_key(p) for p in removed), attributes, widths)
 
 
@@ -118,14 +120,14 @@ def _new_shape(shape: tuple, index: tuple) -> tuple:
   return tuple(n if i is None else len(i) for n, i in zip(shape, index))
 
 
-def _attributes(model, graph, slices, shapes, keep, removed):
+def _attributes(model, graph, slices, keep, removed_layers):
   """The layer attributes that follow the sliced variables, and every kernel's new width."""
   attributes: dict[str, dict[str, Any]] = {}
   widths: dict[str, int] = {}
+  shapes = {u.path: np.shape(graph.values[u.path]) for group in graph.groups for u in group.uses}
   new_shapes = {p: _new_shape(s, slices.get(_key(p), (None,) * len(s))) for p, s in shapes.items()}
-  removed_layers = [layer for path in removed for layer in graph.branches[path]]
   for path, shape in new_shapes.items():
-    if any(path[: len(p)] == p for p in removed_layers):
+    if under(path, removed_layers):
       continue
     owner = path[:-1]
     module = submodule(model, owner)

@@ -278,9 +278,12 @@ def apply_reconfiguration(
   offset = max((_branch_offset(submodule(model, _path(key))) for key in plan.removed), default=0.0)
   flops_before = _flops(model, shape) if count_flops else (None, None)
   params_before = _param_count(model)
+  # Taken before the cut: with inplace=True the old model is gone afterwards.
+  want = _output_shapes(model, shape)
+  name = type(model).__name__
   new_model = model if inplace else nnx.clone(model)
   apply_plan(new_model, plan)
-  _check_computes(model, new_model, shape, plan)
+  _check_computes(new_model, shape, want, plan, name)
   slices = ChannelSlices(
     {},
     old_params,
@@ -308,44 +311,41 @@ def apply_reconfiguration(
   return new_model, new_opt_state, report
 
 
-def _check_computes(old: nnx.Module, new: nnx.Module, shape: tuple, plan: SurgeryPlan) -> None:
-  """The reconfigured model traces with its new widths and gives the old output shape."""
+def _output_shapes(model: nnx.Module, shape: tuple) -> Any:
+  """The shapes ``model`` returns for an input of ``shape`` (traced abstractly)."""
+  graphdef, state = nnx.split(model)
   x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  out = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
+  return jax.tree.map(lambda a: a.shape, out)
 
-  def output(model):
-    graphdef, state = nnx.split(model)
-    return jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
 
+def _check_computes(new: nnx.Module, shape: tuple, want: Any, plan: SurgeryPlan, name: str) -> None:
+  """The reconfigured model traces with its new widths and gives the old output shapes."""
   try:
-    out = output(new)
+    out = _output_shapes(new, shape)
   except Exception as err:  # noqa: BLE001 - any tracing failure is the same finding
     touched = sorted({type(submodule(new, _path(k)[:-1])).__name__ for k in plan.slices})
     raise ValueError(
-      f"model: the reconfigured {type(old).__name__} does not compute with its new widths "
+      f"model: the reconfigured {name} does not compute with its new widths "
       f"({type(err).__name__}: {err}); the sliced variables belong to {', '.join(touched)}: a "
       "layer that keeps a width of its own beyond in_features / out_features / num_features / "
       "feature_group_count cannot be reconfigured"
     ) from err
-  want = output(old)
-  if jax.tree.map(lambda a: a.shape, out) != jax.tree.map(lambda a: a.shape, want):
+  if out != want:
     raise ValueError(f"model: the reconfigured model's output shape changed ({want} -> {out})")
 
 
 def _check_finite(graph: ChannelGraph) -> None:
   """A NaN weight fails every ``max|w| >= threshold`` test (§4.2), so a diverged model would
   look almost entirely dead: refuse it, naming the first such layer."""
-  seen = set()
-  for group in graph.groups:
-    for use in group.kernels:
-      if use.path in seen:
-        continue
-      seen.add(use.path)
-      finite = np.isfinite(np.asarray(group._values[use.path]))
-      if not finite.all():
-        raise ValueError(
-          f"model: non-finite weights in {use.name} ({int((~finite).sum())} of {finite.size} "
-          "kernel entries NaN/Inf); a diverged model cannot be reconfigured"
-        )
+  kernels = {use.path: use.name for group in graph.groups for use in group.kernels}
+  for path, name in kernels.items():
+    finite = np.isfinite(np.asarray(graph.values[path]))
+    if not finite.all():
+      raise ValueError(
+        f"model: non-finite weights in {name} ({int((~finite).sum())} of {finite.size} "
+        "kernel entries NaN/Inf); a diverged model cannot be reconfigured"
+      )
 
 
 def _check_reconfigure_args(threshold: Any, channel_multiple: Any) -> None:

@@ -173,3 +173,16 @@ def test_a_layer_that_keeps_its_own_width_is_refused_by_name():
   masks.kill_channels(model, 0.5, input_shape=_SHAPE)
   with pytest.raises(ValueError, match="does not compute with its new widths"):
     pt.reconfigure(model, None, input_shape=_SHAPE)
+
+
+def test_inplace_reconfiguration_cuts_the_model_itself_and_still_checks_its_output():
+  model = ProjectionResNet(nnx.Rngs(0), width=8)
+  masks.kill_channels(model, 0.5, input_shape=_SHAPE)
+  x = jax.random.normal(jax.random.key(2), (2, 32, 32, 3))
+  want = _outputs(model, x)
+  new, _, report = pt.reconfigure(model, None, input_shape=_SHAPE, inplace=True)
+  assert new is model and report.params_after < report.params_before
+  assert sum(np.size(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))) == report.params_after
+  got = _outputs(model, x)
+  for mode in want:
+    np.testing.assert_allclose(got[mode], want[mode], rtol=1e-5, atol=1e-5)
