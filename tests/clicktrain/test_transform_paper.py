@@ -109,18 +109,11 @@ def test_params_of_another_structure_raise_naming_the_first_stray_or_missing_lay
       tx.update(jax.tree.map(jnp.zeros_like, q), st, q, value=jnp.float32(1.0))
 
 
-def test_read_outs_say_pruned_only_once_the_weights_are(kit):
+def test_read_outs_say_pruned_only_once_the_weights_are(kit, one_shot_clicktrain):
   # Against the weights themselves: from the step whose state says "pruned" (the last step of
   # epoch hard_prune_epoch - 1), the weights are zero wherever the masks prune, and
   # compression() is the weights' own count of total / nonzero conv weights.
-  tx = ct.clicktrain(
-    optax.sgd(0.05, momentum=0.9),
-    steps_per_epoch=2,
-    mode="one_shot",
-    one_shot_epoch=0,
-    hard_prune_epoch=1,
-    kernel_prune_ratio=0.5,
-  )
+  tx = one_shot_clicktrain()
   p = kit.params()
   st = tx.init(p)
   update = jax.jit(tx.update)
@@ -140,18 +133,13 @@ def test_read_outs_say_pruned_only_once_the_weights_are(kit):
   assert stages == ["regularize", "pruned", "pruned", "pruned"]
 
 
-def test_compression_reports_the_weights_and_planned_compression_the_masks(kit):
+def test_compression_reports_the_weights_and_planned_compression_the_masks(
+  kit, one_shot_clicktrain
+):
   # Before the hard prune every weight is still there: compression() says 1.0 (a hand count of
   # the nonzero conv weights) while the final masks plan more, which planned_compression()
   # says; once pruned the two agree with the hand count.
-  tx = ct.clicktrain(
-    optax.sgd(0.05),
-    steps_per_epoch=2,
-    mode="one_shot",
-    one_shot_epoch=0,
-    hard_prune_epoch=1,
-    kernel_prune_ratio=0.5,
-  )
+  tx = one_shot_clicktrain()
   p = kit.params()
   st = tx.init(p)
 
