@@ -348,3 +348,70 @@ def test_methods_refuse_a_model_without_convs_before_training(name, config, says
     )
     trainer.fit(loader, epochs=2)
   assert trainer is None or trainer.step == 0  # refused at set-up: not one step trained
+
+
+class _HandResNet(nnx.Module):
+  """A user's small ResNet (nothing from jaxprune.models): stem, one residual block, head."""
+
+  def __init__(self, rngs):
+    self.stem = nnx.Conv(1, 8, (3, 3), use_bias=False, rngs=rngs)
+    self.stem_bn = nnx.BatchNorm(8, rngs=rngs)
+    self.a = nnx.Conv(8, 8, (3, 3), use_bias=False, rngs=rngs)
+    self.a_bn = nnx.BatchNorm(8, rngs=rngs)
+    self.b = nnx.Conv(8, 8, (3, 3), use_bias=False, rngs=rngs)
+    self.b_bn = nnx.BatchNorm(8, rngs=rngs)
+    self.head = nnx.Linear(8, 4, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.stem_bn(self.stem(x)))
+    y = self.b_bn(self.b(nnx.relu(self.a_bn(self.a(x)))))
+    return self.head(nnx.relu(x + y).mean((1, 2)))
+
+
+def test_clicktrain_composed_with_prunetrain_trains_through_reconfigurations(digits_loader):
+  """compose(ClickTrain in the aligned mode, PruneTrain with its dynamic mini-batch) on a
+  hand-written model: PruneTrain removes the dead channels and grows the batch from 16 to 24
+  (90 images: 5 steps, then 3, which the batch ratio 1.5 counts as 4.5 reference steps),
+  ClickTrain's state is sliced with the channels and its stages still change at the
+  trainer's epochs, the hard prune's masks hold (pruned weights exactly zero) through a later
+  reconfiguration, and the layers run aligned after it.
+
+  Before: the aligned layers failed to build on the groups the reconfiguration left uneven
+  ("All input arrays must have the same shape"), and the stages fell an epoch behind."""
+  from experiments.common import masks as kill
+
+  loader = digits_loader(n=90)
+  method = methods.compose(
+    methods.get("clicktrain", **_CLICKTRAIN, filter_groups=2, sparse_execution=False),
+    methods.get(
+      "prunetrain", every_epochs=1, proximal=True, granularity=8, max_batch_size=24
+    ),
+  )
+  run = methods.Run.from_loader(loader, epochs=6)
+  model = _HandResNet(nnx.Rngs(0))
+  kill.kill_channels(model, 0.5, input_shape=(1, 8, 8, 1))
+  callbacks = [
+    *method.callbacks(run),
+    # The groups as ClickTrain's state holds them (what the preset attaches): the
+    # reconfiguration leaves some groups with fewer filters than others.
+    SparseExecution(threshold=0.0, backend="reference", filter_groups="from_state"),
+  ]
+  tx = method.make_tx(train.sgd(0.05, momentum=0.9), run)
+  trainer = train.Trainer(method.convert(model), tx, callbacks=callbacks, progress=False)
+  history = trainer.fit(loader, epochs=6)
+
+  records = [(r["batch_size"], r["ct_stage"], bool(r["pt_reconfigured"])) for r in history]
+  assert records[0] == (16, "pool", True)  # the dead channels go at the first epoch end
+  assert [r[0] for r in records[1:]] == [24] * 5
+  # The stages the schedule sets, at the trainer's epochs: pool 1, finalize 1, regularize
+  # until the hard prune at the end of epoch 4.
+  assert [r[1] for r in records] == ["pool", "finalize", "regularize", "pruned", "pruned", "pruned"]
+  assert history[3]["ct_hard_prune"]
+  _assert_learned(history)
+  assert _conv_channels(trainer.model) < 24
+  for w, m in zip(
+    _leaves(trainer.params), _leaves(clicktrain.masks(trainer.opt_state, trainer.params)), strict=True
+  ):
+    if m is not None:
+      assert np.all(np.asarray(w)[np.asarray(m) == 0] == 0)
+  assert {type(m) for m in pattern_convs(trainer.model).values()} == {AlignedConv}

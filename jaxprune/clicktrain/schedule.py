@@ -185,13 +185,21 @@ class Schedule:
     """The :class:`Clock` of the step that advances ``epoch_length`` (an
     :class:`~jaxprune.train.EpochLengthState`) by its increment with ``loss``."""
     spe = self.steps_per_epoch
-    before, after = epoch_length.step, epoch_length.step + epoch_length.step_increment
-    epochs_done = jnp.floor(after / spe).astype(jnp.int32)
+    increment = epoch_length.step_increment
+    before, after = epoch_length.step, epoch_length.step + increment
+
+    def epochs(position):
+      # Half a step of slack: after a batch change the increment (e.g. 7/3) is inexact in
+      # float32, so an epoch's last step may land at 13.999999 instead of 14; the trainer puts
+      # the position back on the boundary at each epoch start (set_schedule_step).
+      return jnp.floor((position + 0.5 * increment) / spe).astype(jnp.int32)
+
+    epochs_done = epochs(after)
     # An epoch's mean weighs each step by the reference steps it stands for.
     loss_sum = epoch_loss_sum + loss * epoch_length.step_increment
     return Clock(
       step=after,
-      epoch_end=epochs_done > jnp.floor(before / spe).astype(jnp.int32),
+      epoch_end=epochs_done > epochs(before),
       epochs_done=epochs_done,
       loss_sum=loss_sum,
       mean=loss_sum / spe,
@@ -218,4 +226,5 @@ class Schedule:
 
   def one_shot_due(self, epoch_length: Any) -> jax.Array:
     """Whether the one-shot pick is due: ``one_shot_epoch`` epochs done before this step."""
-    return epoch_length.step >= self.one_shot_epoch * self.steps_per_epoch
+    slack = 0.5 * epoch_length.step_increment  # as in clock: an inexact increment's rounding
+    return epoch_length.step + slack >= self.one_shot_epoch * self.steps_per_epoch

@@ -18,6 +18,7 @@ import numpy as np
 from jaxprune.train import _loaders
 from jaxprune.train._placement import Placement
 from jaxprune.train.compiled import train_step_memory
+from jaxprune.train.optim import schedule_step, set_schedule_step
 
 __all__ = ["BatchGrowth"]
 
@@ -27,8 +28,13 @@ class BatchGrowth:
 
   Attributes:
     batch_size: the training loader's batch size this epoch (``None`` before the first).
-    reference_batch_size: the loader's batch size when the run started; schedules advance
-      by ``batch_size / reference_batch_size`` per step.
+    reference_batch_size: the loader's batch size when the run started.
+    reference_steps: the loader's batches per epoch when the run started (``None``: it has no
+      length); schedules set in epochs count in these steps, so after a batch change one step
+      advances them by ``reference_steps / len(loader)`` and an epoch of the grown batch ends
+      where the trainer's epoch ends (PruneTrain §4.3 keeps the schedule in epochs).
+    anchor: ``(epoch, schedule position)`` at the first batch change, or ``None``; from then
+      on each epoch starts at ``position + (epoch - anchor epoch) * reference_steps``.
     pending: ``(batch size, scale the LR)`` requested for the next epoch, or ``None``.
   """
 
@@ -36,6 +42,8 @@ class BatchGrowth:
     self._placement = placement
     self.batch_size: int | None = None
     self.reference_batch_size: int | None = None
+    self.reference_steps: int | None = None
+    self.anchor: tuple[int, float] | None = None
     self.pending: tuple[int, bool] | None = None
     self._memory_cache: dict[Any, dict[str, int]] = {}
 
@@ -56,18 +64,24 @@ class BatchGrowth:
     """A run's first fit takes the loader's batch size as the reference."""
     if self.reference_batch_size is None:
       self.reference_batch_size = _loaders.batch_size(loader)
+      self.reference_steps = _length(loader)
 
-  def start_epoch(self, loader: Any) -> None:
+  def start_epoch(self, loader: Any, epoch: int) -> None:
     """Applies a requested batch size to ``loader`` (and the LR scale and schedule increment
-    to the optimizer state) and records the epoch's batch size."""
-    self._apply_pending(loader)
+    to the optimizer state) before epoch ``epoch`` (epochs done), puts the schedules on the
+    epoch's start once the batch has changed, and records the epoch's batch size."""
+    self._apply_pending(loader, epoch)
+    if self.anchor is not None and self.reference_steps:
+      anchor_epoch, anchor_step = self.anchor
+      start = anchor_step + (epoch - anchor_epoch) * self.reference_steps
+      self._placement.opt_state = set_schedule_step(self._placement.opt_state, start)
     self.record_batch_size(loader)
 
   def record_batch_size(self, loader: Any) -> None:
     """The epoch trains at ``loader``'s batch size (``None``: it has none)."""
     self.batch_size = _loaders.batch_size(loader)
 
-  def _apply_pending(self, loader: Any) -> None:
+  def _apply_pending(self, loader: Any, epoch: int) -> None:
     if self.pending is None:
       return
     new_size, scale_lr = self.pending
@@ -79,13 +93,21 @@ class BatchGrowth:
     placement = self._placement
     if scale_lr and new_size != old_size:
       placement.lr_scale = (placement.lr_scale or 1.0) * new_size / old_size
-    if self.reference_batch_size:
+    steps = _length(loader)
+    if self.reference_steps and steps:
+      placement.set_step_increment(self.reference_steps / steps)
+      if self.anchor is None and new_size != old_size:
+        position = schedule_step(placement.opt_state)
+        self.anchor = None if position is None else (int(epoch), position)
+    elif self.reference_batch_size:  # a loader without a length: the samples per step
       placement.set_step_increment(new_size / self.reference_batch_size)
 
   def state_dict(self) -> dict[str, Any]:
     """The checkpoint's entries of this part."""
     return {
       "reference_batch_size": self.reference_batch_size,
+      "reference_steps": self.reference_steps,
+      "schedule_anchor": list(self.anchor) if self.anchor else None,
       # A batch change requested by an epoch-end hook applies at the next epoch.
       "pending_batch_size": list(self.pending) if self.pending else None,
     }
@@ -93,6 +115,9 @@ class BatchGrowth:
   def load_state_dict(self, meta: Mapping[str, Any]) -> None:
     """Takes this part's entries from a checkpoint's metadata."""
     self.reference_batch_size = meta.get("reference_batch_size")
+    self.reference_steps = meta.get("reference_steps")
+    anchor = meta.get("schedule_anchor")
+    self.anchor = (int(anchor[0]), float(anchor[1])) if anchor else None
     pending = meta.get("pending_batch_size")
     self.pending = (int(pending[0]), bool(pending[1])) if pending else None
 
@@ -115,3 +140,11 @@ class BatchGrowth:
         p.steps, p.params, p.rest, p.opt_state, image_shape, batch_size, **kwargs
       )
     return dict(self._memory_cache[key])
+
+
+def _length(loader: Any) -> int | None:
+  """``len(loader)``, or ``None`` for a loader without a length."""
+  try:
+    return int(len(loader))
+  except TypeError:
+    return None

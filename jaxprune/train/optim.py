@@ -3,7 +3,8 @@
 The LR lives in :func:`scale_by_lr`, whose state carries
 
 * ``step``: the schedule position (a float; see ``schedules``),
-* ``step_increment``: how far one update advances it (``batch / reference batch``),
+* ``step_increment``: how far one update advances it (reference steps per epoch / steps per
+  epoch at the current batch size),
 * ``lr_scale``: a multiplier the trainer sets on the host, used for PruneTrain's linear
   LR scaling when the mini-batch grows (PruneTrain §4.3),
 * ``lr``: the LR applied by the last update, for logging.
@@ -125,6 +126,32 @@ def set_step_increment(opt_state: Any, step_increment: float) -> Any:
   if not step_increment > 0:
     raise ValueError(f"step_increment must be positive, got {step_increment}")
   return _replace_lr_states(opt_state, (EpochLengthState,), step_increment=step_increment)[0]
+
+
+def schedule_step(opt_state: Any) -> float | None:
+  """The schedule position (reference steps done) of the first :class:`ScaleByLrState` or
+  :class:`EpochLengthState` in ``opt_state`` (``None`` when it has neither)."""
+  found = jax.tree.leaves(opt_state, is_leaf=_is_schedule_state)
+  steps = [float(s.step) for s in found if _is_schedule_state(s)]
+  return steps[0] if steps else None
+
+
+def set_schedule_step(opt_state: Any, step: float) -> Any:
+  """Return ``opt_state`` with every schedule position (:class:`ScaleByLrState` and
+  :class:`EpochLengthState` ``step``) set to ``step``.
+
+  The trainer puts the position back on the epoch boundary at each epoch start once the batch
+  has changed: an increment such as 8/5 is not exact in float32, and its rounding, the same
+  at every step, would move the epoch ends of the schedules (ClickTrain's stages) off the
+  trainer's epochs over a long run.
+  """
+  if not step >= 0:
+    raise ValueError(f"step must be non-negative, got {step}")
+  return _replace_lr_states(opt_state, (EpochLengthState,), step=step)[0]
+
+
+def _is_schedule_state(node: Any) -> bool:
+  return isinstance(node, (ScaleByLrState, EpochLengthState))
 
 
 def find_lr_states(opt_state: Any) -> list[ScaleByLrState]:

@@ -2,8 +2,9 @@
 
 Every schedule is a function ``step -> lr`` (an ``optax.Schedule``). ``step`` may be a
 float: with PruneTrain's dynamic mini-batch (PruneTrain §4.3) the trainer advances the
-schedule by ``batch_size / reference_batch_size`` per step, so milestones given in
-epochs stay on epoch boundaries after the batch grows.
+schedule by the run's first batches per epoch over the current ones per step (and starts
+each epoch on its boundary), so milestones given in epochs stay on the trainer's epochs
+after the batch grows.
 """
 
 from __future__ import annotations

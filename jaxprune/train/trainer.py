@@ -273,8 +273,9 @@ class Trainer:
     """Change the training batch size from the next epoch on (PruneTrain §4.3).
 
     With ``scale_lr`` the LR multiplier grows by ``new / old`` (linear scaling rule).
-    Schedules advance by ``batch_size / reference_batch_size`` per step so epoch
-    milestones stay put.
+    Schedules set in epochs (the LR's milestones, ClickTrain's stages) advance by the
+    run's first batches per epoch over the loader's batches per epoch at the new size, and
+    start each epoch on its boundary, so they keep to the trainer's epochs.
     """
     self._batches.set_batch_size(batch_size, scale_lr=scale_lr)
 
@@ -525,7 +526,7 @@ class Trainer:
   def _train_one_epoch(self, train_loader: Iterable) -> dict[str, Any]:
     """Trains the next epoch (a requested batch size applied first) and runs the hooks'
     ``on_train_epoch_end``; returns the epoch's record so far."""
-    self._batches.start_epoch(train_loader)
+    self._batches.start_epoch(train_loader, self.epoch)
     if hasattr(train_loader, "set_epoch"):
       train_loader.set_epoch(self.epoch)
     record: dict[str, Any] = {"epoch": self.epoch + 1}

@@ -113,6 +113,31 @@ def test_explicit_groups_permute_outputs_back(columns):
 
 
 @pytest.mark.parametrize("columns", COLUMNS)
+@pytest.mark.parametrize("keep", [1.0, 0.6])
+def test_groups_of_uneven_sizes_match_dense_masked_vjp(columns, keep):
+  """Groups of 3, 2 and 1 filters (what PruneTrain leaves of 2-filter groups after removing
+  filters from some): keep=1.0 gives every group the same contraction, so groups of one
+  contraction but several filter counts meet in one batch (they used to be stacked together
+  and fail); keep=0.6 mixes contractions too."""
+  rng = np.random.default_rng(3)
+  groups = [(0, 1, 2), (3, 4), (5,)]
+  mask = aligned_mask(_random_taps(rng, 3, 5, keep=keep), 6, groups)
+  layout = build_aligned_layout(mask, groups)
+  x = jnp.asarray(rng.normal(size=(2, 6, 6, 5)), jnp.float32)
+  kernel = jnp.asarray(rng.normal(size=(3, 3, 5, 6)), jnp.float32)
+
+  def aligned(x, w):
+    return aligned_conv(x, w, layout, precision="highest", columns=columns)
+
+  y_ref, vjp_ref = jax.vjp(_dense(mask, (1, 1), "SAME"), x, kernel)
+  y, vjp = jax.vjp(aligned, x, kernel)
+  cot = jnp.asarray(rng.normal(size=y_ref.shape), jnp.float32)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for got, want in zip(vjp(cot), vjp_ref(cot)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("columns", COLUMNS)
 def test_all_pruned_group_gives_zeros(columns):
   taps = np.zeros((2, 3, 3, 3), np.float32)
   taps[0, 1] = patterns.library_patterns()[0]

@@ -108,3 +108,38 @@ def test_trainer_that_grows_the_batch_prunes_at_its_epoch(tmp_path):
   assert [r["steps"] for r in trainer.history] == [4, 2, 2, 2]
   assert readout.hard_prune_epoch == 3 and readout.fired_at == 2
   assert ct.stage_name(trainer.opt_state) == "pruned"
+
+
+@pytest.mark.parametrize("images, grown", [(40, 16), (56, 16)])
+def test_stages_keep_to_the_trainers_epochs_when_the_grown_batch_does_not_divide(images, grown):
+  """A grown batch whose steps per epoch are not the reference's / (new / old batch): 40
+  images in batches of 8 are 5 steps, in batches of 16 (drop_last) 2 steps, which the batch
+  ratio would count as 4 reference steps (the stages fell an epoch behind per grown epoch);
+  56 images: 7 steps, then 3, an increment of 7/3 that float32 rounds. Each epoch of the
+  trainer is one epoch of the schedule: the position is exactly ``epochs * 5`` (``* 7``) at
+  every epoch end, and the stages change at the epochs set."""
+
+  class Grow(train.Callback):
+    def on_epoch_end(self, trainer, epoch):
+      if epoch == 1:
+        trainer.set_batch_size(grown)
+
+  loader = _loader(images, 8)
+  reference = len(loader)
+  tx = methods.get(
+    "clicktrain", mode="one_shot", hard_prune_epoch=4, one_shot_epoch=2, kernel_prune_ratio=0.5
+  ).make_tx(train.sgd(0.05, momentum=0.9), methods.Run.from_loader(loader, epochs=5))
+  positions, stages = [], []
+
+  class Record(train.Callback):
+    def on_epoch_end(self, trainer, epoch):
+      positions.append(float(ct.find_state(trainer.opt_state).epoch_length.step))
+      stages.append(ct.stage_name(trainer.opt_state))
+
+  trainer = train.Trainer(_Net(nnx.Rngs(1)), tx, progress=False, callbacks=[Grow(), Record()])
+  trainer.fit(loader, epochs=5)
+  assert [r["steps"] for r in trainer.history] == [reference] + [images // grown] * 4
+  np.testing.assert_allclose(positions, [reference * e for e in range(1, 6)], rtol=0, atol=1e-5)
+  assert stages == ["warmup", "warmup", "regularize", "pruned", "pruned"]
+  # The learning rate's schedule is at the same position.
+  assert float(train.optim.find_lr_states(trainer.opt_state)[0].step) == pytest.approx(positions[-1])

@@ -242,12 +242,15 @@ def aligned_conv(
     return _group_products(
       x, kernel, [group], padding, out_hw, strides, precision, preferred_element_type, shared
     )
-  kept = [g for g in layout.groups if g.blocks]
-  # Groups of one contraction size (the same number of channels kept in each: the usual
-  # case) run as one batched product, others as one product each.
-  batches = [kept] if len({g.contraction for g in kept}) == 1 else [[g] for g in kept]
+  # Groups of one shape (as many channels kept and as many filters: the usual case) run as
+  # one batched product; a layout with groups of several shapes (e.g. after PruneTrain removed
+  # filters from some groups) runs one batched product per shape.
+  batches: dict[tuple[int, int], list[AlignedGroup]] = {}
+  for g in layout.groups:
+    if g.blocks:
+      batches.setdefault((g.contraction, len(g.filters)), []).append(g)
   parts, order = [], []
-  for batch in batches if kept else []:
+  for batch in batches.values():
     parts.append(
       _group_products(x, kernel, batch, padding, out_hw, strides, precision, preferred_element_type)
     )
