@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -102,6 +103,31 @@ def _quiet_orbax(method: Callable) -> Callable:
       logger.removeFilter(only)
 
   return wrapped
+
+
+def _drop_late_read_callbacks() -> None:
+  """Keeps the noise of a failed read out of the user's stderr.
+
+  When one array of a damaged checkpoint fails to read, orbax closes the event loop of the
+  read while the storage threads still finish the other arrays; each then reports into the
+  closed loop, which Python prints as an ignored ``RuntimeError: Event loop is closed``. The
+  damage is already named (:class:`DamagedCheckpointError`), so from the first failed read on,
+  exactly these reports go to this module's debug log; every other unraisable exception still
+  reaches the hook that was installed before.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "_drops_late_read_callbacks", False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+      _log.debug("a read of a damaged checkpoint finished after its event loop closed")
+      return
+    previous(unraisable)
+
+  hook._drops_late_read_callbacks = True
+  sys.unraisablehook = hook
 
 
 def _try_lock(fd: int) -> bool:
@@ -269,6 +295,7 @@ class CheckpointStore:
     try:
       yield
     except Exception as e:
+      _drop_late_read_callbacks()
       raise DamagedCheckpointError(step, self.step_path(step), f"{type(e).__name__}: {e}") from e
 
   @_quiet_orbax
