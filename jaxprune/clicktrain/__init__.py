@@ -87,6 +87,11 @@ from jaxprune.clicktrain.execution import (
   to_sparse_layers,
 )
 from jaxprune.clicktrain.importance import kernel_scores, pattern_scores, weight_importance
+from jaxprune.clicktrain.layer_choice import (
+  LayerChoiceCheck,
+  layer_choice_differences,
+  layer_filter_for,
+)
 from jaxprune.clicktrain.patterns import all_patterns, dppg_candidates, library_patterns
 from jaxprune.clicktrain.preset import RELEASED_CIFAR10, method, released_method
 from jaxprune.clicktrain.prune_batchnorm import HardPruneBatchNorm, HardPruneCheck
@@ -112,6 +117,9 @@ __all__ = [
   # the transform and its state
   "clicktrain",
   "default_layer_filter",
+  "layer_filter_for",
+  "layer_choice_differences",
+  "LayerChoiceCheck",
   "Schedule",
   "ClickTrainState",
   "ClickTrainLayerState",

@@ -24,6 +24,7 @@ __all__ = [
   "LayerFilter",
   "RatioSpec",
   "check_ratio",
+  "choose_layer",
   "default_layer_filter",
 ]
 
@@ -37,7 +38,13 @@ RatioSpec = float | tuple[float, ...] | Callable[[str, tuple[int, ...]], float]
 
 def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
   """ClickTrain's layer choice, as in the authors' released code (every conv but the stem and
-  the 1x1 shortcuts).
+  the 1x1 shortcuts), with the shortcuts known by name.
+
+  A transform sees parameters, not the model, so this default tells a 1x1 projection shortcut
+  by its path (``shortcut`` / ``downsample``, as :mod:`jaxprune.models` and torchvision name
+  them). :func:`jaxprune.clicktrain.layer_filter_for` decides the same by structure (a 1x1
+  conv alone on the skip path of a residual add), whatever the layers are called; the
+  :func:`jaxprune.clicktrain.method` preset checks the two agree at fit start.
 
   Args:
     path: the param's path, keys joined by ``/``.
@@ -49,13 +56,19 @@ def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
     and 1x1 convs not on a ``shortcut`` / ``downsample`` path; ``None`` (left dense) for the
     rest: non-4-D params, the stem (3 input channels) and 1x1 shortcut convs.
   """
+  return choose_layer(shape, shortcut="shortcut" in path or "downsample" in path)
+
+
+def choose_layer(shape: tuple[int, ...], *, shortcut: bool) -> str | None:
+  """The released code's choice for a param of ``shape``; ``shortcut``: a 1x1 projection
+  shortcut (left dense)."""
   if len(shape) != 4:
     return None
   kh, kw, cin, _ = shape
   if cin <= 3:  # the stem reads the image
     return None
   if kh == kw == 1:
-    return None if "shortcut" in path or "downsample" in path else "kernel"
+    return None if shortcut else "kernel"
   return "pattern" if kh == kw else "kernel"
 
 

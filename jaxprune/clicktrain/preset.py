@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxprune.clicktrain.execution import SparseExecution
+from jaxprune.clicktrain.layer_choice import LayerChoiceCheck
 from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES, HardPruneBatchNorm, HardPruneCheck
 from jaxprune.clicktrain.schedule import Schedule
 from jaxprune.clicktrain.transform import clicktrain
@@ -52,14 +53,17 @@ def _hook_settings(
   return recompute_batchnorm, sparse_execution
 
 
-def _callbacks(recompute_batchnorm: int, sparse: bool):
+def _callbacks(recompute_batchnorm: int, sparse: bool, by_name: bool):
   """The preset's trainer hooks: the BatchNorm re-estimate at the hard prune unless off, the
-  end-of-run check that the hard prune came, and, with ``sparse``, the aligned layers'
-  execution after it."""
+  end-of-run check that the hard prune came, with ``by_name`` (the default layer filter) the
+  fit-start check that its choice matches the model's structure, and, with ``sparse``, the
+  aligned layers' execution after the hard prune."""
 
   def callbacks(run: Run) -> list[Any]:
     hooks: list[Any] = [HardPruneBatchNorm(recompute_batchnorm)] if recompute_batchnorm else []
     hooks.append(HardPruneCheck(run.epochs))
+    if by_name:
+      hooks.append(LayerChoiceCheck(run.image_shape))
     if sparse:
       # The aligned mode exists to run as dense slices after the hard prune (ClickTrain §5.2
       # on the paper's layout); the groups are read off the state, so clustered ones work too.
@@ -82,7 +86,11 @@ def method(**config: Any) -> Method:
   recovered one epoch later). Beyond the paper, which does not say how it evaluates then.
   They also hold a :class:`~jaxprune.clicktrain.HardPruneCheck`, which warns when the run's
   last epoch ends before the hard prune (the transform, given ``total_epochs=run.epochs``,
-  already warns when it is built if the schedule cannot prune inside the run), and, in the
+  already warns when it is built if the schedule cannot prune inside the run), a
+  :class:`~jaxprune.clicktrain.LayerChoiceCheck` unless ``layer_filter`` is given (the default
+  knows 1x1 projection shortcuts by name; a model whose shortcuts are named otherwise, or
+  whose 1x1 convs so named are not shortcuts, is refused at fit start with the
+  ``layer_filter`` that decides by structure), and, in the
   aligned mode (``filter_groups=G``), a :class:`~jaxprune.clicktrain.SparseExecution`
   (``filter_groups="from_state"``) that switches the pruned convs to the aligned layers after
   the hard prune where they measure faster: the method runs what it trains for.
@@ -129,7 +137,7 @@ def method(**config: Any) -> Method:
   return Method(
     name="clicktrain",
     make_tx=make_tx,
-    callbacks=_callbacks(batches, sparse),
+    callbacks=_callbacks(batches, sparse, by_name=tx_config.get("layer_filter") is None),
     config={**tx_config, **routed["hooks"]},
   )
 

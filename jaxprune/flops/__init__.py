@@ -56,6 +56,8 @@ One module per job, all re-exported here:
 * :mod:`~jaxprune.flops.sparsity`: compression ratio and conv sparsity;
 * :mod:`~jaxprune.flops.memory`: BatchNorm memory traffic;
 * :mod:`~jaxprune.flops.communication`: gradient all-reduce volume;
+* :mod:`~jaxprune.flops.shortcuts`: which 1x1 convs are projection shortcuts (the structure
+  ClickTrain's layer choice reads);
 * ``_trace`` (private): the tracing and the jaxpr walker that ``layers`` and ``memory`` share.
 """
 
@@ -78,12 +80,14 @@ from jaxprune.flops.memory import (
   layer_flops_and_batchnorm_traffic,
 )
 from jaxprune.flops.report import format_table, model_flops_report
+from jaxprune.flops.shortcuts import projection_shortcuts
 from jaxprune.flops.sparsity import compression_ratio, conv_sparsity
 
 # Older callers import the parameter-path helper from here; its home is jaxprune.paths.
 from jaxprune.paths import param_path
 
 __all__ = [
+  "projection_shortcuts",
   "LayerFlops",
   "BatchNormTraffic",
   "layer_flops",
