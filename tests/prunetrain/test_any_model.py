@@ -82,6 +82,51 @@ def test_layernorm_and_unfollowed_operations_block_their_groups_by_name():
   assert graph.unfollowed()
 
 
+class _GroupNormNet(nnx.Module):
+  def __init__(self, rngs, groups):
+    self.c1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+    self.gn = nnx.GroupNorm(8, num_groups=groups, rngs=rngs)
+    self.c2 = nnx.Conv(8, 8, (3, 3), rngs=rngs)
+    self.fc = nnx.Linear(8, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc(nnx.relu(self.c2(nnx.relu(self.gn(self.c1(x))))).mean((1, 2)))
+
+
+@pytest.mark.parametrize(
+  ("groups", "dead", "width", "num_groups"),
+  [
+    (2, [0, 1, 2, 3], 4, 1),  # a whole GroupNorm group dead: it goes, with one group fewer
+    (2, [0], 8, 2),  # one channel of a group: its statistics need it, so it stays
+    (8, [2], 7, 7),  # one channel per group (instance norm): a channel is a group
+  ],
+)
+def test_groupnorm_loses_whole_groups_only(groups, dead, width, num_groups):
+  """GroupNorm's statistics are taken over each group's channels: the graph splits its
+  channels into (group, channel in group) and only whole groups are prunable; the cut model
+  computes the zeroed one with ``num_groups`` reduced."""
+  model = _GroupNormNet(nnx.Rngs(0), groups)
+  for var, index in [
+    (model.c1.kernel, (..., dead)),
+    (model.c1.bias, (dead,)),
+    (model.gn.scale, (dead,)),
+    (model.gn.bias, (dead,)),
+    (model.c2.kernel, (slice(None), slice(None), dead)),
+  ]:
+    var[...] = var[...].at[index].set(0.0)
+  shape = (1, 8, 8, 3)
+  blocked = [g.blocked for g in pt.channel_graph(model, shape).groups if g.width == 8 // groups]
+  if groups == 2:  # the channels within a group are a statistic's: named as such
+    assert any("normalized" in reason for reasons in blocked for reason in reasons)
+  x = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
+  want = _outputs(model, x)
+  new, _, _ = pt.reconfigure(model, None, input_shape=shape, count_flops=False)
+  assert (new.c1.kernel.shape[-1], new.gn.num_features, new.gn.num_groups) == (width, width, num_groups)
+  got = _outputs(new, x)
+  for mode in want:
+    np.testing.assert_allclose(got[mode], want[mode], rtol=1e-5, atol=1e-5)
+
+
 def test_zoo_models_give_the_same_model_by_slicing_and_by_rebuilding_from_the_spec():
   """The traced surgery slices the zoo's models in place; rebuilding from the smaller width
   spec and copying the values gives the same structure and arrays."""
