@@ -82,8 +82,9 @@ def method(**config: Any) -> Method:
   run, a missing one-shot ``one_shot_epoch`` 30/190 of the run before it). ``callbacks(run)`` returns a
   :class:`~jaxprune.clicktrain.HardPruneBatchNorm`: the hard prune zeroes about half of each
   pruned conv's weights in one step, and without it the BatchNorm running statistics still
-  describe the dense weights when that epoch is evaluated (notebook 01 scored 15% there,
-  recovered one epoch later). Beyond the paper, which does not say how it evaluates then.
+  describe the dense weights when that epoch is evaluated (an accuracy collapse that recovers
+  an epoch later; docs/design.md, "BatchNorm at the hard prune"). Beyond the paper, which does
+  not say how it evaluates then.
   They also hold a :class:`~jaxprune.clicktrain.HardPruneCheck`, which warns when the run's
   last epoch ends before the hard prune (the transform, given ``total_epochs=run.epochs``,
   already warns when it is built if the schedule cannot prune inside the run), a

@@ -5,8 +5,8 @@ and every pruned kernel: about half of each pruned conv's weights at once. Train
 with each batch's own statistics and does not notice, but evaluation reads the running averages
 (momentum 0.9: about the last ten steps), which still describe the dense weights of the steps
 before. Right after the prune, eval-mode accuracy can then collapse while training accuracy
-holds (notebook 01: 15% at the hard-prune epoch, recovered one epoch later; the ResNet-50
-Table 1 run: 10.7% from 50.9%). :class:`HardPruneBatchNorm` replaces the running statistics
+holds (measured in docs/design.md, "BatchNorm at the hard prune").
+:class:`HardPruneBatchNorm` replaces the running statistics
 with those of the pruned weights, measured on a few training batches
 (:func:`jaxprune.train.recompute_batch_stats`), at the epoch end where the prune happened,
 before that epoch is evaluated. Training never reads running statistics: the trained weights
