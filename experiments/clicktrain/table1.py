@@ -35,7 +35,7 @@ A row too long for one sitting runs in parts: every run checkpoints after each e
 (``runs/checkpoints/``), and the same command with ``--resume`` continues it exactly.
 ``--loader``, ``--steps-per-dispatch``, ``--eval-every``, ``--checkpoint-every``,
 ``--max-seconds`` and ``--must-finish`` fit a paper-budget row into one accelerator command
-(``experiments/run_options.py``); ``--methods dense`` or ``--methods clicktrain`` runs one
+(``experiments/common/run_options.py``); ``--methods dense`` or ``--methods clicktrain`` runs one
 of a row's two trainings.
 """
 
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.clicktrain import aligned_page
-from experiments.common import budgets, cli, pages, run_options
+from experiments.common import budgets, cli, pages, rows, run_options
 from jaxprune import data, flops, methods, models, train
 from jaxprune.clicktrain import HardPruneReadout, patterns, preset, readouts
 from jaxprune.clicktrain.execution import SparseExecution
@@ -124,10 +123,7 @@ def _parse(argv):
     p.error(f"--methods: choose from dense, clicktrain, got {a.methods}")
   if a.filter_grouping != "consecutive" and a.filter_groups is None:
     p.error("--filter-grouping needs --filter-groups")
-  # The budget's settings become attributes, as the page states them.
-  for key, value in budgets.get_budget("clicktrain_table1", a.budget).items():
-    setattr(a, key, value)
-  return run_options.resolve(a, a.budget)
+  return run_options.table_args(a, "clicktrain_table1")
 
 
 def _stage_epochs(args, row: str) -> dict[str, Any]:
@@ -140,20 +136,21 @@ def _stage_epochs(args, row: str) -> dict[str, Any]:
   run for a row the paper does not list, the one-shot mask pick 30/190 of the run before it,
   and §4.1's loss-derivative trigger for the pool.
   """
-  if args.hard_prune_fraction is not None:
-    hard = max(4, round(args.hard_prune_fraction * args.epochs))
+  budget = args.recipe
+  if budget.hard_prune_fraction is not None:
+    hard = max(4, round(budget.hard_prune_fraction * budget.epochs))
     if args.mode == "one_shot":
       return {"hard_prune_epoch": hard, "one_shot_epoch": 1}
     return {
       "pool_start_epoch": 1,
-      "pool_epochs": args.pool_epochs,
-      "finalize_epochs": args.finalize_epochs,
+      "pool_epochs": budget.pool_epochs,
+      "finalize_epochs": budget.finalize_epochs,
       "hard_prune_epoch": hard,
     }
   epochs = {"hard_prune_epoch": PAPER[row][5]} if row in PAPER else {}
   if args.mode == "one_shot":
     return epochs
-  return {"pool_epochs": args.pool_epochs, "finalize_epochs": args.finalize_epochs, **epochs}
+  return {"pool_epochs": budget.pool_epochs, "finalize_epochs": budget.finalize_epochs, **epochs}
 
 
 def _method(args, row: str) -> methods.Method:
@@ -177,91 +174,100 @@ def _tag(budget: str, dtype: str = "fp32") -> str:
   return f"{budget}{cli.dtype_suffix(dtype)}"
 
 
-def _run(
+def _spec(
   args, row: str, prune: bool, train_set, test_set, folder: Path, command: str
-) -> dict[str, Any] | None:
-  """Trains one of ``row``'s runs and saves its result; ``None`` if it stopped at the time box
-  (its checkpoint then stays for ``--resume``)."""
+) -> rows.RowSpec:
+  """One of ``row``'s runs (dense, or ClickTrain when ``prune``) as a row spec: its JSON and
+  plots go to ``folder``, its epoch log to ``folder/logs``."""
+  budget = args.recipe
   label = "clicktrain" if prune else "dense"
   if prune and args.filter_groups is not None:
     clustered = args.filter_grouping == "clustered"
     label = f"aligned-g{args.filter_groups}{'c' if clustered else ''}"
   stem = aligned_page.run_stem(_tag(args.budget, args.dtype), row, label, args.seed)
-  loader = run_options.train_loader(args, train_set, args.batch_size, "clicktrain")
-  test_loader = run_options.test_loader(args, test_set, min(500, len(test_set.labels)))
-  spe = len(loader)
-  milestones = [max(1, round(f * args.epochs)) for f in args.milestones]
-  inner = train.sgd(train.step_schedule(args.lr, spe, milestones), momentum=0.9, weight_decay=5e-4)
+  milestones = [max(1, round(f * budget.epochs)) for f in budget.milestones]
   overrides = {}
-  if args.linear_init_std is not None and row.startswith("vgg"):
-    overrides["linear_init_std"] = args.linear_init_std
-  model = models.create(
-    f"clicktrain-{row}",
-    num_classes=10,
-    rngs=nnx.Rngs(args.seed),
-    width_multiplier=budgets.row_width(args.width, row),
-    dtype=cli.compute_dtype(args),
-    **overrides,
-  )
+  if budget.linear_init_std is not None and row.startswith("vgg"):
+    overrides["linear_init_std"] = budget.linear_init_std
+
+  def model():
+    return models.create(
+      f"clicktrain-{row}",
+      num_classes=10,
+      rngs=nnx.Rngs(args.seed),
+      width_multiplier=budgets.row_width(budget.width, row),
+      dtype=cli.compute_dtype(args),
+      **overrides,
+    )
+
+  def callbacks(test_loader, run):
+    hooks = []
+    if prune and args.mode == "paper":
+      # What the hard prune removes and costs, read at the epoch end before it (the group
+      # lasso's job, ClickTrain §4.4): saved in that epoch's record. The hook reads the hard
+      # prune's epoch from the schedule the preset placed in the transform's state.
+      hooks.append(HardPruneReadout(test_loader))
+    if prune and args.filter_groups is not None:
+      # The aligned mode's point is cheaper epochs after the hard prune: switch the pruned
+      # convs to the aligned layers there (each kept where it measures faster than the masked
+      # dense conv), each layer's groups as the ClickTrain state holds them.
+      hooks.append(SparseExecution(filter_groups="from_state"))
+    return hooks
+
+  metrics = {"compression": lambda t: flops.compression_ratio(t.params)}
   if prune:
-    tx = _method(args, row).make_tx(inner, methods.Run.from_loader(loader, epochs=args.epochs))
-    metrics = {
-      "stage": lambda t: readouts.stage_name(t.opt_state),
-      "compression": lambda t: flops.compression_ratio(t.params),
-    }
-  else:
-    tx, metrics = inner, {"compression": lambda t: flops.compression_ratio(t.params)}
+    metrics = {"stage": lambda t: readouts.stage_name(t.opt_state), **metrics}
   (folder / "logs").mkdir(parents=True, exist_ok=True)
-  checkpoints = run_options.checkpoint_dir("clicktrain", stem, args.out)
-  budget = budgets.as_saved(budgets.get_budget("clicktrain_table1", args.budget))
-  # The aligned mode's point is cheaper epochs after the hard prune: switch the pruned convs
-  # to the aligned layers there (each kept where it measures faster than the masked dense conv).
-  hooks = []
-  if prune and args.mode == "paper":
-    # What the hard prune removes and costs, read at the epoch end before it (the group
-    # lasso's job, ClickTrain §4.4): saved in that epoch's record. The hook reads the hard
-    # prune's epoch from the schedule the preset placed in the transform's state.
-    hooks.append(HardPruneReadout(test_loader))
-  if prune and args.filter_groups is not None:
-    # Each layer's groups as the ClickTrain state holds them (the clustered partition).
-    hooks.append(SparseExecution(filter_groups="from_state"))
-  trainer = train.Trainer(
-    model,
-    tx,
-    callbacks=hooks,
+
+  def save(result):
+    if prune:
+      _plots(result, folder / stem)
+    (folder / f"{stem}.json").write_text(json.dumps(result, indent=2, default=float))
+
+  return rows.RowSpec(
+    label=f"{row} {label}",
+    model=model,
+    method=_method(args, row) if prune else methods.get("dense"),
+    optimizer=lambda steps: train.sgd(
+      train.step_schedule(budget.lr, steps, milestones), momentum=0.9, weight_decay=5e-4
+    ),
+    train_set=train_set,
+    test_set=test_set,
+    batch_size=budget.batch_size,
+    augment="clicktrain",
+    epochs=budget.epochs,
+    seed=args.seed,
+    result=lambda done: _result(done, row, label, args, command, stem, prune),
+    callbacks=callbacks,
     metrics=metrics,
     log_path=folder / "logs" / f"{stem}.jsonl",
-    progress=False,
-    checkpoint_dir=checkpoints,
+    checkpoint_dir=run_options.checkpoint_dir("clicktrain", stem, args.out),
     # A resume under other settings is refused, not mixed in.
     run_config={
       "row": row,
       "method": label,
       "mode": args.mode,
       "seed": args.seed,
-      **budget,
+      **budgets.as_saved(budget),
       **cli.dtype_config(args),
-      **run_options.run_config(args),
+      **run_options.run_config(args.options),
     },
-    **run_options.trainer_kwargs(args),
-  )
-  run_options.start_or_resume(trainer, loader, args.resume)
-  if prune and args.mode == "one_shot":
     # The released code switches to mixup (α = 0.3) after the hard prune: train up to the
     # epoch whose end finds the stage pruned (the preset placed it), then mixup batches.
-    while trainer.epoch < args.epochs and readouts.stage_name(trainer.opt_state) != "pruned":
-      trainer.fit(loader, test_loader, epochs=trainer.epoch + 1, resume=False, overwrite=True)
-    loader = run_options.train_loader(args, train_set, args.batch_size, "clicktrain-mixup")
-  history = trainer.fit(
-    loader,
-    test_loader,
-    epochs=args.epochs,
-    resume=False,
-    overwrite=True,
-    **run_options.fit_kwargs(args),
+    switch=(_pruned, "clicktrain-mixup") if prune and args.mode == "one_shot" else None,
+    save=save,
   )
-  if run_options.stopped(trainer, f"{row} {label}"):
-    return None
+
+
+def _pruned(trainer) -> bool:
+  return readouts.stage_name(trainer.opt_state) == "pruned"
+
+
+def _result(row_run: rows.Row, row, label, args, command, stem, prune) -> dict[str, Any]:
+  """The record of one of ``row``'s finished runs (ClickTrain's: with its stage, FLOPs saved,
+  per-layer sparsity and pattern pool)."""
+  trainer = row_run.trainer
+  history = trainer.history
   result = {
     "row": row,
     "method": label,
@@ -271,8 +277,6 @@ def _run(
     "compression": flops.compression_ratio(trainer.params),
     "wall_time_s": history[-1]["wall_time_s"],
     "command": command,
-    "loader": args.loader,
-    **run_options.provenance(),
     "log": f"logs/{stem}.jsonl",
     "history": history,
   }
@@ -292,9 +296,6 @@ def _run(
         int(i) for i in next((ls.pool for ls in st.layers.values() if ls.pool is not None), [])
       ],
     )
-    _plots(result, folder / stem)
-  (folder / f"{stem}.json").write_text(json.dumps(result, indent=2, default=float))
-  shutil.rmtree(checkpoints, ignore_errors=True)  # the run is saved; nothing to resume
   return result
 
 
@@ -365,7 +366,7 @@ def _plots(result: dict[str, Any], stem: Path) -> None:
 def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str) -> str:
   """The table page of ``results`` (row -> method -> run). Rows run by separate invocations
   share the page, so it names each run's command (``command`` for a run that has none)."""
-  rows, logs = [], {}
+  table_rows, logs = [], {}
   for row, res in results.items():
     paper = PAPER.get(row)
     dense, clk = res.get("dense"), res.get("clicktrain")
@@ -391,7 +392,7 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
           f"{run['compression']:.2f}x",
           f"{100 * fs['training']:.1f}% / {100 * fs['inference']:.1f}%",
         ]
-      rows.append((label, theirs, ours))
+      table_rows.append((label, theirs, ours))
       if "log" in run:
         logs[label] = run["log"]
   runs = [run for res in results.values() for run in res.values()]
@@ -402,7 +403,7 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
     budget=budgets.get_budget("clicktrain_table1", args.budget),
     **run_options.page_provenance(runs),
     columns=["acc (%)", "Δ acc (points)", "compression", "train / inference FLOPs saved"],
-    rows=rows,
+    rows=table_rows,
     logs=logs,
     notes=[
       (
@@ -496,27 +497,28 @@ def write_pages(folder: Path, budget: str, dtype: str = "fp32") -> Path:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   command = cli.command_line("clicktrain_table1", argv)
-  rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-  for r in rows:
+  chosen = [r.strip() for r in args.rows.split(",") if r.strip()]
+  for r in chosen:
     if r not in PAPER and r not in EXTRA_ROWS:
       raise ValueError(f"--rows: unknown row {r!r}; choose from {sorted(PAPER) + list(EXTRA_ROWS)}")
   folder = pages.output_dir("clicktrain", args.publish, args.out)
   train_set = data.load("cifar10", root=args.root, split="train").balanced_subset(
-    args.train_subset, args.seed
+    args.recipe.train_subset, args.seed
   )
   test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
-    args.test_subset, args.seed + 1
+    args.recipe.test_subset, args.seed + 1
   )
   tag = _tag(args.budget, args.dtype)
   out = folder / f"table1_{tag}.md"
   results: dict[str, dict[str, Any]] = {}
-  for row in rows:
+  for row in chosen:
     results[row] = {}
     for method in ("dense", "clicktrain"):
       if method not in args.methods:
         continue
       prune = method == "clicktrain"
-      res = _run(args, row, prune, train_set, test_set, folder, command)
+      spec = _spec(args, row, prune, train_set, test_set, folder, command)
+      res = rows.run_row(spec, args.options)
       if res is None:  # stopped at --max-seconds: the command ends here
         return {"stopped": f"{row} {method}"}
       results[row]["clicktrain" if prune else "dense"] = res

@@ -13,8 +13,9 @@ reached 81.4% in 10 epochs and 68 minutes on such a machine,
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -24,58 +25,144 @@ from jaxprune import methods
 PAPERS = (*(paper.results for paper in methods.PAPERS), "benchmarks")
 
 
-# The SDGP training recipe (the ffcv ResNet-9 recipe SDGP ran): the cpu budget keeps its shape,
-# scales the peak lr linearly with the batch and puts the peak at the recipe's fraction of the
-# run, no earlier than half an epoch. "init": "released" is the authors' converter: every conv
-# re-initialised (Kaiming-uniform) and the dense row converted as 4:4 (sdgp.paper_method);
-# "model" keeps the model's own init and leaves the dense row unconverted.
-_SDGP_PAPER = {
-  "width": 1.0,
-  "train_subset": None,
-  "test_subset": None,
-  "epochs": 150,
-  "batch_size": 512,
-  "init": "released",
-}
+class Budget(Mapping[str, Any]):
+  """A typed, frozen recipe that also reads as a read-only mapping of its fields: the results
+  pages and the saved JSON name its settings by key (``budget["epochs"]``, ``dict(budget)``).
+
+  Subclasses are frozen dataclasses; their fields, in order, are the recipe's settings.
+  """
+
+  def __getitem__(self, key: str) -> Any:
+    if key not in self._names():
+      raise KeyError(key)
+    return getattr(self, key)
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._names())
+
+  def __len__(self) -> int:
+    return len(self._names())
+
+  def _names(self) -> tuple[str, ...]:
+    return tuple(field.name for field in dataclasses.fields(self))
 
 
-_SDGP_CPU = {
-  "width": 0.125,
-  "train_subset": None,
-  "test_subset": None,
-  "epochs": 10,
-  "batch_size": 128,
-  "init": "released",
-}
+Width = float | Mapping[str, float]
 
 
-def _sdgp_schedule(budget: dict[str, Any]) -> dict[str, Any]:
-  budget["peak_lr"] = 0.5 * budget["batch_size"] / 512
-  budget["peak_epoch"] = min(2.0, max(0.5, budget["epochs"] * 2.0 / 150))
-  return budget
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingBudget(Budget):
+  """What every training budget sets: the model width (one multiplier, or one per model family:
+  :func:`row_width`), the data (``train_subset`` / ``test_subset`` None: the whole split), the
+  run's length and its batch."""
+
+  width: Width
+  train_subset: int | None = None
+  test_subset: int | None = None
+  epochs: int
+  batch_size: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepBudget(TrainingBudget):
+  """A training budget of SGD at ``lr``, ×0.1 at each fraction of the run in ``milestones``."""
+
+  lr: float
+  milestones: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClickTrainBudget(StepBudget):
+  """ClickTrain Table 1's recipe: the stage lengths; ``hard_prune_fraction`` None: the paper's
+  epoch per row; ``linear_init_std`` None: the models' own classifier init."""
+
+  pool_epochs: int
+  finalize_epochs: int
+  hard_prune_fraction: float | None
+  linear_init_std: float | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PruneTrainBudget(StepBudget):
+  """PruneTrain Table 1's recipe: the group lasso's penalty ratio, threshold and
+  reconfiguration interval (epochs)."""
+
+  interval: int
+  penalty_ratio: float
+  threshold: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SdgpBudget(TrainingBudget):
+  """SDGP's training recipe (Table I, Fig. 8): the triangular LR (``peak_lr`` at
+  ``peak_epoch``) and ``init`` (``"released"``: the authors' re-initialising converter, the
+  dense row converted as 4:4; ``"model"``: the model's own init, the dense row unconverted)."""
+
+  init: str
+  peak_lr: float
+  peak_epoch: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimeModelBudget(Budget):
+  """SDGP Fig. 10's time model: the width and batch it times, and the target accuracy of its
+  time-to-accuracy table."""
+
+  width: Width
+  batch_size: int
+  target_acc: float
+
+
+def _sdgp(width: float, epochs: int, batch_size: int) -> SdgpBudget:
+  """The SDGP recipe (the ffcv ResNet-9 recipe SDGP ran) at this width, length and batch: the
+  peak LR scales linearly with the batch, the peak sits at the recipe's fraction of the run
+  (2 of 150 epochs), no earlier than half an epoch."""
+  return SdgpBudget(
+    width=width,
+    epochs=epochs,
+    batch_size=batch_size,
+    init="released",
+    peak_lr=0.5 * batch_size / 512,
+    peak_epoch=min(2.0, max(0.5, epochs * 2.0 / 150)),
+  )
+
+
+# ClickTrain §6.1: 190 epochs, batch 128, SGD 0.9, lr 0.1 (×0.1 at 50% / 75%: the paper does not
+# state its schedule), wd 5e-4; pool / finalization 5 epochs each, hard prune at the row's epoch
+# of Table 1.
+_CLICKTRAIN_PAPER = ClickTrainBudget(
+  width=1.0,
+  epochs=190,
+  batch_size=128,
+  lr=0.1,
+  milestones=(0.5, 0.75),
+  pool_epochs=5,
+  finalize_epochs=5,
+  hard_prune_fraction=None,
+  linear_init_std=None,
+)
+
+
+# PruneTrain §5 and the authors' scripts: 182 epochs, lr 0.1 ×0.1 at epochs 91 / 136, penalty
+# ratio 0.2, threshold 1e-4, reconfiguration every 10 epochs, dynamic mini-batch.
+_PRUNETRAIN_PAPER = PruneTrainBudget(
+  width=1.0,
+  epochs=182,
+  batch_size=128,
+  lr=0.1,
+  milestones=(0.5, 0.75),
+  interval=10,
+  penalty_ratio=0.2,
+  threshold=1e-4,
+)
 
 
 # Table -> budget name -> settings. Every row of a table trains with these (the rows differ only
 # in model and method), so the rows of one page compare. A table is named
 # "<paper>_<figure>", the paper by its package name in jaxprune.methods.PAPERS (PAPER_OF).
-BUDGETS: Mapping[str, Mapping[str, Mapping[str, Any]]] = {
-  # ClickTrain §6.1: 190 epochs, batch 128, SGD 0.9, lr 0.1 (×0.1 at 50% / 75%: the paper does
-  # not state its schedule), wd 5e-4; pool / finalization 5 epochs each, hard prune at the
-  # row's epoch of Table 1.
+BUDGETS: Mapping[str, Mapping[str, Budget]] = {
   "clicktrain_table1": {
-    "paper": {
-      "width": 1.0,
-      "train_subset": None,
-      "test_subset": None,
-      "epochs": 190,
-      "batch_size": 128,
-      "lr": 0.1,
-      "milestones": (0.5, 0.75),
-      "pool_epochs": 5,
-      "finalize_epochs": 5,
-      "hard_prune_fraction": None,
-      "linear_init_std": None,
-    },
+    "paper": _CLICKTRAIN_PAPER,
     # The width is set per model family so that every dense row costs 20-41 MFLOPs per image
     # and a run takes under an hour on 2 cores (measured: a 390-step epoch takes 2.2 min for
     # VGG-11 ×1/4, 3.2 min for VGG-13 ×1/4, 4.0 min for ResNet-32 ×1/8). At ×1/8 VGG-11 has 5
@@ -83,67 +170,41 @@ BUDGETS: Mapping[str, Mapping[str, Mapping[str, Any]]] = {
     # epoch each of warm-up, pool generation and finalization; hard prune at 60%). The VGG
     # classifier's N(0, 0.01) init stays at chance for hundreds of steps at reduced width, so
     # it is N(0, 0.05) for every row of both methods.
-    "cpu": {
-      "width": MappingProxyType({"resnet": 0.125, "vgg": 0.25}),
-      "train_subset": None,
-      "test_subset": None,
-      "epochs": 12,
-      "batch_size": 128,
-      "lr": 0.1,
-      "milestones": (0.5, 0.75),
-      "pool_epochs": 1,
-      "finalize_epochs": 1,
-      "hard_prune_fraction": 0.6,
-      "linear_init_std": 0.05,
-    },
+    "cpu": dataclasses.replace(
+      _CLICKTRAIN_PAPER,
+      width=MappingProxyType({"resnet": 0.125, "vgg": 0.25}),
+      epochs=12,
+      pool_epochs=1,
+      finalize_epochs=1,
+      hard_prune_fraction=0.6,
+      linear_init_std=0.05,
+    ),
   },
-  # PruneTrain §5 and the authors' scripts: 182 epochs, lr 0.1 ×0.1 at epochs 91 / 136, penalty
-  # ratio 0.2, threshold 1e-4, reconfiguration every 10 epochs, dynamic mini-batch.
   "prunetrain_table1": {
-    "paper": {
-      "width": 1.0,
-      "train_subset": None,
-      "test_subset": None,
-      "epochs": 182,
-      "batch_size": 128,
-      "lr": 0.1,
-      "milestones": (0.5, 0.75),
-      "interval": 10,
-      "penalty_ratio": 0.2,
-      "threshold": 1e-4,
-    },
+    "paper": _PRUNETRAIN_PAPER,
     # Half width, full data, 10 epochs (3 900 steps). With SGD the group lasso shrinks a group
     # by about lr·λ/(1−momentum) per step; the paper's ratio 0.2 needs ~10⁴ steps to kill a
     # channel, so the ratio is raised to 0.55 (λ ∝ r/(1−r): 4.9× the paper's) and the threshold
     # to 1e-2 (groups jitter around zero with amplitude ~lr·λ). Ratio 0.6 (λ 6×) ended at 13%
     # of the inference FLOPs against the paper's 34% (results/prunetrain/index.md).
-    "cpu": {
-      "width": 0.5,
-      "train_subset": None,
-      "test_subset": None,
-      "epochs": 10,
-      "batch_size": 128,
-      "lr": 0.1,
-      "milestones": (0.5, 0.75),
-      "interval": 1,
-      "penalty_ratio": 0.55,
-      "threshold": 1e-2,
-    },
+    "cpu": dataclasses.replace(
+      _PRUNETRAIN_PAPER, width=0.5, epochs=10, interval=1, penalty_ratio=0.55, threshold=1e-2
+    ),
   },
   "sdgp_table1": {
-    "paper": _sdgp_schedule(dict(_SDGP_PAPER)),
-    "cpu": _sdgp_schedule(dict(_SDGP_CPU)),
+    "paper": _sdgp(width=1.0, epochs=150, batch_size=512),
+    "cpu": _sdgp(width=0.125, epochs=10, batch_size=128),
   },
   # Fig. 8 trains each n:m cell with Table I's recipe.
   "sdgp_fig8": {
-    "paper": _sdgp_schedule(dict(_SDGP_PAPER)),
-    "cpu": _sdgp_schedule(dict(_SDGP_CPU)),
+    "paper": _sdgp(width=1.0, epochs=150, batch_size=512),
+    "cpu": _sdgp(width=0.125, epochs=10, batch_size=128),
   },
   # Fig. 10: the time model at the training budget's width, and the target accuracy of the
   # time-to-accuracy table (the paper's 94.5%; for the cpu budget a level its dense row passes).
   "sdgp_timemodel": {
-    "paper": {"width": 1.0, "batch_size": 512, "target_acc": 0.945},
-    "cpu": {"width": 0.125, "batch_size": 32, "target_acc": 0.75},
+    "paper": TimeModelBudget(width=1.0, batch_size=512, target_acc=0.945),
+    "cpu": TimeModelBudget(width=0.125, batch_size=32, target_acc=0.75),
   },
 }
 
@@ -161,15 +222,16 @@ def _results_of(table: str) -> str:
 PAPER_OF = {table: _results_of(table) for table in BUDGETS}
 
 
-def get_budget(table: str, name: str) -> Mapping[str, Any]:
-  """The settings of budget ``name`` for ``table`` (read-only).
+def get_budget(table: str, name: str) -> Budget:
+  """The settings of budget ``name`` for ``table`` (frozen).
 
   Args:
     table: a key of :data:`BUDGETS` (``"sdgp_table1"``, ...).
     name: ``"paper"`` or ``"cpu"``.
 
   Returns:
-    A read-only mapping of the budget's settings.
+    The budget: a frozen dataclass of the table's kind (:class:`ClickTrainBudget`, ...), also
+    a read-only mapping of its settings.
 
   Raises:
     ValueError: ``table`` or ``name`` is unknown (the message names it and lists the choices).
@@ -180,7 +242,7 @@ def get_budget(table: str, name: str) -> Mapping[str, Any]:
     raise ValueError(
       f"budget: unknown budget {name!r} for {table}; choose from {sorted(BUDGETS[table])}"
     )
-  return MappingProxyType(dict(BUDGETS[table][name]))
+  return BUDGETS[table][name]
 
 
 def row_width(width: float | Mapping[str, float], row: str) -> float:

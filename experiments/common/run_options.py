@@ -22,6 +22,7 @@ time a GPU gives one command:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -36,9 +37,42 @@ LOADERS = ("auto", "host", "device")
 # wait on the device) and 15.9k on the host loader; dense 77.9k against 71.2k and 70.4k. On a
 # CPU one step per call: XLA:CPU ran a train step inside a scan several times slower.
 ACCELERATOR_STEPS_PER_DISPATCH = 13
-# When the running command resolved its options: ``--max-seconds`` counts from here (kept out
-# of ``args``, which commands save and compare).
-_command_start = time.perf_counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+  """How one table command runs its trainings: the flags of :func:`add_arguments` with their
+  defaults filled in (:func:`resolve`), ``--resume``, and when the command's time box began.
+
+  Attributes:
+    loader: ``"host"`` or ``"device"``.
+    steps_per_dispatch: train steps per device call (device loader).
+    eval_every: evaluate every N epochs (the last always).
+    checkpoint_every: checkpoint every N epochs; 0: only when a run stops or ends.
+    max_seconds: the command's time box, or None.
+    must_finish: stop a run as soon as it cannot end inside the box.
+    compile_cache: ``"auto"``, ``"off"``, or the folder of the enabled cache.
+    resume: continue each run from its latest checkpoint.
+    started: ``time.perf_counter()`` when the options were resolved: ``--max-seconds`` counts
+      from here (kept out of comparisons and of what a run saves).
+  """
+
+  loader: str
+  steps_per_dispatch: int
+  eval_every: int
+  checkpoint_every: int
+  max_seconds: float | None = None
+  must_finish: bool = False
+  compile_cache: str = "off"
+  resume: bool = False
+  started: float = dataclasses.field(default_factory=time.perf_counter, compare=False, repr=False)
+
+  def as_flags(self) -> dict[str, Any]:
+    """The resolved flags by their argument names (``resume`` and the clock left out), as a
+    command that saves its arguments records them."""
+    flags = dataclasses.asdict(self)
+    del flags["resume"], flags["started"]
+    return flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,9 +133,10 @@ def on_accelerator() -> bool:
   return jax.default_backend() != "cpu"
 
 
-def resolve(args: argparse.Namespace, budget: str) -> argparse.Namespace:
-  """Fills in the defaults that depend on ``budget`` and the backend, checks the values, and
-  starts the command's clock (for ``--max-seconds``). Returns ``args``.
+def resolve(args: argparse.Namespace, budget: str) -> RunOptions:
+  """The run options of ``args`` (the flags of :func:`add_arguments`, and ``--resume`` where
+  the command has it), with the defaults that depend on ``budget`` and the backend filled in;
+  the command's clock (``--max-seconds``) starts here. ``args`` is left as it is.
 
   Raises:
     ValueError: a negative or zero value, or ``--must-finish`` without ``--max-seconds``
@@ -109,77 +144,110 @@ def resolve(args: argparse.Namespace, budget: str) -> argparse.Namespace:
   """
   accelerator = on_accelerator()
   long_run = accelerator and budget == "paper"
-  if args.loader == "auto":
-    args.loader = "device" if accelerator else "host"
-  if args.steps_per_dispatch is None:
-    args.steps_per_dispatch = ACCELERATOR_STEPS_PER_DISPATCH if accelerator else 1
-  if args.eval_every is None:
-    args.eval_every = 10 if long_run else 1
-  if args.checkpoint_every is None:
-    args.checkpoint_every = 0 if long_run else 1
-  for name, least in (("steps_per_dispatch", 1), ("eval_every", 1), ("checkpoint_every", 0)):
-    if getattr(args, name) < least:
-      raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+  loader = args.loader
+  if loader == "auto":
+    loader = "device" if accelerator else "host"
+  chosen = {
+    "steps_per_dispatch": args.steps_per_dispatch,
+    "eval_every": args.eval_every,
+    "checkpoint_every": args.checkpoint_every,
+  }
+  defaults = {
+    "steps_per_dispatch": ACCELERATOR_STEPS_PER_DISPATCH if accelerator else 1,
+    "eval_every": 10 if long_run else 1,
+    "checkpoint_every": 0 if long_run else 1,
+  }
+  least = {"steps_per_dispatch": 1, "eval_every": 1, "checkpoint_every": 0}
+  for name, value in chosen.items():
+    chosen[name] = defaults[name] if value is None else value
+    if chosen[name] < least[name]:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= {least[name]}, got {chosen[name]}")
   if args.max_seconds is not None and args.max_seconds <= 0:
     raise ValueError(f"--max-seconds must be positive, got {args.max_seconds}")
   if args.must_finish and args.max_seconds is None:
     raise ValueError("--must-finish needs --max-seconds")
-  if args.compile_cache == "on" or (args.compile_cache == "auto" and accelerator):
+  cache = args.compile_cache
+  if cache == "on" or (cache == "auto" and accelerator):
     from experiments.common import compile_cache
 
-    args.compile_cache = str(compile_cache.enable())
-  global _command_start
-  _command_start = time.perf_counter()
-  return args
+    cache = str(compile_cache.enable())
+  return RunOptions(
+    loader=loader,
+    **chosen,
+    max_seconds=args.max_seconds,
+    must_finish=args.must_finish,
+    compile_cache=cache,
+    resume=bool(getattr(args, "resume", False)),
+  )
 
 
-def train_loader(args: argparse.Namespace, dataset: Any, batch_size: int, augment: str) -> Any:
-  """The training loader of ``args.loader`` (shuffled, ``args.seed``, last partial batch
+# The flags of add_arguments, by their attribute names: RunOptions holds them resolved.
+_OPTION_FLAGS = frozenset(field.name for field in dataclasses.fields(RunOptions)) - {
+  "resume",
+  "started",
+}
+
+
+def table_args(args: argparse.Namespace, table: str) -> argparse.Namespace:
+  """A table command's parsed arguments with its two typed parts beside the flags:
+  ``recipe``, the budget ``args.budget`` of ``table`` (:func:`budgets.get_budget`), and
+  ``options``, the resolved run options (:func:`resolve`), which replace the unresolved flags
+  (``loader="auto"``, ...). Returns a new namespace; ``args`` is left as it is."""
+  flags = {k: v for k, v in vars(args).items() if k not in _OPTION_FLAGS}
+  return argparse.Namespace(
+    **flags,
+    recipe=budgets.get_budget(table, args.budget),
+    options=resolve(args, args.budget),
+  )
+
+
+def train_loader(
+  options: RunOptions, dataset: Any, batch_size: int, augment: str, seed: int
+) -> Any:
+  """The training loader of ``options.loader`` (shuffled by ``seed``, last partial batch
   dropped)."""
   from jaxprune import data
 
-  if args.loader == "device":
+  if options.loader == "device":
     return data.DeviceLoader(
       dataset,
       batch_size,
       shuffle=True,
-      seed=args.seed,
+      seed=seed,
       augment=augment,
       drop_last=True,
-      steps_per_dispatch=args.steps_per_dispatch,
+      steps_per_dispatch=options.steps_per_dispatch,
     )
-  return data.Loader(
-    dataset, batch_size, shuffle=True, seed=args.seed, augment=augment, drop_last=True
-  )
+  return data.Loader(dataset, batch_size, shuffle=True, seed=seed, augment=augment, drop_last=True)
 
 
-def test_loader(args: argparse.Namespace, dataset: Any, batch_size: int) -> Any:
-  """The evaluation loader of ``args.loader`` (data set order, every example)."""
+def test_loader(options: RunOptions, dataset: Any, batch_size: int) -> Any:
+  """The evaluation loader of ``options.loader`` (data set order, every example)."""
   from jaxprune import data
 
-  make = data.DeviceLoader if args.loader == "device" else data.Loader
+  make = data.DeviceLoader if options.loader == "device" else data.Loader
   return make(dataset, batch_size, shuffle=False, drop_last=False)
 
 
-def trainer_kwargs(args: argparse.Namespace) -> dict[str, int]:
+def trainer_kwargs(options: RunOptions) -> dict[str, int]:
   """``Trainer`` arguments: ``eval_every`` and ``checkpoint_every``."""
-  return {"eval_every": args.eval_every, "checkpoint_every": args.checkpoint_every}
+  return {"eval_every": options.eval_every, "checkpoint_every": options.checkpoint_every}
 
 
-def run_config(args: argparse.Namespace) -> dict[str, str]:
+def run_config(options: RunOptions) -> dict[str, str]:
   """The loader entry of a run's saved configuration: ``{}`` for the host loader (so runs
   saved before this flag still resume), ``{"loader": "device"}`` otherwise: its augmentation
   draws differ, so a resume across loaders is refused."""
-  return {} if args.loader == "host" else {"loader": args.loader}
+  return {} if options.loader == "host" else {"loader": options.loader}
 
 
-def fit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def fit_kwargs(options: RunOptions) -> dict[str, Any]:
   """``fit`` arguments: what is left of the command's ``--max-seconds``, and
   ``must_finish``."""
-  if args.max_seconds is None:
+  if options.max_seconds is None:
     return {}
-  left = args.max_seconds - (time.perf_counter() - _command_start)
-  return {"max_seconds": max(left, 1e-3), "must_finish": args.must_finish}
+  left = options.max_seconds - (time.perf_counter() - options.started)
+  return {"max_seconds": max(left, 1e-3), "must_finish": options.must_finish}
 
 
 def stopped(trainer: Any, label: str) -> bool:

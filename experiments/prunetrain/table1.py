@@ -65,15 +65,13 @@ import argparse
 import dataclasses
 import json
 import shutil
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from flax import nnx
 
-from experiments.common import budgets, cli, pages, run_options
-from experiments.common.machine import host_steal_seconds, steal_since
+from experiments.common import budgets, cli, pages, rows, run_options
 from experiments.prunetrain import table1_pages
 from jaxprune import data, methods, models, train
 from jaxprune import prunetrain as pt
@@ -169,26 +167,23 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   run_options.add_arguments(parser)
   args = parser.parse_args(argv)
-  rows = [r for r in args.rows.split(",") if r]
-  unknown = sorted(set(rows) - set(ROWS))
-  if unknown or not rows:
+  chosen = [r for r in args.rows.split(",") if r]
+  unknown = sorted(set(chosen) - set(ROWS))
+  if unknown or not chosen:
     parser.error(f"--rows: unknown {unknown}; choose from {ROWS}")
-  args.rows = rows
-  args.model = f"prunetrain-{rows[0]}"  # main sets each row's in turn
-  # The budget's settings become attributes, as recorded in each row's JSON.
-  for key, value in budgets.get_budget("prunetrain_table1", args.budget).items():
-    setattr(args, key, list(value) if isinstance(value, tuple) else value)
-  args.weight_decay = 5e-4
+  args.rows = chosen
   if args.reuse_dense is not None and not args.skip_dense:
     parser.error("--reuse-dense needs --skip-dense (otherwise the dense row is run)")
   if args.paired and args.skip_dense:
     parser.error("--paired trains the dense row beside PruneTrain: drop --skip-dense")
   if args.paired and args.max_seconds is not None:
     parser.error("--max-seconds stops one run at a time: not with --paired")
-  return run_options.resolve(args, args.budget)
+  return run_options.table_args(args, "prunetrain_table1")
 
 
 ROWS = tuple(name.split("-", 1)[1] for name in PAPER)
+# Every run's SGD weight decay (the paper's).
+WEIGHT_DECAY = 5e-4
 # Settings that make a dense row reusable: the dense run does not depend on the others.
 _DENSE_SETTINGS = (
   "model",
@@ -204,61 +199,48 @@ _DENSE_SETTINGS = (
 )
 
 
+def saved_args(args: argparse.Namespace, row: str) -> argparse.Namespace:
+  """The settings of ``row``'s runs as one flat namespace: the command's flags, the resolved run
+  options, the budget's settings, the model and the weight decay. A row's JSON saves it as its
+  ``args`` (:func:`experiments.prunetrain.table1_pages.row_page`), which ``--reuse-dense`` and
+  the table page compare."""
+  flags = {k: v for k, v in vars(args).items() if k not in ("recipe", "options")}
+  return argparse.Namespace(
+    **flags,
+    **args.options.as_flags(),
+    **budgets.as_saved(args.recipe),
+    model=f"prunetrain-{row}",
+    weight_decay=WEIGHT_DECAY,
+  )
+
+
 def _reused_dense_run(
-  args: argparse.Namespace, name: str, folder: Path | None = None
+  saved: argparse.Namespace, name: str, folder: Path | None = None
 ) -> dict[str, Any] | None:
-  """The dense run of ``--reuse-dense``'s JSON (None without the flag).
+  """The dense run of ``--reuse-dense``'s JSON (None without the flag), for the row whose
+  settings are ``saved`` (:func:`saved_args`).
 
   Raises:
     ValueError: that JSON was run with other dense settings (:data:`_DENSE_SETTINGS`) or
       another ``--dtype``.
   """
-  if args.reuse_dense is None:
+  if saved.reuse_dense is None:
     return None
-  if args.reuse_dense:
-    previous = Path(args.reuse_dense)
+  if saved.reuse_dense:
+    previous = Path(saved.reuse_dense)
   else:
-    base = name[: -len(args.name_suffix)] if args.name_suffix else name
+    base = name[: -len(saved.name_suffix)] if saved.name_suffix else name
     previous = (
-      (folder or pages.output_dir("prunetrain", args.publish, args.out)) / base
+      (folder or pages.output_dir("prunetrain", saved.publish, saved.out)) / base
     ).with_suffix(".json")
   earlier = json.loads(previous.read_text())
-  different = [k for k in _DENSE_SETTINGS if earlier["args"].get(k) != getattr(args, k)]
+  different = [k for k in _DENSE_SETTINGS if earlier["args"].get(k) != getattr(saved, k)]
   # A run saved before --dtype existed trained in fp32.
-  if earlier["args"].get("dtype", "fp32") != args.dtype:
+  if earlier["args"].get("dtype", "fp32") != saved.dtype:
     different.append("dtype")
   if different:
     raise ValueError(f"--reuse-dense: {previous} was run with other {', '.join(different)}")
   return earlier["runs"]["dense"]
-
-
-@dataclasses.dataclass
-class _Run:
-  """One method's training, advanced epoch by epoch (so two can alternate, ``--paired``)."""
-
-  method: str
-  trainer: train.Trainer
-  train_loader: data.Loader
-  test_loader: data.Loader
-  callback: pt.PruneTrainCallback | None
-  dense_costs: dict[str, Any]
-  image_shape: tuple[int, ...]
-  wall_s: float = 0.0
-  steal_s: float | None = 0.0
-
-  def advance(self, epochs: int, **fit_kwargs: Any) -> None:
-    """Train until ``epochs`` epochs are complete (or the time box of ``fit_kwargs`` stops
-    it), adding the wall and steal time taken."""
-    if self.trainer.epoch >= epochs:  # resumed past it (``--paired``: the other run stopped first)
-      return
-    steal_start = host_steal_seconds()
-    start = time.perf_counter()
-    self.trainer.fit(
-      self.train_loader, self.test_loader, epochs=epochs, resume=False, overwrite=True, **fit_kwargs
-    )
-    self.wall_s += time.perf_counter() - start
-    steal = steal_since(steal_start)
-    self.steal_s = None if steal is None or self.steal_s is None else self.steal_s + steal
 
 
 class _RunningStatsEval(train.Callback):
@@ -285,77 +267,84 @@ class _RunningStatsEval(train.Callback):
     return {"test_acc_running_stats": acc}
 
 
-def _build(
+def _spec(
   args: argparse.Namespace,
+  row: str,
   method: str,
   train_set,
   test_set,
   log_stem: Path,
   checkpoint_dir: Path | None = None,
-) -> _Run:
-  """One method's run, logging each epoch to ``<log_stem>_<method>.jsonl``, restored from
-  ``checkpoint_dir`` under ``--resume``."""
-  train_loader = run_options.train_loader(args, train_set, args.batch_size, "prunetrain")
-  test_loader = run_options.test_loader(args, test_set, min(500, len(test_set)))
-  steps_per_epoch = len(train_loader)
+) -> rows.RowSpec:
+  """One method's run of ``row`` as a row spec, logging each epoch to
+  ``<log_stem>_<method>.jsonl``, checkpointing to ``checkpoint_dir``."""
+  budget = args.recipe
   # The paper's LR drops at epochs 91 and 136 of 182 (50% and 75%).
-  milestones = sorted({max(1, round(f * args.epochs)) for f in args.milestones})
-  milestones = [m for m in milestones if m < args.epochs]
-  schedule = train.step_schedule(args.lr, steps_per_epoch, milestones) if milestones else args.lr
-  tx = train.sgd(schedule, momentum=0.9, weight_decay=args.weight_decay)
-  model = models.create(
-    args.model,
-    num_classes=train_set.num_classes,
-    rngs=nnx.Rngs(args.seed),
-    width_multiplier=args.width,
-    dtype=cli.compute_dtype(args),
-  )
+  milestones = sorted({max(1, round(f * budget.epochs)) for f in budget.milestones})
+  milestones = [m for m in milestones if m < budget.epochs]
+
+  def optimizer(steps_per_epoch: int):
+    lr = budget.lr
+    schedule = train.step_schedule(lr, steps_per_epoch, milestones) if milestones else lr
+    return train.sgd(schedule, momentum=0.9, weight_decay=WEIGHT_DECAY)
+
   image_shape = tuple(train_set.images.shape[1:])
   config = {}
   if method == "prunetrain":
     config = {
-      "penalty_ratio": args.penalty_ratio,
+      "penalty_ratio": budget.penalty_ratio,
       "proximal": args.proximal,
-      "every_epochs": args.interval,
-      "threshold": args.threshold,
+      "every_epochs": budget.interval,
+      "threshold": budget.threshold,
       "channel_multiple": args.channel_multiple,
       "dynamic_batch": not args.no_dynamic_batch,
       "max_batch_size": len(train_set),
       "min_flops_saving": args.min_flops_saving,
       "recompute_batchnorm": args.recompute_batchnorm,
     }
-  run = methods.Run.from_loader(train_loader, epochs=args.epochs)
   chosen = methods.get(method, **config)
-  callbacks = chosen.callbacks(run)
-  callback = callbacks[0] if callbacks else None
-  if callback is not None and args.recompute_batchnorm:
-    callbacks = [_RunningStatsEval(test_loader), *callbacks]
-  dense_costs = pt.model_costs(model, image_shape)
-  trainer = train.Trainer(
-    model,
-    chosen.make_tx(tx, run),
+
+  def callbacks(test_loader, run):
+    made = list(chosen.callbacks(run))
+    if made and args.recompute_batchnorm:
+      return [_RunningStatsEval(test_loader), *made]
+    return made
+
+  saved = saved_args(args, row)
+  return rows.RowSpec(
+    label=f"[{log_stem.name}] {method}",
+    model=lambda: models.create(
+      saved.model,
+      num_classes=train_set.num_classes,
+      rngs=nnx.Rngs(args.seed),
+      width_multiplier=budget.width,
+      dtype=cli.compute_dtype(args),
+    ),
+    method=chosen,
+    optimizer=optimizer,
+    train_set=train_set,
+    test_set=test_set,
+    batch_size=budget.batch_size,
+    augment="prunetrain",
+    epochs=budget.epochs,
+    seed=args.seed,
+    result=lambda run: _result(args, run),
     callbacks=callbacks,
-    progress=False,
-    log_path=f"{log_stem}_{method}.jsonl",
+    log_path=Path(f"{log_stem}_{method}.jsonl"),
     checkpoint_dir=checkpoint_dir,
     # A resume under other settings is refused, not mixed in.
     run_config={
       "method": method,
-      **{k: getattr(args, k) for k in _DENSE_SETTINGS},
+      **{k: getattr(saved, k) for k in _DENSE_SETTINGS},
       **config,
       **cli.dtype_config(args),
-      **run_options.run_config(args),
+      **run_options.run_config(args.options),
     },
-    **run_options.trainer_kwargs(args),
+    measure=lambda model: pt.model_costs(model, image_shape),
   )
-  built = _Run(method, trainer, train_loader, test_loader, callback, dense_costs, image_shape)
-  if checkpoint_dir is not None and run_options.start_or_resume(trainer, train_loader, args.resume):
-    # Wall time of the earlier parts as the trainer kept it; their steal time is unknown.
-    built.wall_s, built.steal_s = trainer.history[-1]["wall_time_s"], None
-  return built
 
 
-def _train_paired(runs: Sequence[_Run], epochs: int) -> None:
+def _train_paired(runs: Sequence[rows.Row], epochs: int) -> None:
   """Alternate the runs epoch by epoch, the order swapped every epoch (ABBA...).
 
   Both then train under the same host load: on a shared machine the load drifts over
@@ -367,8 +356,13 @@ def _train_paired(runs: Sequence[_Run], epochs: int) -> None:
       run.advance(epoch)
 
 
-def _result(args: argparse.Namespace, run: _Run) -> dict[str, Any]:
-  trainer, callback, history = run.trainer, run.callback, run.trainer.history
+def _result(args: argparse.Namespace, run: rows.Row) -> dict[str, Any]:
+  """The record of a finished run: accuracy, time, the final model's costs beside the dense
+  model's, and PruneTrain's savings (its loader and provenance are added by
+  :func:`rows.row_record`)."""
+  trainer, history = run.trainer, run.trainer.history
+  callback = next((c for c in run.callbacks if isinstance(c, pt.PruneTrainCallback)), None)
+  image_shape = tuple(run.spec.train_set.images.shape[1:])
   final_model, final_layers_removed = trainer.model, 0
   if callback is not None:
     # The inference model: whatever is dead at the end goes, also channels whose removal a
@@ -376,13 +370,13 @@ def _result(args: argparse.Namespace, run: _Run) -> dict[str, Any]:
     final_model, _, final_report = pt.reconfigure(
       trainer.model,
       None,
-      threshold=args.threshold,
-      input_shape=(1, *run.image_shape),
+      threshold=args.recipe.threshold,
+      input_shape=(1, *image_shape),
       channel_multiple=args.channel_multiple,
     )
     final_layers_removed = len(final_report.removed_layers)
-  final_costs = pt.model_costs(final_model, run.image_shape)
-  dense_costs = run.dense_costs
+  final_costs = pt.model_costs(final_model, image_shape)
+  dense_costs = run.measured
   train_time = sum(r["epoch_time_s"] for r in history)
   eval_time = sum(r.get("eval_time_s", 0.0) for r in history)
   result = {
@@ -403,8 +397,6 @@ def _result(args: argparse.Namespace, run: _Run) -> dict[str, Any]:
     "final_spec": repr(final_model.spec),
     # JSON form, so benchmarks can rebuild the final model (prunetrain_speed --run)
     "final_spec_json": train.encode_spec(final_model.spec),
-    "loader": args.loader,
-    **run_options.provenance(),
     "history": history,
   }
   if callback is not None:
@@ -434,16 +426,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   folder = pages.output_dir("prunetrain", args.publish, args.out)
   # A subset size of None means the full split.
   train_set = data.load("cifar10", root=args.root, split="train").balanced_subset(
-    args.train_subset, args.seed
+    args.recipe.train_subset, args.seed
   )
   test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
-    args.test_subset, args.seed + 1
+    args.recipe.test_subset, args.seed + 1
   )
   out = {}
   for row in args.rows:
-    args.model = f"prunetrain-{row}"
     name = f"table1_{args.budget}{cli.dtype_suffix(args)}_{row}{args.name_suffix}"
-    out[row] = _run_row(args, name, folder, command, train_set, test_set)
+    out[row] = _run_row(args, row, name, folder, command, train_set, test_set)
     if "stopped" in out[row]:
       return {**out, "stopped": f"{row} {out[row]['stopped']}"}
     if not args.name_suffix:  # a probe (named by its suffix) is not a row of the table
@@ -458,8 +449,11 @@ def write_table_page(folder: Path, budget_name: str, command: str, dtype: str = 
   return table1_pages.table_page(folder, budget_name, command, ROWS, dtype)
 
 
-def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]:
-  reused = _reused_dense_run(args, name, folder)
+def _run_row(args, row, name, folder, command, train_set, test_set) -> dict[str, Any]:
+  """Trains ``row``'s runs (dense unless ``--skip-dense``, then PruneTrain) and writes the row's
+  page and JSON after each; ``{..., "stopped": method}`` if one stopped at the time box."""
+  saved = saved_args(args, row)
+  reused = _reused_dense_run(saved, name, folder)
   # A probe (named by its --name-suffix) is not a row of the table: its files go to probes/.
   folder = pages.probes_dir(folder) if args.name_suffix else folder
   log_stem = folder / "logs" / name
@@ -470,28 +464,33 @@ def _run_row(args, name, folder, command, train_set, test_set) -> dict[str, Any]
   names = ["prunetrain"] if args.skip_dense else ["dense", "prunetrain"]
   print(
     f"[{name}] {', '.join(names)}{' (paired)' if args.paired else ''}: {len(train_set)} "
-    f"train / {len(test_set)} test images, {args.epochs} epochs",
+    f"train / {len(test_set)} test images, {args.recipe.epochs} epochs",
     flush=True,
   )
+  paper = PAPER[saved.model]
+  specs = {
+    method: _spec(
+      args, row, method, train_set, test_set, log_stem, _checkpoints(args, name, method)
+    )
+    for method in names
+  }
   if args.paired:
-    paired = [
-      _build(args, method, train_set, test_set, log_stem, _checkpoints(args, name, method))
-      for method in names
-    ]
-    _train_paired(paired, args.epochs)
+    paired = [rows.build_row(spec, args.options) for spec in specs.values()]
+    _train_paired(paired, args.recipe.epochs)
     for run in paired:
-      runs[run.method] = _result(args, run)
-    table1_pages.row_page(folder / name, args, runs, command, PAPER[args.model])
-    for method in names:
-      shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)
-  for method in [] if args.paired else names:
-    run = _build(args, method, train_set, test_set, log_stem, _checkpoints(args, name, method))
-    run.advance(args.epochs, **run_options.fit_kwargs(args))
-    if run_options.stopped(run.trainer, f"[{name}] {method}"):
+      runs[run.method] = rows.row_record(run, args.options)
+    table1_pages.row_page(folder / name, saved, runs, command, paper)
+    for spec in specs.values():
+      shutil.rmtree(spec.checkpoint_dir, ignore_errors=True)
+    return runs
+  for method, spec in specs.items():
+
+    def save(record: dict[str, Any], method: str = method) -> None:
+      runs[method] = record
+      table1_pages.row_page(folder / name, saved, runs, command, paper)
+
+    if rows.run_row(dataclasses.replace(spec, save=save), args.options) is None:
       return {**runs, "stopped": method}  # the command ends here; the checkpoint stays
-    runs[method] = _result(args, run)
-    table1_pages.row_page(folder / name, args, runs, command, PAPER[args.model])
-    shutil.rmtree(_checkpoints(args, name, method), ignore_errors=True)  # saved: nothing to resume
   return runs
 
 

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.common import budgets, cli, pages
+from experiments.common import budgets, cli, pages, run_options
 from experiments.common.machine import machine_description
 from experiments.sdgp import table1 as sdgp_table1
 from jaxprune import sdgp
@@ -98,12 +98,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args.settings = _parse_settings(args.settings)
   except ValueError as error:
     parser.error(str(error))
-  return args
+  return run_options.table_args(args, "sdgp_fig8")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
-  budget = sdgp_table1.resolve_budget("sdgp_fig8", args)
+  budget = args.recipe
   suffix = cli.dtype_suffix(args)
   name = args.name or f"fig8_{args.budget}{suffix}"
   command = cli.command_line("sdgp_fig8", argv)
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def table1_cells(
   table1_stem: Path,
-  budget: dict[str, Any],
+  budget: Mapping[str, Any],
   cells: Sequence[tuple[str, int, int]],
   dtype: str = "fp32",
 ) -> list[dict[str, Any]]:
@@ -165,7 +165,7 @@ def table1_cells(
 
 
 def _previous_cells(
-  stem: Path, budget: dict[str, Any], method: str, dtype: str = "fp32"
+  stem: Path, budget: Mapping[str, Any], method: str, dtype: str = "fp32"
 ) -> list[dict[str, Any]]:
   """Cells of an earlier run with the same budget, dtype and method (``--resume``), else none.
 
@@ -195,14 +195,19 @@ def _write(
   stem: Path,
   command: str,
   budget_name: str,
-  budget: dict[str, Any],
+  budget: Mapping[str, Any],
   method: str,
   results: list[dict[str, Any]],
   planned: int,
   dtype: str = "fp32",
 ) -> None:
   date = pages.utc_now()
-  saved = {"command": command, "date": date, "budget": budget, **cli.dtype_config(dtype)}
+  saved = {
+    "command": command,
+    "date": date,
+    "budget": budgets.as_saved(budget),
+    **cli.dtype_config(dtype),
+  }
   stem.with_suffix(".json").write_text(json.dumps({**saved, "cells": results}, indent=1))
   sparse = {(r["n"], r["m"]): r for r in results if r["method"] != "dense"}
   dense = [r for r in results if r["method"] == "dense"]

@@ -29,14 +29,14 @@ import argparse
 import json
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
-from experiments.common import budgets, cli, pages, run_options
+from experiments.common import budgets, cli, pages, rows, run_options
 from jaxprune import data, methods, models, sdgp, train
 
 # SDGP Table I, CIFAR-10 ResNet-9 top-1 (%); MVUE is not in the paper.
@@ -60,14 +60,8 @@ def add_budget_arguments(parser: argparse.ArgumentParser, table: str) -> None:
   run_options.add_arguments(parser)
 
 
-def resolve_budget(table: str, args: argparse.Namespace) -> dict[str, Any]:
-  """The named budget's settings for ``table`` (a plain dict, as recorded in the JSON); the
-  run options (:mod:`experiments.common.run_options`) get their defaults for it."""
-  run_options.resolve(args, args.budget)
-  return dict(budgets.get_budget(table, args.budget))
-
-
-def load_data(args: argparse.Namespace, budget: dict[str, Any]):
+def load_data(args: argparse.Namespace, budget: Mapping[str, Any]):
+  """The training and test sets of ``budget`` (subsets drawn with ``args.seed``)."""
   train_set = data.load("cifar10", root=args.root, split="train").balanced_subset(
     budget["train_subset"], args.seed
   )
@@ -92,7 +86,7 @@ class _EpochPrinter(train.Callback):
 
 
 def row_method(
-  method: str, n: int, m: int, budget: dict[str, Any], seed: int, backend: str
+  method: str, n: int, m: int, budget: Mapping[str, Any], seed: int, backend: str
 ) -> methods.Method:
   """The method of one row under ``budget["init"]``: ``"released"`` is the authors' recipe
   (:func:`jaxprune.sdgp.paper_method`: every converted conv re-initialised, the dense row a
@@ -111,7 +105,7 @@ def train_row(
   method: str,
   n: int,
   m: int,
-  budget: dict[str, Any],
+  budget: Mapping[str, Any],
   train_set,
   test_set,
   args: argparse.Namespace,
@@ -122,42 +116,39 @@ def train_row(
   gets it as JSON lines. The model computes in ``args.dtype``
   (:func:`experiments.cli.compute_dtype`). ``None``: the row stopped at ``--max-seconds``
   (SDGP's rows keep no checkpoint, so a stopped row is lost)."""
-  model = models.create(
-    MODEL,
-    num_classes=train_set.num_classes,
-    rngs=nnx.Rngs(args.seed),
-    width_multiplier=budget["width"],
-    dtype=cli.compute_dtype(args),
-  )
-  chosen = row_method(method, n, m, budget, args.seed, args.backend)
-  model = chosen.convert(model)
-  train_loader = run_options.train_loader(args, train_set, budget["batch_size"], "sdgp")
-  test_loader = run_options.test_loader(args, test_set, min(500, len(test_set)))
-  schedule = train.triangular_schedule(
-    budget["peak_lr"], len(train_loader), budget["peak_epoch"], budget["epochs"]
-  )
-  run = methods.Run.from_loader(train_loader, epochs=budget["epochs"])
-  tx = chosen.make_tx(train.sgd(schedule, momentum=0.9, weight_decay=5e-4), run)
   label = method if method == "dense" else f"{method} {n}:{m}"
-  trainer = train.Trainer(
-    model,
-    tx,
-    label_smoothing=0.1,
-    flip_tta=True,
-    callbacks=[_EpochPrinter(label)],
-    progress=bool(args.progress),
-    log_path=log_path,
-    eval_every=args.eval_every,
-  )
-  history = trainer.fit(
-    train_loader,
-    test_loader,
+  spec = rows.RowSpec(
+    label=label,
+    model=lambda: models.create(
+      MODEL,
+      num_classes=train_set.num_classes,
+      rngs=nnx.Rngs(args.seed),
+      width_multiplier=budget["width"],
+      dtype=cli.compute_dtype(args),
+    ),
+    method=row_method(method, n, m, budget, args.seed, args.backend),
+    optimizer=lambda steps: train.sgd(
+      train.triangular_schedule(budget["peak_lr"], steps, budget["peak_epoch"], budget["epochs"]),
+      momentum=0.9,
+      weight_decay=5e-4,
+    ),
+    train_set=train_set,
+    test_set=test_set,
+    batch_size=budget["batch_size"],
+    augment="sdgp",
     epochs=budget["epochs"],
-    resume=False,
-    **run_options.fit_kwargs(args),
+    seed=args.seed,
+    result=lambda row: _record(method, n, m, row.trainer.history),
+    callbacks=lambda test_loader, run: [_EpochPrinter(label)],
+    trainer_options={"label_smoothing": 0.1, "flip_tta": True, "progress": bool(args.progress)},
+    log_path=log_path,
   )
-  if run_options.stopped(trainer, label):
-    return None
+  return rows.run_row(spec, args.options)
+
+
+def _record(method: str, n: int, m: int, history: list[dict[str, Any]]) -> dict[str, Any]:
+  """A finished row's record: its accuracy, loss and training time, and the per-epoch
+  history's figures."""
   return {
     "method": method,
     "n": n,
@@ -165,8 +156,6 @@ def train_row(
     "test_acc": history[-1]["test_acc"],
     "final_train_loss": history[-1]["train_loss"],
     "train_time_s": sum(r["epoch_time_s"] for r in history),
-    "loader": args.loader,
-    **run_options.provenance(),
     "history": [
       {
         k: r[k]
@@ -184,7 +173,7 @@ def train_logged(
   method: str,
   n: int,
   m: int,
-  budget: dict[str, Any],
+  budget: Mapping[str, Any],
   data: tuple[Any, Any],
   args: argparse.Namespace,
   command: str,
@@ -220,17 +209,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   parser.add_argument("--name", default=None, help="result file stem")
   args = parser.parse_args(argv)
-  rows = [r for r in args.rows.split(",") if r]
-  unknown = sorted(set(rows) - set(ROWS))
+  chosen = [r for r in args.rows.split(",") if r]
+  unknown = sorted(set(chosen) - set(ROWS))
   if unknown:
     parser.error(f"--rows: unknown {unknown}; choose from {ROWS}")
-  args.rows = rows
-  return args
+  args.rows = chosen
+  return run_options.table_args(args, "sdgp_table1")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
-  budget = resolve_budget("sdgp_table1", args)
+  budget = args.recipe
   name = args.name or f"table1_{args.budget}{cli.dtype_suffix(args)}"
   command = cli.command_line("sdgp_table1", argv)
   folder = pages.output_dir("sdgp", args.publish, args.out)
@@ -277,12 +266,13 @@ def merge_rows(stem: Path, returned: dict[str, Any]) -> Path:
   """
   budget_name, budget = returned["budget_name"], returned["budget"]
   dtype = returned.get("dtype", "fp32")
-  rows = returned["rows"]
+  returned_rows = returned["rows"]
   saved, same = pages.saved_result(stem, budget)
   if saved is not None and not (same and saved.get("dtype", "fp32") == dtype):
     raise ValueError(f"returned: {stem}.json holds rows of another budget or dtype; not merged")
-  others = saved_rows(stem, budget_name, budget, exclude=[r["method"] for r in rows], dtype=dtype)
-  results = sorted([*others, *rows], key=lambda r: ROWS.index(r["method"]))
+  exclude = [r["method"] for r in returned_rows]
+  others = saved_rows(stem, budget_name, budget, exclude=exclude, dtype=dtype)
+  results = sorted([*others, *returned_rows], key=lambda r: ROWS.index(r["method"]))
   date = max((r["date"] for r in results if "date" in r), default=None)
   _write(
     stem,
@@ -300,7 +290,7 @@ def merge_rows(stem: Path, returned: dict[str, Any]) -> Path:
 def saved_rows(
   stem: Path,
   budget_name: str,
-  budget: dict[str, Any],
+  budget: Mapping[str, Any],
   exclude: Sequence[str] = (),
   *,
   warn: bool = True,
@@ -346,7 +336,7 @@ def _write(
   stem: Path,
   command: str,
   budget_name: str,
-  budget: dict[str, Any],
+  budget: Mapping[str, Any],
   results: list[dict[str, Any]],
   planned: int,
   date: str | None = None,
@@ -359,7 +349,7 @@ def _write(
         "command": command,
         "date": date,
         "budget_name": budget_name,
-        "budget": budget,
+        "budget": budgets.as_saved(budget),
         **cli.dtype_config(dtype),
         "rows": results,
       },

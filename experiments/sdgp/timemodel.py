@@ -135,15 +135,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   command = cli.command_line("sdgp_timemodel", argv)
   budget = budgets.get_budget("sdgp_timemodel", args.budget)
-  args.width, args.batch_size = budget["width"], budget["batch_size"]
+  width, batch_size = budget.width, budget.batch_size
   folder = pages.output_dir("sdgp", args.publish, args.out)
 
   def build() -> nnx.Module:
-    return models.create(
-      "sdgp-resnet9", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=args.width
-    )
+    return models.create("sdgp-resnet9", num_classes=10, rngs=nnx.Rngs(0), width_multiplier=width)
 
-  layers = conv_layers(build(), (args.batch_size, 32, 32, 3))
+  layers = conv_layers(build(), (batch_size, 32, 32, 3))
   key = jax.random.key(0)
   jobs = {}
   for i, layer in enumerate(layers):
@@ -162,10 +160,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   conv_total = sum(totals.values())
   share = totals["input_grad"] / conv_total
 
-  step_jobs = {"dense": step_job(build(), args.batch_size)}
+  step_jobs = {"dense": step_job(build(), batch_size)}
   for method in STEP_METHODS:
     model = sdgp.convert_model(build(), n=2, m=4, method=method)
-    step_jobs[method] = step_job(model, args.batch_size)
+    step_jobs[method] = step_job(model, batch_size)
   steps = interleaved_times(step_jobs, args.step_rounds)
   for method in STEP_METHODS:
     print(f"step {method}: {steps[method] / steps['dense']:.3f}x dense", flush=True)
@@ -203,8 +201,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "budget_name": args.budget,
     "budget": dict(budget),
     "time_to_accuracy": tta,
-    "width": args.width,
-    "batch_size": args.batch_size,
+    "width": width,
+    "batch_size": batch_size,
     "layers": [{k: v for k, v in layer.items() if k != "kwargs"} for layer in layers],
     "totals": totals,
     "input_grad_share": share,
@@ -234,8 +232,9 @@ def _write_markdown(
       "damps but does not remove the noise of other jobs on the machine)"
     ),
     (
-      f"- Budget: `{args.budget}`: width ×{args.width}, batch {args.batch_size}, 32×32 inputs (the "
-      "paper: full width, batch 512, A100). Each conv part is its own jitted function."
+      f"- Budget: `{args.budget}`: width ×{result['width']}, batch {result['batch_size']}, "
+      "32×32 inputs (the paper: full width, batch 512, A100). Each conv part is its own jitted "
+      "function."
     ),
     "",
     "## Per-layer conv time (ms)",

@@ -65,14 +65,14 @@ def test_preset_reaches_clicktrain_with_the_arguments_the_published_runs_used(
   real = inspect.unwrap(preset.clicktrain)
   args = clicktrain_table1._parse(["--budget", budget, "--mode", mode, "--rows", row])
   inner = optax.sgd(0.1)
-  clicktrain_table1._method(args, row).make_tx(inner, methods.Run(390, args.epochs))
+  clicktrain_table1._method(args, row).make_tx(inner, methods.Run(390, args.recipe.epochs))
   (kwargs,) = clicktrain_calls
   # The epoch settings arrive as one Schedule; the run's length in it only checks the schedule
   # (no training setting): the published runs were built before the transform took it.
   schedule = kwargs.pop("schedule")
-  assert schedule.total_epochs == args.epochs
+  assert schedule.total_epochs == args.recipe.epochs
   before = {k: v for k, v in _before(budget, row, mode).items() if v is not None}
-  assert schedule == Schedule(390, mode=mode, total_epochs=args.epochs, **before)
+  assert schedule == Schedule(390, mode=mode, total_epochs=args.recipe.epochs, **before)
   got = inspect.signature(real).bind(inner, **kwargs)
   got.apply_defaults()
   ratio = got.arguments.pop("kernel_prune_ratio")
@@ -115,7 +115,9 @@ def test_published_page_is_rebuilt_from_its_saved_rows():
 def test_filter_groups_reach_clicktrain_and_the_aligned_page(clicktrain_calls, tmp_path):
   calls = clicktrain_calls
   args = clicktrain_table1._parse(["--budget", "cpu", "--rows", "vgg11", "--filter-groups", "2"])
-  clicktrain_table1._method(args, "vgg11").make_tx(optax.sgd(0.1), methods.Run(390, args.epochs))
+  clicktrain_table1._method(args, "vgg11").make_tx(
+    optax.sgd(0.1), methods.Run(390, args.recipe.epochs)
+  )
   assert calls[0]["filter_groups"] == 2
   assert calls[0]["filter_grouping"] == "consecutive"
   # The page: the aligned run beside the row's dense and fine-grained runs, epoch times after
@@ -158,7 +160,9 @@ def test_clustered_filter_grouping_reaches_clicktrain_and_the_aligned_page(
   calls = clicktrain_calls
   argv = ["--budget", "cpu", "--rows", "vgg11", "--filter-groups", "2"]
   args = clicktrain_table1._parse([*argv, "--filter-grouping", "clustered"])
-  clicktrain_table1._method(args, "vgg11").make_tx(optax.sgd(0.1), methods.Run(390, args.epochs))
+  clicktrain_table1._method(args, "vgg11").make_tx(
+    optax.sgd(0.1), methods.Run(390, args.recipe.epochs)
+  )
   assert (calls[0]["filter_groups"], calls[0]["filter_grouping"]) == (2, "clustered")
   with pytest.raises(SystemExit):
     clicktrain_table1._parse(["--budget", "cpu", "--filter-grouping", "clustered"])

@@ -1,12 +1,19 @@
 """PruneTrain experiment plumbing: reusing an earlier run's dense row, the speed options."""
 
+import dataclasses
 import json
 
 import pytest
 
+from experiments.common import rows
 from experiments.prunetrain import speed as prunetrain_speed
 from experiments.prunetrain import table1 as prunetrain_table1
 from experiments.prunetrain import table1_pages
+
+
+def _saved(argv):
+  """The saved settings of a ResNet-32 row of the command ``argv``."""
+  return prunetrain_table1.saved_args(prunetrain_table1._parse(argv), "resnet32")
 
 
 def _write_earlier(path, args, dense):
@@ -18,14 +25,14 @@ def _write_earlier(path, args, dense):
 
 def test_reuse_dense_returns_the_dense_run_of_a_matching_json(tmp_path):
   path = tmp_path / "earlier.json"
-  args = prunetrain_table1._parse(["--budget", "cpu", "--skip-dense", "--reuse-dense", str(path)])
+  args = _saved(["--budget", "cpu", "--skip-dense", "--reuse-dense", str(path)])
   dense = {"test_acc": 0.567, "train_time_s": 840.0}
   _write_earlier(path, args, dense)
   assert prunetrain_table1._reused_dense_run(args, "any_name") == dense
 
 
 def test_reuse_dense_default_json_is_the_name_without_suffix(tmp_path, monkeypatch):
-  args = prunetrain_table1._parse(
+  args = _saved(
     ["--out", str(tmp_path), "--skip-dense", "--reuse-dense", "--name-suffix", "_sweep"]
   )
   dense = {"test_acc": 0.5}
@@ -36,7 +43,7 @@ def test_reuse_dense_default_json_is_the_name_without_suffix(tmp_path, monkeypat
 
 def test_reuse_dense_rejects_other_dense_settings(tmp_path):
   path = tmp_path / "earlier.json"
-  args = prunetrain_table1._parse(["--budget", "cpu", "--skip-dense", "--reuse-dense", str(path)])
+  args = _saved(["--budget", "cpu", "--skip-dense", "--reuse-dense", str(path)])
   _write_earlier(path, args, {"test_acc": 0.5})
   args.lr = args.lr * 2
   args.milestones = [0.5]
@@ -47,7 +54,7 @@ def test_reuse_dense_rejects_other_dense_settings(tmp_path):
 def test_reuse_dense_rejects_a_run_of_another_dtype(tmp_path):
   path = tmp_path / "earlier.json"
   argv = ["--budget", "cpu", "--skip-dense", "--reuse-dense", str(path)]
-  fp32, bf16 = prunetrain_table1._parse(argv), prunetrain_table1._parse([*argv, "--dtype", "bf16"])
+  fp32, bf16 = _saved(argv), _saved([*argv, "--dtype", "bf16"])
   _write_earlier(path, fp32, {"test_acc": 0.5})  # saved without a dtype, as before the flag
   assert prunetrain_table1._reused_dense_run(fp32, "any_name") == {"test_acc": 0.5}
   with pytest.raises(ValueError, match=r"--reuse-dense: .* other dtype"):
@@ -63,7 +70,7 @@ def test_reuse_dense_rejects_a_run_of_another_dtype(tmp_path):
 def test_reuse_dense_without_skip_dense_is_an_error(tmp_path):
   with pytest.raises(SystemExit):
     prunetrain_table1._parse(["--budget", "cpu", "--reuse-dense", str(tmp_path / "x.json")])
-  args = prunetrain_table1._parse(["--budget", "cpu"])
+  args = _saved(["--budget", "cpu"])
   assert prunetrain_table1._reused_dense_run(args, "any_name") is None
 
 
@@ -126,10 +133,11 @@ def tiny_rows(monkeypatch):
   train_set = data.Dataset.from_arrays(images, labels, num_classes=10)
   test_set = data.Dataset.from_arrays(images[:16], labels[:16], num_classes=10)
 
-  def make_args():
+  def make_args(**changes):
     args = prunetrain_table1._parse(["--budget", "cpu", "--no-dynamic-batch"])
-    args.epochs, args.batch_size, args.lr, args.milestones = 2, 16, 0.5, []
-    args.penalty_ratio, args.threshold, args.width = 0.95, 0.3, 0.25
+    tiny = {"epochs": 2, "batch_size": 16, "lr": 0.5, "milestones": ()}
+    tiny.update(penalty_ratio=0.95, threshold=0.3, width=0.25, **changes)
+    args.recipe = dataclasses.replace(args.recipe, **tiny)
     return args
 
   return train_set, test_set, make_args
@@ -146,13 +154,14 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, tiny_rows
 
   def build(method, sub):
     (tmp_path / sub).mkdir(exist_ok=True)
-    return prunetrain_table1._build(args, method, train_set, test_set, tmp_path / sub)
+    spec = prunetrain_table1._spec(args, "resnet32", method, train_set, test_set, tmp_path / sub)
+    return rows.build_row(spec, args.options)
 
   paired = [build("dense", "paired"), build("prunetrain", "paired")]
-  prunetrain_table1._train_paired(paired, args.epochs)
+  prunetrain_table1._train_paired(paired, args.recipe.epochs)
   for run in paired:
     alone = build(run.method, "alone")
-    alone.advance(args.epochs)
+    alone.advance(args.recipe.epochs)
     keys = ("train_loss", "test_acc", "steps", "batch_size", "pt_channels_removed")
     assert [[r.get(k) for k in keys] for r in run.trainer.history] == [
       [r.get(k) for k in keys] for r in alone.trainer.history
@@ -163,17 +172,19 @@ def test_paired_training_computes_what_separate_runs_compute(tmp_path, tiny_rows
   assert any((r.get("pt_channels_removed") or 0) > 0 for r in pt_history), pt_history
   # the paired table: one row per epoch, PruneTrain's epoch time beside dense's
   args.paired = True
-  results = {run.method: prunetrain_table1._result(args, run) for run in paired}
-  paper = prunetrain_table1.PAPER[args.model]
-  table1_pages.row_page(tmp_path / "paired", args, results, "cmd", paper)
+  results = {run.method: rows.row_record(run, args.options) for run in paired}
+  paper = prunetrain_table1.PAPER["prunetrain-resnet32"]
+  saved = prunetrain_table1.saved_args(args, "resnet32")
+  table1_pages.row_page(tmp_path / "paired", saved, results, "cmd", paper)
   assert (tmp_path / "paired_over_training.png").exists()
   lines = (tmp_path / "paired.md").read_text().splitlines()
   header = lines.index(next(line for line in lines if line.startswith("| epoch | dense epoch")))
-  rows = [line.split("|")[1:-1] for line in lines[header + 2 : header + 2 + args.epochs]]
-  for row, d, p in zip(rows, results["dense"]["history"], pt_history):
+  epochs = args.recipe.epochs
+  table = [line.split("|")[1:-1] for line in lines[header + 2 : header + 2 + epochs]]
+  for row, d, p in zip(table, results["dense"]["history"], pt_history):
     assert float(row[1]) == pytest.approx(d["epoch_time_s"], abs=0.06)
     assert float(row[2]) == pytest.approx(p["epoch_time_s"], abs=0.06)
-  assert float(rows[-1][5]) < 1.0  # the second epoch trained the pruned model
+  assert float(table[-1][5]) < 1.0  # the second epoch trained the pruned model
 
 
 def test_running_stats_probe_gives_before_and_after_of_one_run(tmp_path, tiny_rows):
@@ -189,10 +200,11 @@ def test_running_stats_probe_gives_before_and_after_of_one_run(tmp_path, tiny_ro
     args = make_args()
     args.recompute_batchnorm = recompute
     (tmp_path / str(recompute)).mkdir()
-    built = prunetrain_table1._build(
-      args, "prunetrain", train_set, test_set, tmp_path / str(recompute)
+    spec = prunetrain_table1._spec(
+      args, "resnet32", "prunetrain", train_set, test_set, tmp_path / str(recompute)
     )
-    built.advance(args.epochs)
+    built = rows.build_row(spec, args.options)
+    built.advance(args.recipe.epochs)
     return built.trainer
 
   plain, probed = run(0), run(2)
@@ -215,12 +227,13 @@ def test_resumed_run_continues_from_the_reconfigured_checkpoint(tmp_path, tiny_r
   checkpoints = tmp_path / "ckpt"
 
   def build(sub, resume=False, ckpt=checkpoints, **changes):
-    args = make_args()
-    args.epochs, args.resume = 3, resume
-    for key, value in changes.items():
-      setattr(args, key, value)
+    args = make_args(epochs=3, **changes)
+    args.options = dataclasses.replace(args.options, resume=resume)
     (tmp_path / sub).mkdir(exist_ok=True)
-    return prunetrain_table1._build(args, "prunetrain", train_set, test_set, tmp_path / sub, ckpt)
+    spec = prunetrain_table1._spec(
+      args, "resnet32", "prunetrain", train_set, test_set, tmp_path / sub, ckpt
+    )
+    return rows.build_row(spec, args.options)
 
   first = build("parts")
   first.advance(2)
@@ -256,9 +269,10 @@ def test_row_and_probe_files_follow_the_results_naming_scheme(tmp_path, tiny_row
   train_set, test_set, make_args = tiny_rows
   args = make_args()
   args.out = str(tmp_path)
-  prunetrain_table1._run_row(args, "table1_cpu_resnet32", tmp_path, "cmd", train_set, test_set)
+  name = "table1_cpu_resnet32"
+  prunetrain_table1._run_row(args, "resnet32", name, tmp_path, "cmd", train_set, test_set)
   args.name_suffix, args.skip_dense = "_x", True
-  prunetrain_table1._run_row(args, "table1_cpu_resnet32_x", tmp_path, "cmd", train_set, test_set)
+  prunetrain_table1._run_row(args, "resnet32", f"{name}_x", tmp_path, "cmd", train_set, test_set)
   files = {
     str(p.relative_to(tmp_path))
     for p in tmp_path.rglob("*")
@@ -311,11 +325,11 @@ def test_gpu_queue_publishes_a_returned_prunetrain_row(tmp_path, tiny_rows, monk
   args = make_args()
   args.budget = "paper"
   tables = budgets.BUDGETS["prunetrain_table1"]
-  tiny = {key: getattr(args, key) for key in tables["paper"]}
-  monkeypatch.setitem(budgets.BUDGETS, "prunetrain_table1", {**tables, "paper": tiny})
+  monkeypatch.setitem(budgets.BUDGETS, "prunetrain_table1", {**tables, "paper": args.recipe})
   returned = tmp_path / "returned" / "prunetrain"
   returned.mkdir(parents=True)
-  prunetrain_table1._run_row(args, "table1_paper_resnet32", returned, "cmd", train_set, test_set)
+  name = "table1_paper_resnet32"
+  prunetrain_table1._run_row(args, "resnet32", name, returned, "cmd", train_set, test_set)
   results = tmp_path / "results"
   written = gpu_queue.publish(tmp_path / "returned", results)
   page = results / "prunetrain" / "table1_paper.md"
@@ -336,17 +350,18 @@ def test_row_stopped_by_its_time_box_resumes_to_the_end(tmp_path, tiny_rows, cap
   epoch, trains the PruneTrain run, writes the row and removes the checkpoints."""
   train_set, test_set, make_args = tiny_rows
   args = make_args()
-  args.out, args.max_seconds = str(tmp_path), 0.001
+  args.out = str(tmp_path)
+  args.options = dataclasses.replace(args.options, max_seconds=0.001)
   name = "table1_cpu_resnet32"
   with pytest.warns(RuntimeWarning, match="fit stopped after epoch 1 of 2"):
-    out = prunetrain_table1._run_row(args, name, tmp_path, "cmd", train_set, test_set)
+    out = prunetrain_table1._run_row(args, "resnet32", name, tmp_path, "cmd", train_set, test_set)
   assert out == {"stopped": "dense"}
   assert not (tmp_path / f"{name}.json").exists()
   checkpoints = tmp_path / "checkpoints" / name
   assert (checkpoints / "dense" / "1").exists()
-  args.max_seconds, args.resume = None, True
+  args.options = dataclasses.replace(args.options, max_seconds=None, resume=True)
   capsys.readouterr()
-  done = prunetrain_table1._run_row(args, name, tmp_path, "cmd", train_set, test_set)
+  done = prunetrain_table1._run_row(args, "resnet32", name, tmp_path, "cmd", train_set, test_set)
   assert "resumed at epoch 1 from" in capsys.readouterr().out  # not a fresh start
   assert [r["epoch"] for r in done["dense"]["history"]] == [1, 2]
   assert [r["epoch"] for r in done["prunetrain"]["history"]] == [1, 2]

@@ -1,6 +1,5 @@
 """SDGP experiment plumbing: argument parsing, budgets, the conv-layer recorder, Fig. 8 layout."""
 
-import argparse
 import json
 
 import pytest
@@ -21,13 +20,11 @@ def test_fig8_settings_parse_and_reject():
 
 
 def test_sdgp_budgets_scale_the_peak_lr_with_the_batch():
-  parser = argparse.ArgumentParser()
-  sdgp_table1.add_budget_arguments(parser, "sdgp_table1")
-  paper = sdgp_table1.resolve_budget("sdgp_table1", parser.parse_args(["--budget", "paper"]))
+  paper = sdgp_table1._parse(["--budget", "paper"]).recipe
   # the paper's recipe: batch 512, peak 0.5 at epoch 2 of 150, full width and data
   assert paper["peak_lr"] == 0.5 and paper["peak_epoch"] == 2.0
   assert paper["width"] == 1.0 and paper["epochs"] == 150 and paper["train_subset"] is None
-  cpu = sdgp_table1.resolve_budget("sdgp_table1", parser.parse_args([]))
+  cpu = sdgp_table1._parse([]).recipe
   assert cpu["peak_lr"] == 0.5 * cpu["batch_size"] / 512
   assert cpu["peak_epoch"] == 0.5  # 2/150 of a short run, floored at half an epoch
 

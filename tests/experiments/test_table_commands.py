@@ -1,6 +1,7 @@
 """Table pages: SDGP Table I end to end on a tiny budget and a generated data set (two steps),
 and the ClickTrain page from saved rows: the paper's numbers beside ours, logs linked."""
 
+import dataclasses
 import json
 import math
 import re
@@ -33,7 +34,7 @@ def tiny_cifar(monkeypatch):
 
 
 def _tiny(monkeypatch, table, **settings):
-  budget = {**budgets.BUDGETS[table]["cpu"], **settings}
+  budget = dataclasses.replace(budgets.BUDGETS[table]["cpu"], **settings)
   monkeypatch.setitem(budgets.BUDGETS, table, {"paper": budget, "cpu": budget})
 
 
@@ -415,10 +416,10 @@ def test_compile_cache_flag_turns_the_persistent_cache_on(tmp_path, monkeypatch)
   before = jax.config.jax_compilation_cache_dir
   try:
     args = clicktrain_table1._parse(["--budget", "cpu", "--compile-cache", "on"])
-    assert args.compile_cache == str((tmp_path / "cache").resolve())
-    assert jax.config.jax_compilation_cache_dir == args.compile_cache
+    assert args.options.compile_cache == str((tmp_path / "cache").resolve())
+    assert jax.config.jax_compilation_cache_dir == args.options.compile_cache
     off = clicktrain_table1._parse(["--budget", "cpu"])  # auto: off on a CPU
-    assert off.compile_cache == "auto"
+    assert off.options.compile_cache == "auto"
   finally:
     jax.config.update("jax_compilation_cache_dir", before)
     from jax.experimental.compilation_cache import compilation_cache
