@@ -29,9 +29,11 @@ __all__ = [
   "next_state",
   "one_shot_step",
   "paper_step",
+  "penalty_ramp",
   "step_clock",
   "warn_unreachable",
   "warn_when",
+  "window_ratio",
 ]
 
 
@@ -39,6 +41,31 @@ def step_clock(cfg: Config, state: ClickTrainState, loss) -> Clock:
   """The :class:`~jaxprune.clicktrain.schedule.Clock` of the step that takes ``state`` on with
   ``loss`` (the schedule's epochs advance by the learning rate's step increment)."""
   return cfg.schedule.clock(state.epoch_length, state.epoch_loss_sum, loss)
+
+
+def penalty_ramp(cfg: Config, state: ClickTrainState, clock: Clock) -> jax.Array:
+  """The share of λ this step's group lasso applies (``group_lasso_ramp``): 1 held (the
+  paper), or growing with ``t``, the share of the regularize stage done, from the epoch it
+  began to ``hard_prune_epoch`` (a stage that runs past it, after a late trigger, stays at 1)."""
+  if cfg.group_lasso_ramp == "constant":
+    return jnp.ones([], jnp.float32)
+  # The stage's first epoch: held in the state, or this step's (the one-shot pick enters it).
+  start = jnp.where(state.stage == REGULARIZE, state.stage_start_epoch, clock.epochs_done)
+  done = clock.step / cfg.schedule.steps_per_epoch - start
+  length = jnp.maximum(cfg.schedule.hard_prune_epoch - start, 1)
+  t = jnp.clip(done / length, 0.0, 1.0)
+  if cfg.group_lasso_ramp == "linear":
+    return t
+  return 1.0 - (1.0 - t) ** 3
+
+
+def window_ratio(cfg: Config, state: ClickTrainState, clock: Clock) -> jax.Array:
+  """How much of a dropped weight this step keeps in the soft prune's window: the share the
+  schedule leaves after the step over the share before it (0 once nothing is left)."""
+  sch = cfg.schedule
+  before = sch.kept_fraction(state.epoch_length.step)
+  after = sch.kept_fraction(clock.step)
+  return jnp.where(before > 0, after / jnp.where(before > 0, before, 1.0), 0.0)
 
 
 def next_state(
@@ -50,7 +77,10 @@ def next_state(
   return ClickTrainState(
     count=state.count + 1,
     stage=stage + moved.astype(jnp.int32),
-    stage_start_epoch=jnp.where(moved, clock.epochs_done, state.stage_start_epoch),
+    # A stage entered at this step (the one-shot pick enters REGULARIZE mid-epoch) starts here.
+    stage_start_epoch=jnp.where(
+      moved | (stage != state.stage), clock.epochs_done, state.stage_start_epoch
+    ),
     epoch_loss_sum=jnp.where(clock.epoch_end, 0.0, clock.loss_sum),
     prev_epoch_loss=jnp.where(clock.epoch_end, clock.mean, state.prev_epoch_loss),
     # A non-finite loss is no reference for the next batch's margin test (§4.3).
@@ -190,6 +220,8 @@ def one_shot_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock,
   Returns the new per-layer states and the stage.
   """
   due = (state.stage == WARMUP) & cfg.schedule.one_shot_due(state.epoch_length)
+  # The soft prune's window picks again at each of its epoch ends: the masks are still free.
+  due = due | ((state.stage == REGULARIZE) & cfg.schedule.in_window(clock))
   pick = jax.lax.cond(
     due, lambda: _stage_work.all_finite(clock.loss, plan, w, g), lambda: jnp.bool_(False)
   )

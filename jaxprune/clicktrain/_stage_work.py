@@ -25,6 +25,7 @@ from jaxprune.clicktrain.state import (
 
 __all__ = [
   "all_finite",
+  "decay_pruned",
   "finalize_masks",
   "finalize_step",
   "group_lasso_grad",
@@ -231,39 +232,49 @@ def one_shot_masks(layers: Layers, plan: Plan, w_leaves, g_leaves, num_patterns:
   return out
 
 
-def _map_pruned(fn, pred, plan: Plan, leaves) -> list:
-  """``leaves`` with the pruned layers' entries replaced by ``fn({name: leaf})`` under one
-  ``lax.cond`` on ``pred`` (the other stages neither compute nor copy them)."""
+def _switch_pruned(branches, index, plan: Plan, leaves) -> list:
+  """``leaves`` with the pruned layers' entries replaced by ``branches[index]({name: leaf})``
+  under one ``lax.switch`` (the branches not taken neither compute nor copy them)."""
   leaves = list(leaves)
   chosen = {name: leaves[layer.index] for name, layer in plan.items()}
-  chosen = jax.lax.cond(pred, fn, lambda x: x, chosen)
+  chosen = jax.lax.switch(index, branches, chosen)
   for name, layer in plan.items():
     leaves[layer.index] = chosen[name]
   return leaves
 
 
+def _map_pruned(fn, pred, plan: Plan, leaves) -> list:
+  """``leaves`` with the pruned layers' entries replaced by ``fn({name: leaf})`` where
+  ``pred`` holds (:func:`_switch_pruned` of the identity and ``fn``)."""
+  return _switch_pruned([lambda x: x, fn], pred.astype(jnp.int32), plan, leaves)
+
+
 def modify_grads(
-  g_leaves, layers: Layers, plan: Plan, w_leaves, stage, coefficient: float, eps: float
+  g_leaves, layers: Layers, plan: Plan, w_leaves, stage, coefficient, eps: float
 ) -> list:
   """The gradient the inner optimizer sees: ``+ λ ∂(modified group lasso)`` while
-  regularizing (§4.4), masked once pruned (so the inner moments get nothing there)."""
-  regularizing = stage == REGULARIZE
-  pruned = stage == PRUNED
+  regularizing (§4.4), masked once pruned (so the inner moments get nothing there). Each
+  stage computes only its own part: the pruned stage, where every later step runs, does not
+  form the penalty's gradient to multiply it by zero."""
 
-  def reg_and_mask(gs):
+  def regularize(gs):
     out = {}
     for name, layer in plan.items():
       ls, g, w = layers[name], gs[name], w_leaves[layer.index]
-      reg = group_lasso_grad(w, ls, eps, layer.groups) * (
-        coefficient * regularizing.astype(w.dtype)
-      )
-      keep = (full_mask(ls) != 0) | ~pruned
-      # A select, not a product: a NaN gradient at a pruned position must not reach the
-      # inner optimizer's moments (0 · NaN = NaN).
-      out[name] = jnp.where(keep, g + reg.astype(g.dtype), jnp.zeros((), g.dtype))
+      reg = group_lasso_grad(w, ls, eps, layer.groups) * jnp.asarray(coefficient, w.dtype)
+      out[name] = g + reg.astype(g.dtype)
     return out
 
-  return _map_pruned(reg_and_mask, regularizing | pruned, plan, g_leaves)
+  def mask(gs):
+    # A select, not a product: a NaN gradient at a pruned position must not reach the
+    # inner optimizer's moments (0 · NaN = NaN).
+    return {
+      name: jnp.where(full_mask(layers[name]) != 0, gs[name], jnp.zeros((), gs[name].dtype))
+      for name in plan
+    }
+
+  branch = jnp.where(stage == REGULARIZE, 1, jnp.where(stage == PRUNED, 2, 0))
+  return _switch_pruned([lambda gs: gs, regularize, mask], branch, plan, g_leaves)
 
 
 def hard_mask(u_leaves, layers: Layers, plan: Plan, w_leaves, pruned) -> list:
@@ -282,3 +293,20 @@ def hard_mask(u_leaves, layers: Layers, plan: Plan, w_leaves, pruned) -> list:
     return out
 
   return _map_pruned(hard, pruned, plan, u_leaves)
+
+
+def decay_pruned(u_leaves, layers: Layers, plan: Plan, w_leaves, ratio, decaying) -> list:
+  """The soft prune's window: emit ``ratio · (p + u) − p`` where the masks prune, so the
+  dropped weights shrink by ``ratio`` (the schedule's share left after this step over the
+  share before it) and reach exactly 0 at the prune; kept entries pass ``u`` bit for bit."""
+
+  def decay(us):
+    out = {}
+    for name, layer in plan.items():
+      p, u = w_leaves[layer.index], us[name]
+      keep = full_mask(layers[name]) != 0
+      shrunk = (p.astype(u.dtype) + u) * ratio.astype(u.dtype) - p.astype(u.dtype)
+      out[name] = jnp.where(keep, u, shrunk)
+    return out
+
+  return _map_pruned(decay, decaying, plan, u_leaves)

@@ -20,6 +20,7 @@ from jaxprune.clicktrain.state import PATTERN_SIZE
 
 __all__ = [
   "FILTER_GROUPINGS",
+  "GROUP_LASSO_RAMPS",
   "Config",
   "LayerFilter",
   "RatioSpec",
@@ -30,6 +31,9 @@ __all__ = [
 
 # How the aligned mode's filter groups are formed (clicktrain's filter_grouping).
 FILTER_GROUPINGS = ("consecutive", "clustered")
+# How the group lasso's coefficient grows over the regularize stage (clicktrain's
+# group_lasso_ramp): held (the paper), or from 0 to the coefficient, linearly or cubically.
+GROUP_LASSO_RAMPS = ("constant", "linear", "cubic")
 
 LayerFilter = Callable[[str, tuple[int, ...]], "str | None"]
 # One float for every layer, one per pruned layer (param flatten order), or fn(path, shape).
@@ -111,6 +115,7 @@ class Config:
   loss_margin: float
   margin_rule: str
   group_lasso_coefficient: float
+  group_lasso_ramp: str
   one_shot_patterns: int
   layer_filter: LayerFilter | None
   importance_every: int
@@ -158,6 +163,10 @@ class Config:
       v = getattr(self, name)
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if self.group_lasso_ramp not in GROUP_LASSO_RAMPS:
+      raise ValueError(
+        f"group_lasso_ramp must be one of {GROUP_LASSO_RAMPS}, got {self.group_lasso_ramp!r}"
+      )
     if self.margin_rule not in ("relative", "literal"):
       raise ValueError(f"margin_rule must be 'relative' or 'literal', got {self.margin_rule!r}")
     if self.pool_size > _pat.num_patterns(PATTERN_SIZE, 3):

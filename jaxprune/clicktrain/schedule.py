@@ -75,6 +75,7 @@ class Schedule:
   finalize_epochs: int = 5
   one_shot_epoch: int | None = None
   total_epochs: int | None = None
+  prune_window_epochs: int = 0
 
   def __post_init__(self):
     if self.mode not in ("paper", "one_shot"):
@@ -87,6 +88,7 @@ class Schedule:
       check_int("total_epochs", self.total_epochs, 1)
     if self.pool_start_epoch is not None:
       check_int("pool_start_epoch", self.pool_start_epoch, 0)
+    check_int("prune_window_epochs", self.prune_window_epochs, 0)
     v = self.loss_derivative_threshold
     if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
       raise ValueError(f"loss_derivative_threshold must be a finite number >= 0, got {v!r}")
@@ -110,6 +112,7 @@ class Schedule:
         f"{self.finalize_epochs} = {final}): the masks are final only at that epoch and get "
         "at least one epoch of regularization"
       )
+    self._check_window(final, "pool_start_epoch + pool_epochs + finalize_epochs")
 
   def _check_one_shot(self) -> None:
     if (
@@ -124,6 +127,16 @@ class Schedule:
       raise ValueError(
         f"hard_prune_epoch ({self.hard_prune_epoch}) must come after one_shot_epoch "
         f"({self.one_shot_epoch})"
+      )
+    self._check_window(self.one_shot_epoch, "one_shot_epoch")
+
+  def _check_window(self, masks_final: int, what: str) -> None:
+    """The soft prune's window lies inside regularization, after the masks are first chosen."""
+    if self.hard_prune_epoch - self.prune_window_epochs < masks_final:
+      raise ValueError(
+        f"prune_window_epochs ({self.prune_window_epochs}) must fit between {what} "
+        f"({masks_final}), where the masks are first chosen, and hard_prune_epoch "
+        f"({self.hard_prune_epoch})"
       )
 
   @classmethod
@@ -223,6 +236,27 @@ class Schedule:
   def prune_due(self, clock: Clock) -> jax.Array:
     """Whether a regularizing run prunes at this step: an epoch end from ``hard_prune_epoch``."""
     return clock.epoch_end & (clock.epochs_done >= self.hard_prune_epoch)
+
+  def kept_fraction(self, position: jax.Array) -> jax.Array:
+    """The soft prune (beyond the paper): the share of a weight the final masks drop that is
+    left at schedule ``position`` (reference steps): 1 until ``prune_window_epochs`` before
+    the hard prune, then falling linearly to 0 at ``hard_prune_epoch`` (a decaying mask, after
+    Kao et al. 2022). Always 1 without a window."""
+    if not self.prune_window_epochs:
+      return jnp.ones([], jnp.float32)
+    epochs = position / self.steps_per_epoch
+    left = (self.hard_prune_epoch - epochs) / self.prune_window_epochs
+    return jnp.clip(left, 0.0, 1.0).astype(jnp.float32)
+
+  def in_window(self, clock: Clock) -> jax.Array:
+    """Whether this step ends an epoch inside the soft prune's window, before the prune."""
+    start = self.hard_prune_epoch - self.prune_window_epochs
+    return (
+      clock.epoch_end
+      & (clock.epochs_done >= start)
+      & (clock.epochs_done < self.hard_prune_epoch)
+      & bool(self.prune_window_epochs)
+    )
 
   def one_shot_due(self, epoch_length: Any) -> jax.Array:
     """Whether the one-shot pick is due: ``one_shot_epoch`` epochs done before this step."""

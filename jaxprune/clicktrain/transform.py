@@ -42,7 +42,7 @@ from jaxprune.clicktrain._plan import (
 )
 from jaxprune.clicktrain.config import Config
 from jaxprune.clicktrain.schedule import Schedule
-from jaxprune.clicktrain.state import POOL, PRUNED, WARMUP, ClickTrainState
+from jaxprune.clicktrain.state import POOL, PRUNED, REGULARIZE, WARMUP, ClickTrainState
 from jaxprune.train.optim import epoch_length_state
 
 __all__ = ["clicktrain"]
@@ -66,6 +66,7 @@ def clicktrain(
   loss_margin: float = 0.0018,
   margin_rule: str = "relative",
   group_lasso_coefficient: float = 2.5e-4,
+  group_lasso_ramp: str = "constant",
   one_shot_epoch: int | None = None,
   one_shot_patterns: int = 4,
   layer_filter: Callable[[str, tuple[int, ...]], str | None] | None = None,
@@ -75,6 +76,7 @@ def clicktrain(
   filter_grouping: str = "consecutive",
   eps: float = 1e-8,
   total_epochs: int | None = None,
+  prune_window_epochs: int | None = None,
   schedule: Schedule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """ClickTrain pattern + connectivity pruning around an inner optimizer.
@@ -85,7 +87,7 @@ def clicktrain(
       steps_per_epoch: optimizer steps per epoch (converts the epoch settings). This and
           every epoch setting below (``hard_prune_epoch``, ``mode``, ``pool_start_epoch``,
           ``loss_derivative_threshold``, ``pool_epochs``, ``finalize_epochs``,
-          ``one_shot_epoch``, ``total_epochs``) are the fields of one
+          ``one_shot_epoch``, ``total_epochs``, ``prune_window_epochs``) are the fields of one
           :class:`~jaxprune.clicktrain.Schedule`; give them here or as ``schedule``.
       hard_prune_epoch: epochs trained before the hard prune (paper Table 1: 90-98 of
           190): the last step of epoch ``hard_prune_epoch`` zeroes the pruned weights and
@@ -115,6 +117,12 @@ def clicktrain(
       margin_rule: ``"relative"`` or ``"literal"`` (see
           :func:`jaxprune.clicktrain.patterns.loss_margin_ok`).
       group_lasso_coefficient: λ of the modified group lasso (2.5e-4 in the paper).
+      group_lasso_ramp: beyond the paper, how λ grows over the regularize stage:
+          ``"constant"`` (default, the paper: λ from its first step), ``"linear"`` or
+          ``"cubic"`` (``λ · (1 − (1 − t)³)``, ``t`` the share of the stage done, from its
+          start to ``hard_prune_epoch``: a gentle pull first, the full one before the prune;
+          after Zhu & Gupta's cubic sparsity ramp and growing regularization, Wang et al.
+          ICLR'21).
       one_shot_epoch: one_shot mode: epochs trained before the masks are picked, by the
           first batch of epoch ``one_shot_epoch + 1`` of the records (the next finite batch
           if that one's loss or gradient is not finite).
@@ -157,6 +165,15 @@ def clicktrain(
           transform is built if the hard prune cannot come inside it (e.g.
           ``hard_prune_epoch=3`` in a 4-epoch run with the default 5 + 5 pool and
           finalization epochs after the trigger). ``None``: not checked.
+      prune_window_epochs: beyond the paper, a soft hard prune: over the last this many
+          epochs before ``hard_prune_epoch`` the weights the masks drop decay linearly to zero
+          (each step multiplies them by the share left, :meth:`Schedule.kept_fraction
+          <jaxprune.clicktrain.Schedule.kept_fraction>`; a decaying mask, Kao et al. 2022)
+          instead of all at once at the prune; in the one-shot mode the masks are picked again
+          at each epoch end in the window (from that step's batch, as at ``one_shot_epoch``),
+          so a kernel or pattern may still change, and a weight the new masks keep stops
+          decaying. The masks then freeze at the prune as without a window. 0 (default): the
+          paper's one-step prune. Must fit inside regularization.
       schedule: the epoch settings as one :class:`~jaxprune.clicktrain.Schedule` (what the
           presets build, :meth:`~jaxprune.clicktrain.Schedule.for_run`), instead of the
           keywords; the state keeps it (:func:`jaxprune.clicktrain.schedule_of`).
@@ -222,15 +239,19 @@ def clicktrain(
       layers, stage = _stage_machine.one_shot_step(cfg, plan, state, clock, w_leaves, g_leaves)
       moved = jnp.bool_(False)
 
-    g_leaves = _stage_work.modify_grads(
-      g_leaves, layers, plan, w_leaves, stage, cfg.group_lasso_coefficient, cfg.eps
-    )
+    coefficient = cfg.group_lasso_coefficient * _stage_machine.penalty_ramp(cfg, state, clock)
+    g_leaves = _stage_work.modify_grads(g_leaves, layers, plan, w_leaves, stage, coefficient, cfg.eps)
     grads = jax.tree.unflatten(g_def, g_leaves)
     new_updates, inner_state = inner.update(
       grads, state.inner_state, params, value=value, **extra_args
     )
     u_leaves, u_def = jax.tree.flatten(new_updates)
     new_state = _stage_machine.next_state(cfg, state, clock, stage, moved, layers, inner_state)
+    # The soft prune's window: the dropped weights shrink to the share the schedule leaves.
+    if cfg.schedule.prune_window_epochs:
+      ratio = _stage_machine.window_ratio(cfg, state, clock)
+      decaying = (stage == REGULARIZE) & (ratio < 1)
+      u_leaves = _stage_work.decay_pruned(u_leaves, layers, plan, w_leaves, ratio, decaying)
     # The step that enters PRUNED already emits the hard mask: a state (and every read-out
     # of it) that says "pruned" always comes with weights that are zero where the masks prune.
     u_leaves = _stage_work.hard_mask(u_leaves, layers, plan, w_leaves, new_state.stage == PRUNED)

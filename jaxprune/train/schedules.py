@@ -138,3 +138,65 @@ def with_warmup(
     return base(step) * (start_factor + (1.0 - start_factor) * ramp)
 
   return warmed
+
+
+def with_rewind(
+  schedule: optax.ScalarOrSchedule,
+  steps_per_epoch: int,
+  *,
+  prune_epoch: int,
+  rewind_epoch: int,
+  total_epochs: int,
+) -> optax.Schedule:
+  """Learning-rate rewinding after a prune, inside the run's own length.
+
+  Until the end of ``prune_epoch`` the schedule is ``schedule``; the remaining
+  ``total_epochs - prune_epoch`` epochs then replay it from ``rewind_epoch`` to
+  ``total_epochs``, stretched or compressed to fit: the network pruned at ``prune_epoch``
+  heals with the larger learning rates of an earlier epoch and still ends on the schedule's
+  last value. Renda et al. retrain for extra epochs; a run of fixed length replays the same
+  stretch of the schedule instead.
+
+  Args:
+    schedule: a schedule or a constant LR.
+    steps_per_epoch: optimizer steps per epoch (at the reference batch size).
+    prune_epoch: the epoch whose end prunes (ClickTrain's ``hard_prune_epoch``).
+    rewind_epoch: the epoch of the schedule the LR goes back to, ``0 <= rewind_epoch <=
+      prune_epoch``.
+    total_epochs: the run's length, ``> prune_epoch``.
+
+  Returns:
+    The schedule with the rewind.
+
+  Raises:
+    ValueError: epochs out of order.
+
+  Example:
+    >>> sched = with_rewind(triangular_schedule(1.0, 10, 0, 4), 10, prune_epoch=2,
+    ...                     rewind_epoch=0, total_epochs=4)
+    >>> [round(float(sched(s)), 3) for s in (0, 10, 19, 20, 30, 40)]
+    [1.0, 0.75, 0.525, 1.0, 0.5, 0.0]
+
+  References:
+    Renda et al., "Comparing Rewinding and Fine-tuning in Neural Network Pruning", ICLR 2020.
+  """
+  _check_steps_per_epoch(steps_per_epoch)
+  for name, value in (("prune_epoch", prune_epoch), ("rewind_epoch", rewind_epoch)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+  if rewind_epoch > prune_epoch:
+    raise ValueError(f"rewind_epoch ({rewind_epoch}) must be <= prune_epoch ({prune_epoch})")
+  if isinstance(total_epochs, bool) or not isinstance(total_epochs, int):
+    raise ValueError(f"total_epochs must be an int, got {total_epochs!r}")
+  if total_epochs <= prune_epoch:
+    raise ValueError(f"total_epochs ({total_epochs}) must be > prune_epoch ({prune_epoch})")
+  base = schedule if callable(schedule) else (lambda step: jnp.asarray(schedule, jnp.float32))
+  prune, rewind = prune_epoch * steps_per_epoch, rewind_epoch * steps_per_epoch
+  stretch = (total_epochs - rewind_epoch) / (total_epochs - prune_epoch)
+
+  def rewound(step):
+    step = jnp.asarray(step, jnp.float32)
+    replay = rewind + (step - prune) * stretch
+    return base(jnp.where(step < prune, step, replay))
+
+  return rewound
