@@ -83,9 +83,11 @@ def _epoch_s(run: Mapping[str, Any], at: int | None, after: bool) -> float | Non
 
 
 def _aligned_order(method: str) -> tuple[int, str]:
-  """``aligned-g<G>[c]`` by ``G`` (numerically), the consecutive groups before the clustered."""
+  """``aligned-g<G>[c][-<transition option>...]`` by ``G`` (numerically), then by name: the
+  consecutive groups before the clustered, each without the transition options first."""
   groups = method.removeprefix("aligned-g")
-  return int(groups.rstrip("c")), groups
+  digits = len(groups) - len(groups.lstrip("0123456789"))
+  return int(groups[:digits]), groups
 
 
 def _methods(runs: Mapping[tuple[str, int], Any]) -> list[str]:

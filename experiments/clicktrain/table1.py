@@ -112,6 +112,27 @@ def _parse(argv):
     "the filters' Eq. 2 / pattern scores when the patterns are finalized (saved as method "
     "aligned-g<G>c)",
   )
+  p.add_argument(
+    "--group-lasso-ramp",
+    default="constant",
+    choices=["constant", "linear", "cubic"],
+    help="beyond the paper: λ held over the regularize stage (the paper) or grown from 0 "
+    "linearly / cubically (saved with the suffix -ramp<l|c>)",
+  )
+  p.add_argument(
+    "--prune-window-epochs",
+    type=int,
+    default=0,
+    help="beyond the paper: a soft hard prune, the dropped weights decaying to zero over this "
+    "many epochs before it (saved with the suffix -win<N>)",
+  )
+  p.add_argument(
+    "--lr-rewind-epoch",
+    type=int,
+    default=None,
+    help="beyond the paper: after the hard prune the LR schedule replays from this epoch to its "
+    "end over the remaining epochs (learning-rate rewinding; saved with the suffix -rw<E>)",
+  )
   cli.add_resume_argument(p)
   cli.add_dtype_argument(p)
   run_options.add_arguments(p)
@@ -123,6 +144,8 @@ def _parse(argv):
     p.error(f"--methods: choose from dense, clicktrain, got {a.methods}")
   if a.filter_grouping != "consecutive" and a.filter_groups is None:
     p.error("--filter-grouping needs --filter-groups")
+  if a.prune_window_epochs < 0:
+    p.error("--prune-window-epochs must be >= 0")
   return run_options.table_args(a, "clicktrain_table1")
 
 
@@ -155,7 +178,7 @@ def _stage_epochs(args, row: str) -> dict[str, Any]:
 
 def _method(args, row: str) -> methods.Method:
   """ClickTrain for ``row``: the registered preset with this table's ratios and stage epochs
-  (and ``--filter-groups``: the aligned mode)."""
+  (and ``--filter-groups``: the aligned mode; the transition options when given)."""
   aligned = {}
   if args.filter_groups is not None:
     aligned = {"filter_groups": args.filter_groups, "filter_grouping": args.filter_grouping}
@@ -163,8 +186,39 @@ def _method(args, row: str) -> methods.Method:
     "clicktrain",
     mode=args.mode,
     kernel_prune_ratio=preset.paper_kernel_ratios(f"clicktrain-{row}"),
+    group_lasso_ramp=args.group_lasso_ramp,
+    prune_window_epochs=args.prune_window_epochs,
     **_stage_epochs(args, row),
     **aligned,
+  )
+
+
+def _transition_suffix(args) -> str:
+  """The run name's mark of the transition options beyond the paper (empty without them)."""
+  marks = []
+  if args.group_lasso_ramp != "constant":
+    marks.append(f"ramp{args.group_lasso_ramp[0]}")
+  if args.prune_window_epochs:
+    marks.append(f"win{args.prune_window_epochs}")
+  if args.lr_rewind_epoch is not None:
+    marks.append(f"rw{args.lr_rewind_epoch}")
+  return "".join(f"-{m}" for m in marks)
+
+
+def _schedule(args, row: str, steps: int, prune: bool):
+  """The row's step LR schedule; with ``--lr-rewind-epoch`` (ClickTrain runs) rewound after
+  the hard prune."""
+  budget = args.recipe
+  milestones = [max(1, round(f * budget.epochs)) for f in budget.milestones]
+  schedule = train.step_schedule(budget.lr, steps, milestones)
+  if not prune or args.lr_rewind_epoch is None:
+    return schedule
+  return train.schedules.with_rewind(
+    schedule,
+    steps,
+    prune_epoch=_stage_epochs(args, row)["hard_prune_epoch"],
+    rewind_epoch=args.lr_rewind_epoch,
+    total_epochs=budget.epochs,
   )
 
 
@@ -184,8 +238,9 @@ def _spec(
   if prune and args.filter_groups is not None:
     clustered = args.filter_grouping == "clustered"
     label = f"aligned-g{args.filter_groups}{'c' if clustered else ''}"
+  if prune:
+    label += _transition_suffix(args)
   stem = aligned_page.run_stem(_tag(args.budget, args.dtype), row, label, args.seed)
-  milestones = [max(1, round(f * budget.epochs)) for f in budget.milestones]
   overrides = {}
   if budget.linear_init_std is not None and row.startswith("vgg"):
     overrides["linear_init_std"] = budget.linear_init_std
@@ -229,7 +284,7 @@ def _spec(
     model=model,
     method=_method(args, row) if prune else methods.get("dense"),
     optimizer=lambda steps: train.sgd(
-      train.step_schedule(budget.lr, steps, milestones), momentum=0.9, weight_decay=5e-4
+      _schedule(args, row, steps, prune), momentum=0.9, weight_decay=5e-4
     ),
     train_set=train_set,
     test_set=test_set,
