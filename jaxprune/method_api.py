@@ -21,6 +21,8 @@ from typing import Any
 import optax
 from flax import nnx
 
+from jaxprune.train import LoaderView
+
 __all__ = ["Method", "Run", "compose", "split_config"]
 
 
@@ -56,10 +58,9 @@ class Run:
     """The run of ``epochs`` epochs over ``loader`` (a :class:`jaxprune.data.Loader`).
 
     ``steps_per_epoch`` is ``len(loader)``; ``image_shape`` comes from ``loader.dataset``
-    when the loader has one.
+    when the loader has one (:attr:`jaxprune.train.LoaderView.image_shape`).
     """
-    images = getattr(getattr(loader, "dataset", None), "images", None)
-    image_shape = tuple(int(d) for d in images.shape[1:]) if images is not None else None
+    image_shape = LoaderView(loader, "loader").image_shape
     return cls(steps_per_epoch=len(loader), epochs=epochs, image_shape=image_shape)
 
 

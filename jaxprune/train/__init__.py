@@ -21,11 +21,18 @@ Data parallelism over every device: ``train.Trainer(model, tx, mesh="auto")`` (t
 batch is the global one, split over a mesh axis ``"batch"``; see
 :mod:`jaxprune.train.data_parallel`).
 
+A training loader is any iterable of ``(images, labels)`` batches; what else the trainer uses
+of one when it has it (a length, a batch size, ``set_epoch``, a position for exact resume) is
+named by :class:`HostLoader`, and a data set on the device whose batches the trainer makes
+inside its step (:class:`jaxprune.data.DeviceLoader`) by :class:`FusedLoader`.
+:class:`LoaderView` reads a loader once for the trainer and for hooks.
+
 Any Optax transform works in place of ``train.sgd`` (``GradientTransformationExtraArgs``
 receive ``value=loss``); LR scaling needs a ``train.scale_by_lr`` inside it.
 """
 
 from jaxprune.train._checks import NonFiniteError
+from jaxprune.train._loaders import FusedLoader, HostLoader, LoaderView
 from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.batchnorm import epoch_batches, recompute_batch_stats
 from jaxprune.train.callbacks import Callback, TrainerLike
@@ -109,6 +116,9 @@ __all__ = [
   "train_step_memory",
   "Callback",
   "TrainerLike",
+  "FusedLoader",
+  "HostLoader",
+  "LoaderView",
   "Trainer",
   "fit",
 ]

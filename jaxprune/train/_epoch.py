@@ -15,10 +15,10 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxprune.train import _checks
+from jaxprune.train._loaders import FusedLoader, LoaderView, batch_arrays
 from jaxprune.train._placement import Placement
 from jaxprune.train.step import Metrics
 
@@ -50,6 +50,7 @@ class EpochLoop:
     <jaxprune.train.Trainer.train_epoch>` (its record entries, warnings and errors).
     ``step_done()`` runs after each step; ``per_step``: run a
     :class:`~jaxprune.data.DeviceLoader`'s fused steps one at a time (a step hook is due)."""
+    view = LoaderView.of(loader)
     placement = self._placement
     metrics = Metrics.zeros(
       nonfinite_run=self._nonfinite_run[0], max_nonfinite=self.max_nonfinite_steps or 0
@@ -59,7 +60,7 @@ class EpochLoop:
       placement.replicate()
       metrics = placement.steps.replicate(metrics)
     try:
-      total = len(loader)  # type: ignore[arg-type]
+      total = len(view)
     except TypeError:
       total = None
     bar = None
@@ -72,8 +73,12 @@ class EpochLoop:
     # CPU seconds of the whole process (XLA's threads, the loader's): unlike wall time, not
     # inflated when a shared host takes the cores away (steal time).
     cpu_start = time.process_time()
-    run = self._device_steps if hasattr(loader, "dispatches") else self._host_steps
-    for metrics, count, batch, wait in run(loader, metrics, per_step):
+    if view.fused is not None:
+      self._place_data(view)
+      runs = self._device_steps(view.fused, metrics, per_step)
+    else:
+      runs = self._host_steps(view, metrics)
+    for metrics, count, batch, wait in runs:
       data_wait += wait
       for _ in range(count):
         steps += 1
@@ -107,7 +112,7 @@ class EpochLoop:
       "cpu_time_s": cpu_time,
     }
 
-  def _host_steps(self, loader: Iterable, metrics: Metrics, per_step: bool) -> Iterator:
+  def _host_steps(self, loader: Iterable, metrics: Metrics) -> Iterator:
     """One step per batch of a host loader: yields ``(metrics, 1, batch size, data wait)``."""
     iterator = iter(loader)
     while True:
@@ -118,6 +123,7 @@ class EpochLoop:
         return
       wait = time.perf_counter() - t0
       self._check_batch(images, labels)
+      _, images, labels = batch_arrays(images, labels)
       try:
         metrics = self._placement.run_step(self._placement.steps.train, metrics, images, labels)
       except (TypeError, ValueError) as e:  # raised while tracing: nothing was donated
@@ -125,12 +131,11 @@ class EpochLoop:
         raise
       yield metrics, 1, int(np.shape(images)[0]), wait
 
-  def _device_steps(self, loader: Any, metrics: Metrics, per_step: bool) -> Iterator:
-    """A :class:`~jaxprune.data.DeviceLoader`'s epoch, several steps per call of the fused
-    step (one per call while a callback wants every few steps): yields ``(metrics, steps,
-    batch size, data wait)`` per call."""
+  def _device_steps(self, loader: FusedLoader, metrics: Metrics, per_step: bool) -> Iterator:
+    """A fused loader's epoch (a :class:`~jaxprune.data.DeviceLoader`'s), several steps per
+    call of the fused step (one per call while a callback wants every few steps): yields
+    ``(metrics, steps, batch size, data wait)`` per call; its data set is placed already."""
     placement = self._placement
-    self._place_data(loader)
     fused = placement.steps.fused_train(loader.make_batch)
     images_all, labels_all = loader.device_arrays
     for dispatch in loader.dispatches():
@@ -149,14 +154,13 @@ class EpochLoop:
           raise
         yield metrics, len(ids), chunk.shape[1], 0.0
 
-  def _place_data(self, loader: Any) -> None:
+  def _place_data(self, view: LoaderView) -> None:
     """Puts a :class:`~jaxprune.data.DeviceLoader`'s data set where the step runs (any other
     loader is left alone). Data parallelism: a copy on every device of the mesh (once), each
     device making its shard of every global batch from its own copy. One device: the loader's
     own (it may have served a trainer on a mesh before)."""
-    if hasattr(loader, "place"):
-      placement = self._placement
-      loader.place(placement.steps.replicated if placement.mesh is not None else None)
+    placement = self._placement
+    view.place(placement.steps.replicated if placement.mesh is not None else None)
 
   def evaluate(self, loader: Iterable, params: Any = None, rest: Any = None) -> dict[str, float]:
     """:meth:`Trainer.evaluate <jaxprune.train.Trainer.evaluate>`: loss and accuracy over
@@ -173,13 +177,13 @@ class EpochLoop:
     if placement.mesh is not None:
       # Arrays from outside may sit on one device; the eval step takes them replicated.
       params, rest = placement.steps.replicate((params, rest))
-    self._place_data(loader)
+    view = LoaderView.of(loader, "test_loader")
+    self._place_data(view)
     full = None
-    for images, labels in loader:
+    for images, labels in view:
       self._check_batch(images, labels)
       # Device arrays (a DeviceLoader's) stay where they are; only a short batch is padded.
-      xp = np if isinstance(images, np.ndarray) or not hasattr(images, "device") else jnp
-      images, labels = xp.asarray(images), xp.asarray(labels)
+      xp, images, labels = batch_arrays(images, labels)
       n = images.shape[0]
       # Data parallel: padded up to a multiple of the devices too (padding rows weigh 0).
       full = max(full or 0, -(-n // multiple) * multiple)

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxprune.train._loaders import LoaderView
+
 __all__ = ["batchnorm_layers", "epoch_batches", "recompute_batch_stats"]
 
 
@@ -58,9 +60,8 @@ def epoch_batches(train_loader: Iterable[Any], epoch: int) -> Iterable[Any]:
   ``train_loader``: ``train_loader.iter_epoch(epoch - 1)`` when it has one (a
   :class:`jaxprune.data.Loader`; the loader's own position is left alone, and the same epoch
   gives the same batches, so a resumed run re-estimates from the same images), otherwise a
-  fresh ``iter(train_loader)``."""
-  iter_epoch = getattr(train_loader, "iter_epoch", None)
-  return iter_epoch(epoch - 1) if callable(iter_epoch) else iter(train_loader)
+  fresh ``iter(train_loader)`` (:meth:`~jaxprune.train.LoaderView.epoch_batches`)."""
+  return LoaderView.of(train_loader).epoch_batches(epoch - 1)
 
 
 def recompute_batch_stats(

@@ -27,9 +27,9 @@ Host-side callbacks run at epoch end (and optionally every ``k`` steps). They ma
 * return extra metrics for the epoch's JSON line (e.g. a compression ratio).
 
 Exact resume needs (a) a loader whose order depends only on ``(seed, epoch)`` — the trainer
-calls ``loader.set_epoch(epoch)`` before each epoch when the loader has it, and saves
-``loader.state()`` (``jaxprune.data.Loader``) or ``loader.state_dict()`` — and (b) every random
-stream of the model inside its NNX state (``nnx.Rngs``), which the checkpoint stores.
+calls ``loader.set_epoch(epoch)`` before each epoch and saves ``loader.state()`` when the
+loader has them (what it uses of a loader: :class:`~jaxprune.train.HostLoader`) — and (b) every
+random stream of the model inside its NNX state (``nnx.Rngs``), which the checkpoint stores.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import optax
 from flax import nnx
 
@@ -313,6 +312,7 @@ class Trainer:
         if self.step % c.every_steps == 0:
           c.on_step(self, self.step)
 
+    loader = _loaders.LoaderView.of(loader)
     self._batches.record_batch_size(loader)
     return self._loop.train_epoch(
       loader, epoch=self.epoch + 1, step_done=step_done, per_step=bool(due)
@@ -387,10 +387,11 @@ class Trainer:
       for c, state in zip(self.callbacks, meta.get("callbacks", [])):
         c.load_state_dict(state)
       if loader is not None:
-        if meta.get("batch_size") is not None and _loaders.batch_size(loader) is not None:
-          _loaders.set_batch_size(loader, int(meta["batch_size"]))
+        view = _loaders.LoaderView.of(loader)
+        if meta.get("batch_size") is not None and view.batch_size is not None:
+          view.set_batch_size(int(meta["batch_size"]))
         if meta.get("loader_state") is not None:
-          _loaders.restore(loader, meta["loader_state"])
+          view.restore(meta["loader_state"])
 
     return self._checkpoints.restore(self._placement.module, self.tx, install, step)
 
@@ -472,11 +473,13 @@ class Trainer:
       ValueError: if ``epochs`` is not a positive int, ``max_seconds`` not positive,
         ``must_finish`` without ``max_seconds``, if ``overwrite`` is given with
         ``resume=True``, if a fresh start finds another run's checkpoints in
-        ``checkpoint_dir`` and ``overwrite`` is False, or a batch's labels do not fit it.
+        ``checkpoint_dir`` and ``overwrite`` is False, a batch's labels do not fit it, or
+        ``train_loader`` is not an iterable of batches.
       NonFiniteError: ``max_nonfinite_steps`` consecutive train steps were not finite (see
         :meth:`train_epoch`).
     """
     _fit_checks.check_arguments(epochs, resume, overwrite, max_seconds, must_finish)
+    train_loader = _loaders.LoaderView(train_loader)  # read once; the hooks get the loader
     self._start_fit(train_loader, epochs, resume=resume, overwrite=overwrite)
     fit_start = time.perf_counter() - self._elapsed_before
     box = TimeBox(max_seconds, must_finish, self.eval_every, epochs)
@@ -523,12 +526,11 @@ class Trainer:
       c.on_fit_start(self)
     _run_log.rewrite(self.log_path, self.history)
 
-  def _train_one_epoch(self, train_loader: Iterable) -> dict[str, Any]:
+  def _train_one_epoch(self, train_loader: _loaders.LoaderView) -> dict[str, Any]:
     """Trains the next epoch (a requested batch size applied first) and runs the hooks'
     ``on_train_epoch_end``; returns the epoch's record so far."""
     self._batches.start_epoch(train_loader, self.epoch)
-    if hasattr(train_loader, "set_epoch"):
-      train_loader.set_epoch(self.epoch)
+    train_loader.set_epoch(self.epoch)
     record: dict[str, Any] = {"epoch": self.epoch + 1}
     lr_before = self.lr
     record.update(self.train_epoch(train_loader))
@@ -537,9 +539,9 @@ class Trainer:
     self.epoch += 1
     record["lr"] = self.lr if self.lr is not None else lr_before
     record["lr_scale"] = self.lr_scale
-    record["batch_size"] = _loaders.batch_size(train_loader)
+    record["batch_size"] = train_loader.batch_size
     for c in self.callbacks:
-      c.on_train_epoch_end(self, self.epoch, train_loader)
+      c.on_train_epoch_end(self, self.epoch, train_loader.loader)
     return record
 
   def _evaluate_epoch(

@@ -18,7 +18,7 @@ from jaxprune.clicktrain.execution.conversion import ConversionReport, to_sparse
 from jaxprune.clicktrain.execution.options import SparseExecutionConfig, as_config
 from jaxprune.clicktrain.readouts import filter_partition, find_state, masks, stage_name
 from jaxprune.masking import count_refilled
-from jaxprune.train import Callback, TrainerLike
+from jaxprune.train import Callback, LoaderView, TrainerLike
 
 __all__ = ["SparseExecution"]
 
@@ -106,10 +106,10 @@ class SparseExecution(Callback):
 
   def on_train_epoch_end(self, trainer: TrainerLike, epoch: int, train_loader: Any) -> None:
     del trainer, epoch
-    shape = getattr(getattr(train_loader, "dataset", None), "image_shape", None)
-    size = getattr(train_loader, "batch_size", None)
+    view = LoaderView.of(train_loader)
+    shape, size = view.image_shape, view.batch_size
     if shape is not None and size:
-      self._loader_shape = (int(size), *(int(d) for d in shape))
+      self._loader_shape = (size, *shape)
 
   def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> Mapping[str, Any]:
     del epoch
