@@ -56,7 +56,7 @@ from jaxprune.train.optim import (
   set_step_increment,
   sgd,
 )
-from jaxprune.train.schedules import step_schedule, triangular_schedule, with_warmup
+from jaxprune.train.schedules import step_schedule, triangular_schedule, with_rewind, with_warmup
 from jaxprune.train._nonfinite import NonFiniteState
 from jaxprune.train.compiled import (
   memory_bytes,
@@ -101,6 +101,7 @@ __all__ = [
   "sgd",
   "step_schedule",
   "triangular_schedule",
+  "with_rewind",
   "with_warmup",
   "Metrics",
   "NonFiniteState",
