@@ -48,8 +48,10 @@ class BatchGrowth:
     self._memory_cache: dict[Any, dict[str, int]] = {}
 
   def set_batch_size(self, batch_size: int, *, scale_lr: bool = True) -> None:
-    """:meth:`Trainer.set_batch_size <jaxprune.train.Trainer.set_batch_size>`: requests
-    ``batch_size`` (a multiple of the devices) for the next epoch."""
+    """:meth:`Trainer.set_batch_size <jaxprune.train.Trainer.set_batch_size>`.
+
+    Requests ``batch_size`` (a multiple of the devices) for the next epoch.
+    """
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
       raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     devices = self._placement.num_devices
@@ -67,9 +69,11 @@ class BatchGrowth:
       self.reference_steps = _length(loader)
 
   def start_epoch(self, loader: Any, epoch: int) -> None:
-    """Applies a requested batch size to ``loader`` (and the LR scale and schedule increment
-    to the optimizer state) before epoch ``epoch`` (epochs done), puts the schedules on the
-    epoch's start once the batch has changed, and records the epoch's batch size."""
+    """Applies a requested batch size to ``loader`` before epoch ``epoch`` (epochs done).
+
+    It also applies the LR scale and schedule increment to the optimizer state, puts the schedules
+    on the epoch's start once the batch has changed, and records the epoch's batch size.
+    """
     self._apply_pending(loader, epoch)
     if self.anchor is not None and self.reference_steps:
       anchor_epoch, anchor_step = self.anchor
@@ -124,8 +128,10 @@ class BatchGrowth:
   def step_memory(
     self, batch_size: int, image_shape: tuple[int, ...], **kwargs: Any
   ) -> dict[str, int]:
-    """:meth:`Trainer.step_memory <jaxprune.train.Trainer.step_memory>`, memoised per
-    model/optimizer shapes, since each analysis compiles the step."""
+    """:meth:`Trainer.step_memory <jaxprune.train.Trainer.step_memory>`, memoised.
+
+    Memoised per model/optimizer shapes, since each analysis compiles the step.
+    """
     p = self._placement
     shapes = tuple(np.shape(x) for x in jax.tree.leaves((p.params, p.rest, p.opt_state)))
     key = (

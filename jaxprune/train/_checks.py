@@ -26,8 +26,9 @@ __all__ = [
 
 
 class NonFiniteError(FloatingPointError):
-  """Training stopped after too many consecutive non-finite train steps
-  (``max_nonfinite_steps`` of :class:`~jaxprune.train.Trainer`).
+  """Training stopped after too many consecutive non-finite train steps.
+
+  The limit is ``max_nonfinite_steps`` of :class:`~jaxprune.train.Trainer`.
 
   Attributes:
     epoch: the 1-based epoch of the first step of that run.

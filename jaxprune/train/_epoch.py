@@ -46,10 +46,12 @@ class EpochLoop:
   def train_epoch(
     self, loader: Iterable, *, epoch: int, step_done: Callable[[], None], per_step: bool
   ) -> dict[str, float]:
-    """One pass over ``loader``, epoch ``epoch`` (1-based): :meth:`Trainer.train_epoch
-    <jaxprune.train.Trainer.train_epoch>` (its record entries, warnings and errors).
-    ``step_done()`` runs after each step; ``per_step``: run a
-    :class:`~jaxprune.data.DeviceLoader`'s fused steps one at a time (a step hook is due)."""
+    """One pass over ``loader``, epoch ``epoch`` (1-based).
+
+    :meth:`Trainer.train_epoch <jaxprune.train.Trainer.train_epoch>` (its record entries, warnings
+    and errors). ``step_done()`` runs after each step; ``per_step``: run a
+    :class:`~jaxprune.data.DeviceLoader`'s fused steps one at a time (a step hook is due).
+    """
     view = LoaderView.of(loader)
     placement = self._placement
     metrics = Metrics.zeros(
@@ -163,8 +165,10 @@ class EpochLoop:
     view.place(placement.steps.replicated if placement.mesh is not None else None)
 
   def evaluate(self, loader: Iterable, params: Any = None, rest: Any = None) -> dict[str, float]:
-    """:meth:`Trainer.evaluate <jaxprune.train.Trainer.evaluate>`: loss and accuracy over
-    ``loader`` of ``params`` / ``rest`` (``None``: the trained ones) in eval mode."""
+    """:meth:`Trainer.evaluate <jaxprune.train.Trainer.evaluate>`: loss and accuracy.
+
+    Over ``loader``, of ``params`` / ``rest`` (``None``: the trained ones) in eval mode.
+    """
     placement = self._placement
     metrics = Metrics.zeros()
     multiple = 1

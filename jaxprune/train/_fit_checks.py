@@ -66,8 +66,10 @@ def check_arguments(
 
 
 def warn_epoch_length(opt_state: Any, loader: Any, reference_batch_size: int | None) -> None:
-  """Warns when ``loader``'s batches per epoch are not the steps per epoch a transform of
-  ``opt_state`` was told (:func:`~jaxprune.train.find_epoch_lengths`).
+  """Warns when ``loader``'s batches per epoch differ from a transform's epoch length.
+
+  That is, when they are not the steps per epoch a transform of ``opt_state`` was told
+  (:func:`~jaxprune.train.find_epoch_lengths`).
 
   Checked while the loader is at the run's reference batch size (a grown batch takes fewer
   steps per epoch by design) and when it has a length.

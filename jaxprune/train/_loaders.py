@@ -189,8 +189,10 @@ class LoaderView:
       self._restore(state)
 
   def epoch_batches(self, epoch: int) -> Iterable[Any]:
-    """Epoch ``epoch``'s (0-based) batches: ``loader.iter_epoch(epoch)``, which leaves the
-    position alone, or else a fresh ``iter(loader)``."""
+    """Epoch ``epoch``'s (0-based) batches.
+
+    ``loader.iter_epoch(epoch)``, which leaves the position alone, or else a fresh ``iter(loader)``.
+    """
     return self._iter_epoch(epoch) if self._iter_epoch is not None else iter(self.loader)
 
   @property
@@ -203,17 +205,21 @@ class LoaderView:
     return tuple(int(d) for d in shape) if shape is not None else None
 
   def place(self, where: Any) -> None:
-    """Moves a device-resident data set to ``where`` (a sharding; ``None``: its home); any
-    other loader's batches are placed one at a time by :func:`batch_arrays`."""
+    """Moves a device-resident data set to ``where`` (a sharding; ``None``: its home).
+
+    Any other loader's batches are placed one at a time by :func:`batch_arrays`.
+    """
     if self._place is not None:
       self._place(where)
 
 
 def batch_arrays(images: Any, labels: Any) -> tuple[Any, Any, Any]:
-  """A batch as arrays for the step, and the array module that pads it: ``(xp, images,
-  labels)``. Device arrays (a :class:`FusedLoader`'s batches) stay where they are and ``xp``
-  is ``jax.numpy``; anything else becomes NumPy on the host, which the jitted step copies to
-  the device (sharded over the mesh with data parallelism)."""
+  """A batch as arrays for the step, and the array module that pads it.
+
+  Returns ``(xp, images, labels)``. Device arrays (a :class:`FusedLoader`'s batches) stay where they
+  are and ``xp`` is ``jax.numpy``; anything else becomes NumPy on the host, which the jitted step
+  copies to the device (sharded over the mesh with data parallelism).
+  """
   xp = jnp if isinstance(images, jax.Array) else np
   return xp, xp.asarray(images), xp.asarray(labels)
 

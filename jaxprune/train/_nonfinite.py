@@ -61,8 +61,11 @@ def step_finite(loss: jax.Array, grads: Any) -> jax.Array:
 def count_step(
   state: NonFiniteState, finite: jax.Array, flags: _checks.BatchFlags, num_classes: int
 ) -> NonFiniteState:
-  """``state`` after one train step: the step counted and the causes of a non-finite step
-  (:class:`~jaxprune.train._checks.BatchFlags`) recorded."""
+  """``state`` after one train step.
+
+  The step counted and the causes of a non-finite step (:class:`~jaxprune.train._checks.BatchFlags`)
+  recorded.
+  """
   bad_inputs = flags.inputs_nonfinite
   first = jnp.where(
     (state.first_nonfinite_input == 0) & bad_inputs, state.steps + 1, state.first_nonfinite_input
@@ -89,8 +92,10 @@ def count_step(
 
 
 def skip_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where the step was finite, else ``old``, for every leaf (params, the optimizer
-  state with its momentum and step count): a non-finite step leaves no trace in them.
+  """``new`` where the step was finite, else ``old``, for every leaf.
+
+  Every leaf: params, the optimizer state with its momentum and step count. A non-finite step leaves
+  no trace in them.
 
   A select, not a ``lax.cond``: both branches are already computed, and a select keeps the
   fused steps of a ``lax.scan`` free of control flow.

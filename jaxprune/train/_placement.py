@@ -63,8 +63,10 @@ class Placement:
     self.set_model(model, opt_state)
 
   def set_model(self, model: nnx.Module, opt_state: Any, indices: Any = None) -> None:
-    """Installs ``model`` and ``opt_state`` with a step for their structure (``indices``: the
-    data-parallel reduction's kept entries, ``None`` dense)."""
+    """Installs ``model`` and ``opt_state`` with a step for their structure.
+
+    ``indices``: the data-parallel reduction's kept entries, ``None`` dense.
+    """
     self._model = model
     _, eval_gd, params, rest = split_model(model)
     self.params, self.rest, self.opt_state = params, rest, opt_state
@@ -92,21 +94,28 @@ class Placement:
       self.replicate()
 
   def rebuild_step(self) -> None:
-    """A step for the current settings (``loss_fn``, ``flip_tta``, ``donate``,
-    ``skip_nonfinite`` were changed): the trained state stays, the step is traced anew."""
+    """A step for the current settings; the trained state stays.
+
+    For when ``loss_fn``, ``flip_tta``, ``donate``, ``skip_nonfinite`` were changed: the trained
+    state stays, the step is traced anew.
+    """
     self.set_model(self.model, self.opt_state, self.reduction_indices)
 
   def replicate(self) -> None:
-    """Places params, rest and optimizer state on every device of the mesh (host-side edits
-    between epochs, e.g. an LR scale, may have left some leaves on one device)."""
+    """Places params, rest and optimizer state on every device of the mesh.
+
+    Host-side edits between epochs, e.g. an LR scale, may have left some leaves on one device.
+    """
     self.params, self.rest, self.opt_state = self.steps.replicate(
       (self.params, self.rest, self.opt_state)
     )
 
   def sync_reduction(self) -> None:
-    """Data parallelism: reduce only the kept gradient entries once the optimizer state
-    holds final masks (ClickTrain §5.3); index arrays built once per set of masks, the step
-    rebuilt (and recompiled) only when they change."""
+    """Data parallelism: reduce only the kept gradient entries once masks are final.
+
+    Once the optimizer state holds final masks (ClickTrain §5.3); index arrays built once per set of
+    masks, the step rebuilt (and recompiled) only when they change.
+    """
     masks = masking.find_masks(self.opt_state, self.params)
     indices = distributed.mask_indices(masks) if masks is not None else None
     if ReductionIndices(indices) != self.steps.settings.indices:
@@ -119,8 +128,10 @@ class Placement:
 
   @property
   def reduction_indices(self) -> Any:
-    """The index arrays of the data-parallel gradient reduction (``None``: dense, or no
-    mesh)."""
+    """The index arrays of the data-parallel gradient reduction.
+
+    ``None``: dense, or no mesh.
+    """
     return self.steps.settings.indices.tree
 
   @property
@@ -135,9 +146,11 @@ class Placement:
 
   @property
   def module(self) -> nnx.Module:
-    """The model object without a sync (its variables may lag the trained state): for its
-    class, width spec and shapes, which a sync would not change, without the copy a sync
-    costs the next donating step."""
+    """The model object without a sync (its variables may lag the trained state).
+
+    For its class, width spec and shapes, which a sync would not change, without the copy a sync
+    costs the next donating step.
+    """
     return self._model
 
   def mark_stale(self) -> None:
@@ -163,9 +176,12 @@ class Placement:
       nnx.update(self._model, self.params, self.rest)
 
   def run_step(self, step: Callable[..., Any], metrics: Metrics, *batch: Any) -> Metrics:
-    """Runs a train step ``step(state, *batch)`` on the trained state (a copy first where it
-    is shared, see :meth:`_own_donated_state`) and ``metrics``, keeps the new state and
-    returns the new metrics. The model lags it until the next :attr:`model`."""
+    """Runs a train step on the trained state and returns the new metrics.
+
+    Runs ``step(state, *batch)`` on the trained state (a copy first where it is shared, see
+    :meth:`_own_donated_state`) and ``metrics``, keeps the new state and returns the new metrics.
+    The model lags it until the next :attr:`model`.
+    """
     self._own_donated_state()
     state = TrainState(self.params, self.rest, self.opt_state, metrics)
     self.params, self.rest, self.opt_state, metrics = step(state, *batch)
@@ -191,8 +207,10 @@ class Placement:
     self.opt_state = optim.set_step_increment(self.opt_state, increment)
 
   def replace(self, model: nnx.Module | None = None, opt_state: Any | None = None) -> None:
-    """:meth:`Trainer.replace <jaxprune.train.Trainer.replace>`: a new model and/or optimizer
-    state, checked against ``tx.init`` of the model's params."""
+    """:meth:`Trainer.replace <jaxprune.train.Trainer.replace>`.
+
+    A new model and/or optimizer state, checked against ``tx.init`` of the model's params.
+    """
     model = self.model if model is None else model
     opt_state = self.opt_state if opt_state is None else opt_state
     expected, expected_def = jax.tree.flatten(

@@ -42,8 +42,9 @@ def model_spec(model: nnx.Module) -> Any:
 
 
 def model_structure(model: nnx.Module) -> dict[str, Any]:
-  """What identifies the model a run starts from, as JSON: its class, width spec
-  (:func:`model_spec`) and parameter paths with their shapes.
+  """What identifies the model a run starts from, as JSON.
+
+  Its class, width spec (:func:`model_spec`) and parameter paths with their shapes.
 
   Stored in every checkpoint (``start_model``) and compared at a resume: two runs on one
   ``checkpoint_dir`` with different models must not adopt each other's checkpoints. It is
@@ -135,9 +136,11 @@ class Checkpoints:
     self._owns_store = False
 
   def start_model(self, model: nnx.Module) -> dict[str, Any]:
-    """:func:`model_structure` of the model this run started from, taken the first time a
-    checkpoint is restored, the folder claimed or a checkpoint written (before any training,
-    in ``fit``), so a reconfiguration later does not change it."""
+    """:func:`model_structure` of the model this run started from.
+
+    Taken the first time a checkpoint is restored, the folder claimed or a checkpoint written
+    (before any training, in ``fit``), so a reconfiguration later does not change it.
+    """
     if self._start_structure is None:
       self._start_structure = model_structure(model)
     return self._start_structure
@@ -175,8 +178,10 @@ class Checkpoints:
   def save(
     self, model: nnx.Module, epoch: int, arrays: dict[str, Any], meta: dict[str, Any]
   ) -> None:
-    """Writes checkpoint ``epoch`` of ``arrays`` and ``meta`` (plus the run config and the
-    starting model's structure) after claiming the folder (no-op without a store)."""
+    """Writes checkpoint ``epoch`` of ``arrays`` and ``meta`` after claiming the folder.
+
+    The run config and the starting model's structure are written too; a no-op without a store.
+    """
     if self.store is None:
       return
     self.claim(model, overwrite=False)
@@ -201,8 +206,10 @@ class Checkpoints:
     install: Callable[[nnx.Module, dict[str, Any], dict[str, Any]], None],
     step: int | None = None,
   ) -> bool:
-    """Reads the latest (or given) checkpoint of a run of ``model`` trained with ``tx`` and
-    hands it to ``install(model, arrays, meta)``; returns False if there is none.
+    """Reads the latest (or given) checkpoint of a run and hands it to ``install``.
+
+    The run is of ``model`` trained with ``tx``; the checkpoint goes to ``install(model, arrays,
+    meta)``. Returns False if there is none.
 
     See :meth:`jaxprune.train.Trainer.restore_checkpoint` for the damaged-checkpoint
     fallback and the errors.

@@ -12,8 +12,10 @@ __all__ = ["append", "epoch_line", "rewrite"]
 
 
 def rewrite(path: str | None, history: Iterable[Mapping[str, Any]]) -> None:
-  """Writes ``history`` to ``path``, one JSON object a line, replacing the file atomically
-  (no-op when ``path`` is ``None``)."""
+  """Writes ``history`` to ``path``, one JSON object a line.
+
+  Replaces the file atomically (no-op when ``path`` is ``None``).
+  """
   if path is None:
     return
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -31,8 +31,10 @@ __all__ = ["batchnorm_layers", "epoch_batches", "recompute_batch_stats"]
 
 
 def batchnorm_layers(model: nnx.Module) -> list[nnx.BatchNorm]:
-  """Every ``nnx.BatchNorm`` of ``model``, in graph order (the data-parallel step averages
-  their running statistics over devices)."""
+  """Every ``nnx.BatchNorm`` of ``model``, in graph order.
+
+  The data-parallel step averages their running statistics over devices.
+  """
   return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.BatchNorm)]
 
 
@@ -56,11 +58,13 @@ def _images(batch: Any) -> Any:
 
 
 def epoch_batches(train_loader: Iterable[Any], epoch: int) -> Iterable[Any]:
-  """The batches of epoch ``epoch`` (1-based, as the trainer's callbacks count) of
-  ``train_loader``: ``train_loader.iter_epoch(epoch - 1)`` when it has one (a
-  :class:`jaxprune.data.Loader`; the loader's own position is left alone, and the same epoch
-  gives the same batches, so a resumed run re-estimates from the same images), otherwise a
-  fresh ``iter(train_loader)`` (:meth:`~jaxprune.train.LoaderView.epoch_batches`)."""
+  """The batches of epoch ``epoch`` (1-based) of ``train_loader``.
+
+  Epochs count as the trainer's callbacks count them. ``train_loader.iter_epoch(epoch - 1)`` when it
+  has one (a :class:`jaxprune.data.Loader`; the loader's own position is left alone, and the same
+  epoch gives the same batches, so a resumed run re-estimates from the same images), otherwise a
+  fresh ``iter(train_loader)`` (:meth:`~jaxprune.train.LoaderView.epoch_batches`).
+  """
   return LoaderView.of(train_loader).epoch_batches(epoch - 1)
 
 

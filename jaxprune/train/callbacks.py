@@ -85,8 +85,10 @@ class TrainerLike(Protocol):
   def evaluate(
     self, loader: Iterable, *, params: Any = None, rest: Any = None
   ) -> dict[str, float]:
-    """Test loss and accuracy over ``loader`` with the trained state, or with ``params`` /
-    ``rest`` in its place."""
+    """Test loss and accuracy over ``loader`` with the trained state.
+
+    Or with ``params`` / ``rest`` in its place.
+    """
 
   def set_batch_size(self, batch_size: int, *, scale_lr: bool = True) -> None:
     """Changes the training batch size from the next epoch on."""
@@ -98,8 +100,10 @@ class TrainerLike(Protocol):
 
 
 class Callback:
-  """Base class of host-side hooks (override what you need). Each gets the trainer as a
-  :class:`TrainerLike`: a hook that keeps to its members runs on any trainer that has them.
+  """Base class of host-side hooks (override what you need).
+
+  Each gets the trainer as a :class:`TrainerLike`: a hook that keeps to its members runs on any
+  trainer that has them.
 
   Attributes:
     every_steps: if set, :meth:`on_step` runs after every ``every_steps`` optimizer steps.
@@ -108,20 +112,26 @@ class Callback:
   every_steps: int | None = None
 
   def on_fit_start(self, trainer: TrainerLike) -> None:
-    """Runs when :meth:`jaxprune.train.Trainer.fit` starts, after a checkpoint was restored
-    (a hook that changes the model's structure once, e.g. ClickTrain's sparse execution,
-    re-applies it to a resumed run here)."""
+    """Runs when :meth:`jaxprune.train.Trainer.fit` starts.
+
+    It runs after a checkpoint was restored (a hook that changes the model's structure once, e.g.
+    ClickTrain's sparse execution, re-applies it to a resumed run here).
+    """
     del trainer
 
   def on_train_epoch_end(self, trainer: TrainerLike, epoch: int, train_loader: Iterable) -> None:
-    """Runs after epoch ``epoch`` (1-based) was trained, before it is evaluated; may change
-    the model's non-trained state for evaluation (e.g. re-estimate BatchNorm statistics
-    from ``train_loader``, :func:`jaxprune.train.recompute_batch_stats`)."""
+    """Runs after epoch ``epoch`` (1-based) was trained, before it is evaluated.
+
+    May change the model's non-trained state for evaluation (e.g. re-estimate BatchNorm statistics
+    from ``train_loader``, :func:`jaxprune.train.recompute_batch_stats`).
+    """
     del trainer, epoch, train_loader
 
   def on_epoch_end(self, trainer: TrainerLike, epoch: int) -> Mapping[str, Any] | None:
-    """Runs after epoch ``epoch`` (1-based) was trained and evaluated, before the
-    checkpoint. Return a dict to add entries to the epoch's JSON record."""
+    """Runs after epoch ``epoch`` (1-based) was trained and evaluated.
+
+    It runs before the checkpoint. Return a dict to add entries to the epoch's JSON record.
+    """
     del trainer, epoch
     return None
 
@@ -152,8 +162,9 @@ class _FunctionCallback(Callback):
 def as_callbacks(
   callbacks: Sequence[Callback | Callable[[TrainerLike, int], Any]],
 ) -> list[Callback]:
-  """``callbacks`` as :class:`Callback` objects (a function ``(trainer, epoch) -> dict | None``
-  becomes an ``on_epoch_end`` hook).
+  """``callbacks`` as :class:`Callback` objects.
+
+  A function ``(trainer, epoch) -> dict | None`` becomes an ``on_epoch_end`` hook.
 
   Raises:
     ValueError: a callback's ``every_steps`` is set and < 1.

@@ -210,8 +210,9 @@ class CheckpointStore:
     self._hold: int | None = None  # the lock file's descriptor while this store holds it
 
   def hold(self) -> None:
-    """Takes the folder for this store's run until :meth:`release` (or until the store is
-    garbage collected, or its process ends).
+    """Takes the folder for this store's run until :meth:`release`.
+
+    Or until the store is garbage collected, or its process ends.
 
     A folder belongs to one run: two live trainers writing checkpoints into one folder
     would each resume the other's latest epoch and silently become one run. The hold is an
@@ -300,8 +301,10 @@ class CheckpointStore:
 
   @_quiet_orbax
   def set_aside(self, step: int) -> str:
-    """Rename damaged checkpoint ``step`` to ``<step>.damaged`` (kept for inspection, no
-    longer a numbered checkpoint, so its number can be written again); returns the path."""
+    """Rename damaged checkpoint ``step`` to ``<step>.damaged``; returns the path.
+
+    It is kept for inspection, no longer a numbered checkpoint, so its number can be written again.
+    """
     target = base = self.step_path(step) + ".damaged"
     n = 1
     while os.path.exists(target):

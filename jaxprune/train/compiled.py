@@ -84,8 +84,11 @@ def step_settings(
 
 @functools.lru_cache(maxsize=32)
 def step_functions(settings: StepSettings) -> StepFunctions:
-  """The cached compiled steps for ``settings``: :class:`~jaxprune.train.StepFunctions` on one
-  device, :class:`~jaxprune.train.data_parallel.DataParallelSteps` on ``settings.mesh``."""
+  """The cached compiled steps for ``settings``.
+
+  :class:`~jaxprune.train.StepFunctions` on one device,
+  :class:`~jaxprune.train.data_parallel.DataParallelSteps` on ``settings.mesh``.
+  """
   if settings.mesh is None:
     return StepFunctions(settings)
   return data_parallel.DataParallelSteps(settings)
@@ -96,8 +99,10 @@ def _abstract(tree: Any) -> Any:
 
 
 def memory_bytes(stats: Any) -> int:
-  """Bytes a compiled executable needs: arguments + outputs + temporaries - donated
-  aliases, or XLA's reported peak if that is larger."""
+  """Bytes a compiled executable needs.
+
+  Arguments + outputs + temporaries - donated aliases, or XLA's reported peak if that is larger.
+  """
   total = int(
     stats.argument_size_in_bytes
     + stats.output_size_in_bytes

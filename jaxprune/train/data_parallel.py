@@ -66,8 +66,11 @@ BATCH_AXIS = "batch"
 
 
 def make_mesh(devices: Any = None) -> Mesh:
-  """A 1-D mesh with axis ``"batch"`` over ``devices`` (default: every device, ``jax.devices()``,
-  which after ``jax.distributed.initialize`` spans all processes)."""
+  """A 1-D mesh with axis ``"batch"`` over ``devices``.
+
+  Default: every device, ``jax.devices()``, which after ``jax.distributed.initialize`` spans all
+  processes.
+  """
   devices = jax.devices() if devices is None else list(devices)
   _check_distinct(devices)
   return Mesh(np.asarray(devices), (BATCH_AXIS,))
@@ -86,8 +89,10 @@ def _check_distinct(devices: Any) -> None:
 
 
 def resolve_mesh(mesh: Mesh | str | None) -> Mesh | None:
-  """``None`` → ``None`` (one device); ``"auto"`` → :func:`make_mesh`; a ``Mesh`` with a
-  ``"batch"`` axis → itself.
+  """The mesh of a ``mesh`` argument.
+
+  ``None`` → ``None`` (one device); ``"auto"`` → :func:`make_mesh`; a ``Mesh`` with a ``"batch"``
+  axis → itself.
 
   Raises:
     ValueError: any other value, or a mesh without a ``"batch"`` axis.
@@ -110,8 +115,11 @@ def resolve_mesh(mesh: Mesh | str | None) -> Mesh | None:
 
 
 def train_graphdef(model: nnx.Module, axis_name: Any = None) -> nnx.GraphDef:
-  """The train-mode graphdef of ``model``; with ``axis_name`` every BatchNorm reduces its
-  batch moments over that axis (synchronised statistics). ``model`` is left as it was."""
+  """The train-mode graphdef of ``model``.
+
+  With ``axis_name`` every BatchNorm reduces its batch moments over that axis (synchronised
+  statistics). ``model`` is left as it was.
+  """
   bns = batchnorm_layers(model) if axis_name is not None else []
   saved = [bn.axis_name for bn in bns]
   try:
@@ -125,8 +133,11 @@ def train_graphdef(model: nnx.Module, axis_name: Any = None) -> nnx.GraphDef:
 
 
 def rng_key_leaves(model: nnx.Module) -> tuple[bool, ...]:
-  """Per leaf of the model's non-param state (``nnx.split(model, nnx.Param, ...)``'s
-  third part): is it an ``nnx.RngKey`` (a random stream's constant key)?"""
+  """Per leaf of the model's non-param state: is it an ``nnx.RngKey``?
+
+  The non-param state is ``nnx.split(model, nnx.Param, ...)``'s third part; an ``nnx.RngKey`` is a
+  random stream's constant key.
+  """
   _, _, rest = nnx.split(model, nnx.Param, ...)
   leaves = jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
   return tuple(isinstance(v, nnx.RngKey) for v in leaves)

@@ -117,8 +117,9 @@ def set_lr_scale(opt_state: Any, lr_scale: float) -> Any:
 
 
 def set_step_increment(opt_state: Any, step_increment: float) -> Any:
-  """Return ``opt_state`` whose schedules advance by ``step_increment`` per update: the
-  learning rate's (every :class:`ScaleByLrState`) and the epoch clocks of transforms set in
+  """Return ``opt_state`` whose schedules advance by ``step_increment`` per update.
+
+  The learning rate's (every :class:`ScaleByLrState`) and the epoch clocks of transforms set in
   epochs (every :class:`EpochLengthState`, e.g. ClickTrain's stages).
 
   No-op (returns the state unchanged) when the optimizer has neither.
@@ -129,16 +130,20 @@ def set_step_increment(opt_state: Any, step_increment: float) -> Any:
 
 
 def schedule_step(opt_state: Any) -> float | None:
-  """The schedule position (reference steps done) of the first :class:`ScaleByLrState` or
-  :class:`EpochLengthState` in ``opt_state`` (``None`` when it has neither)."""
+  """The schedule position (reference steps done) of ``opt_state``.
+
+  That of the first :class:`ScaleByLrState` or :class:`EpochLengthState` in ``opt_state`` (``None``
+  when it has neither).
+  """
   found = jax.tree.leaves(opt_state, is_leaf=_is_schedule_state)
   steps = [float(s.step) for s in found if _is_schedule_state(s)]
   return steps[0] if steps else None
 
 
 def set_schedule_step(opt_state: Any, step: float) -> Any:
-  """Return ``opt_state`` with every schedule position (:class:`ScaleByLrState` and
-  :class:`EpochLengthState` ``step``) set to ``step``.
+  """Return ``opt_state`` with every schedule position set to ``step``.
+
+  Every :class:`ScaleByLrState` and :class:`EpochLengthState` ``step``.
 
   The trainer puts the position back on the epoch boundary at each epoch start once the batch
   has changed: an increment such as 8/5 is not exact in float32, and its rounding, the same
@@ -163,8 +168,10 @@ def find_lr_states(opt_state: Any) -> list[ScaleByLrState]:
 
 
 def get_lr(opt_state: Any) -> float | None:
-  """The LR applied by the last update (first ``scale_by_lr`` or ``inject_hyperparams``
-  ``learning_rate`` found), or ``None`` if the optimizer exposes neither."""
+  """The LR applied by the last update, or ``None`` if the optimizer exposes none.
+
+  The first ``scale_by_lr`` or ``inject_hyperparams`` ``learning_rate`` found.
+  """
   lr_states = find_lr_states(opt_state)
   if lr_states:
     return float(lr_states[0].lr)
@@ -182,8 +189,10 @@ def get_lr_scale(opt_state: Any) -> float | None:
 
 
 class EpochLengthState(NamedTuple):
-  """The optimizer steps per epoch a transform's epoch settings were converted with, and how
-  far its epochs have run."""
+  """The optimizer steps per epoch a transform's epoch settings were converted with.
+
+  It also holds how far its epochs have run.
+  """
 
   steps_per_epoch: jax.Array  # int32
   # Reference steps done: advanced by ``step_increment`` per update, the increment of the
@@ -217,15 +226,19 @@ def _is_epoch_length(node: Any) -> bool:
 
 
 def find_epoch_lengths(opt_state: Any) -> list[int]:
-  """The distinct steps per epoch of every :class:`EpochLengthState` in ``opt_state``, sorted
-  (empty when no transform of it was told one)."""
+  """The distinct steps per epoch of every :class:`EpochLengthState` in ``opt_state``.
+
+  Sorted; empty when no transform of it was told one.
+  """
   found = jax.tree.leaves(opt_state, is_leaf=_is_epoch_length)
   return sorted({int(s.steps_per_epoch) for s in found if _is_epoch_length(s)})
 
 
 def kernels_only(params: Any) -> Any:
-  """Weight-decay mask: True for conv / dense kernels (ndim >= 2), False for biases and
-  BatchNorm scale/shift."""
+  """Weight-decay mask: True for conv / dense kernels (ndim >= 2).
+
+  False for biases and BatchNorm scale/shift.
+  """
   return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 

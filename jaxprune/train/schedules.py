@@ -66,8 +66,10 @@ def triangular_schedule(
   start_lr: float = 0.0,
   end_lr: float = 0.0,
 ) -> optax.Schedule:
-  """One-cycle / triangular schedule: linear from ``start_lr`` to ``peak_lr`` at
-  ``peak_epoch``, then linear to ``end_lr`` at ``total_epochs`` (held there after).
+  """One-cycle / triangular schedule.
+
+  Linear from ``start_lr`` to ``peak_lr`` at ``peak_epoch``, then linear to ``end_lr`` at
+  ``total_epochs`` (held there after).
 
   This is the ffcv CIFAR schedule used by SDGP (peak 0.5 at epoch 2 of 150):
   ``np.interp(step, [0, peak*spe, total*spe], [0, peak_lr, 0])``.

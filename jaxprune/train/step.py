@@ -87,8 +87,10 @@ class Metrics(NamedTuple):
 
 
 class TrainState(NamedTuple):
-  """What a train step reads and returns (donated to it): the model's params and other
-  variables, the raw Optax state and the running :class:`Metrics`."""
+  """What a train step reads and returns (donated to it).
+
+  The model's params and other variables, the raw Optax state and the running :class:`Metrics`.
+  """
 
   params: Any
   rest: Any
@@ -102,8 +104,10 @@ class TrainState(NamedTuple):
 
 
 def indices_digest(indices: Any) -> str | None:
-  """A fingerprint of reduction index arrays (``None`` for the dense reduction), to notice
-  when the masks changed and the step must be rebuilt."""
+  """A fingerprint of reduction index arrays (``None`` for the dense reduction).
+
+  Used to notice when the masks changed and the step must be rebuilt.
+  """
   if indices is None:
     return None
   digest = hashlib.sha1()
@@ -113,8 +117,10 @@ def indices_digest(indices: Any) -> str | None:
 
 
 class ReductionIndices:
-  """The data-parallel reduction's index arrays (``tree``; ``None``: dense), hashed by content
-  so that :class:`StepSettings` can be a cache key."""
+  """The data-parallel reduction's index arrays, hashed by content.
+
+  ``tree``; ``None``: dense. Hashed by content so that :class:`StepSettings` can be a cache key.
+  """
 
   def __init__(self, tree: Any = None):
     self.tree, self.digest = tree, indices_digest(tree)
@@ -131,8 +137,9 @@ class ReductionIndices:
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
-  """Everything the compiled steps depend on besides their arrays; hashable, so it is the
-  compile cache key of :func:`jaxprune.train.step_functions`.
+  """Everything the compiled steps depend on besides their arrays.
+
+  Hashable, so it is the compile cache key of :func:`jaxprune.train.step_functions`.
 
   Attributes:
     train_graphdef: train-mode graphdef (with a BatchNorm ``axis_name`` for synchronised
@@ -209,8 +216,10 @@ def forward_backward(
 def apply_optimizer(
   tx: optax.GradientTransformationExtraArgs, grads: Any, opt_state: Any, params: Any, loss
 ) -> tuple[Any, Any]:
-  """``(new_params, new_opt_state)``; the loss reaches ``tx`` as ``value``, as in
-  ``nnx.Optimizer.update``."""
+  """``(new_params, new_opt_state)`` after one optimizer update.
+
+  The loss reaches ``tx`` as ``value``, as in ``nnx.Optimizer.update``.
+  """
   updates, opt_state = tx.update(grads, opt_state, params, value=loss)
   return optax.apply_updates(params, updates), opt_state
 
@@ -387,8 +396,11 @@ def eval_step(
   *,
   axis_name: Any = None,
 ) -> Metrics:
-  """``metrics`` plus one eval batch's sums (weight 0 = padding); with ``axis_name`` (inside
-  a data-parallel step on one shard of the batch) the sums are added up over that axis."""
+  """``metrics`` plus one eval batch's sums (weight 0 = padding).
+
+  With ``axis_name`` (inside a data-parallel step on one shard of the batch) the sums are added up
+  over that axis.
+  """
   model = nnx.merge(graphdef, params, rest)
   logits = model(images)
   if flip_tta:

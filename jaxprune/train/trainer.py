@@ -588,8 +588,9 @@ def fit(
   epochs: int = 1,
   **trainer_kwargs: Any,
 ) -> Trainer:
-  """Build a :class:`Trainer` and run :meth:`Trainer.fit`; returns the trainer
-  (``trainer.model``, ``trainer.history``).
+  """Build a :class:`Trainer` and run :meth:`Trainer.fit`; returns the trainer.
+
+  The trainer holds ``trainer.model`` and ``trainer.history``.
 
   Example:
     >>> trainer = fit(model, sgd(0.05, 0.9), train_loader, test_loader, epochs=5)  # doctest: +SKIP
