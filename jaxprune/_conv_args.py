@@ -32,8 +32,10 @@ def spatial_pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
 def canonical_padding(
   padding, strings: Sequence[str] = ("SAME", "VALID")
 ) -> str | tuple[tuple[int, int], ...]:
-  """A padding string (any case), an int, or one int or ``(lo, hi)`` pair per spatial axis
-  (``nnx.Conv``'s forms) → the upper-case string or ``((top, bottom), (left, right))``.
+  """The upper-case padding string or ``((top, bottom), (left, right))`` of ``padding``.
+
+  ``padding``: a padding string (any case), an int, or one int or ``(lo, hi)`` pair per spatial axis
+  (``nnx.Conv``'s forms).
 
   Args:
     padding: the padding as given.

@@ -46,8 +46,10 @@ def named_leaves(tree: Any) -> dict[str, Any]:
 
 
 def find_states(opt_state: Any, state_type: type | tuple[type, ...]) -> list[Any]:
-  """Every node of ``opt_state`` (made pure with :func:`as_pure`) that is a ``state_type``,
-  in flatten order (a found state is not searched further)."""
+  """Every node of ``opt_state`` that is a ``state_type``, in flatten order.
+
+  ``opt_state`` is made pure with :func:`as_pure`; a found state is not searched further.
+  """
   tree = as_pure(opt_state)
   return [
     x

@@ -62,8 +62,10 @@ _NONE_KEY = "__none__"  # the .npz entry listing the paths of None leaves (not a
 
 
 class MaskState(NamedTuple):
-  """The masks in force (bool, ``None`` where not masked), kept so that checkpoints and
-  :func:`find_masks` see them."""
+  """The masks in force (bool, ``None`` where not masked).
+
+  Kept so that checkpoints and :func:`find_masks` see them.
+  """
 
   masks: PyTree
 
@@ -179,8 +181,9 @@ def apply_masks(params: PyTree, masks: PyTree) -> PyTree:
 
 # ------------------------------------------------------------------ files
 def save_masks(path: str | os.PathLike, masks: PyTree) -> None:
-  """Write ``masks`` to an ``.npz`` keyed by :func:`jaxprune.paths.path_string` (dtypes kept;
-  the paths of ``None`` leaves listed too).
+  """Write ``masks`` to an ``.npz`` keyed by :func:`jaxprune.paths.path_string`.
+
+  Dtypes are kept; the paths of ``None`` leaves are listed too.
 
   Raises:
     ValueError: non-finite or non-binary mask values.

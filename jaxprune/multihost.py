@@ -91,8 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def backends_started() -> bool:
-  """Whether JAX's backends (devices) already started in this process: from then on
-  :func:`initialize` can no longer start ``jax.distributed`` or change the CPU device count."""
+  """Whether JAX's backends (devices) already started in this process.
+
+  From then on :func:`initialize` can no longer start ``jax.distributed`` or change the CPU device
+  count.
+  """
   from jax._src import xla_bridge  # JAX exposes this nowhere public
 
   return xla_bridge.backends_are_initialized()

@@ -166,9 +166,11 @@ class ChannelSlices:
     return None
 
   def kernel_index(self, path: str | tuple) -> tuple[Index, Index]:
-    """Kept ``(input, output)`` channels of the kernel parameter at ``path`` (a
-    ``jaxprune.paths.path_string`` such as ``"stages/0/1/conv1/conv/kernel"``, or its
-    tuple); ``None`` where all are kept."""
+    """Kept ``(input, output)`` channels of the kernel parameter at ``path``.
+
+    ``path`` is a ``jaxprune.paths.path_string`` such as ``"stages/0/1/conv1/conv/kernel"``, or its
+    tuple; ``None`` where all are kept.
+    """
     names = self._names(path)
     if names in self.leaf_index:
       index = self.leaf_index[names]
@@ -184,14 +186,20 @@ class ChannelSlices:
     return names in self._old_names and names not in self._new_names
 
   def take(self, array: Any, path: str | tuple, *, in_axis: int, out_axis: int) -> Any:
-    """``array`` sliced along ``in_axis`` / ``out_axis`` with the kept input / output
-    channels of the kernel at ``path`` (``None`` stays ``None``)."""
+    """``array`` sliced with the kept channels of the kernel at ``path``.
+
+    Along ``in_axis`` / ``out_axis`` with the kept input / output channels (``None`` stays
+    ``None``).
+    """
     return _take(array, *self.kernel_index(path), in_axis, out_axis)
 
   # ------------------------------------------------------------------ whole trees
   def slice_leaf(self, names: tuple, leaf: Any) -> Any:
-    """One variable, found by its full path: kernels on both channel axes, 1-D vectors
-    (BatchNorm statistics, biases) on their output channels; anything else unchanged."""
+    """One variable, found by its full path, sliced.
+
+    Kernels on both channel axes, 1-D vectors (BatchNorm statistics, biases) on their output
+    channels; anything else unchanged.
+    """
     if names in self.leaf_index:
       return _take_axes(leaf, self.leaf_index[names])
     found = self._layer_of(names)
@@ -228,9 +236,10 @@ class ChannelSlices:
     return jax.tree_util.tree_map_with_path(fill, template)
 
   def slice_state(self, opt_state: Any) -> Any:
-    """An optimizer state for the new params: every sub-tree shaped like the old params is
-    rebuilt sliced, every state with a registered slicer goes through it, the rest (step
-    counts, PruneTrain's λ) is kept.
+    """An optimizer state for the new params.
+
+    Every sub-tree shaped like the old params is rebuilt sliced, every state with a registered
+    slicer goes through it, the rest (step counts, PruneTrain's λ) is kept.
 
     Raises:
       ValueError: an array leaf (ndim >= 1) outside every such sub-tree: ``opt_state`` does
@@ -328,9 +337,10 @@ def _jsonable(value: Any) -> Any:
 
 
 def apply_plan(model: nnx.Module, plan: SurgeryPlan) -> None:
-  """Performs ``plan`` on ``model`` in place: removes the branches, slices every variable
-  named in ``plan.slices``, sets the layer attributes and, for a model carrying a width spec,
-  its narrower spec.
+  """Performs ``plan`` on ``model`` in place.
+
+  Removes the branches, slices every variable named in ``plan.slices``, sets the layer attributes
+  and, for a model carrying a width spec, its narrower spec.
 
   Raises:
     ValueError: a variable of the plan is missing from the model or has another rank (the
@@ -369,7 +379,9 @@ def _narrower_spec(spec: Any, plan: SurgeryPlan) -> Any:
 
 
 def applied_plans(model: nnx.Module) -> tuple[SurgeryPlan, ...]:
-  """The plans :func:`apply_plan` performed on ``model`` (or on the model it was cloned from),
-  in order."""
+  """The plans :func:`apply_plan` performed on ``model``, in order.
+
+  Including those performed on the model it was cloned from.
+  """
   return tuple(SurgeryPlan.from_json(p) for p in json.loads(getattr(model, _PLANS, "[]")))
 

@@ -42,8 +42,11 @@ _CHUNKS_PER_PROCESS = 4
 
 
 def default_processes() -> int:
-  """The cores this process may run on (its CPU affinity where the OS reports it: a container
-  or ``taskset`` may allow fewer than ``os.cpu_count()``)."""
+  """The cores this process may run on.
+
+  Its CPU affinity where the OS reports it: a container or ``taskset`` may allow fewer than
+  ``os.cpu_count()``.
+  """
   try:
     return max(1, len(os.sched_getaffinity(0)))
   except (AttributeError, OSError):  # not on Linux

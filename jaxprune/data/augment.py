@@ -157,8 +157,10 @@ def _outside_this_package() -> int:
 
 
 class RandomCrop(Augmentation):
-  """Pads by ``padding`` pixels on every side with ``fill``, then takes a random window of the
-  original size (torchvision ``RandomCrop(H, padding)``; the CIFAR recipe of He et al.).
+  """Pads by ``padding`` pixels, then takes a random window of the original size.
+
+  Pads on every side with ``fill`` (torchvision ``RandomCrop(H, padding)``; the CIFAR recipe of He
+  et al.).
 
   Args:
     padding: pixels added on each side (>= 0); offsets are uniform in ``[0, 2*padding]``.

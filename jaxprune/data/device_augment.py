@@ -153,8 +153,10 @@ def check_supported(pipeline: Compose) -> None:
 
 
 def sample(aug: Augmentation, key: jax.Array, batch_shape: tuple[int, ...]) -> Any:
-  """``aug``'s draws for a batch of ``batch_shape`` (NHWC), as its NumPy ``sample`` returns
-  them, drawn from ``key``."""
+  """``aug``'s draws for a batch of ``batch_shape`` (NHWC), drawn from ``key``.
+
+  As its NumPy ``sample`` returns them.
+  """
   return _twin(aug)[0](aug, key, tuple(batch_shape))
 
 
@@ -164,8 +166,10 @@ def apply(aug: Augmentation, images: jax.Array, labels: jax.Array, params: Any):
 
 
 def normalize(norm: Normalize, images: jax.Array) -> jax.Array:
-  """:class:`~jaxprune.data.augment.Normalize` in JAX: ``x·scale + shift`` in float32 with the
-  twin's own per-channel constants."""
+  """:class:`~jaxprune.data.augment.Normalize` in JAX.
+
+  ``x·scale + shift`` in float32 with the twin's own per-channel constants.
+  """
   if images.shape[-1] != norm._scale.size:
     raise ValueError(f"Normalize has {norm._scale.size} channels, images have {images.shape[-1]}")
   return images.astype(jnp.float32) * jnp.asarray(norm._scale) + jnp.asarray(norm._shift)
@@ -179,8 +183,10 @@ def _member_keys(key: jax.Array, count: int) -> list[jax.Array]:
 
 
 def draws(pipeline: Compose, key: jax.Array, batch_shape: tuple[int, ...]) -> list[Any]:
-  """The draws :func:`batch_function` makes from ``key``, one per member of ``pipeline``, as
-  NumPy values (to replay the same batch through the NumPy augmentations)."""
+  """The draws :func:`batch_function` makes from ``key``, as NumPy values.
+
+  One per member of ``pipeline`` (to replay the same batch through the NumPy augmentations).
+  """
   out = []
   for aug, member_key in zip(pipeline, _member_keys(key, len(pipeline))):
     params = sample(aug, member_key, batch_shape)

@@ -39,9 +39,11 @@ def _closest_divisor(total: int, wanted: int) -> int:
 
 def _batch_maker(batch_fn: device_augment.BatchFunction):
   def make_batch(images, labels, indices, seed, epoch, step):
-    """The batch of examples ``indices`` at ``(seed, epoch, step)``: gathered from the
-    device-resident ``images`` / ``labels``, augmented and normalised. Pure and traceable
-    (the trainer calls it inside its fused step)."""
+    """The batch of examples ``indices`` at ``(seed, epoch, step)``.
+
+    Gathered from the device-resident ``images`` / ``labels``, augmented and normalised. Pure and
+    traceable (the trainer calls it inside its fused step).
+    """
     key = jax.random.key(seed)
     for value in (_AUGMENT_STREAM, epoch, step):
       key = jax.random.fold_in(key, value)
@@ -145,11 +147,14 @@ class DeviceLoader(Loader):
     self._jit_batch = jax.jit(self.make_batch)
 
   def place(self, where: Any = None) -> None:
-    """Moves the data set to ``where``: a device, or a ``jax.sharding.Sharding``; ``None``:
-    back where the constructor put it. A :class:`~jaxprune.train.Trainer` with a mesh places
-    it replicated on the mesh (``NamedSharding(mesh, PartitionSpec())``: a copy on each
-    device, from which each device makes its shard of every batch), one without a mesh back
-    home (a loader may serve both); nothing is copied when it is there already."""
+    """Moves the data set to ``where``.
+
+    ``where``: a device, or a ``jax.sharding.Sharding``; ``None``: back where the constructor put
+    it. A :class:`~jaxprune.train.Trainer` with a mesh places it replicated on the mesh
+    (``NamedSharding(mesh, PartitionSpec())``: a copy on each device, from which each device makes
+    its shard of every batch), one without a mesh back home (a loader may serve both); nothing is
+    copied when it is there already.
+    """
     where = self._home if where is None else where
     if where != self._images.sharding:
       self._images, self._labels = jax.device_put((self._images, self._labels), where)
@@ -165,13 +170,17 @@ class DeviceLoader(Loader):
     return self._steps_per_dispatch
 
   def dispatch_steps(self) -> int:
-    """Steps per dispatch at the current batch size: the divisor of the epoch's full batches
-    closest to :attr:`steps_per_dispatch`."""
+    """Steps per dispatch at the current batch size.
+
+    The divisor of the epoch's full batches closest to :attr:`steps_per_dispatch`.
+    """
     return _closest_divisor(len(self._dataset) // self.batch_size, self._steps_per_dispatch)
 
   def dispatches(self) -> Iterator[Dispatch]:
-    """The rest of the current epoch as :class:`Dispatch` es of :meth:`dispatch_steps` steps
-    (the final partial batch, with ``drop_last=False``, as a dispatch of its own).
+    """The rest of the current epoch as :class:`Dispatch` es.
+
+    Each of :meth:`dispatch_steps` steps (the final partial batch, with ``drop_last=False``, as a
+    dispatch of its own).
 
     The position moves as each dispatch is handed out, and the epoch advances at the end, as
     iterating the loader does; a newer iteration (or :meth:`set_epoch`, :meth:`restore`)

@@ -147,9 +147,11 @@ def random_resized_crop_box(
   scale: tuple[float, float] = (0.08, 1.0),
   ratio: tuple[float, float] = (3 / 4, 4 / 3),
 ) -> tuple[int, int, int, int]:
-  """``(top, left, h, w)`` of a random crop: area a uniform fraction in ``scale`` of the
-  image, aspect ratio ``w / h`` log-uniform in ``ratio``; ten tries, then the largest centred
-  crop whose ratio is clamped into ``ratio`` (torchvision's ``RandomResizedCrop``)."""
+  """``(top, left, h, w)`` of a random crop (torchvision's ``RandomResizedCrop``).
+
+  Area a uniform fraction in ``scale`` of the image, aspect ratio ``w / h`` log-uniform in
+  ``ratio``; ten tries, then the largest centred crop whose ratio is clamped into ``ratio``.
+  """
   area = height * width
   log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
   for _ in range(10):
@@ -174,8 +176,11 @@ def random_resized_crop_box(
 def random_resized_crop(
   image: Image.Image, size: int, rng: np.random.Generator, *, flip: bool = True
 ) -> np.ndarray:
-  """Training view: :func:`random_resized_crop_box`, bilinear resize to ``size`` x ``size``,
-  then (``flip``) a horizontal flip with probability 1/2. Returns uint8 ``(size, size, 3)``."""
+  """Training view: a random resized crop, then an optional flip.
+
+  :func:`random_resized_crop_box`, bilinear resize to ``size`` x ``size``, then (``flip``) a
+  horizontal flip with probability 1/2. Returns uint8 ``(size, size, 3)``.
+  """
   top, left, h, w = random_resized_crop_box(image.height, image.width, rng)
   out = image.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
   array = np.asarray(out, np.uint8)
@@ -185,8 +190,11 @@ def random_resized_crop(
 
 
 def center_crop(image: Image.Image, size: int, crop_ratio: float = 0.875) -> np.ndarray:
-  """Evaluation view: bilinear resize of the shorter side to ``round(size / crop_ratio)``,
-  then the centre ``size`` x ``size`` square. Returns uint8 ``(size, size, 3)``."""
+  """Evaluation view: a resize of the shorter side, then the centre square.
+
+  Bilinear resize of the shorter side to ``round(size / crop_ratio)``, then the centre ``size`` x
+  ``size`` square. Returns uint8 ``(size, size, 3)``.
+  """
   resize = round(size / crop_ratio)
   scale = resize / min(image.width, image.height)
   w = resize if image.width <= image.height else round(image.width * scale)
@@ -372,8 +380,11 @@ class ImageNetLoader:
     return self.folder.class_names
 
   def shard(self, epoch: int) -> np.ndarray:
-    """Record indices (into ``folder.paths``) of this process's images in ``epoch``, in the
-    order they are served (before ``drop_last``'s cut to whole batches)."""
+    """Record indices of this process's images in ``epoch``, in serving order.
+
+    Indices into ``folder.paths``, in the order they are served (before ``drop_last``'s cut to whole
+    batches).
+    """
     n, count = len(self.folder), self.process_count
     if self.shuffle:
       order = np.random.default_rng([self.seed, epoch, 0]).permutation(n)

@@ -241,8 +241,9 @@ class Loader:
     }
 
   def restore(self, state: dict[str, Any]) -> None:
-    """Continues from a :meth:`state` snapshot (superseding a live iteration, as
-    :meth:`set_epoch` does).
+    """Continues from a :meth:`state` snapshot.
+
+    It supersedes a live iteration, as :meth:`set_epoch` does.
 
     The position counts global batches, so a snapshot from any process of a multi-host run,
     or from a run with another process count, restores the same place.

@@ -66,6 +66,9 @@ def check_precision(dtype: Any, param_dtype: Any) -> tuple[jnp.dtype | None, jnp
 
 
 def float32_logits(logits: jax.Array) -> jax.Array:
-  """``logits`` in at least float32: the loss and its gradient start in float32 whatever the
-  compute dtype (a no-op for float32 models, so their results are unchanged)."""
+  """``logits`` in at least float32.
+
+  The loss and its gradient start in float32 whatever the compute dtype (a no-op for float32 models,
+  so their results are unchanged).
+  """
   return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))

@@ -7,9 +7,9 @@ duplicates those producers into every such fusion. In a bottleneck ResNet the fi
 conv of every block reads the residual stream, which is a chain of elementwise ops
 (BatchNorm, add, ReLU of every earlier block of the stage): each of these weight gradients
 recomputes the stage up to its block, through a strided transpose. The cost grows with the
-square of the stage's depth: on 2 cores a training step of PruneTrain's ResNet-50 (8
-bottleneck blocks per stage) took 8.7x ResNet-32's for 1.6x its FLOPs, and 3.4x less with
-the matmul (``experiments/results/benchmarks/conv_weight_grad.md``).
+square of the stage's depth: on a CPU a training step of PruneTrain's ResNet-50 (8 bottleneck
+blocks per stage) took far more than ResNet-32's for its FLOPs, and much less with the matmul
+(measured in ``experiments/results/benchmarks/conv_weight_grad.md``).
 
 A 1x1 convolution is a matmul over channels, and so is its weight gradient:
 ``dW = xᵀ · dY`` contracted over batch and space, which ``dot_general`` reads in place. The
@@ -142,8 +142,9 @@ def conv_general_dilated(
   preferred_element_type=None,
   **kwargs,
 ) -> Array:
-  """``lax.conv_general_dilated``, with :func:`pointwise_weight_gradient` as the weight
-  gradient of 1x1 convolutions on CPU.
+  """``lax.conv_general_dilated``, with a 1x1 weight gradient of its own on CPU.
+
+  :func:`pointwise_weight_gradient` is the weight gradient of 1x1 convolutions on CPU.
 
   The same signature and forward result as ``lax.conv_general_dilated`` (it is the
   ``conv_general_dilated`` hook of ``nnx.Conv``, which ``jaxprune.models.ConvBN`` sets).

@@ -71,16 +71,21 @@ def record_conversion(model: nnx.Module, conversion: Conversion) -> nnx.Module:
 
 
 def submodule(model: nnx.Module, path: tuple) -> nnx.Module:
-  """The module at ``path`` (as given by ``nnx.iter_modules``: attribute names and list
-  indices) inside ``model``."""
+  """The module at ``path`` inside ``model``.
+
+  ``path`` as given by ``nnx.iter_modules``: attribute names and list indices.
+  """
   for part in path:
     model = model[part] if isinstance(part, int) else getattr(model, part)
   return model
 
 
 def replace_submodule(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
-  """Puts ``new`` at ``path`` (as given by ``nnx.iter_modules``: attribute names and list
-  indices) inside ``model``: what a converter does to each module it swaps."""
+  """Puts ``new`` at ``path`` inside ``model``.
+
+  ``path`` as given by ``nnx.iter_modules``: attribute names and list indices. This is what a
+  converter does to each module it swaps.
+  """
   parent = submodule(model, path[:-1])
   if isinstance(path[-1], int):
     parent[path[-1]] = new
@@ -99,9 +104,10 @@ def channel_multiple(model: nnx.Module) -> int:
 
 
 def rebuild(model: nnx.Module, spec: Any = None, *, rngs: Optional[nnx.Rngs] = None) -> nnx.Module:
-  """A new model of ``model``'s class, ``num_classes`` and precision (``dtype`` /
-  ``param_dtype``, where the model has them), built from ``spec``, with every conversion
-  recorded on ``model`` re-applied.
+  """A new model of ``model``'s class, built from ``spec``, with its conversions re-applied.
+
+  It keeps ``model``'s ``num_classes`` and precision (``dtype`` / ``param_dtype``, where the model
+  has them), and re-applies every conversion recorded on ``model``.
 
   The new model's variables are freshly initialised (copy values over with ``nnx.update``);
   wrap the call in ``nnx.eval_shape`` to build it abstractly.

@@ -82,21 +82,28 @@ def _fans(shape: Sequence[int]) -> tuple[int, int]:
 
 
 def conv_kernel_init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
-  """He et al. (2015) normal init with fan_out, N(0, 2 / (k·k·out)), as in the papers'
-  PyTorch code (``normal_(0, sqrt(2 / n))``) and torchvision (``kaiming_normal_``, fan_out)."""
+  """He et al. (2015) normal init with fan_out, N(0, 2 / (k·k·out)).
+
+  As in the papers' PyTorch code (``normal_(0, sqrt(2 / n))``) and torchvision (``kaiming_normal_``,
+  fan_out).
+  """
   return (_unit_samples(key, shape, "normal") * math.sqrt(2.0 / _fans(shape)[1])).astype(dtype)
 
 
 def torch_default_init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
-  """PyTorch's default Conv2d/Linear weight init (``kaiming_uniform_(a=sqrt(5))``):
-  U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+  """PyTorch's default Conv2d/Linear weight init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+
+  That is ``kaiming_uniform_(a=sqrt(5))``.
+  """
   return (_unit_samples(key, shape, "uniform") / math.sqrt(_fans(shape)[0])).astype(dtype)
 
 
 def kaiming_uniform_relu_init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
-  """He et al. (2015) uniform init with fan_in and the ReLU gain √2: U(-b, b) with
-  b = √2 · √3 / √fan_in = √(6 / fan_in), i.e. PyTorch's ``kaiming_uniform_(w,
-  nonlinearity="relu")``. For an HWIO kernel fan_in = kh·kw·(in / groups)."""
+  """He et al. (2015) uniform init with fan_in and the ReLU gain √2.
+
+  U(-b, b) with b = √2 · √3 / √fan_in = √(6 / fan_in), i.e. PyTorch's ``kaiming_uniform_(w,
+  nonlinearity="relu")``. For an HWIO kernel fan_in = kh·kw·(in / groups).
+  """
   bound = math.sqrt(6.0 / _fans(shape)[0])
   return (_unit_samples(key, shape, "uniform") * bound).astype(dtype)
 
@@ -119,8 +126,10 @@ _BLUR_PADDINGS = ("zeros", "reflect")
 
 
 def binomial_filter(size: int) -> np.ndarray:
-  """The ``size`` x ``size`` binomial low-pass filter of BlurPool, summing to 1: the outer
-  product of row ``size - 1`` of Pascal's triangle with itself (3: [1, 2, 1] ⊗ [1, 2, 1] / 16).
+  """The ``size`` x ``size`` binomial low-pass filter of BlurPool, summing to 1.
+
+  The outer product of row ``size - 1`` of Pascal's triangle with itself (3: [1, 2, 1] ⊗ [1, 2, 1] /
+  16).
   """
   row = np.array([math.comb(size - 1, k) for k in range(size)], np.float64)
   f = np.outer(row, row)
@@ -128,9 +137,11 @@ def binomial_filter(size: int) -> np.ndarray:
 
 
 class BlurPool(nnx.Module):
-  """Anti-aliased downsampling: binomial blur of every channel, then keep every ``stride``-th
-  row and column (Zhang 2019, §3.2 "BlurPool"). No parameters: the filter is fixed, and is
-  built for the input's channel count at call time (so pruning channels around it is free).
+  """Anti-aliased downsampling (Zhang 2019, §3.2 "BlurPool").
+
+  Binomial blur of every channel, then keep every ``stride``-th row and column. No parameters: the
+  filter is fixed, and is built for the input's channel count at call time (so pruning channels
+  around it is free).
 
   Attributes:
     filter_size: side of the binomial filter (1 to 7; 1 = plain subsampling).
@@ -411,9 +422,11 @@ class _ResidualBlock(nnx.Module):
     return self.conv1 is not None
 
   def remove_branch(self) -> None:
-    """Drops the branch (PruneTrain §4.1 layer removal): the block then computes
-    ``relu(shortcut(x))``, its value with a zero branch output. With ``branch_names`` this
-    declares the branch removable to :func:`jaxprune.prunetrain.reconfigure`."""
+    """Drops the branch (PruneTrain §4.1 layer removal).
+
+    The block then computes ``relu(shortcut(x))``, its value with a zero branch output. With
+    ``branch_names`` this declares the branch removable to :func:`jaxprune.prunetrain.reconfigure`.
+    """
     for name in self.branch_names:
       setattr(self, name, None)
 
@@ -460,8 +473,9 @@ class BasicBlock(_ResidualBlock):
 
 
 class Bottleneck(_ResidualBlock):
-  """Bottleneck block (ResNet v1.5: the stride is on the 3x3 conv, as in PruneTrain's,
-  kuangliu's and torchvision's code): 1x1 → 3x3 → 1x1 (no ReLU) + shortcut → ReLU.
+  """Bottleneck block: 1x1 → 3x3 → 1x1 (no ReLU) + shortcut → ReLU.
+
+  ResNet v1.5: the stride is on the 3x3 conv, as in PruneTrain's, kuangliu's and torchvision's code.
 
   ``widths = (w1, w2)``: output widths of ``conv1`` and ``conv2``; default
   ``(out_features // 4,) * 2``.

@@ -98,8 +98,10 @@ class BoundConv:
     feature_group_count: int = 1,
     precision=None,
   ) -> BoundConv:
-    """The call ``conv_fn(x, kernel, window_strides, padding, ...)`` with ``x, kernel`` left
-    open (lists become tuples, so the result is hashable)."""
+    """The call ``conv_fn(x, kernel, window_strides, padding, ...)`` with ``x, kernel`` open.
+
+    Lists become tuples, so the result is hashable.
+    """
     return cls(
       conv_fn,
       _hashable(window_strides),
@@ -228,10 +230,12 @@ class PluggableConv(nnx.Conv):
 
 
 def conv_sharing_variables(cls: type, conv: nnx.Conv, **kwargs) -> nnx.Conv:
-  """An instance of ``cls`` (an ``nnx.Conv`` subclass) with ``conv``'s settings that holds
-  ``conv``'s very ``kernel`` / ``bias`` Variables and :class:`ConvKey` (same attribute): what a
-  converter puts in a conv's place so the parameter tree, the optimizer state, the key stream
-  and checkpoints stay the same.
+  """An instance of ``cls`` that holds ``conv``'s very Variables.
+
+  ``cls`` is an ``nnx.Conv`` subclass; the instance has ``conv``'s settings and holds ``conv``'s
+  very ``kernel`` / ``bias`` Variables and :class:`ConvKey` (same attribute): what a converter puts
+  in a conv's place so the parameter tree, the optimizer state, the key stream and checkpoints stay
+  the same.
 
   ``kwargs`` go to ``cls``'s constructor (its own settings, e.g. its ``conv_general_dilated``).
   """

@@ -56,8 +56,10 @@ def _lookup(name: str) -> tuple[type[nnx.Module], Callable[[], Any]]:
 
 
 def default_spec(name: str) -> Any:
-  """The width spec of registered model ``name`` (a ``ResNetSpec``, ``VGGSpec`` or
-  ``ResNet9Spec``)."""
+  """The width spec of registered model ``name``.
+
+  A ``ResNetSpec``, ``VGGSpec`` or ``ResNet9Spec``.
+  """
   return _lookup(name)[1]()
 
 
@@ -120,8 +122,10 @@ def create(
 
 
 def param_count(model: nnx.Module) -> int:
-  """Number of trainable parameters (``nnx.Param`` entries: conv/linear weights, biases,
-  BN γ/β; not BN running statistics). Works on abstract models from ``nnx.eval_shape``.
+  """Number of trainable parameters (``nnx.Param`` entries).
+
+  Conv/linear weights, biases, BN γ/β; not BN running statistics. Works on abstract models from
+  ``nnx.eval_shape``.
 
   Example:
     >>> abstract = nnx.eval_shape(lambda: create("imagenet-resnet50", num_classes=1000,

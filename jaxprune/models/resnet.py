@@ -178,8 +178,9 @@ class ResNetSpec:
     inner_widths: Sequence[Sequence[int]] | None = None,
     **kwargs,
   ) -> ResNetSpec:
-    """A spec where all blocks of a stage are alike, with projections exactly where the
-    shape changes (He et al. option B).
+    """A spec where all blocks of a stage are alike.
+
+    Projections are exactly where the shape changes (He et al. option B).
 
     Args:
       block: ``"basic"`` or ``"bottleneck"``.
@@ -259,8 +260,9 @@ class ResNetSpec:
     return dataclasses.replace(self, stem_width=fn(self.stem_width, like.stem_width), stages=stages)
 
   def layer_widths(self) -> dict[str, int]:
-    """Output width of every conv and of the classifier's input, keyed by the layer's
-    attribute path in :class:`ResNet` (``"stem"``, ``"stages/0/1/conv1"``,
+    """Output width of every conv and of the classifier's input.
+
+    Keyed by the layer's attribute path in :class:`ResNet` (``"stem"``, ``"stages/0/1/conv1"``,
     ``"stages/1/0/shortcut"``, ...); removed branches have no entries.
 
     The inverse of :meth:`with_widths`: ``spec.with_widths(spec.layer_widths()) == spec``.
@@ -337,8 +339,10 @@ class ResNetSpec:
 
 
 class ResNet(nnx.Module):
-  """ResNet: stem ``ConvBN`` (+ optional max pool) → stages of residual blocks → global
-  average pool → ``nnx.Linear`` head.
+  """ResNet: stem, stages of residual blocks, global average pool and a linear head.
+
+  Stem ``ConvBN`` (+ optional max pool) → stages of residual blocks → global average pool →
+  ``nnx.Linear`` head.
 
   Attributes:
     spec: the ``ResNetSpec`` it was built from.
@@ -480,7 +484,8 @@ def _four_stage_spec(depth: int, **kwargs) -> ResNetSpec:
 
 
 def clicktrain_resnet_spec(depth: int) -> ResNetSpec:
-  """ClickTrain's CIFAR ResNets (kuangliu/pytorch-cifar layout, as in ClickTrain's code):
+  """ClickTrain's CIFAR ResNets (kuangliu/pytorch-cifar layout, as in ClickTrain's code).
+
   3x3 stem of 64, no max pool, 4 stages of 64/128/256/512 planes.
 
   ``depth`` 18 [2,2,2,2], 32 [3,4,5,3] (their "ResNet-32", ≈20.1 M parameters), 34
@@ -490,6 +495,8 @@ def clicktrain_resnet_spec(depth: int) -> ResNetSpec:
 
 
 def imagenet_resnet_spec(depth: int) -> ResNetSpec:
-  """torchvision ImageNet ResNets (v1.5: bottleneck stride on the 3x3): 7x7/2 stem of 64,
-  3x3/2 max pool, then the same stages as ``clicktrain_resnet_spec(depth)``."""
+  """torchvision ImageNet ResNets (v1.5: bottleneck stride on the 3x3).
+
+  7x7/2 stem of 64, 3x3/2 max pool, then the same stages as ``clicktrain_resnet_spec(depth)``.
+  """
   return _four_stage_spec(depth, stem_kernel=7, stem_stride=2, stem_pool=True)

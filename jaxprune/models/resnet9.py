@@ -96,8 +96,9 @@ class ResNet9Spec:
     )
 
   def layer_widths(self) -> dict[str, int]:
-    """Output width of every conv, keyed by its attribute path in :class:`ResNet9`
-    (``"prep"``, ``"layer1"``, ``"res1/0"``, ...).
+    """Output width of every conv, keyed by its attribute path in :class:`ResNet9`.
+
+    For example ``"prep"``, ``"layer1"``, ``"res1/0"``, ...
 
     The inverse of :meth:`with_widths`: ``spec.with_widths(spec.layer_widths()) == spec``.
     """

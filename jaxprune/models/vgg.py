@@ -95,9 +95,10 @@ class VGGSpec:
     )
 
   def layer_widths(self) -> dict[str, int]:
-    """Output width of every conv (``"features/i"``) and hidden ``Linear``
-    (``"classifier/j"``), keyed by the layer's attribute path in :class:`VGG`; the
-    classifier's last layer (the logits) is not a spec width.
+    """Output width of every conv and hidden ``Linear``, keyed by attribute path.
+
+    Convs are ``"features/i"`` and hidden ``Linear`` layers ``"classifier/j"``, keyed by the layer's
+    attribute path in :class:`VGG`; the classifier's last layer (the logits) is not a spec width.
 
     The inverse of :meth:`with_widths`: ``spec.with_widths(spec.layer_widths()) == spec``.
     """
@@ -137,18 +138,22 @@ def _spec_from_blocks(blocks: Sequence[Sequence[int]], pools: int, **kwargs) -> 
 
 
 def prunetrain_vgg_spec(depth: int) -> VGGSpec:
-  """PruneTrain's CIFAR VGG-``depth`` (11, 13, 16, 19): BN, 5 max pools, one
-  ``Linear(512, classes)``; He-normal conv init, BN γ = 1 (PruneTrain's code)."""
+  """PruneTrain's CIFAR VGG-``depth`` (11, 13, 16, 19).
+
+  BN, 5 max pools, one ``Linear(512, classes)``; He-normal conv init, BN γ = 1 (PruneTrain's code).
+  """
   if depth not in _VGG_BLOCKS:
     raise ValueError(f"depth must be one of {sorted(_VGG_BLOCKS)}, got {depth!r}")
   return _spec_from_blocks(_VGG_BLOCKS[depth], pools=5)
 
 
 def clicktrain_vgg_spec(depth: int) -> VGGSpec:
-  """ClickTrain's CIFAR VGG-``depth`` (11, 13, 16, 19), as in their ``vgg.py``: BN, 4 max
-  pools (none after the last block) + ``AvgPool2d(2)``, classifier
-  Dropout → Linear(512, 512) → ReLU → Dropout → Linear(512, 512) → ReLU → Linear(512, classes),
-  BN γ initialised to 0.5, Linear weights N(0, 0.01)."""
+  """ClickTrain's CIFAR VGG-``depth`` (11, 13, 16, 19), as in their ``vgg.py``.
+
+  BN, 4 max pools (none after the last block) + ``AvgPool2d(2)``, classifier Dropout → Linear(512,
+  512) → ReLU → Dropout → Linear(512, 512) → ReLU → Linear(512, classes), BN γ initialised to 0.5,
+  Linear weights N(0, 0.01).
+  """
   if depth not in _VGG_BLOCKS:
     raise ValueError(f"depth must be one of {sorted(_VGG_BLOCKS)}, got {depth!r}")
   return _spec_from_blocks(
