@@ -94,8 +94,11 @@ class _ChannelWalker:
     return self.axes[v]
 
   def constant(self, v: Any, value: Any) -> None:
-    """A constant array: its axes along which it varies are fixed (it is not a variable the
-    surgery could slice); an axis along which it is uniform follows whatever it meets."""
+    """A constant array: its axes along which it varies are fixed.
+
+    It is not a variable the surgery could slice; an axis along which it is uniform follows whatever
+    it meets.
+    """
     nodes = self.fresh(v)
     array = np.asarray(value) if value is not None else None
     for axis, node in enumerate(nodes):

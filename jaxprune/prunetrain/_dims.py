@@ -152,8 +152,9 @@ class _Dims:
     return inherited
 
   def coords(self, node: int) -> dict[int, np.ndarray]:
-    """For every atom inside ``node``: the atom's channel at each position of the axis (-1
-    where the position lies in another part of a concatenation).
+    """For every atom inside ``node``: the atom's channel at each position of the axis.
+
+    -1 where the position lies in another part of a concatenation.
 
     Raises:
       ValueError: one atom appears twice in one product (the axis cannot be sliced per

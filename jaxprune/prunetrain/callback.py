@@ -100,8 +100,9 @@ class PruneTrainCallback(Callback):
     min_flops_saving: install a reconfiguration only when it cuts the inference FLOPs by at
       least this fraction (0 = whenever a channel died, as in the paper).  Each installed
       reconfiguration recompiles the step (and, with ``dynamic_batch``, compiles it again per
-      memory probe), which on a 2-core CPU costs about 25 training steps of ResNet-32 at batch
-      64 (15–17 s): a few dead channels are not worth it.  Skipped dead channels stay in the
+      memory probe), which on a CPU costs many training steps of ResNet-32 (measured in
+      ``experiments/results/benchmarks/prunetrain_reconfigure_compile_cpu.md``): a few dead
+      channels are not worth it.  Skipped dead channels stay in the
       model (zero or near zero) and go at the next reconfiguration that is worth installing.
     recompute_batchnorm: re-estimate the BatchNorm running statistics from this many
       training batches (those the epoch just trained on, with the current weights;
@@ -109,8 +110,7 @@ class PruneTrainCallback(Callback):
       installed reconfiguration; 0 = off.  The group lasso shrinks whole channels every
       step, so the running averages (momentum 0.9, about the last ten steps) can lag far
       behind what the current weights produce, and eval mode then scores the weights
-      wrongly: on the quickstart (digits, penalty ratio 0.9, 22 steps per epoch) epoch 4
-      scores 11.9% in eval mode and 75.6% after re-estimating from 5 batches.  Off by
+      wrongly (measured on the quickstart in ``docs/design.md``, "PruneTrain").  Off by
       default because the paper evaluates with the running statistics as training leaves
       them (it does not say otherwise), and at its settings (ratio 0.2, hundreds of steps
       per epoch) the weights move little within the averaging horizon.  Training never

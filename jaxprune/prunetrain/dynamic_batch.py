@@ -122,8 +122,11 @@ class _Search:
     return fits
 
   def fit_affine(self, second: int) -> None:
-    """Narrows ``[low, high)`` from a line through the probes at 1 and ``second`` and one
-    probe at the batch the line picks (and one step below it if that one does not fit)."""
+    """Narrows ``[low, high)`` from a line through two probes and one probe it picks.
+
+    The line goes through the probes at 1 and ``second``; one probe is at the batch the line picks
+    (and one step below it if that one does not fit).
+    """
     first = self.memory(1)
     self.fits(second)
     slope = (self.memory(second) - first) / (second - 1)
@@ -144,8 +147,10 @@ class _Search:
       self.fits(guess - 1)
 
   def exact(self) -> int:
-    """The largest fitting ``k`` in ``[low, high)``: doubling up from ``low``, then bisecting
-    (nothing to probe when the fit closed the interval)."""
+    """The largest fitting ``k`` in ``[low, high)``.
+
+    Doubling up from ``low``, then bisecting (nothing to probe when the fit closed the interval).
+    """
     step = 1
     while self.low + step < self.high and self.fits(self.low + step):
       step *= 2
@@ -162,9 +167,10 @@ def largest_batch_size(
   granularity: int = 32,
   limit: int = 8192,
 ) -> int:
-  """Largest multiple of ``granularity`` (<= ``limit``) whose compiled train step of
-  ``trainer``'s current model needs at most ``budget_bytes`` (searched by
-  :func:`grow_batch_size`; each probe compiles the step, about 3 in all).
+  """Largest multiple of ``granularity`` whose compiled train step fits ``budget_bytes``.
+
+  The multiple is at most ``limit``, and the train step is that of ``trainer``'s current model
+  (searched by :func:`grow_batch_size`; each probe compiles the step, about 3 in all).
 
   Args:
     trainer: a :class:`jaxprune.train.Trainer` (anything with ``step_memory``).
@@ -235,19 +241,23 @@ class DynamicBatch:
     return trainer.step_memory(batch_size, self.image_shape)["total"]
 
   def measure_budget(self, trainer: TrainerLike) -> int | None:
-    """Records the budget (the step's memory at the trainer's batch size) the first time;
-    returns it (``None`` while the trainer has no batch size yet)."""
+    """Records the budget the first time; returns it.
+
+    The budget is the step's memory at the trainer's batch size (``None`` while the trainer has no
+    batch size yet).
+    """
     if self.budget_bytes is None and trainer.batch_size:
       self.budget_bytes = self._memory(trainer, trainer.batch_size)
     return self.budget_bytes
 
   def grow(self, trainer: TrainerLike) -> int:
-    """Asks ``trainer`` for the largest batch whose step fits the budget, with the LR scaled
-    by the same ratio (both from the next epoch); returns that batch size. The search
-    (:func:`grow_batch_size`) compiles the new step about 3 times: two sizes fit the step's
-    affine memory, a third checks the batch the fit picks. Under data
-    parallelism (``trainer.num_devices > 1``) the batch is the global one and grows in steps
-    of ``lcm(granularity, num_devices)``, so it stays a multiple of the device count.
+    """Grows the batch to the largest whose step fits the budget; returns its size.
+
+    Asks ``trainer`` for the largest batch whose step fits the budget, with the LR scaled by the
+    same ratio (both from the next epoch). The search (:func:`grow_batch_size`) compiles the new
+    step about 3 times: two sizes fit the step's affine memory, a third checks the batch the fit
+    picks. Under data parallelism (``trainer.num_devices > 1``) the batch is the global one and
+    grows in steps of ``lcm(granularity, num_devices)``, so it stays a multiple of the device count.
 
     Raises:
       ValueError: no budget was measured.

@@ -106,8 +106,10 @@ class ChannelGroup:
     return tuple(u for u in self.uses if u.kernel)
 
   def magnitude(self, exclude: Sequence[ParamPath] = ()) -> np.ndarray:
-    """max|w| of every channel over the group's kernels (PruneTrain's dead-group test), kernels
-    under a path prefix in ``exclude`` left out."""
+    """max|w| of every channel over the group's kernels (PruneTrain's dead-group test).
+
+    Kernels under a path prefix in ``exclude`` are left out.
+    """
     out = np.zeros(self.width, np.float32)
     for use in self.kernels:
       if under(use.path, exclude):
@@ -166,8 +168,10 @@ class ChannelGraph:
 
 @runtime_checkable
 class RemovableBranch(Protocol):
-  """What a module has to declare a removable branch (PruneTrain §4.1 layer removal; see the
-  module docstring)."""
+  """What a module has to declare a removable branch.
+
+  PruneTrain §4.1 layer removal; see the module docstring.
+  """
 
   branch_names: Sequence[str]
 
@@ -299,8 +303,9 @@ def _branch_of(uses: Sequence[ChannelUse], branches: dict) -> Optional[ParamPath
 
 
 def live_channels(group: ChannelGroup, threshold: float = DEFAULT_THRESHOLD) -> np.ndarray:
-  """Channel union (PruneTrain §4.2): a channel lives if any kernel's group over it has
-  ``max|w| >= threshold``.
+  """Channel union (PruneTrain §4.2).
+
+  A channel lives if any kernel's group over it has ``max|w| >= threshold``.
 
   Args:
     group: a group of :func:`channel_graph`.

@@ -121,8 +121,11 @@ class LeafGroups:
   input_axis: Optional[int]
 
   def group_sum_squares(self, leaf: jax.Array, *, keepdims: bool = False) -> list[jax.Array]:
-    """Σw² per group: one vector per penalised axis (output first), or with ``keepdims``
-    one array that broadcasts against ``leaf``."""
+    """Σw² per group.
+
+    One vector per penalised axis (output first), or with ``keepdims`` one array that broadcasts
+    against ``leaf``.
+    """
     sums = []
     for axis in (self.output_axis, self.input_axis):
       if axis is not None:
@@ -313,8 +316,9 @@ def penalty_gradient(
   is_input_conv: Optional[PathPredicate] = None,
   is_classifier: Optional[PathPredicate] = None,
 ) -> Any:
-  """∇GL(params) of :func:`penalty`, written out: each group ``g`` contributes
-  ``w_g / sqrt(Σ_{w∈g} w² + ε)`` (PruneTrain Eq. 2).
+  """∇GL(params) of :func:`penalty`, written out (PruneTrain Eq. 2).
+
+  Each group ``g`` contributes ``w_g / sqrt(Σ_{w∈g} w² + ε)``.
 
   Equal to ``jax.grad(penalty)``, but computed as one norm per group family and one product
   per kernel.  Autodiff of the summed penalty compiles to about twice as many small fused
@@ -479,9 +483,10 @@ def set_coefficient_once(
   is_input_conv: Optional[PathPredicate] = None,
   is_classifier: Optional[PathPredicate] = None,
 ) -> GroupLassoRatioState:
-  """λ of :func:`group_lasso_from_ratio`'s state: set from (``value``, ``params``) at the
-  first call whose loss is finite (Eq. 3), unchanged afterwards.  Shared with PruneTrain's
-  proximal form, which needs λ but not the penalty gradient.
+  """λ of :func:`group_lasso_from_ratio`'s state, set once.
+
+  Set from (``value``, ``params``) at the first call whose loss is finite (Eq. 3), unchanged
+  afterwards.  Shared with PruneTrain's proximal form, which needs λ but not the penalty gradient.
 
   A step with a NaN / Inf loss (or, under ``jit``, a non-finite λ) leaves λ unset (0: no
   penalty): CE₀ is then unknown, and a λ fixed from it would be NaN for the rest of the run.

@@ -31,8 +31,11 @@ _NORMS = (nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm)
 
 
 def rounded_width(width: int, multiple: int, cap: int) -> int:
-  """``width`` rounded up to a multiple of ``multiple``, at most ``cap`` (the width it was
-  pruned from): the width a reconfiguration keeps with ``channel_multiple=multiple``."""
+  """``width`` rounded up to a multiple of ``multiple``, at most ``cap``.
+
+  ``cap`` is the width it was pruned from; the result is the width a reconfiguration keeps with
+  ``channel_multiple=multiple``.
+  """
   return min(cap, -(-width // multiple) * multiple)
 
 
@@ -58,8 +61,9 @@ def plan_reconfiguration(
   threshold: float = DEFAULT_THRESHOLD,
   multiple: int = 1,
 ) -> SurgeryPlan:
-  """Which channels and branches of ``model`` die (PruneTrain §4.2 channel union, §4.1 layer
-  removal), from its channel graph.
+  """Which channels and branches of ``model`` die, from its channel graph.
+
+  PruneTrain §4.2 channel union, §4.1 layer removal.
 
   Args:
     model: the model ``graph`` was traced from.

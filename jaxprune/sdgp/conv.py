@@ -310,10 +310,11 @@ class SDGPConv(PluggableConv):
 
 @dataclasses.dataclass(frozen=True)
 class SDGPConversion:
-  """:func:`convert_model`'s settings, recorded on the converted model
-  (:func:`jaxprune.models.record_conversion`), so that :func:`jaxprune.models.rebuild` — and
-  through it PruneTrain's reconfiguration and the trainer's resume — converts the rebuilt
-  model the same way. Created (and checked) once: the preset's ``convert`` is this object.
+  """:func:`convert_model`'s settings, recorded on the converted model.
+
+  Recorded with :func:`jaxprune.models.record_conversion`, so that :func:`jaxprune.models.rebuild` —
+  and through it PruneTrain's reconfiguration and the trainer's resume — converts the rebuilt model
+  the same way. Created (and checked) once: the preset's ``convert`` is this object.
 
   ``settings`` are the N:M settings every converted conv gets. ``seed`` is an int or a key;
   it is stored as an int, ``(key_impl, key_data)`` for a typed key, or ``(None, key_data)``

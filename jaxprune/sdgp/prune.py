@@ -108,8 +108,8 @@ def _top_n_mask(keys: Array, n: int) -> Array:
 
   For ``m <= 8`` the count is written as elementwise ops between the m columns
   ``keys[..., k]``: XLA:CPU emits the ``(..., m, m)`` compare-and-reduce form as a loop
-  fusion with a nested reduction per entry, which made the 2:4 magnitude selection about
-  2.5x slower than this unrolled form (same result, checked by the tests).
+  fusion with a nested reduction per entry, which made the 2:4 magnitude selection
+  several times slower than this unrolled form (same result, checked by the tests).
   """
   m = keys.shape[-1]
   if m <= _UNROLL_MAX_M:
