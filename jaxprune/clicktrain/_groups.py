@@ -29,8 +29,11 @@ _POWER_STEPS = 128
 
 
 def group_ids(cout: int, groups: int) -> np.ndarray:
-  """``(cout,)`` int32: the group of each filter, ``groups`` consecutive runs as equal as
-  possible (equal when ``groups`` divides ``cout``: what ``clicktrain`` checks at ``init``)."""
+  """The group of each filter, as a ``(cout,)`` int32 array of consecutive runs.
+
+  ``groups`` consecutive runs as equal as possible (equal when ``groups`` divides ``cout``: what
+  ``clicktrain`` checks at ``init``).
+  """
   groups = min(groups, cout)
   return np.concatenate(
     [
@@ -49,10 +52,12 @@ def _ids(cout: int, groups: int, ids) -> tuple[jax.Array, int]:
 
 
 def group_sum(x: jax.Array, groups: int, axis: int = -1, ids=None) -> jax.Array:
-  """Sums ``x`` over the filters of each group along ``axis`` (the filter axis): that axis
-  becomes the group axis. ``ids``: the ``(Cout,)`` group of each filter (default consecutive
-  groups, ``min(groups, size)`` of them); with ``ids`` the group axis is ``groups`` long (a
-  group left empty by a channel surgery sums to 0)."""
+  """Sums ``x`` over the filters of each group along ``axis`` (the filter axis).
+
+  That axis becomes the group axis. ``ids``: the ``(Cout,)`` group of each filter (default
+  consecutive groups, ``min(groups, size)`` of them); with ``ids`` the group axis is ``groups`` long
+  (a group left empty by a channel surgery sums to 0).
+  """
   axis = axis % x.ndim
   seg, num = _ids(x.shape[axis], groups, ids)
   moved = jnp.moveaxis(x, axis, 0)
@@ -61,8 +66,10 @@ def group_sum(x: jax.Array, groups: int, axis: int = -1, ids=None) -> jax.Array:
 
 
 def lift(x: jax.Array, groups: int, axis: int = -1, ids=None) -> jax.Array:
-  """``x`` with every filter's entry along ``axis`` replaced by its group's sum (``groups``
-  = 0: unchanged, the paper's fine-grained mode); ``ids`` as :func:`group_sum`."""
+  """``x`` with every filter's entry along ``axis`` replaced by its group's sum.
+
+  ``groups`` = 0: unchanged, the paper's fine-grained mode; ``ids`` as :func:`group_sum`.
+  """
   axis = axis % x.ndim
   if not groups or groups >= x.shape[axis]:  # one filter per group: the kernel's own value
     return x
@@ -71,8 +78,11 @@ def lift(x: jax.Array, groups: int, axis: int = -1, ids=None) -> jax.Array:
 
 
 def first_filters(ids: jax.Array, groups: int) -> jax.Array:
-  """``(groups,)``: the lowest filter of each group (a group's representative column where
-  the lifted values are equal within it; an empty group points at the last filter)."""
+  """The lowest filter of each group, as a ``(groups,)`` array.
+
+  A group's representative column where the lifted values are equal within it; an empty group points
+  at the last filter.
+  """
   cout = ids.shape[0]
   first = jax.ops.segment_min(jnp.arange(cout, dtype=jnp.int32), ids, num_segments=groups)
   return jnp.minimum(first, cout - 1)

@@ -38,15 +38,20 @@ __all__ = [
 
 
 def step_clock(cfg: Config, state: ClickTrainState, loss) -> Clock:
-  """The :class:`~jaxprune.clicktrain.schedule.Clock` of the step that takes ``state`` on with
-  ``loss`` (the schedule's epochs advance by the learning rate's step increment)."""
+  """The :class:`~jaxprune.clicktrain.schedule.Clock` of the step that takes ``state`` on.
+
+  The step takes ``state`` on with ``loss``; the schedule's epochs advance by the learning rate's
+  step increment.
+  """
   return cfg.schedule.clock(state.epoch_length, state.epoch_loss_sum, loss)
 
 
 def penalty_ramp(cfg: Config, state: ClickTrainState, clock: Clock) -> jax.Array:
-  """The share of λ this step's group lasso applies (``group_lasso_ramp``): 1 held (the
-  paper), or growing with ``t``, the share of the regularize stage done, from the epoch it
-  began to ``hard_prune_epoch`` (a stage that runs past it, after a late trigger, stays at 1)."""
+  """The share of λ this step's group lasso applies (``group_lasso_ramp``).
+
+  1 held (the paper), or growing with ``t``, the share of the regularize stage done, from the epoch
+  it began to ``hard_prune_epoch`` (a stage that runs past it, after a late trigger, stays at 1).
+  """
   if cfg.group_lasso_ramp == "constant":
     return jnp.ones([], jnp.float32)
   # The stage's first epoch: held in the state, or this step's (the one-shot pick enters it).
@@ -60,8 +65,10 @@ def penalty_ramp(cfg: Config, state: ClickTrainState, clock: Clock) -> jax.Array
 
 
 def window_ratio(cfg: Config, state: ClickTrainState, clock: Clock) -> jax.Array:
-  """How much of a dropped weight this step keeps in the soft prune's window: the share the
-  schedule leaves after the step over the share before it (0 once nothing is left)."""
+  """How much of a dropped weight this step keeps in the soft prune's window.
+
+  The share the schedule leaves after the step over the share before it (0 once nothing is left).
+  """
   sch = cfg.schedule
   before = sch.kept_fraction(state.epoch_length.step)
   after = sch.kept_fraction(clock.step)
@@ -71,8 +78,11 @@ def window_ratio(cfg: Config, state: ClickTrainState, clock: Clock) -> jax.Array
 def next_state(
   cfg: Config, state: ClickTrainState, clock: Clock, stage, moved, layers, inner_state
 ) -> ClickTrainState:
-  """The state after this step: stage + 1 where a transition (or the hard prune, from
-  ``hard_prune_epoch`` at the end of REGULARIZE) ends this step; the epoch's loss bookkeeping."""
+  """The state after this step, with the epoch's loss bookkeeping.
+
+  Stage + 1 where a transition (or the hard prune, from ``hard_prune_epoch`` at the end of
+  REGULARIZE) ends this step.
+  """
   moved = moved | ((stage == REGULARIZE) & cfg.schedule.prune_due(clock))
   return ClickTrainState(
     count=state.count + 1,
@@ -93,9 +103,11 @@ def next_state(
 
 
 def warn_when(pred: jax.Array, message: str, epoch: jax.Array, **values: jax.Array) -> None:
-  """A ``RuntimeWarning`` from inside ``jit`` when ``pred`` holds; ``{epoch}`` in
-  ``message`` is filled with ``epoch``, and each ``{name}`` with the int of ``values[name]``.
-  A no-op step otherwise (one scalar ``cond``)."""
+  """A ``RuntimeWarning`` from inside ``jit`` when ``pred`` holds.
+
+  ``{epoch}`` in ``message`` is filled with ``epoch``, and each ``{name}`` with the int of
+  ``values[name]``. A no-op step otherwise (one scalar ``cond``).
+  """
 
   def warn(e, v):
     warnings.warn(message.format(epoch=int(e), **{k: int(x) for k, x in v.items()}), RuntimeWarning)
@@ -104,9 +116,12 @@ def warn_when(pred: jax.Array, message: str, epoch: jax.Array, **values: jax.Arr
 
 
 def warn_unreachable(cfg: Config) -> None:
-  """A ``RuntimeWarning`` when ``clicktrain()`` is built for a run (``total_epochs``) that
-  ends before its earliest possible hard prune (:meth:`Config.earliest_hard_prune`): such a
-  run ends dense, in its pool, finalization or regularization stage."""
+  """Warns when a run ends before its earliest possible hard prune.
+
+  A ``RuntimeWarning`` when ``clicktrain()`` is built for a run (``total_epochs``) that ends before
+  its earliest possible hard prune (:meth:`Config.earliest_hard_prune`): such a run ends dense, in
+  its pool, finalization or regularization stage.
+  """
   sch = cfg.schedule
   if sch.total_epochs is None or sch.earliest_hard_prune() <= sch.total_epochs:
     return
@@ -133,8 +148,9 @@ def warn_unreachable(cfg: Config) -> None:
 
 
 def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w, g):
-  """Paper mode, stages 2 and 3: the per-batch importance work, then (at the stage's last
-  step) pool selection / finalization, in ONE ``lax.switch`` on the stage.
+  """Paper mode, stages 2 and 3, in ONE ``lax.switch`` on the stage.
+
+  The per-batch importance work, then (at the stage's last step) pool selection / finalization.
 
   Returns the new per-layer states and whether this step ends WARMUP, POOL or FINALIZE.
   """
@@ -214,8 +230,10 @@ def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w,
 
 
 def one_shot_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w, g):
-  """One-shot mode: masks from the first batch of ``one_shot_epoch``, straight to REGULARIZE.
-  A non-finite batch defers the pick to the next finite one (NaN scores must not pick).
+  """One-shot mode: masks from the first batch of ``one_shot_epoch``, then REGULARIZE.
+
+  The step goes straight to REGULARIZE. A non-finite batch defers the pick to the next finite one
+  (NaN scores must not pick).
 
   Returns the new per-layer states and the stage.
   """

@@ -94,9 +94,11 @@ def _clustered(ls: ClickTrainLayerState, layer, kernel_scores, pattern_scores):
 
 
 def all_finite(loss, plan: Plan, w_leaves, g_leaves) -> jax.Array:
-  """Whether a step may feed the importance bookkeeping: the loss, every gradient leaf (what
-  ``optax.apply_if_finite`` checks) and the pruned weights are finite. Scores from a NaN
-  step would stay NaN in the sums for good and rank kernels by index."""
+  """Whether a step may feed the importance bookkeeping.
+
+  The loss, every gradient leaf (what ``optax.apply_if_finite`` checks) and the pruned weights are
+  finite. Scores from a NaN step would stay NaN in the sums for good and rank kernels by index.
+  """
   ok = jnp.isfinite(loss)
   for g in g_leaves:
     ok = ok & jnp.all(jnp.isfinite(g))
@@ -106,10 +108,12 @@ def all_finite(loss, plan: Plan, w_leaves, g_leaves) -> jax.Array:
 
 
 def scored(layers: Layers, plan: Plan, stage: Stage) -> jax.Array:
-  """Whether some batch of the current POOL / FINALIZE stage fed its scores: each scored
-  DPPG batch adds +1 per pattern kernel, each counted finalization batch a vote per pattern
-  kernel and Eq. 2 scores (> 0 unless every ``g ⊙ w`` is 0). A stage of only non-finite or
-  skipped batches has all-zero scores, which would choose the pool / masks by index."""
+  """Whether some batch of the current POOL / FINALIZE stage fed its scores.
+
+  Each scored DPPG batch adds +1 per pattern kernel, each counted finalization batch a vote per
+  pattern kernel and Eq. 2 scores (> 0 unless every ``g ⊙ w`` is 0). A stage of only non-finite or
+  skipped batches has all-zero scores, which would choose the pool / masks by index.
+  """
   ok = jnp.bool_(False)
   if stage == POOL:
     pattern = [n for n, layer in plan.items() if layer.kind == "pattern"]
@@ -145,10 +149,12 @@ def pool_step(layers: Layers, plan: Plan, w_leaves, g_leaves) -> Layers:
 
 
 def finalize_step(layers: Layers, plan: Plan, w_leaves, g_leaves, counted) -> Layers:
-  """One batch of adaptive finalization (§4.3): pattern votes (Eq. 1) and summed Eq. 2
-  kernel scores, both only when the batch passes the loss-margin test (``counted``). Per
-  (group, input channel) in the aligned mode; per kernel while a clustered partition is still
-  to be chosen (:func:`finalize_masks` chooses it from these)."""
+  """One batch of adaptive finalization (§4.3).
+
+  Pattern votes (Eq. 1) and summed Eq. 2 kernel scores, both only when the batch passes the
+  loss-margin test (``counted``). Per (group, input channel) in the aligned mode; per kernel while a
+  clustered partition is still to be chosen (:func:`finalize_masks` chooses it from these).
+  """
   out = dict(layers)
   for name, layer in plan.items():
     ls = layers[name]
@@ -252,10 +258,12 @@ def _map_pruned(fn, pred, plan: Plan, leaves) -> list:
 def modify_grads(
   g_leaves, layers: Layers, plan: Plan, w_leaves, stage, coefficient, eps: float
 ) -> list:
-  """The gradient the inner optimizer sees: ``+ λ ∂(modified group lasso)`` while
-  regularizing (§4.4), masked once pruned (so the inner moments get nothing there). Each
-  stage computes only its own part: the pruned stage, where every later step runs, does not
-  form the penalty's gradient to multiply it by zero."""
+  """The gradient the inner optimizer sees.
+
+  ``+ λ ∂(modified group lasso)`` while regularizing (§4.4), masked once pruned (so the inner
+  moments get nothing there). Each stage computes only its own part: the pruned stage, where every
+  later step runs, does not form the penalty's gradient to multiply it by zero.
+  """
 
   def regularize(gs):
     out = {}
@@ -296,9 +304,12 @@ def hard_mask(u_leaves, layers: Layers, plan: Plan, w_leaves, pruned) -> list:
 
 
 def decay_pruned(u_leaves, layers: Layers, plan: Plan, w_leaves, ratio, decaying) -> list:
-  """The soft prune's window: emit ``ratio · (p + u) − p`` where the masks prune, so the
-  dropped weights shrink by ``ratio`` (the schedule's share left after this step over the
-  share before it) and reach exactly 0 at the prune; kept entries pass ``u`` bit for bit."""
+  """The soft prune's window: shrinks the dropped weights by ``ratio``.
+
+  Emits ``ratio · (p + u) − p`` where the masks prune, so the dropped weights shrink by ``ratio``
+  (the schedule's share left after this step over the share before it) and reach exactly 0 at the
+  prune; kept entries pass ``u`` bit for bit.
+  """
 
   def decay(us):
     out = {}

@@ -90,8 +90,10 @@ def layer_choice_differences(model: nnx.Module, input_shape: Sequence[int]) -> d
 
 
 class LayerChoiceCheck(Callback):
-  """Trainer hook: at fit start, before any step, refuses a ClickTrain run whose default,
-  name-based layer choice differs from the model's structure (see the module docstring).
+  """Trainer hook: refuses a run whose layer choice differs from the model's structure.
+
+  At fit start, before any step, it refuses a ClickTrain run whose default, name-based layer choice
+  differs from the model's structure (see the module docstring).
 
   Args:
     image_shape: one training image, ``(H, W, C)`` (``methods.Run.image_shape``); ``None``:

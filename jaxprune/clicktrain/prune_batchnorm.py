@@ -113,8 +113,9 @@ class HardPruneBatchNorm(Callback):
 
 
 class HardPruneCheck(Callback):
-  """Trainer hook: mark ClickTrain's hard prune in the records, and warn when the run's last
-  epoch ends before it.
+  """Trainer hook: marks ClickTrain's hard prune in the records.
+
+  It also warns when the run's last epoch ends before the hard prune.
 
   Every epoch's record gets ``ct_stage`` (the stage at the epoch's end,
   :func:`~jaxprune.clicktrain.stage_name`) and ``ct_hard_prune``: True in the one record whose

@@ -74,8 +74,10 @@ def find_state(opt_state: Any) -> ClickTrainState:
 
 
 def stage_name(opt_state: Any) -> str:
-  """Name of the current stage: ``"warmup"``, ``"pool"``, ``"finalize"``, ``"regularize"``
-  or ``"pruned"``."""
+  """Name of the current stage.
+
+  One of ``"warmup"``, ``"pool"``, ``"finalize"``, ``"regularize"`` or ``"pruned"``.
+  """
   return STAGE_NAMES[int(find_state(opt_state).stage)]
 
 
@@ -275,9 +277,10 @@ def removed_norm_fraction(opt_state: Any, params: PyTree) -> tuple[float, dict[s
 
 
 def group_lasso_penalty(params: PyTree, opt_state: Any, eps: float = 1e-8) -> jax.Array:
-  """The modified group lasso term (without λ) for the current masks (ClickTrain §4.4):
-  ``Σ_kernels [sqrt(‖W⊙¬P‖² + ε) + sqrt(‖W⊙¬K‖² + ε)]``. Differentiable in ``params``; its
-  gradient times λ is what the transform adds while regularizing.
+  """The modified group lasso term (without λ) for the current masks (ClickTrain §4.4).
+
+  ``Σ_kernels [sqrt(‖W⊙¬P‖² + ε) + sqrt(‖W⊙¬K‖² + ε)]``. Differentiable in ``params``; its gradient
+  times λ is what the transform adds while regularizing.
 
   In the aligned mode a "kernel" is a (filter group, input channel) pair of the state's
   partition: ``Σ_{g,c} sqrt(|g|) [sqrt(Σ_{f∈g} ‖W_f⊙¬P‖² + ε) + sqrt(Σ_{f∈g} ‖W_f⊙¬K‖² + ε)]``

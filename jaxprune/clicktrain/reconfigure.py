@@ -53,8 +53,10 @@ def _kept_filters(ids, out_index):
 
 
 def slice_state(state: ClickTrainState, slices: ChannelSlices) -> ClickTrainState:
-  """``state`` for the reconfigured params: every layer sliced with its kernel's kept
-  channels, removed layers dropped, the inner optimizer state sliced.
+  """``state`` for the reconfigured params.
+
+  Every layer sliced with its kernel's kept channels, removed layers dropped, the inner optimizer
+  state sliced.
 
   Args:
     state: a :class:`~jaxprune.clicktrain.ClickTrainState`.

@@ -170,10 +170,12 @@ class Schedule:
   def scaled(
     cls, steps_per_epoch: int, epochs: int, source_epochs: int, *, fixed: dict, **given: Any
   ) -> "Schedule":
-    """A one-shot schedule whose ``fixed`` epochs (of a ``source_epochs`` run, e.g. the
-    authors' 190) are placed at the same fractions of a run of ``epochs``; ``given`` settings
-    are kept as they are. A short run keeps the order: pick, at least one regularized epoch,
-    then the prune."""
+    """A one-shot schedule rescaled from a ``source_epochs`` run to a run of ``epochs``.
+
+    Its ``fixed`` epochs (of a ``source_epochs`` run, e.g. the authors' 190) are placed at the same
+    fractions of a run of ``epochs``; ``given`` settings are kept as they are. A short run keeps the
+    order: pick, at least one regularized epoch, then the prune.
+    """
     placed = {
       k: given.pop(k) if given.get(k) is not None else round(v * epochs / source_epochs)
       for k, v in fixed.items()
@@ -183,10 +185,12 @@ class Schedule:
     return cls(steps_per_epoch=steps_per_epoch, mode="one_shot", **placed, **given)
 
   def earliest_hard_prune(self) -> int:
-    """The fewest epochs after which the hard prune can come: ``hard_prune_epoch``, or later
-    where pool generation + finalization + one regularized epoch (§4.1-§4.4) cannot fit
-    before it (the loss-derivative trigger fires at the end of epoch
-    :data:`EARLIEST_TRIGGER` at the earliest)."""
+    """The fewest epochs after which the hard prune can come.
+
+    ``hard_prune_epoch``, or later where pool generation + finalization + one regularized epoch
+    (§4.1-§4.4) cannot fit before it (the loss-derivative trigger fires at the end of epoch
+    :data:`EARLIEST_TRIGGER` at the earliest).
+    """
     if self.mode != "paper":
       return self.hard_prune_epoch
     start = EARLIEST_TRIGGER if self.pool_start_epoch is None else self.pool_start_epoch
@@ -195,8 +199,10 @@ class Schedule:
   # ---------------------------------------------------------------- inside jit, every step
 
   def clock(self, epoch_length: Any, epoch_loss_sum: jax.Array, loss: jax.Array) -> Clock:
-    """The :class:`Clock` of the step that advances ``epoch_length`` (an
-    :class:`~jaxprune.train.EpochLengthState`) by its increment with ``loss``."""
+    """The :class:`Clock` of the step that advances ``epoch_length`` by its increment.
+
+    ``epoch_length`` is an :class:`~jaxprune.train.EpochLengthState`, advanced with ``loss``.
+    """
     spe = self.steps_per_epoch
     increment = epoch_length.step_increment
     before, after = epoch_length.step, epoch_length.step + increment
@@ -220,8 +226,10 @@ class Schedule:
     )
 
   def pool_due(self, clock: Clock, prev_epoch_loss: jax.Array) -> jax.Array:
-    """Whether warm-up ends at this epoch end's (§4.1): the loss-derivative trigger, or
-    ``pool_start_epoch`` epochs done."""
+    """Whether warm-up ends at this epoch end (§4.1).
+
+    The loss-derivative trigger, or ``pool_start_epoch`` epochs done.
+    """
     if self.pool_start_epoch is None:
       return (~jnp.isnan(prev_epoch_loss)) & (
         jnp.abs(clock.mean - prev_epoch_loss) < self.loss_derivative_threshold
@@ -238,10 +246,13 @@ class Schedule:
     return clock.epoch_end & (clock.epochs_done >= self.hard_prune_epoch)
 
   def kept_fraction(self, position: jax.Array) -> jax.Array:
-    """The soft prune (beyond the paper): the share of a weight the final masks drop that is
-    left at schedule ``position`` (reference steps): 1 until ``prune_window_epochs`` before
-    the hard prune, then falling linearly to 0 at ``hard_prune_epoch`` (a decaying mask, after
-    Kao et al. 2022). Always 1 without a window."""
+    """The share of a dropped weight left at schedule ``position`` (the soft prune).
+
+    The soft prune is beyond the paper: the share of a weight the final masks drop that is left at
+    schedule ``position`` (reference steps) is 1 until ``prune_window_epochs`` before the hard
+    prune, then falls linearly to 0 at ``hard_prune_epoch`` (a decaying mask, after Kao et al.
+    2022). Always 1 without a window.
+    """
     if not self.prune_window_epochs:
       return jnp.ones([], jnp.float32)
     epochs = position / self.steps_per_epoch

@@ -51,8 +51,10 @@ COLUMNS = ("per_group", "shared")
 
 
 def check_columns(columns: str | None, *, optional: bool = False) -> None:
-  """Raises ``ValueError`` naming ``columns`` unless it is one of :data:`COLUMNS` (or None,
-  where ``optional``: the dispatch measures both)."""
+  """Raises ``ValueError`` naming ``columns`` unless it is one of :data:`COLUMNS`.
+
+  None is accepted where ``optional``: the dispatch measures both.
+  """
   if columns in COLUMNS or (optional and columns is None):
     return
   allowed = ("None", *COLUMNS) if optional else COLUMNS

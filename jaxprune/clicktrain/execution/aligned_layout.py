@@ -145,9 +145,11 @@ def _runs_of_equal_filters(m: np.ndarray) -> list[list[int]]:
 
 
 def tap_blocks(channel_taps: np.ndarray) -> tuple[tuple[Taps, tuple[int, ...]], ...]:
-  """``(kh, kw, Cin)`` 0/1 taps per input channel → :attr:`AlignedGroup.blocks`: each distinct
-  tap set (row-major positions; sets ordered lexicographically) with its channels, increasing;
-  channels without a tap are left out."""
+  """``(kh, kw, Cin)`` 0/1 taps per input channel → :attr:`AlignedGroup.blocks`.
+
+  Each distinct tap set (row-major positions; sets ordered lexicographically) with its channels,
+  increasing; channels without a tap are left out.
+  """
   by_taps: dict[Taps, list[int]] = {}
   for c in range(channel_taps.shape[2]):
     taps = tuple((int(i), int(j)) for i, j in np.argwhere(channel_taps[:, :, c]))

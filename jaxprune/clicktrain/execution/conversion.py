@@ -9,15 +9,16 @@ pruned weights ClickTrain's masks keep at zero. There is no per-step branching: 
 part of the model's structure, compiled once.
 
 **By default each layer is timed both ways** (forward and both gradients, at its real input
-shape, once per conversion) and keeps the faster: on an H100 the fine-grained kernels are
-5-9x slower than cuDNN per layer and a whole step with every pruned conv sparse 6.6x
-(VGG-11) and 12.5x (ResNet-32) slower than the dense masked step; on the 2-core CPU the
-reference SpMM also loses at ClickTrain's sparsities; the aligned layout wins on some layers
-and loses on others on both (``docs/design.md``, ``experiments/results/benchmarks/``). Layers
-timed in isolation do not add up to a step (on the H100 the per-layer choice made VGG-11's
-step 1.20x dense, slower than all-dense or all-aligned), so the dispatch then times **the whole
-model's training pass** all dense, as the layers chose and all sparse, and keeps the fastest
-(:class:`ConversionReport`). A fixed threshold (the paper's 65% on its GPU, §5.2) stays.
+shape, once per conversion) and keeps the faster: on a GPU the fine-grained kernels are slower
+than cuDNN per layer, and a whole step with every pruned conv sparse is slower than the dense
+masked step; on the CPU the reference SpMM also loses at ClickTrain's sparsities; the aligned
+layout wins on some layers and loses on others on both (measured in ``docs/design.md``, "Sparse
+execution", and ``experiments/results/benchmarks/aligned_bench_gpu.md``,
+``aligned_bench_cpu.md`` and ``pattern_conv_bench.md``). Layers timed in isolation do not add up
+to a step (on the GPU the per-layer choice made VGG-11's step slower than all-dense or
+all-aligned), so the dispatch then times **the whole model's training pass** all dense, as the
+layers chose and all sparse, and keeps the fastest (:class:`ConversionReport`). A fixed
+threshold (the paper's 65% on its GPU, §5.2) stays.
 
 The layout is a static attribute of the layer, not part of its state: a checkpoint holds the
 same arrays before and after the switch, and a resumed run rebuilds the layouts from the masks
@@ -76,8 +77,9 @@ _NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 class ConversionReport(list):
-  """:func:`plan_sparse_layers`' per-layer :class:`LayerChoice` list, with the whole-model
-  check: the plan :func:`apply_sparse_layers` carries out.
+  """:func:`plan_sparse_layers`' per-layer :class:`LayerChoice` list, with the whole-model check.
+
+  The plan :func:`apply_sparse_layers` carries out.
 
   Attributes:
     model_ms: the measured training pass of the whole model (:func:`time_model_pass`) per

@@ -81,8 +81,10 @@ def time_train_pass(
   repeats: int = 3,
   seed: int = 0,
 ) -> float:
-  """Median milliseconds of one training pass of ``conv(x, kernel)``: the forward and both
-  gradients in one jitted ``jax.vjp`` (what a train step pays for the layer)."""
+  """Median milliseconds of one training pass of ``conv(x, kernel)``.
+
+  The forward and both gradients in one jitted ``jax.vjp`` (what a train step pays for the layer).
+  """
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=tuple(input_shape)), kernel.dtype)
   cot = jnp.asarray(rng.normal(size=jax.eval_shape(conv, x, kernel).shape), kernel.dtype)
@@ -97,10 +99,12 @@ def time_train_pass(
 def time_model_pass(
   model: nnx.Module, input_shape: Sequence[int], *, repeats: int = 3, seed: int = 0
 ) -> float:
-  """Median milliseconds of one training pass of the whole ``model`` on a random batch of
-  ``input_shape``: the forward and the gradients of its parameters and input in one jitted
-  ``jax.vjp`` (a train step without the optimizer, which every conversion leaves alike). The
-  model is not changed (its other state, e.g. BatchNorm statistics, is updated on a copy)."""
+  """Median milliseconds of one training pass of the whole ``model``.
+
+  On a random batch of ``input_shape``: the forward and the gradients of its parameters and input in
+  one jitted ``jax.vjp`` (a train step without the optimizer, which every conversion leaves alike).
+  The model is not changed (its other state, e.g. BatchNorm statistics, is updated on a copy).
+  """
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=tuple(input_shape)), jnp.float32)

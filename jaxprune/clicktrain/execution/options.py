@@ -43,9 +43,11 @@ THRESHOLD_MODES = ("measure", "fixed")
 
 
 def default_threshold(platform: str | None = None) -> str:
-  """The default dispatch on ``platform``: ``"measure"`` everywhere, since no sparse path is
-  known to win on any platform measured (GPU and CPU alike); ``platform`` is kept so a
-  platform where one is known to win can get a fixed threshold here."""
+  """The default dispatch on ``platform``: ``"measure"`` everywhere.
+
+  No sparse path is known to win on any platform measured (GPU and CPU alike); ``platform`` is kept
+  so a platform where one is known to win can get a fixed threshold here.
+  """
   del platform
   return "measure"
 
@@ -57,8 +59,11 @@ def fixed_threshold(platform: str | None = None) -> float:
 
 
 def default_backend(platform: str | None = None) -> str:
-  """The sparse kernel used on ``platform``: the Pallas kernels on GPU when this JAX still has
-  Pallas's Triton backend (:func:`pallas_kernels.triton_available`), else the reference."""
+  """The sparse kernel used on ``platform``.
+
+  The Pallas kernels on GPU when this JAX still has Pallas's Triton backend
+  (:func:`pallas_kernels.triton_available`), else the reference.
+  """
   platform = platform or jax.default_backend()
   if platform == "gpu" and "pallas" in BACKENDS and pallas_kernels.triton_available():
     return "pallas"
@@ -217,8 +222,9 @@ class SparseExecutionConfig:
 def as_config(
   config: SparseExecutionConfig | None, options: Mapping[str, Any]
 ) -> SparseExecutionConfig:
-  """The one config of a call that takes either a :class:`SparseExecutionConfig` or its fields
-  as keywords.
+  """The one config of a call that takes a config or its fields as keywords.
+
+  The call takes either a :class:`SparseExecutionConfig` or its fields as keywords.
 
   Raises:
     ValueError: both given, ``config`` not a :class:`SparseExecutionConfig`, or as the config.

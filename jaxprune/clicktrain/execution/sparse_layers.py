@@ -50,8 +50,11 @@ def _conv_padding(conv: nnx.Conv, name: str):
 
 
 def check_convertible(conv: nnx.Conv, name: str) -> None:
-  """A ``ValueError`` naming ``name`` unless the sparse layers can run ``conv``: 2-D,
-  ungrouped, undilated, SAME / VALID / explicit padding, no weight mask of its own."""
+  """Raises ``ValueError`` naming ``name`` unless the sparse layers can run ``conv``.
+
+  They run a 2-D, ungrouped, undilated conv with SAME / VALID / explicit padding and no weight mask
+  of its own.
+  """
   if len(conv.kernel_size) != 2:
     raise ValueError(f"{name}: PatternConv handles 2-D convolutions, got {conv.kernel_size}")
   if conv.feature_group_count != 1:
@@ -135,8 +138,10 @@ class AlignedConv(PluggableConv):
   def from_conv(
     cls, conv: nnx.Conv, layout: AlignedLayout, *, name: str = "conv", columns: str = "per_group"
   ) -> AlignedConv:
-    """An ``AlignedConv`` sharing ``conv``'s Variables, running on ``layout`` with its columns
-    made per group or shared (:func:`~jaxprune.clicktrain.execution.aligned_conv.aligned_conv`).
+    """An ``AlignedConv`` sharing ``conv``'s Variables, running on ``layout``.
+
+    Its columns are made per group or shared
+    (:func:`~jaxprune.clicktrain.execution.aligned_conv.aligned_conv`).
 
     Raises:
       ValueError: a layout of another kernel shape, a conv that is already sparse, one the
