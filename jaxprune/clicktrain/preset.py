@@ -168,8 +168,9 @@ PAPER_KERNEL_RATIOS: dict[str, tuple[float, ...]] = {
 
 
 def paper_kernel_ratios(model_name: str) -> Callable[[str, tuple[int, ...]], float]:
-  """The paper's kernel-prune ratio of each pruned conv of ``model_name``, as the
-  ``fn(path, shape)`` that ``kernel_prune_ratio`` takes.
+  """The paper's kernel-prune ratio of each pruned conv of ``model_name``.
+
+  Given as the ``fn(path, shape)`` that ``kernel_prune_ratio`` takes.
 
   Args:
     model_name: ``clicktrain-vgg11``, ``-vgg13``, ``-vgg16`` or one of the family's ResNets
