@@ -11,9 +11,10 @@ fraction of whole kernels is removed. The package has two halves.
   (DPPG, §4.2), votes and adaptive finalization (§4.3).
 * :mod:`~jaxprune.clicktrain.schedule` — :class:`Schedule`, the pruning schedule as one frozen
   value: the epoch settings, their checks, their placement in a run, and when each stage is due.
-* :mod:`~jaxprune.clicktrain.config` — :class:`~jaxprune.clicktrain.config.Config`, the
-  validated settings of one transform (every keyword of :func:`clicktrain`, the epoch settings
-  as its ``schedule``), and :func:`default_layer_filter`.
+* :mod:`~jaxprune.clicktrain.config` — :class:`Config`, the validated settings of one
+  transform (every keyword of :func:`clicktrain`: the epoch settings as its ``schedule``, each
+  mode's in a sub-config, :class:`PaperMode`, :class:`OneShot`, :class:`Aligned`), and
+  :func:`default_layer_filter`.
 * :mod:`~jaxprune.clicktrain.state` — the optimizer state (:class:`ClickTrainState`,
   :class:`ClickTrainLayerState`) and the stages (:class:`Stage`: warm-up, pool, finalize,
   regularize, pruned).
@@ -65,6 +66,9 @@ Example:
   >>> tx = clicktrain.clicktrain(
   ...     optax.sgd(0.1, momentum=0.9), steps_per_epoch=390, hard_prune_epoch=95,
   ...     kernel_prune_ratio=0.65)
+  >>> tx = clicktrain.clicktrain(optax.sgd(0.1, momentum=0.9), config=clicktrain.Config(
+  ...     clicktrain.Schedule(steps_per_epoch=390, hard_prune_epoch=95),
+  ...     kernel_prune_ratio=0.65, aligned=clicktrain.Aligned(filter_groups=4)))
 
 References:
   Zhang et al., "ClickTrain: Efficient and Accurate End-to-End Deep Learning Training via
@@ -72,7 +76,7 @@ References:
 """
 
 from jaxprune.clicktrain import reconfigure as _reconfigure  # noqa: F401 (registers the slicer)
-from jaxprune.clicktrain.config import default_layer_filter
+from jaxprune.clicktrain.config import Aligned, Config, OneShot, PaperMode, default_layer_filter
 from jaxprune.clicktrain.schedule import Schedule
 from jaxprune.clicktrain.execution import (
   AlignedConv,
@@ -116,6 +120,10 @@ from jaxprune.clicktrain.transform import clicktrain
 __all__ = [
   # the transform and its state
   "clicktrain",
+  "Config",
+  "PaperMode",
+  "OneShot",
+  "Aligned",
   "default_layer_filter",
   "layer_filter_for",
   "layer_choice_differences",

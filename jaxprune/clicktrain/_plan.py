@@ -117,8 +117,8 @@ def make_plan(
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   chosen = _chosen(cfg, leaves)
   ratios = _ratios(cfg, chosen, leaves, ratio_by_name)
-  groups = cfg.filter_groups or 0
-  clustered = bool(groups) and cfg.filter_grouping == "clustered"
+  groups = cfg.aligned.filter_groups if cfg.aligned else 0
+  clustered = bool(groups) and cfg.aligned.grouping == "clustered"
   return {
     name: PrunedLayer(
       i, kind, r, kh if kind == "pattern" else 0, cfg.balanced_kernels, groups, clustered
@@ -170,10 +170,13 @@ def check_filter_groups(plan: Plan, params: PyTree) -> None:
 
 
 def check_layers(plan: Plan, layers: Layers, params: PyTree) -> None:
-  """The params' pruned layers are those the state was built for, with the same shapes (a
-  ``ValueError`` naming the first that is not, instead of a bare ``KeyError`` later). A state
-  layer whose param is still there but that the filter no longer chooses (e.g. a PruneTrain
-  reconfiguration left it 3 input channels) is left to the plan, which follows the params."""
+  """Checks that the params' pruned layers are those the state was built for.
+
+  With the same shapes: a ``ValueError`` names the first that is not, instead of a bare
+  ``KeyError`` later. A state layer whose param is still there but that the filter no longer
+  chooses (e.g. a PruneTrain reconfiguration left it 3 input channels) is left to the plan,
+  which follows the params.
+  """
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   w_leaves = [leaf for _, leaf in leaves]
   for name, layer in plan.items():
@@ -199,8 +202,11 @@ def check_layers(plan: Plan, layers: Layers, params: PyTree) -> None:
 def init_layer(
   leaf: jax.Array, layer: PrunedLayer, pool_size: int, mode: str
 ) -> ClickTrainLayerState:
-  """The state of one pruned layer before any step: no scores, no pool, nothing pruned; the
-  filter groups consecutive (aligned mode) or one filter each (paper mode)."""
+  """The state of one pruned layer before any step.
+
+  No scores, no pool, nothing pruned; the filter groups consecutive (aligned mode) or one filter
+  each (paper mode).
+  """
   _, _, cin, cout = leaf.shape
   ids = group_ids(cout, layer.groups) if layer.groups else np.arange(cout, dtype=np.int32)
   n_pool = pool_size if (layer.kind == "pattern" and mode == "paper") else 0

@@ -189,7 +189,8 @@ def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w,
   in_stage = clock.epochs_done - state.stage_start_epoch
   to_final = (stage == POOL) & sch.stage_done(clock, in_stage, finalize=False)
   to_reg = (stage == FINALIZE) & sch.stage_done(clock, in_stage, finalize=True)
-  counted = _pat.loss_margin_ok(state.last_loss, clock.loss, cfg.loss_margin, cfg.margin_rule)
+  paper = cfg.paper
+  counted = _pat.loss_margin_ok(state.last_loss, clock.loss, paper.loss_margin, paper.margin_rule)
   counted = counted | jnp.isnan(state.last_loss)
   do_importance = (state.count % cfg.importance_every) == 0
 
@@ -202,7 +203,7 @@ def paper_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock, w,
     ls = jax.lax.cond(run, lambda x: _stage_work.pool_step(x, plan, w, g), lambda x: x, ls)
     end = to_final & _stage_work.scored(ls, plan, POOL)
     ls = jax.lax.cond(
-      end, lambda x: _stage_work.select_pools(x, plan, cfg.pool_size), lambda x: x, ls
+      end, lambda x: _stage_work.select_pools(x, plan, cfg.paper.pool_size), lambda x: x, ls
     )
     return ls, end
 
@@ -245,7 +246,7 @@ def one_shot_step(cfg: Config, plan: Plan, state: ClickTrainState, clock: Clock,
   )
   layers = jax.lax.cond(
     pick,
-    lambda ls: _stage_work.one_shot_masks(ls, plan, w, g, cfg.one_shot_patterns),
+    lambda ls: _stage_work.one_shot_masks(ls, plan, w, g, cfg.one_shot.patterns),
     lambda ls: ls,
     state.layers,
   )

@@ -1,8 +1,10 @@
 """The validated settings of one :func:`jaxprune.clicktrain.clicktrain` transform.
 
-Every argument of ``clicktrain()`` except the inner optimizer and the epoch settings becomes one
-field of the frozen :class:`Config`, checked once when it is built; the epoch settings are its
-``schedule`` (:class:`~jaxprune.clicktrain.schedule.Schedule`). The transform reads nothing else.
+Every argument of ``clicktrain()`` except the inner optimizer lands in the frozen
+:class:`Config`, checked once when it is built: the epoch settings are its ``schedule``
+(:class:`~jaxprune.clicktrain.schedule.Schedule`), the settings of one mode its sub-configs
+(:class:`PaperMode`, :class:`OneShot`, :class:`Aligned`; :data:`SUB_CONFIG_KEYWORDS` maps the
+keywords to their fields), and the rest its own fields. The transform reads nothing else.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ from jaxprune.clicktrain.state import PATTERN_SIZE
 __all__ = [
   "FILTER_GROUPINGS",
   "GROUP_LASSO_RAMPS",
+  "SUB_CONFIG_KEYWORDS",
+  "Aligned",
   "Config",
   "LayerFilter",
+  "OneShot",
+  "PaperMode",
   "RatioSpec",
   "check_ratio",
   "choose_layer",
@@ -41,13 +47,13 @@ RatioSpec = float | tuple[float, ...] | Callable[[str, tuple[int, ...]], float]
 
 
 def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
-  """ClickTrain's layer choice, as in the authors' released code (every conv but the stem and
-  the 1x1 shortcuts), with the shortcuts known by name.
+  """ClickTrain's layer choice, as in the authors' released code, with shortcuts known by name.
 
-  A transform sees parameters, not the model, so this default tells a 1x1 projection shortcut
-  by its path (``shortcut`` / ``downsample``, as :mod:`jaxprune.models` and torchvision name
-  them). :func:`jaxprune.clicktrain.layer_filter_for` decides the same by structure (a 1x1
-  conv alone on the skip path of a residual add), whatever the layers are called; the
+  Every conv is pruned but the stem and the 1x1 shortcuts. A transform sees parameters, not
+  the model, so this default tells a 1x1 projection shortcut by its path (``shortcut`` /
+  ``downsample``, as :mod:`jaxprune.models` and torchvision name them).
+  :func:`jaxprune.clicktrain.layer_filter_for` decides the same by structure (a 1x1 conv alone
+  on the skip path of a residual add), whatever the layers are called; the
   :func:`jaxprune.clicktrain.method` preset checks the two agree at fit start.
 
   Args:
@@ -64,8 +70,10 @@ def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
 
 
 def choose_layer(shape: tuple[int, ...], *, shortcut: bool) -> str | None:
-  """The released code's choice for a param of ``shape``; ``shortcut``: a 1x1 projection
-  shortcut (left dense)."""
+  """The released code's choice for a param of ``shape``.
+
+  ``shortcut``: the param is a 1x1 projection shortcut (left dense).
+  """
   if len(shape) != 4:
     return None
   kh, kw, cin, _ = shape
@@ -98,31 +106,181 @@ def check_ratio(r: Any, name: str | None = None) -> float:
   return float(r)
 
 
+def _check_non_negative(name: str, v: Any) -> None:
+  if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+    raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PaperMode:
+  """The paper mode's settings (DPPG and adaptive finalization, ClickTrain §4.2-4.3).
+
+  Checked when built; a bad value raises a ``ValueError`` named by its ``clicktrain()``
+  keyword, which has the same name.
+
+  Args:
+    pool_size: N, patterns in the final pool (8 or 12 in the paper; at most 126, the
+      ``C(9, 4)`` patterns of a 3x3 kernel).
+    loss_margin: δ of §4.3 (a batch votes when its loss did not rise by more).
+    margin_rule: ``"relative"`` or ``"literal"`` (see
+      :func:`jaxprune.clicktrain.patterns.loss_margin_ok`).
+
+  Example:
+    >>> from jaxprune import clicktrain
+    >>> clicktrain.PaperMode(pool_size=8).pool_size
+    8
+  """
+
+  pool_size: int = 12
+  loss_margin: float = 0.0018
+  margin_rule: str = "relative"
+
+  def __post_init__(self):
+    check_int("pool_size", self.pool_size, 1)
+    if self.pool_size > _pat.num_patterns(PATTERN_SIZE, 3):
+      raise ValueError(f"pool_size must be <= 126, got {self.pool_size}")
+    _check_non_negative("loss_margin", self.loss_margin)
+    if self.margin_rule not in ("relative", "literal"):
+      raise ValueError(f"margin_rule must be 'relative' or 'literal', got {self.margin_rule!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OneShot:
+  """The one-shot mode's setting (the authors' released rule).
+
+  Args:
+    patterns: size of the fixed pool each kernel picks its pattern from, 4, 8 or 12
+      (``clicktrain()``'s ``one_shot_patterns``, the name its ``ValueError`` gives).
+
+  Example:
+    >>> from jaxprune import clicktrain
+    >>> clicktrain.OneShot(patterns=12).patterns
+    12
+  """
+
+  patterns: int = 4
+
+  def __post_init__(self):
+    if isinstance(self.patterns, bool) or self.patterns not in _pat.ONE_SHOT_POOL_SIZES:
+      raise ValueError(
+        f"one_shot_patterns must be one of {_pat.ONE_SHOT_POOL_SIZES}, got {self.patterns!r}"
+      )
+    object.__setattr__(self, "patterns", int(self.patterns))  # frozen: normalised once
+
+
+@dataclasses.dataclass(frozen=True)
+class Aligned:
+  """The aligned mode, beyond the paper: the filters share patterns in groups.
+
+  ``clicktrain()``'s ``filter_groups`` and ``filter_grouping``, the names its ``ValueError``
+  gives.
+
+  Args:
+    filter_groups: groups of filters per pruned layer (it must divide their number; 1 = all
+      filters one group).
+    grouping: ``"consecutive"`` (runs of consecutive filters) or ``"clustered"`` (a balanced
+      partition chosen when the patterns are final).
+
+  Example:
+    >>> from jaxprune import clicktrain
+    >>> clicktrain.Aligned(filter_groups=4, grouping="clustered").grouping
+    'clustered'
+  """
+
+  filter_groups: int
+  grouping: str = "consecutive"
+
+  def __post_init__(self):
+    if self.grouping not in FILTER_GROUPINGS:
+      raise ValueError(f"filter_grouping must be one of {FILTER_GROUPINGS}, got {self.grouping!r}")
+    if self.grouping == "clustered" and self.filter_groups is None:
+      raise ValueError(
+        "filter_grouping='clustered' chooses the filter groups of the aligned mode: it needs "
+        "filter_groups (the number of groups)"
+      )
+    check_int("filter_groups", self.filter_groups, 1)
+
+
+# The keywords of clicktrain() that are a sub-config's fields: keyword -> (Config field, field).
+SUB_CONFIG_KEYWORDS = {
+  "pool_size": ("paper", "pool_size"),
+  "loss_margin": ("paper", "loss_margin"),
+  "margin_rule": ("paper", "margin_rule"),
+  "one_shot_patterns": ("one_shot", "patterns"),
+  "filter_groups": ("aligned", "filter_groups"),
+  "filter_grouping": ("aligned", "grouping"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """The schedule, coefficients and layer choice of one ``clicktrain()`` (see its Args).
+  """The settings of one ``clicktrain()``: its schedule, common settings and mode sub-configs.
 
-  Built and validated once; ``kernel_prune_ratio`` is normalised to a float, a tuple of floats
-  or a callable, ``layer_filter`` to a function (the default when ``None`` is given).
+  The schedule, the settings every mode reads, and one sub-config per mode (see
+  ``clicktrain()``'s Args for each field).
+
+  Built and validated once (each sub-config where it is built); ``kernel_prune_ratio`` is
+  normalised to a float, a tuple of floats or a callable, ``layer_filter`` to a function (the
+  default when ``None`` is given). ``clicktrain(inner, config=...)`` takes one instead of the
+  keywords; :meth:`from_keywords` builds one from them.
+
+  Example:
+    >>> from jaxprune import clicktrain
+    >>> cfg = clicktrain.Config(
+    ...     clicktrain.Schedule(steps_per_epoch=390, hard_prune_epoch=95),
+    ...     kernel_prune_ratio=0.65, paper=clicktrain.PaperMode(pool_size=8),
+    ...     aligned=clicktrain.Aligned(filter_groups=4))
+    >>> cfg.mode, cfg.paper.pool_size
+    ('paper', 8)
 
   Raises:
     ValueError: a bad field, named in the message (the checks of ``clicktrain()``).
   """
 
   schedule: Schedule
-  kernel_prune_ratio: RatioSpec
-  pool_size: int
-  loss_margin: float
-  margin_rule: str
-  group_lasso_coefficient: float
-  group_lasso_ramp: str
-  one_shot_patterns: int
-  layer_filter: LayerFilter | None
-  importance_every: int
-  balanced_kernels: bool
-  filter_groups: int | None
-  filter_grouping: str
-  eps: float
+  kernel_prune_ratio: RatioSpec = 0.5
+  group_lasso_coefficient: float = 2.5e-4
+  group_lasso_ramp: str = "constant"
+  layer_filter: LayerFilter | None = None
+  importance_every: int = 1
+  balanced_kernels: bool = False
+  eps: float = 1e-8
+  paper: PaperMode = PaperMode()
+  one_shot: OneShot = OneShot()
+  aligned: Aligned | None = None  # None: the paper's per-kernel patterns
+
+  @classmethod
+  def from_keywords(cls, schedule: Schedule, **options: Any) -> Config:
+    """The config of ``clicktrain()``'s flat keywords (the epoch settings as ``schedule``).
+
+    Args:
+      schedule: the epoch settings.
+      **options: the other keywords of ``clicktrain()``, by name; the sub-configs' keywords
+        (``pool_size``, ``one_shot_patterns``, ``filter_groups``, ...) build them.
+
+    Returns:
+      The validated :class:`Config`; ``aligned`` is ``None`` when ``filter_groups`` is
+      ``None`` and ``filter_grouping`` its default.
+
+    Raises:
+      ValueError: a bad value, named by its keyword.
+    """
+    parts: dict[str, dict[str, Any]] = {"paper": {}, "one_shot": {}, "aligned": {}}
+    for keyword, (part, field) in SUB_CONFIG_KEYWORDS.items():
+      if keyword in options:
+        parts[part][field] = options.pop(keyword)
+    aligned = parts.pop("aligned")
+    # Off unless asked for; Aligned names a grouping given without groups.
+    off = aligned.get("filter_groups") is None and aligned.get("grouping", "consecutive") == (
+      "consecutive"
+    )
+    return cls(
+      schedule,
+      paper=PaperMode(**parts["paper"]),
+      one_shot=OneShot(**parts["one_shot"]),
+      aligned=None if off else Aligned(**aligned),
+      **options,
+    )
 
   @property
   def mode(self) -> str:
@@ -130,51 +288,27 @@ class Config:
     return self.schedule.mode
 
   def __post_init__(self):
-    if not isinstance(self.schedule, Schedule):
-      raise ValueError(f"schedule must be a clicktrain.Schedule, got {self.schedule!r}")
+    for name, kind in (("schedule", Schedule), ("paper", PaperMode), ("one_shot", OneShot)):
+      if not isinstance(getattr(self, name), kind):
+        raise ValueError(
+          f"{name} must be a clicktrain.{kind.__name__}, got {getattr(self, name)!r}"
+        )
+    if self.aligned is not None and not isinstance(self.aligned, Aligned):
+      raise ValueError(f"aligned must be a clicktrain.Aligned or None, got {self.aligned!r}")
     if not isinstance(self.balanced_kernels, bool):
       raise ValueError(f"balanced_kernels must be a bool, got {self.balanced_kernels!r}")
-    if self.filter_groups is not None:
-      check_int("filter_groups", self.filter_groups, 1)
-      if isinstance(self.filter_groups, bool):
-        raise ValueError(f"filter_groups must be an int >= 1, got {self.filter_groups!r}")
-    if self.filter_grouping not in FILTER_GROUPINGS:
-      raise ValueError(
-        f"filter_grouping must be one of {FILTER_GROUPINGS}, got {self.filter_grouping!r}"
-      )
-    if self.filter_grouping == "clustered" and self.filter_groups is None:
-      raise ValueError(
-        "filter_grouping='clustered' chooses the filter groups of the aligned mode: it needs "
-        "filter_groups (the number of groups)"
-      )
-    check_int("pool_size", self.pool_size, 1)
     check_int("importance_every", self.importance_every, 1)
-    if (
-      isinstance(self.one_shot_patterns, bool)
-      or self.one_shot_patterns not in _pat.ONE_SHOT_POOL_SIZES
-    ):
-      raise ValueError(
-        f"one_shot_patterns must be one of {_pat.ONE_SHOT_POOL_SIZES}, "
-        f"got {self.one_shot_patterns!r}"
-      )
     if self.mode == "paper":
       self._check_importance_every()
-    for name in ("loss_margin", "group_lasso_coefficient", "eps"):
-      v = getattr(self, name)
-      if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    for name in ("group_lasso_coefficient", "eps"):
+      _check_non_negative(name, getattr(self, name))
     if self.group_lasso_ramp not in GROUP_LASSO_RAMPS:
       raise ValueError(
         f"group_lasso_ramp must be one of {GROUP_LASSO_RAMPS}, got {self.group_lasso_ramp!r}"
       )
-    if self.margin_rule not in ("relative", "literal"):
-      raise ValueError(f"margin_rule must be 'relative' or 'literal', got {self.margin_rule!r}")
-    if self.pool_size > _pat.num_patterns(PATTERN_SIZE, 3):
-      raise ValueError(f"pool_size must be <= 126, got {self.pool_size}")
     # Normalised once, so the transform reads plain values.
     set_ = object.__setattr__  # frozen: __post_init__ is the one place that may write
     set_(self, "kernel_prune_ratio", _normalise_ratio(self.kernel_prune_ratio))
-    set_(self, "one_shot_patterns", int(self.one_shot_patterns))
     if self.layer_filter is None:
       set_(self, "layer_filter", default_layer_filter)
 

@@ -79,12 +79,12 @@ def method(**config: Any) -> Method:
   ``make_tx(inner, run)`` returns :func:`jaxprune.clicktrain.clicktrain` around ``inner`` with
   the epoch settings placed in ``run`` as one :class:`~jaxprune.clicktrain.Schedule`
   (:meth:`~jaxprune.clicktrain.Schedule.for_run`: a missing ``hard_prune_epoch`` is half the
-  run, a missing one-shot ``one_shot_epoch`` 30/190 of the run before it). ``callbacks(run)`` returns a
-  :class:`~jaxprune.clicktrain.HardPruneBatchNorm`: the hard prune zeroes about half of each
-  pruned conv's weights in one step, and without it the BatchNorm running statistics still
-  describe the dense weights when that epoch is evaluated (an accuracy collapse that recovers
-  an epoch later; docs/design.md, "BatchNorm at the hard prune"). Beyond the paper, which does
-  not say how it evaluates then.
+  run, a missing one-shot ``one_shot_epoch`` 30/190 of the run before it). ``callbacks(run)``
+  returns a :class:`~jaxprune.clicktrain.HardPruneBatchNorm`: the hard prune zeroes about half
+  of each pruned conv's weights in one step, and without it the BatchNorm running statistics
+  still describe the dense weights when that epoch is evaluated (an accuracy collapse that
+  recovers an epoch later; docs/design.md, "BatchNorm at the hard prune"). Beyond the paper,
+  which does not say how it evaluates then.
   They also hold a :class:`~jaxprune.clicktrain.HardPruneCheck`, which warns when the run's
   last epoch ends before the hard prune (the transform, given ``total_epochs=run.epochs``,
   already warns when it is built if the schedule cannot prune inside the run), a

@@ -17,6 +17,12 @@ Example::
     optimizer.update(model, grads, value=loss)
     weight_masks = jaxprune.clicktrain.masks(optimizer, params)   # after the hard prune
 
+    # The same settings as one value, the paper mode's in their sub-config:
+    cfg = jaxprune.clicktrain.Config(
+        jaxprune.clicktrain.Schedule(steps_per_epoch=len(loader), hard_prune_epoch=95),
+        kernel_prune_ratio=0.5, paper=jaxprune.clicktrain.PaperMode(pool_size=8))
+    tx = jaxprune.clicktrain.clicktrain(optax.sgd(0.1, momentum=0.9), config=cfg)
+
 References:
   Zhang et al., "ClickTrain: Efficient and Accurate End-to-End Deep Learning Training via
   Fine-Grained Architecture-Preserving Pruning", ICS 2021. https://arxiv.org/abs/2011.10170
@@ -25,6 +31,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,6 +85,7 @@ def clicktrain(
   total_epochs: int | None = None,
   prune_window_epochs: int | None = None,
   schedule: Schedule | None = None,
+  config: Config | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """ClickTrain pattern + connectivity pruning around an inner optimizer.
 
@@ -177,24 +185,42 @@ def clicktrain(
       schedule: the epoch settings as one :class:`~jaxprune.clicktrain.Schedule` (what the
           presets build, :meth:`~jaxprune.clicktrain.Schedule.for_run`), instead of the
           keywords; the state keeps it (:func:`jaxprune.clicktrain.schedule_of`).
+      config: every setting above as one :class:`~jaxprune.clicktrain.Config` (its
+          ``schedule``, the sub-configs :class:`~jaxprune.clicktrain.PaperMode`,
+          :class:`~jaxprune.clicktrain.OneShot` and :class:`~jaxprune.clicktrain.Aligned`, and
+          the rest), instead of the keywords: ``clicktrain(inner, config=cfg)``. There
+          ``pool_size``, ``loss_margin`` and ``margin_rule`` are the ``PaperMode``'s fields,
+          ``one_shot_patterns`` the ``OneShot``'s ``patterns``, ``filter_groups`` and
+          ``filter_grouping`` the ``Aligned``'s ``filter_groups`` and ``grouping`` (``None``:
+          no ``filter_groups``), the epoch settings the ``Schedule``'s.
 
   Returns:
       An ``optax.GradientTransformationExtraArgs``; its ``update`` needs
       ``params`` and (paper mode) ``value=loss``.
 
   Raises:
-      ValueError: a bad argument (named in the message); from ``init``, params with no layer
-          to prune (a model without convs, or whose convs ``layer_filter`` all leaves dense:
-          the message lists the 4-D kernels found); from ``update``, params whose pruned
+      ValueError: a bad argument (named in the message), or ``config`` together with a
+          keyword set away from its default (or ``schedule``); from ``init``, params with no
+          layer to prune (a model without convs, or whose convs ``layer_filter`` all leaves
+          dense: the message lists the 4-D kernels found); from ``update``, params whose pruned
           layers (paths or shapes) are not those ``init`` saw (the first one named).
   """
   options = dict(locals())  # every keyword but inner, by name: a new option is a Config field
   inner = optax.with_extra_args_support(options.pop("inner"))
-  cfg = Config(schedule=_schedule(options), **options)
+  cfg = _config(options)
   _stage_machine.warn_unreachable(cfg)
   # A ratio sequence is matched to the pruned layers (flatten order) at init and remembered by
   # name, so a model that later loses layers (PruneTrain's reconfiguration) still finds its
-  # ratios; written at init only, read by the plan.
+  # ratios; written at init only, read by the plan. A closure, not state, because the state
+  # cannot carry it: a resumed run's template is jax.eval_shape(tx.init, cut model's params)
+  # (jaxprune/train/_resume.py) and a new opt_state is checked against the same
+  # (_placement.py), so tx.init on a model that already lost layers must not raise and must
+  # give the sliced state's tree. As static data in the state, the mapping would come from that
+  # template, which cannot know the removed layers (a restored state would lose it), and an
+  # equality that ignored it would let jit reuse a step traced with other ratios. As array
+  # leaves, the kernel counts ceil(ratio * n) would be traced in float32, not by the host's
+  # float64 rule (ratio 0.15 of 100 kernels would prune 16), and the checkpoint format would
+  # change. The trainer's first init, on the full model, fills it before any resume or replace.
   ratio_by_name: dict[str, float] = {}
 
   def init_fn(params):
@@ -213,7 +239,7 @@ def clicktrain(
       prev_epoch_loss=jnp.full([], jnp.nan, jnp.float32),
       last_loss=jnp.full([], jnp.nan, jnp.float32),
       layers={
-        n: init_layer(leaves[layer.index], layer, cfg.pool_size, cfg.mode)
+        n: init_layer(leaves[layer.index], layer, cfg.paper.pool_size, cfg.mode)
         for n, layer in plan.items()
       },
       inner_state=inner.init(params),
@@ -240,7 +266,9 @@ def clicktrain(
       moved = jnp.bool_(False)
 
     coefficient = cfg.group_lasso_coefficient * _stage_machine.penalty_ramp(cfg, state, clock)
-    g_leaves = _stage_work.modify_grads(g_leaves, layers, plan, w_leaves, stage, coefficient, cfg.eps)
+    g_leaves = _stage_work.modify_grads(
+      g_leaves, layers, plan, w_leaves, stage, coefficient, cfg.eps
+    )
     grads = jax.tree.unflatten(g_def, g_leaves)
     new_updates, inner_state = inner.update(
       grads, state.inner_state, params, value=value, **extra_args
@@ -262,6 +290,37 @@ def clicktrain(
   # JAX's eager dispatch would compile and cache one executable per branch (memory grew by about
   # 12 MB a step). Inside a jitted train step this inner jit is inlined.
   return optax.GradientTransformationExtraArgs(init_fn, jax.jit(update_fn))
+
+
+def _config(options: dict[str, Any]) -> Config:
+  """The :class:`Config` of ``clicktrain()``'s keywords (``options``, by name): the one given as
+  ``config``, or one built from the others.
+
+  Raises:
+    ValueError: ``config`` and a keyword set away from its default (``schedule`` included);
+      ``config`` not a :class:`Config`; a bad keyword (see :func:`_schedule`,
+      :meth:`Config.from_keywords`).
+  """
+  given = options.pop("config")
+  if given is None:
+    return Config.from_keywords(_schedule(options), **options)
+  defaults = {k: p.default for k, p in inspect.signature(clicktrain).parameters.items()}
+  mixed = sorted(k for k, v in options.items() if _differs(v, defaults[k]))
+  if mixed:
+    raise ValueError(
+      f"clicktrain: give the settings either as config= or as keywords, not both "
+      f"(got config and {mixed})"
+    )
+  if not isinstance(given, Config):
+    raise ValueError(f"config must be a clicktrain.Config, got {given!r}")
+  return given
+
+
+def _differs(value: Any, default: Any) -> bool:
+  """``value`` is not the keyword's default (an array or other type always differs)."""
+  if value is default:
+    return False
+  return type(value) is not type(default) or bool(value != default)
 
 
 def _schedule(options: dict[str, Any]) -> Schedule:

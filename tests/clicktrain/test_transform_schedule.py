@@ -14,7 +14,7 @@ import pytest
 
 from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
-from jaxprune.clicktrain.config import Config
+from jaxprune.clicktrain.config import SUB_CONFIG_KEYWORDS, Aligned, Config
 
 
 def test_default_layer_filter(kit):
@@ -239,18 +239,26 @@ def test_bool_kernel_prune_ratio_is_rejected_not_pruning_every_kernel(ratio, kit
 
 
 def test_every_keyword_lands_in_the_validated_config():
-  # clicktrain() hands its keywords to Config by name, the epoch settings to its Schedule: a
-  # keyword without a field (or a field without a keyword) would be a setting that is never
-  # validated or never settable.
+  # clicktrain() hands its keywords to Config by name, the epoch settings to its Schedule, a
+  # mode's settings to its sub-config: a keyword without a field (or a field without a keyword)
+  # would be a setting that is never validated or never settable.
   defaults = {k: p.default for k, p in inspect.signature(ct.clicktrain).parameters.items()}
-  del defaults["inner"]
+  del defaults["inner"], defaults["config"]
   schedule_fields = {f.name for f in dataclasses.fields(ct.Schedule)}
-  config_fields = {f.name for f in dataclasses.fields(Config)}
-  assert set(defaults) == (config_fields | schedule_fields)
+  config_fields = {f.name for f in dataclasses.fields(Config)} - {"paper", "one_shot", "aligned"}
+  assert set(defaults) == config_fields | schedule_fields | set(SUB_CONFIG_KEYWORDS)
   options = {k: v for k, v in defaults.items() if k not in schedule_fields and k != "schedule"}
-  cfg = Config(schedule=ct.Schedule(steps_per_epoch=2, hard_prune_epoch=3), **options)
+  schedule = ct.Schedule(steps_per_epoch=2, hard_prune_epoch=3)
+  cfg = Config.from_keywords(schedule, **options)
+  assert cfg == Config(schedule)  # the keywords' defaults are the config's
+  for keyword, (part, field) in SUB_CONFIG_KEYWORDS.items():
+    sub = getattr(Config(schedule), part) or Aligned(filter_groups=1)
+    want = None if keyword == "filter_groups" else getattr(sub, field)
+    assert defaults[keyword] == want, keyword
   with pytest.raises(dataclasses.FrozenInstanceError):
-    cfg.pool_size = 8
+    cfg.importance_every = 2
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.paper.pool_size = 8
   with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.schedule.hard_prune_epoch = 8
 
