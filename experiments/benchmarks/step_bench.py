@@ -46,13 +46,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import pallas_kernels
 from experiments.common import cli, pages
 from experiments.common.machine import machine_description
 from experiments.common.masks import clicktrain_to_hard_prune, kill_channels, step_until_pruned
-from jaxprune import flops, methods, models, train
+from jaxprune import flops, masking, methods, models, train
 from jaxprune import prunetrain as pt
 from jaxprune.clicktrain import masks as clicktrain_masks
 from jaxprune.clicktrain.execution import to_sparse_layers
@@ -195,6 +196,12 @@ def clicktrain_variants(
       row = {"compression": compression, "sparse_layers": f"{len(choices)}/{len(choices)}"}
       label = f"aligned G={g}" + (" shared" if columns == "shared" else "")
       yield label, _Stepper(fresh, aligned.tx, batch, opt_state), row
+      if columns == COLUMNS[0]:
+        # The same layers under the inner optimizer and the final masks alone: what ClickTrain's
+        # transform in its pruned stage should cost no more than (issue: its update adds work
+        # the pruned stage does not need).
+        plain = optax.chain(_inner(), masking.mask(masks))
+        yield f"{label}, SGD + masks", _Stepper(fresh, plain, batch), dict(row)
 
 
 def sdgp_variants(

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from experiments.benchmarks import step_bench
-from jaxprune import models
+from jaxprune import clicktrain, models
 from jaxprune.clicktrain.execution import pattern_convs
 from jaxprune.clicktrain.execution.sparse_layers import AlignedConv, PatternConv
 
@@ -82,6 +82,7 @@ def test_clicktrain_variants_step_like_the_masked_dense_model():
     "fine-grained (reference)",
     "measured dispatch",
     "aligned G=2",
+    "aligned G=2, SGD + masks",
     "aligned G=2 shared",
   ]
   assert all(row["compression"] > 9 / 4 for _, _, row in variants)  # patterns, then kernels
@@ -102,6 +103,18 @@ def test_clicktrain_variants_step_like_the_masked_dense_model():
     got = _params_after_one_step(steppers[label])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
   # (That the two column layouts compute the same function is aligned_conv's own test.)
+  # The reference row for the transform's cost: the same aligned layers under the inner
+  # optimizer and the final masks keep the pruned weights at exactly zero.
+  plain = steppers["aligned G=2, SGD + masks"]
+  masks = clicktrain.masks(steppers["aligned G=2"].state[2], steppers["aligned G=2"].state[0])
+  flat_masks = jax.tree.leaves(masks, is_leaf=lambda v: v is None)
+  flat_params = jax.tree.leaves(_params_after_one_step(plain))
+  pruned = 0
+  for w, m in zip(flat_params, flat_masks, strict=True):
+    if m is not None:
+      assert np.all(w[np.asarray(m) == 0] == 0)
+      pruned += int((np.asarray(m) == 0).sum())
+  assert pruned > 0
 
 
 def test_clicktrain_variants_keep_the_models_dtype():
@@ -114,9 +127,10 @@ def test_clicktrain_variants_keep_the_models_dtype():
     dtype=jnp.bfloat16,
   )
   batch = (jnp.zeros((2, 32, 32, 3)), jnp.asarray([1, 7]))
-  ((label, stepper, row),) = step_bench.clicktrain_variants(
+  (label, stepper, row), (plain_label, _, _) = step_bench.clicktrain_variants(
     model, batch, [1], model_name="clicktrain-vgg11", dispatch=False
   )
   assert label == "aligned G=1" and row["compression"] > 2.25
+  assert plain_label == "aligned G=1, SGD + masks"
   aligned = pattern_convs(nnx.merge(stepper.graphdef, *stepper.state[:2])).values()
   assert len(aligned) == 7 and {m.dtype for m in aligned} == {jnp.dtype(jnp.bfloat16)}
