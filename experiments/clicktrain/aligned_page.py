@@ -227,7 +227,10 @@ def aligned_markdown(
     for seed in sorted({s for _, s in runs}):
       for method in (m for m in _methods(runs) if (m, seed) in runs):
         name = method + (f" seed {seed}" if seed else "")
-        commands.append(f"- {row} {name}: `{runs[method, seed].get('command', '')}`")
+        run = runs[method, seed]
+        # A run's own caveat (e.g. epochs timed under other jobs' load) goes with its command.
+        note = f" ({run['note']})" if run.get("note") else ""
+        commands.append(f"- {row} {name}: `{run.get('command', '')}`{note}")
   if seeds:
     lines += [
       "",

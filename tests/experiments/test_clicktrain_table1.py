@@ -154,6 +154,28 @@ def test_filter_groups_reach_clicktrain_and_the_aligned_page(clicktrain_calls, t
   )
 
 
+def test_transition_options_reach_clicktrain_the_schedule_and_the_run_name(clicktrain_calls):
+  """--group-lasso-ramp and --prune-window-epochs reach clicktrain(); --lr-rewind-epoch
+  rewinds the row's LR schedule after its hard prune (epoch 7 at the cpu budget); the run is
+  named with a suffix per option, in a fixed order."""
+  calls = clicktrain_calls
+  argv = ["--budget", "cpu", "--filter-groups", "1", "--group-lasso-ramp", "cubic"]
+  argv += ["--prune-window-epochs", "2", "--lr-rewind-epoch", "3"]
+  args = clicktrain_table1._parse(argv)
+  clicktrain_table1._method(args, "vgg11").make_tx(
+    optax.sgd(0.1), methods.Run(10, args.recipe.epochs)
+  )
+  assert (calls[0]["group_lasso_ramp"], calls[0]["schedule"].prune_window_epochs) == ("cubic", 2)
+  assert clicktrain_table1._transition_suffix(args) == "-rampc-win2-rw3"
+  assert clicktrain_table1._transition_suffix(clicktrain_table1._parse([])) == ""
+  rewound = clicktrain_table1._schedule(args, "vgg11", 10, prune=True)
+  plain = clicktrain_table1._schedule(args, "vgg11", 10, prune=False)
+  # Epoch 7 ends with the prune: the LR goes back to epoch 3's (0.1, before the drop at 6).
+  assert float(plain(69)) == float(rewound(69)) == pytest.approx(0.01)
+  assert float(rewound(70)) == pytest.approx(0.1) and float(plain(70)) == pytest.approx(0.01)
+  assert float(rewound(120)) == pytest.approx(float(plain(120)))  # the schedule's end
+
+
 def test_clustered_filter_grouping_reaches_clicktrain_and_the_aligned_page(
   clicktrain_calls, tmp_path
 ):
@@ -203,7 +225,8 @@ def test_runs_of_other_seeds_go_to_the_aligned_pages_seeds_table(tmp_path):
   for (method, seed), acc in accs.items():
     stem = clicktrain_table1.aligned_page.run_stem("cpu", "vgg11", method, seed)
     stems[method, seed] = stem
-    (tmp_path / f"{stem}.json").write_text(json.dumps({**fine, "test_acc": acc}))
+    note = {"note": "timed under load"} if method == "aligned-g4" else {}
+    (tmp_path / f"{stem}.json").write_text(json.dumps({**fine, "test_acc": acc, **note}))
   assert stems["aligned-g2", 0] == "table1_cpu_vgg11_aligned-g2"
   assert stems["aligned-g2", 1] == "table1_cpu_vgg11_aligned-g2_seed1"
   assert set(clicktrain_table1._saved_rows(tmp_path, "cpu")["vgg11"]) == {"dense", "clicktrain"}
@@ -225,6 +248,9 @@ def test_runs_of_other_seeds_go_to_the_aligned_pages_seeds_table(tmp_path):
   assert seed_rows["aligned-g2"] == ["65.00%", "69.00%", "67.00%", "-4.00 (2) |"]
   assert seed_rows["aligned-g4"] == ["–", "60.00%", "60.00%", "-12.00 (1) |"]
   assert "- vgg11 aligned-g4 seed 1: `" in page
+  assert [line for line in page.splitlines() if "(timed under load)" in line] == [
+    f"- vgg11 aligned-g4 seed 1: `{fine['command']}` (timed under load)"
+  ]
 
 
 def test_layer_read_outs_count_zero_weights_and_live_input_channels():

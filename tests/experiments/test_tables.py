@@ -375,7 +375,8 @@ _SCHEME = {
   "clicktrain": (
     ["table1", "table1-aligned"],
     [*clicktrain_table1.PAPER, *clicktrain_table1.EXTRA_ROWS],
-    ["dense", "clicktrain", r"aligned-g\d+c?"],
+    # The aligned runs, with the transition options' suffixes (clicktrain_table1's order).
+    ["dense", "clicktrain", r"aligned-g\d+c?(?:-ramp[lc])?(?:-win\d+)?(?:-rw\d+)?"],
   ),
   "prunetrain": (["table1"], prunetrain_table1.ROWS, ["dense", "prunetrain"]),
   "sdgp": (
