@@ -66,7 +66,7 @@ class BatchGrowth:
     """A run's first fit takes the loader's batch size as the reference."""
     if self.reference_batch_size is None:
       self.reference_batch_size = _loaders.batch_size(loader)
-      self.reference_steps = _length(loader)
+      self.reference_steps = _loaders.length(loader)
 
   def start_epoch(self, loader: Any, epoch: int) -> None:
     """Applies a requested batch size to ``loader`` before epoch ``epoch`` (epochs done).
@@ -97,7 +97,7 @@ class BatchGrowth:
     placement = self._placement
     if scale_lr and new_size != old_size:
       placement.lr_scale = (placement.lr_scale or 1.0) * new_size / old_size
-    steps = _length(loader)
+    steps = _loaders.length(loader)
     if self.reference_steps and steps:
       placement.set_step_increment(self.reference_steps / steps)
       if self.anchor is None and new_size != old_size:
@@ -146,11 +146,3 @@ class BatchGrowth:
         p.steps, p.params, p.rest, p.opt_state, image_shape, batch_size, **kwargs
       )
     return dict(self._memory_cache[key])
-
-
-def _length(loader: Any) -> int | None:
-  """``len(loader)``, or ``None`` for a loader without a length."""
-  try:
-    return int(len(loader))
-  except TypeError:
-    return None

@@ -78,11 +78,8 @@ def warn_epoch_length(opt_state: Any, loader: Any, reference_batch_size: int | N
   size = _loaders.batch_size(loader)
   if not told or (size is not None and reference_batch_size not in (None, size)):
     return
-  try:
-    steps = len(loader)
-  except TypeError:
-    return
-  if told == [steps]:
+  steps = _loaders.length(loader)
+  if steps is None or told == [steps]:
     return
   numbers = " and ".join(map(str, told))
   warnings.warn(

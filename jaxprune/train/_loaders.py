@@ -27,6 +27,7 @@ __all__ = [
   "LoaderView",
   "batch_arrays",
   "batch_size",
+  "length",
   "position",
   "restore",
   "set_batch_size",
@@ -228,6 +229,14 @@ def batch_arrays(images: Any, labels: Any) -> tuple[Any, Any, Any]:
 def batch_size(loader: Any) -> int | None:
   """:attr:`LoaderView.batch_size` of ``loader`` (``None`` for no loader)."""
   return LoaderView.of(loader).batch_size if loader is not None else None
+
+
+def length(loader: Any) -> int | None:
+  """``len(loader)``, or ``None`` for a loader without a length."""
+  try:
+    return int(len(loader))
+  except TypeError:
+    return None
 
 
 def position(loader: Any) -> Any:
