@@ -76,7 +76,15 @@ References:
 """
 
 from jaxprune.clicktrain import reconfigure as _reconfigure  # noqa: F401 (registers the slicer)
-from jaxprune.clicktrain.config import Aligned, Config, OneShot, PaperMode, default_layer_filter
+from jaxprune.clicktrain._plan import ratios_by_name
+from jaxprune.clicktrain.config import (
+  Aligned,
+  Config,
+  OneShot,
+  PaperMode,
+  RatiosByName,
+  default_layer_filter,
+)
 from jaxprune.clicktrain.schedule import Schedule
 from jaxprune.clicktrain.execution import (
   AlignedConv,
@@ -124,6 +132,8 @@ __all__ = [
   "PaperMode",
   "OneShot",
   "Aligned",
+  "RatiosByName",
+  "ratios_by_name",
   "default_layer_filter",
   "layer_filter_for",
   "layer_choice_differences",

@@ -7,7 +7,7 @@ model whose structure changed (PruneTrain's reconfiguration) gets a plan of its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -16,7 +16,13 @@ import numpy as np
 
 from jaxprune.clicktrain import patterns as _pat
 from jaxprune.clicktrain._groups import group_ids
-from jaxprune.clicktrain.config import Config, check_ratio
+from jaxprune.clicktrain.config import (
+  Config,
+  LayerFilter,
+  RatiosByName,
+  check_ratio,
+  default_layer_filter,
+)
 from jaxprune.clicktrain.state import PATTERN_SIZE, ClickTrainLayerState
 from jaxprune.paths import path_string
 
@@ -29,6 +35,7 @@ __all__ = [
   "check_not_empty",
   "init_layer",
   "make_plan",
+  "ratios_by_name",
 ]
 
 PyTree = Any
@@ -73,38 +80,44 @@ def _chosen(cfg: Config, leaves) -> list[tuple[str, int, str, int]]:
   return chosen
 
 
-def _ratios(cfg: Config, chosen, leaves, ratio_by_name: Mapping[str, float] | None) -> list[float]:
-  """One kernel-prune ratio per chosen layer, from ``cfg.kernel_prune_ratio``."""
+def _ratios(cfg: Config, chosen, leaves) -> list[float]:
+  """One kernel-prune ratio per chosen layer, from ``cfg.kernel_prune_ratio``.
+
+  A pure function of the config and the params (``init`` keeps nothing aside): a sequence
+  is matched to the pruned layers by position, a mapping by path.
+  """
   spec = cfg.kernel_prune_ratio
+  names = [c[0] for c in chosen]
   if isinstance(spec, float):
     return [spec] * len(chosen)
+  if isinstance(spec, RatiosByName):
+    missing = [n for n in names if n not in spec]
+    if missing:
+      raise ValueError(
+        f"kernel_prune_ratio has no ratio for the pruned layer(s) {missing}; it names "
+        f"{sorted(spec)}"
+      )
+    return [spec[n] for n in names]
   if callable(spec):
     return [
       check_ratio(spec(name, tuple(np.shape(leaves[i][1]))), name) for name, i, _, _ in chosen
     ]
-  names = [c[0] for c in chosen]
-  ratios = list(spec)
-  if len(ratios) != len(chosen) and ratio_by_name and all(n in ratio_by_name for n in names):
-    # A reconfiguration (PruneTrain) removed layers since the sequence was matched to the
-    # params: each remaining layer keeps the ratio it was given by name.
-    ratios = [ratio_by_name[n] for n in names]
-  if len(ratios) != len(chosen):
+  if len(spec) != len(chosen):
     raise ValueError(
-      f"kernel_prune_ratio has {len(ratios)} entries for {len(chosen)} pruned layers: {names}"
+      f"kernel_prune_ratio has {len(spec)} entries for {len(chosen)} pruned layers: {names}. "
+      "A sequence is matched to the pruned layers by position, so it fits one model; for a "
+      "model that loses layers (PruneTrain's reconfiguration) give the ratios by path: "
+      "kernel_prune_ratio=clicktrain.ratios_by_name(params, ratios) on the full model"
     )
-  return ratios
+  return list(spec)
 
 
-def make_plan(
-  cfg: Config, params: PyTree, ratio_by_name: Mapping[str, float] | None = None
-) -> Plan:
+def make_plan(cfg: Config, params: PyTree) -> Plan:
   """The pruned layers of ``params``, in param flatten order.
 
   Args:
     cfg: the transform's settings (layer filter, ratios, mode, ``balanced_kernels``).
     params: the param tree (arrays or shape structs).
-    ratio_by_name: the ratios a ``kernel_prune_ratio`` sequence was matched to at ``init``,
-      by layer name; used only when the params have fewer pruned layers than the sequence.
 
   Returns:
     ``{path: PrunedLayer}``.
@@ -112,11 +125,12 @@ def make_plan(
   Raises:
     ValueError: ``layer_filter`` returned something else than ``"pattern"``, ``"kernel"`` or
       ``None``, or chose a leaf that cannot be pruned so; a ratio sequence of another length
-      than the pruned layers; a ratio (from the callable) that is not in ``[0, 1]``.
+      than the pruned layers, or a mapping without a pruned layer's path; a ratio (from the
+      callable) that is not in ``[0, 1]``.
   """
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   chosen = _chosen(cfg, leaves)
-  ratios = _ratios(cfg, chosen, leaves, ratio_by_name)
+  ratios = _ratios(cfg, chosen, leaves)
   groups = cfg.aligned.filter_groups if cfg.aligned else 0
   clustered = bool(groups) and cfg.aligned.grouping == "clustered"
   return {
@@ -125,6 +139,45 @@ def make_plan(
     )
     for (name, i, kind, kh), r in zip(chosen, ratios)
   }
+
+
+def ratios_by_name(
+  params: PyTree, ratios: Sequence[float], layer_filter: LayerFilter | None = None
+) -> dict[str, float]:
+  """``ratios`` (one per pruned layer of ``params``, in flatten order) keyed by layer path.
+
+  For ``kernel_prune_ratio``: a mapping keeps each layer's ratio when a reconfiguration
+  (PruneTrain's) removes other layers, where a sequence matches only the model it was written
+  for.
+
+  Args:
+    params: the full model's param tree (arrays or shape structs).
+    ratios: one ratio per layer ``layer_filter`` prunes.
+    layer_filter: the transform's ``layer_filter`` (``None``: the default).
+
+  Returns:
+    ``{path: ratio}``.
+
+  Raises:
+    ValueError: a count of ``ratios`` other than the pruned layers', or a ratio outside
+      ``[0, 1]``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxprune import clicktrain
+    >>> params = {"a": {"kernel": jnp.zeros((3, 3, 8, 8))}, "b": {"kernel": jnp.zeros((3, 3, 8, 8))}}
+    >>> clicktrain.ratios_by_name(params, [0.5, 0.7])
+    {'a/kernel': 0.5, 'b/kernel': 0.7}
+  """
+  layer_filter = default_layer_filter if layer_filter is None else layer_filter
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  names = [
+    n for n, leaf in ((path_string(p), x) for p, x in leaves) if layer_filter(n, np.shape(leaf))
+  ]
+  ratios = list(ratios)
+  if len(ratios) != len(names):
+    raise ValueError(f"ratios has {len(ratios)} entries for {len(names)} pruned layers: {names}")
+  return {name: check_ratio(r, name) for name, r in zip(names, ratios)}
 
 
 def check_not_empty(plan: Plan, params: PyTree) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ __all__ = [
   "OneShot",
   "PaperMode",
   "RatioSpec",
+  "RatiosByName",
   "check_ratio",
   "choose_layer",
   "default_layer_filter",
@@ -42,8 +43,40 @@ FILTER_GROUPINGS = ("consecutive", "clustered")
 GROUP_LASSO_RAMPS = ("constant", "linear", "cubic")
 
 LayerFilter = Callable[[str, tuple[int, ...]], "str | None"]
-# One float for every layer, one per pruned layer (param flatten order), or fn(path, shape).
-RatioSpec = float | tuple[float, ...] | Callable[[str, tuple[int, ...]], float]
+
+
+class RatiosByName(Mapping[str, float]):
+  """A read-only, hashable ``{layer path: kernel-prune ratio}`` (a ``Config`` field)."""
+
+  def __init__(self, ratios: Mapping[str, Any]):
+    for name in ratios:
+      if not isinstance(name, str):
+        raise ValueError(f"kernel_prune_ratio: a mapping's keys must be layer paths, got {name!r}")
+    self._items = tuple(sorted((name, check_ratio(r, name)) for name, r in ratios.items()))
+    self._dict = dict(self._items)
+
+  def __getitem__(self, name: str) -> float:
+    return self._dict[name]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._dict)
+
+  def __len__(self) -> int:
+    return len(self._items)
+
+  def __hash__(self) -> int:
+    return hash(self._items)
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+  def __repr__(self) -> str:
+    return f"RatiosByName({self._dict!r})"
+
+
+# One float for every layer, one per pruned layer (param flatten order), one per layer path,
+# or fn(path, shape).
+RatioSpec = float | tuple[float, ...] | RatiosByName | Callable[[str, tuple[int, ...]], float]
 
 
 def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
@@ -220,8 +253,8 @@ class Config:
   ``clicktrain()``'s Args for each field).
 
   Built and validated once (each sub-config where it is built); ``kernel_prune_ratio`` is
-  normalised to a float, a tuple of floats or a callable, ``layer_filter`` to a function (the
-  default when ``None`` is given). ``clicktrain(inner, config=...)`` takes one instead of the
+  normalised to a float, a tuple of floats, a :class:`RatiosByName` or a callable,
+  ``layer_filter`` to a function (the default when ``None`` is given). ``clicktrain(inner, config=...)`` takes one instead of the
   keywords; :meth:`from_keywords` builds one from them.
 
   Example:
@@ -328,15 +361,17 @@ class Config:
 
 
 def _normalise_ratio(spec: Any) -> RatioSpec:
-  """One float, a tuple of floats (each checked), or the callable as given (its values are
-  checked per layer when the plan asks it)."""
+  """One float, a tuple of floats, a :class:`RatiosByName` (each ratio checked), or the
+  callable as given (its values are checked per layer when the plan asks it)."""
   if isinstance(spec, (int, float, np.bool_, np.integer, np.floating)):
     return check_ratio(spec)
+  if isinstance(spec, Mapping):
+    return spec if isinstance(spec, RatiosByName) else RatiosByName(spec)
   if callable(spec):
     return spec
   if not isinstance(spec, Sequence) and not isinstance(spec, np.ndarray):
     raise ValueError(
-      "kernel_prune_ratio must be a number, a sequence of numbers (one per pruned layer) or "
-      f"fn(path, shape) -> number, got {spec!r}"
+      "kernel_prune_ratio must be a number, a sequence of numbers (one per pruned layer), a "
+      f"mapping {{layer path: number}} or fn(path, shape) -> number, got {spec!r}"
     )
   return tuple(check_ratio(r) for r in spec)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -64,7 +64,10 @@ def clicktrain(
   steps_per_epoch: int | None = None,
   hard_prune_epoch: int | None = None,
   mode: str | None = None,
-  kernel_prune_ratio: float | Sequence[float] | Callable[[str, tuple[int, ...]], float] = 0.5,
+  kernel_prune_ratio: float
+  | Sequence[float]
+  | Mapping[str, float]
+  | Callable[[str, tuple[int, ...]], float] = 0.5,
   pool_start_epoch: int | None = None,
   loss_derivative_threshold: float | None = None,
   pool_epochs: int | None = None,
@@ -105,9 +108,12 @@ def clicktrain(
           ends with the prune (the preset's hook marks it ``ct_hard_prune``).
       mode: ``"paper"`` (DPPG + adaptive finalization, the default) or ``"one_shot"``
           (the authors' released code).
-      kernel_prune_ratio: fraction of kernels removed per layer: one float,
-          a sequence (one per pruned layer, in param flatten order) or
-          ``fn(path, shape) -> float``.
+      kernel_prune_ratio: fraction of kernels removed per layer: one float, a sequence (one
+          per pruned layer, in param flatten order), a mapping ``{layer path: ratio}`` or
+          ``fn(path, shape) -> float``. A sequence fits the model it was written for; a model
+          that loses layers (PruneTrain's reconfiguration) needs the ratios by path
+          (:func:`~jaxprune.clicktrain.ratios_by_name` turns one into the other), since
+          ``init`` is a pure function of the params it is given.
       pool_start_epoch: paper mode: epochs of warm-up before DPPG (it runs from epoch
           ``pool_start_epoch + 1`` of the records; 0: from the first step); ``None`` uses
           the loss-derivative trigger (§4.1, a ``RuntimeWarning`` if it has not fired by
@@ -209,26 +215,11 @@ def clicktrain(
   inner = optax.with_extra_args_support(options.pop("inner"))
   cfg = _config(options)
   _stage_machine.warn_unreachable(cfg)
-  # A ratio sequence is matched to the pruned layers (flatten order) at init and remembered by
-  # name, so a model that later loses layers (PruneTrain's reconfiguration) still finds its
-  # ratios; written at init only, read by the plan. A closure, not state, because the state
-  # cannot carry it: a resumed run's template is jax.eval_shape(tx.init, cut model's params)
-  # (jaxprune/train/_resume.py) and a new opt_state is checked against the same
-  # (_placement.py), so tx.init on a model that already lost layers must not raise and must
-  # give the sliced state's tree. As static data in the state, the mapping would come from that
-  # template, which cannot know the removed layers (a restored state would lose it), and an
-  # equality that ignored it would let jit reuse a step traced with other ratios. As array
-  # leaves, the kernel counts ceil(ratio * n) would be traced in float32, not by the host's
-  # float64 rule (ratio 0.15 of 100 kernels would prune 16), and the checkpoint format would
-  # change. The trainer's first init, on the full model, fills it before any resume or replace.
-  ratio_by_name: dict[str, float] = {}
 
   def init_fn(params):
-    plan = make_plan(cfg, params, ratio_by_name)
+    plan = make_plan(cfg, params)
     check_not_empty(plan, params)
     check_filter_groups(plan, params)
-    if isinstance(cfg.kernel_prune_ratio, tuple) and len(plan) == len(cfg.kernel_prune_ratio):
-      ratio_by_name.update((name, layer.ratio) for name, layer in plan.items())
     leaves = jax.tree.leaves(params)
     start = POOL if (cfg.mode == "paper" and cfg.schedule.pool_start_epoch == 0) else WARMUP
     return ClickTrainState(
@@ -252,7 +243,7 @@ def clicktrain(
       raise ValueError("clicktrain needs params: update(grads, state, params, value=loss)")
     if value is None and cfg.mode == "paper":
       raise ValueError("clicktrain(mode='paper') needs the loss: update(..., value=loss)")
-    plan = make_plan(cfg, params, ratio_by_name)
+    plan = make_plan(cfg, params)
     loss = jnp.asarray(0.0 if value is None else value, jnp.float32)
     w_leaves = jax.tree.leaves(params)
     check_layers(plan, state.layers, params)

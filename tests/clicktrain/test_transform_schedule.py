@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxprune.clicktrain import _plan as ct_plan
 from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
 from jaxprune.clicktrain.config import SUB_CONFIG_KEYWORDS, Aligned, Config
@@ -184,6 +185,45 @@ def test_per_layer_ratio_callable_and_errors(mode, kit):
     ct.clicktrain(
       optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3, kernel_prune_ratio=[0.5, 1.5]
     ).init(kit.params())
+
+
+def _pruned_kernels(tx, kit):
+  """Kernels each layer prunes once ``tx``'s one-shot masks are picked (step 1)."""
+  p = kit.params()
+  _, st = tx.update(kit.fake_grads(p, 0), tx.init(p), p, value=jnp.float32(1.0))
+  return {n: int((~np.asarray(layer.kernel_keep)).sum()) for n, layer in st.layers.items()}
+
+
+def test_per_layer_ratios_by_path_or_by_position_are_pure_and_checked(kit):
+  # By hand: ceil(0.3 · 6 · 8) = 15 kernels of CONV1, ceil(0.7 · 8 · 8) = 45 of CONV2.
+  def tx(ratio):
+    return kit.one_shot_tx(None, kernel_prune_ratio=ratio)
+
+  by_hand = {kit.CONV1: 15, kit.CONV2: 45}
+  by_name = ct_plan.ratios_by_name(kit.params(), [0.3, 0.7])
+  assert by_name == {kit.CONV1: 0.3, kit.CONV2: 0.7}
+  assert _pruned_kernels(tx([0.3, 0.7]), kit) == by_hand
+  assert _pruned_kernels(tx(by_name), kit) == by_hand
+  # A path that is not a pruned layer (one a reconfiguration removed) is not needed.
+  assert _pruned_kernels(tx({**by_name, "gone/kernel": 0.9}), kit) == by_hand
+  with pytest.raises(ValueError, match=rf"no ratio for the pruned layer\(s\) \['{kit.CONV2}'\]"):
+    tx({kit.CONV1: 0.3}).init(kit.params())
+  with pytest.raises(ValueError, match=f"kernel_prune_ratio for '{kit.CONV1}' must be in"):
+    tx({kit.CONV1: 1.5, kit.CONV2: 0.7})
+  with pytest.raises(ValueError, match="ratios has 1 entries for 2 pruned layers"):
+    ct_plan.ratios_by_name(kit.params(), [0.3])
+  # init is a pure function of the params: a sequence matched on one tree is not remembered
+  # for another (before, the first init kept it by name in a closure every later init read).
+  sequence = tx([0.3, 0.7])
+  sequence.init(kit.params())
+  fewer = kit.params()
+  del fewer["block"]["conv2"]
+  with pytest.raises(ValueError, match="give the ratios by path"):
+    sequence.init(fewer)
+  # The mapping is held read-only and hashable, as the rest of the frozen Config.
+  schedule = ct.Schedule(steps_per_epoch=1, hard_prune_epoch=2, mode="one_shot", one_shot_epoch=0)
+  a, b = Config(schedule, by_name), Config(schedule, dict(by_name))
+  assert a == b and hash(a) == hash(b)
 
 
 def test_bad_arguments(kit):

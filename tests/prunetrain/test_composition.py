@@ -184,15 +184,15 @@ def _find(state, state_type):
   return found
 
 
-@pytest.mark.parametrize("ratios", ["float", "sequence"])
-def test_clicktrain_state_is_sliced_and_trains_on(ratios):
-  model = _small_resnet()
-  ratio = 0.5
-  if ratios == "sequence":  # one ratio per pruned layer, matched by flatten order at init
-    flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(nnx.state(model, nnx.Param)))[0]
-    chosen = [p for p, w in flat if ct.default_layer_filter(path_string(p), w.shape)]
-    ratio = [0.4 + 0.1 * (i % 2) for i in range(len(chosen))]
-  tx = pt.with_group_lasso(
+def _per_layer_ratios(model):
+  """One ratio per pruned layer, in flatten order (alternately 0.4 and 0.5)."""
+  flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(nnx.state(model, nnx.Param)))[0]
+  chosen = [p for p, w in flat if ct.default_layer_filter(path_string(p), w.shape)]
+  return [0.4 + 0.1 * (i % 2) for i in range(len(chosen))]
+
+
+def _one_shot_clicktrain(ratio):
+  return pt.with_group_lasso(
     ct.clicktrain(
       train.sgd(0.05, momentum=0.9),
       steps_per_epoch=len(_loader()),  # 2
@@ -202,7 +202,16 @@ def test_clicktrain_state_is_sliced_and_trains_on(ratios):
       kernel_prune_ratio=ratio,
     )
   )
-  trainer = train.Trainer(model, tx, progress=False)
+
+
+@pytest.mark.parametrize("ratios", ["float", "by_name"])
+def test_clicktrain_state_is_sliced_and_trains_on(ratios):
+  model = _small_resnet()
+  ratio = 0.5
+  if ratios == "by_name":  # per layer, keyed by path, so it outlives the removed branch
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    ratio = ct.ratios_by_name(params, _per_layer_ratios(model))
+  trainer = train.Trainer(model, _one_shot_clicktrain(ratio), progress=False)
   trainer.fit(_loader(), None, epochs=2)
   old_state = _find(trainer.opt_state, ct.ClickTrainState)
   assert ct.stage_name(old_state) == "pruned"  # masks final and applied
@@ -260,6 +269,22 @@ def test_clicktrain_state_is_sliced_and_trains_on(ratios):
   final = _find(trainer.opt_state, ct.ClickTrainState)
   for path, layer in final.layers.items():
     np.testing.assert_array_equal(layer.pattern_mask, sliced_masks[path])
+
+
+def test_a_ratio_sequence_is_refused_once_a_reconfiguration_removes_a_pruned_layer():
+  # A sequence is matched by position, so after the branch removal it no longer says which
+  # ratio each remaining layer had: the new model is refused when it is installed, naming the
+  # fix (before, the first init remembered the sequence by name in a closure).
+  model = _small_resnet()
+  trainer = train.Trainer(model, _one_shot_clicktrain(_per_layer_ratios(model)), progress=False)
+  trainer.fit(_loader(), None, epochs=1)
+  _kill_branch(trainer.model, 2)
+  new_model, new_opt_state, report = pt.reconfigure(
+    trainer.model, trainer.opt_state, count_flops=False
+  )
+  assert report.removed_branches == ["stages/2/0"]
+  with pytest.raises(ValueError, match=r"kernel_prune_ratio=clicktrain\.ratios_by_name"):
+    trainer.replace(new_model, new_opt_state)
 
 
 # ----------------------------------------------------------------------------- rebuild
