@@ -494,7 +494,15 @@ def pattern_mask(
   Returns:
       ``(kh, kw, Cin, Cout)`` mask.
   """
-  m = jnp.moveaxis(jnp.asarray(patterns, dtype)[pattern_ids], (-2, -1), (0, 1))
+  # Built in HWIO, one kernel position at a time, not gathered as (Cin, Cout, kh, kw) and
+  # transposed: XLA makes such a transpose free by giving the mask a transposed layout, and
+  # where the mask leaves a lax.cond (ClickTrain's pick, finalization) the branch not taken
+  # then pays a physical transpose of every pruned layer's mask at every step (measured: the
+  # pruned stage's update on VGG-11 4x slower).
+  table = jnp.asarray(patterns, dtype)
+  kh, kw = table.shape[1:]
+  m = jnp.stack([table[:, a, b][pattern_ids] for a in range(kh) for b in range(kw)])
+  m = m.reshape(kh, kw, *pattern_ids.shape)
   if kernel_keep is not None:
     m = m * kernel_keep.astype(dtype)
   return m
