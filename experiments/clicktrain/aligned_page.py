@@ -154,6 +154,80 @@ def _seed_lines(row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> 
   return [*lines, ""]
 
 
+def _dense_epoch_s(run: Mapping[str, Any], default_at: int | None) -> float | None:
+  """The run's own dense-speed epoch: its mean epoch before the hard prune (a dense run: over
+  all its epochs but the first), the unit that makes runs under other machine loads
+  comparable."""
+  at = pruned_at(run) or default_at
+  if run.get("method") == "dense" or not at:
+    at = run["history"][-1]["epoch"]
+  return _epoch_s(run, at, False)
+
+
+def _cost_curve(run: Mapping[str, Any], unit: float) -> tuple[list[float], list[float]]:
+  """Cumulative training time in dense epochs (epoch times, evaluation excluded) and the test
+  accuracy after each epoch."""
+  cost, xs, ys = 0.0, [], []
+  for record in run["history"]:
+    cost += record["epoch_time_s"] / unit
+    if "test_acc" in record:
+      xs.append(cost)
+      ys.append(100 * record["test_acc"])
+  return xs, ys
+
+
+def _time_lines(
+  row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]], figure: Path | None
+) -> list[str]:
+  """The time-to-accuracy table of ``row``'s seed-0 runs (and the figure of the dense, the
+  fine-grained and the most accurate aligned run at G = 1 and at 1 < G <= 8, written to ``figure``)."""
+  fine = runs.get(("clicktrain", 0))
+  default_at = pruned_at(fine or next(iter(runs.values())))
+  seed0 = {m: r for (m, s), r in runs.items() if s == 0}
+  units = {m: _dense_epoch_s(r, default_at) for m, r in seed0.items()}
+  dense_cost = _cost_curve(seed0["dense"], units["dense"])[0][-1]
+  lines = [
+    "| row | method | test acc | wall time (s) | dense epoch (s) | cost in dense epochs "
+    "| cost / dense run's |",
+    "|---|---|---:|---:|---:|---:|---:|",
+  ]
+  for method in _methods({(m, 0): r for m, r in seed0.items()}):
+    r, unit = seed0[method], units[method]
+    cost = _cost_curve(r, unit)[0][-1]
+    lines.append(
+      f"| {row} | {method} | {100 * r['test_acc']:.2f}% | {r['wall_time_s']:.0f} | {unit:.0f} | "
+      f"{cost:.2f} | {cost / dense_cost:.2f}× |"
+    )
+  aligned = [m for m in seed0 if m.startswith("aligned")]
+  best = [
+    max(group, key=lambda m: seed0[m]["test_acc"])
+    for group in (
+      [m for m in aligned if _aligned_order(m)[0] == 1],
+      [m for m in aligned if 1 < _aligned_order(m)[0] <= 8],
+    )
+    if group
+  ]
+  if figure is not None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in [m for m in ("dense", "clicktrain") if m in seed0] + best:
+      ax.plot(*_cost_curve(seed0[method], units[method]), marker="o", ms=3, label=method)
+    ax.set_xlabel("cumulative training time (dense epochs of the same run)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"{row}: test accuracy against training time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(figure, dpi=110)
+    plt.close(fig)
+    lines += ["", f"![{row}: test accuracy against training time]({figure.name})"]
+  return lines
+
+
 def aligned_markdown(
   folder: Path,
   budget: str,
@@ -161,8 +235,9 @@ def aligned_markdown(
   paper: Mapping[str, Sequence[float]],
   rows: Sequence[str],
   notes: Sequence[str] = (),
+  write_figures: bool = True,
 ) -> str:
-  """The aligned mode's page.
+  """The aligned mode's page (and its time-to-accuracy figures, beside it in ``folder``).
 
   Args:
     folder: where the runs' JSON files are.
@@ -171,6 +246,8 @@ def aligned_markdown(
     paper: Table 1's rows, ``row -> (base acc, Δ, compression, ...)``, for the paper's line.
     rows: the rows to look for, in page order.
     notes: lines placed under the title (the dtype's notes).
+    write_figures: write each row's figure of test accuracy against training time
+      (``table1-aligned_<tag>_<row>_time.png``).
 
   Returns:
     The page: one line per seed-0 run of each row that has aligned runs and a dense run, the
@@ -211,7 +288,7 @@ def aligned_markdown(
     ),
     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
-  seeds, commands = [], []
+  seeds, times, commands = [], [], []
   for row in rows:
     runs = _saved_runs(folder, tag, row)
     if not any(m.startswith("aligned") for m, _ in runs) or ("dense", 0) not in runs:
@@ -224,6 +301,8 @@ def aligned_markdown(
       )
     lines += _run_lines(row, runs)
     seeds += _seed_lines(row, runs)
+    figure = folder / f"table1-aligned_{tag}_{row}_time.png" if write_figures else None
+    times += [*_time_lines(row, runs, figure), ""]
     for seed in sorted({s for _, s in runs}):
       for method in (m for m in _methods(runs) if (m, seed) in runs):
         name = method + (f" seed {seed}" if seed else "")
@@ -243,5 +322,22 @@ def aligned_markdown(
       ),
       "",
       *seeds[:-1],
+    ]
+  if times:
+    lines += [
+      "",
+      "## Time to accuracy",
+      "",
+      (
+        "Each run's training time (the sum of its epoch times; evaluation excluded) in units of "
+        "its own dense-speed epoch: the mean of its epochs before the hard prune (the dense "
+        "run: all its epochs), which the same machine ran under the same load, so runs made on "
+        "other machines or under other load compare. The last column divides by the dense "
+        "run's cost. A run whose load changed between its epochs before and after the prune "
+        "(its note under Commands) is off by that change. The figure plots the dense, the "
+        "fine-grained and the most accurate aligned run at G = 1 and at 1 < G ≤ 8."
+      ),
+      "",
+      *times[:-1],
     ]
   return "\n".join([*lines, "", "Commands:", "", *commands]) + "\n"

@@ -132,7 +132,8 @@ def test_filter_groups_reach_clicktrain_and_the_aligned_page(clicktrain_calls, t
   aligned["test_acc"] = 0.5
   (tmp_path / "table1_cpu_vgg11_aligned-g2.json").write_text(json.dumps(aligned))
   page = clicktrain_table1.aligned_markdown(tmp_path, "cpu")
-  rows = [line for line in page.splitlines() if line.startswith("| vgg11 |")]
+  main = page.split("## Time to accuracy")[0]
+  rows = [line for line in main.splitlines() if line.startswith("| vgg11 |")]
   assert [r.split(" | ")[1] for r in rows] == [
     "paper: ClickTrain (fine-grained, 190 epochs)",
     "dense",
@@ -152,6 +153,20 @@ def test_filter_groups_reach_clicktrain_and_the_aligned_page(clicktrain_calls, t
   assert (
     f"| {100 * (0.5 - dense['test_acc']):+.2f} | {100 * (0.5 - fine['test_acc']):+.2f} |" in rows[3]
   )
+  # Time to accuracy, each run in its own dense-speed epochs: the aligned run's 12 epochs of
+  # 10 s against its 10 s before the prune cost 12 of them; the dense run's unit is the mean of
+  # its epochs 2..12 (the first compiles).
+  times = page.split("## Time to accuracy")[1].split("Commands:")[0]
+  cost = {
+    line.split(" | ")[1]: line.split(" | ")[5:7]
+    for line in times.splitlines()
+    if line.startswith("| vgg11 |")
+  }
+  epochs = [h["epoch_time_s"] for h in dense["history"]]
+  dense_cost = sum(epochs) / (sum(epochs[1:]) / len(epochs[1:]))
+  assert cost["dense"] == [f"{dense_cost:.2f}", "1.00× |"]
+  assert cost["aligned-g2"] == ["12.00", f"{12 / dense_cost:.2f}× |"]
+  assert (tmp_path / "table1-aligned_cpu_vgg11_time.png").stat().st_size > 0
 
 
 def test_transition_options_reach_clicktrain_the_schedule_and_the_run_name(clicktrain_calls):
@@ -197,7 +212,8 @@ def test_clustered_filter_grouping_reaches_clicktrain_and_the_aligned_page(
       (RESULTS / "table1_cpu_vgg11_clicktrain.json").read_text()
     )
   page = clicktrain_table1.aligned_markdown(tmp_path, "cpu")
-  rows = [line for line in page.splitlines() if line.startswith("| vgg11 |")]
+  main = page.split("## Time to accuracy")[0]
+  rows = [line for line in main.splitlines() if line.startswith("| vgg11 |")]
   assert [r.split(" | ")[1] for r in rows][1:] == [
     "dense",
     "clicktrain",
@@ -233,7 +249,7 @@ def test_runs_of_other_seeds_go_to_the_aligned_pages_seeds_table(tmp_path):
   assert clicktrain_table1._saved_rows(tmp_path, "cpu")["vgg11"]["clicktrain"]["test_acc"] == 0.70
 
   page = clicktrain_table1.aligned_markdown(tmp_path, "cpu")
-  main, seeds = page.split("## Over seeds")
+  main, seeds = page.split("## Time to accuracy")[0].split("## Over seeds")
   rows = [line for line in main.splitlines() if line.startswith("| vgg11 |")]
   assert [r.split(" | ")[1] for r in rows][1:] == ["dense", "clicktrain", "aligned-g2"]
   assert "| 65.00% | -15.00 | -5.00 |" in rows[3]

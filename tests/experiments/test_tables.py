@@ -398,7 +398,7 @@ def test_results_follow_one_naming_scheme(paper):
   dtypes = [name for name in cli.DTYPES if name != "fp32"]
   head = f"{_alternatives(tables)}_{_alternatives(sorted(names))}(?:_{_alternatives(dtypes)})?"
   row, method = _alternatives(rows), "(?:" + "|".join(methods) + ")"
-  plot = "(?:_(?:patterns|sparsity|over_training))?"
+  plot = "(?:_(?:patterns|sparsity|over_training|time))?"
   seed = r"(?:_seed\d+)?"  # a run under a seed other than the table's 0
   page = rf"{head}(?:_{row}(?:_{method}{seed})?{plot})?\.(?:md|json|png)"
   log = rf"{head}_{row}_{method}{seed}\.jsonl"
