@@ -2,10 +2,12 @@
 
 Times the full jitted train step (forward, backward, optimizer) of a model with
 ``train.sgd`` alone and with ``jaxprune.clicktrain.clicktrain(train.sgd(...))`` forced into
-each training stage (warmup, DPPG pool generation, finalization, regularization), plus pool /
-finalization with the importance work every 4th step. The step after the hard prune, with each
-way of running the pruned convs, is ``step_bench``'s (the one whole-step table); the page
-published before that move has a row for it too.
+each training stage (``--mode paper``: warmup, DPPG pool generation, finalization,
+regularization, pruned, plus pool / finalization with the importance work every 4th step;
+``--mode one_shot``: warmup, regularization, pruned), and the inner optimizer with the pruned
+stage's final masks (``optax.chain(sgd, masking.mask(masks))``): what the pruned stage should
+cost, since its masks no longer change. The layers stay dense and masked here; the step with
+the aligned or sparse layers is ``step_bench``'s.
 Variants are timed in interleaved rounds (the machine is shared); the minimum
 and the median per-step time of each are reported with their ratio to the inner
 optimizer (target <= 1.05x during pool generation and finalization). Because
@@ -15,7 +17,7 @@ extra cost over the inner update, divided by the full inner train step, is the
 wrapper's overhead free of the model's noise:
 
     python -m experiments.run clicktrain_overhead [--model clicktrain-vgg11]
-        [--width 0.25] [--batch 64] [--steps 10] [--rounds 5]
+        [--width 0.25] [--batch 64] [--steps 10] [--rounds 5] [--mode paper|one_shot]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from flax import nnx
 import jaxprune
 from experiments.common import cli, pages
 from experiments.common.machine import machine_description
-from jaxprune import models, train
+from jaxprune import masking, models, train
 from jaxprune.clicktrain import state as ct_state
 from jaxprune.timing import mean_call_s
 
@@ -80,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument(
+    "--mode", choices=("paper", "one_shot"), default="paper", help="ClickTrain's rule"
+  )
   parser.add_argument("--name", default="clicktrain_overhead")
   cli.add_publish_argument(parser, "benchmarks/")
   args = parser.parse_args(argv)
@@ -98,9 +103,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       inner(),
       steps_per_epoch=10_000,
       hard_prune_epoch=100,
-      pool_start_epoch=1,
       kernel_prune_ratio=0.5,
       importance_every=every,
+      **({"pool_start_epoch": 1} if args.mode == "paper" else {"one_shot_epoch": 1}),
     )
 
   variants: dict[str, tuple[Any, Any]] = {}
@@ -119,15 +124,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   add("inner optimizer alone", inner())
   tx1, tx4 = wrapped(1), wrapped(4)
-  for stage in (
-    ct_state.WARMUP,
-    ct_state.POOL,
-    ct_state.FINALIZE,
-    ct_state.REGULARIZE,
-  ):
+  stages = (ct_state.WARMUP, ct_state.POOL, ct_state.FINALIZE, ct_state.REGULARIZE)
+  for stage in stages if args.mode == "paper" else (ct_state.WARMUP, ct_state.REGULARIZE):
     add(f"clicktrain: {ct_state.STAGE_NAMES[stage]}", tx1, stage)
-  add("clicktrain: pool, importance every 4 steps", tx4, ct_state.POOL)
-  add("clicktrain: finalize, importance every 4 steps", tx4, ct_state.FINALIZE)
+  add("clicktrain: pruned", tx1, ct_state.PRUNED)
+  # What the pruned stage should cost: the inner optimizer and the same final masks.
+  pruned_state = variants["clicktrain: pruned"][1]
+  final_masks = jaxprune.clicktrain.masks(pruned_state.opt_state, pruned_state.params)
+  add("inner optimizer + the final masks", optax.chain(inner(), masking.mask(final_masks)))
+  if args.mode == "paper":
+    add("clicktrain: pool, importance every 4 steps", tx4, ct_state.POOL)
+    add("clicktrain: finalize, importance every 4 steps", tx4, ct_state.FINALIZE)
 
   params = variants["inner optimizer alone"][1][0]
   grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
@@ -146,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   implied = {k: 1.0 + (umin[k] - umin["inner optimizer alone"]) / base_best for k in variants}
   result = {
     "model": args.model,
+    "mode": args.mode,
     "width": args.width,
     "batch": args.batch,
     "median_step_s": median,
@@ -159,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   folder = pages.output_dir("benchmarks", args.publish)
   date = pages.utc_now()
   lines = [
-    f"# ClickTrain wrapper overhead: {args.model} (width x{args.width}), batch {args.batch}, CPU",
+    f"# ClickTrain wrapper overhead: {args.model} (width x{args.width}), batch {args.batch}, "
+    f"mode {args.mode}, CPU",
     "",
     f"- Command: `{command}`",
     f"- Date: {date}",
