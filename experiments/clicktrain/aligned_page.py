@@ -97,10 +97,16 @@ def _methods(runs: Mapping[tuple[str, int], Any]) -> list[str]:
   return [m for m in ("dense", "clicktrain") if m in names] + aligned
 
 
+def _row_prune_epoch(runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> int | None:
+  """The row's hard-prune epoch, for runs that never prune (dense): the fine-grained run's, or
+  any run's when there is none."""
+  return pruned_at(runs.get(("clicktrain", 0)) or next(iter(runs.values())))
+
+
 def _run_lines(row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> list[str]:
   """The main table's lines for ``row``: its seed-0 runs."""
   dense, fine = runs[("dense", 0)], runs.get(("clicktrain", 0))
-  default_at = pruned_at(fine or next(iter(runs.values())))
+  default_at = _row_prune_epoch(runs)
   lines = []
   for method in _methods({k: v for k, v in runs.items() if k[1] == 0}):
     r = runs[method, 0]
@@ -177,12 +183,11 @@ def _cost_curve(run: Mapping[str, Any], unit: float) -> tuple[list[float], list[
 
 
 def _time_lines(
-  row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]], figure: Path | None
+  row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]], figure: Path
 ) -> list[str]:
-  """The time-to-accuracy table of ``row``'s seed-0 runs (and the figure of the dense, the
-  fine-grained and the most accurate aligned run at G = 1 and at 1 < G <= 8, written to ``figure``)."""
-  fine = runs.get(("clicktrain", 0))
-  default_at = pruned_at(fine or next(iter(runs.values())))
+  """The time-to-accuracy table of ``row``'s seed-0 runs, and the figure of the dense, the
+  fine-grained and the most accurate aligned run at G = 1 and at 1 < G <= 8 (to ``figure``)."""
+  default_at = _row_prune_epoch(runs)
   seed0 = {m: r for (m, s), r in runs.items() if s == 0}
   units = {m: _dense_epoch_s(r, default_at) for m, r in seed0.items()}
   dense_cost = _cost_curve(seed0["dense"], units["dense"])[0][-1]
@@ -207,25 +212,23 @@ def _time_lines(
     )
     if group
   ]
-  if figure is not None:
-    import matplotlib
+  import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in [m for m in ("dense", "clicktrain") if m in seed0] + best:
-      ax.plot(*_cost_curve(seed0[method], units[method]), marker="o", ms=3, label=method)
-    ax.set_xlabel("cumulative training time (dense epochs of the same run)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"{row}: test accuracy against training time")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(figure, dpi=110)
-    plt.close(fig)
-    lines += ["", f"![{row}: test accuracy against training time]({figure.name})"]
-  return lines
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for method in [m for m in ("dense", "clicktrain") if m in seed0] + best:
+    ax.plot(*_cost_curve(seed0[method], units[method]), marker="o", ms=3, label=method)
+  ax.set_xlabel("cumulative training time (dense epochs of the same run)")
+  ax.set_ylabel("test accuracy (%)")
+  ax.set_title(f"{row}: test accuracy against training time")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(figure, dpi=110)
+  plt.close(fig)
+  return [*lines, "", f"![{row}: test accuracy against training time]({figure.name})"]
 
 
 def aligned_markdown(
@@ -235,9 +238,9 @@ def aligned_markdown(
   paper: Mapping[str, Sequence[float]],
   rows: Sequence[str],
   notes: Sequence[str] = (),
-  write_figures: bool = True,
 ) -> str:
-  """The aligned mode's page (and its time-to-accuracy figures, beside it in ``folder``).
+  """The aligned mode's page; writes each row's time-to-accuracy figure beside it in ``folder``
+  (``table1-aligned_<tag>_<row>_time.png``).
 
   Args:
     folder: where the runs' JSON files are.
@@ -246,8 +249,6 @@ def aligned_markdown(
     paper: Table 1's rows, ``row -> (base acc, Δ, compression, ...)``, for the paper's line.
     rows: the rows to look for, in page order.
     notes: lines placed under the title (the dtype's notes).
-    write_figures: write each row's figure of test accuracy against training time
-      (``table1-aligned_<tag>_<row>_time.png``).
 
   Returns:
     The page: one line per seed-0 run of each row that has aligned runs and a dense run, the
@@ -301,8 +302,7 @@ def aligned_markdown(
       )
     lines += _run_lines(row, runs)
     seeds += _seed_lines(row, runs)
-    figure = folder / f"table1-aligned_{tag}_{row}_time.png" if write_figures else None
-    times += [*_time_lines(row, runs, figure), ""]
+    times += [*_time_lines(row, runs, folder / f"table1-aligned_{tag}_{row}_time.png"), ""]
     for seed in sorted({s for _, s in runs}):
       for method in (m for m in _methods(runs) if (m, seed) in runs):
         name = method + (f" seed {seed}" if seed else "")

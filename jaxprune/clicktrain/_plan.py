@@ -57,12 +57,13 @@ Plan = dict[str, PrunedLayer]
 Layers = dict[str, ClickTrainLayerState]
 
 
-def _chosen(cfg: Config, leaves) -> list[tuple[str, int, str, int]]:
-  """``(name, leaf index, kind, kernel side)`` of every leaf ``cfg.layer_filter`` prunes."""
+def _chosen(layer_filter: LayerFilter, mode: str, leaves) -> list[tuple[str, int, str, int]]:
+  """``(name, leaf index, kind, kernel side)`` of every leaf ``layer_filter`` prunes (checked
+  for the ``mode``)."""
   chosen = []
   for i, (path, leaf) in enumerate(leaves):
     name = path_string(path)
-    kind = cfg.layer_filter(name, tuple(np.shape(leaf)))
+    kind = layer_filter(name, tuple(np.shape(leaf)))
     if kind is None:
       continue
     if kind not in ("pattern", "kernel"):
@@ -74,7 +75,7 @@ def _chosen(cfg: Config, leaves) -> list[tuple[str, int, str, int]]:
       raise ValueError(
         f"pattern pruning needs a square kernel of side >= 2: {name!r} {np.shape(leaf)}"
       )
-    if kind == "pattern" and cfg.mode == "one_shot" and kh != 3:
+    if kind == "pattern" and mode == "one_shot" and kh != 3:
       raise ValueError(f"mode='one_shot' uses 3x3 centre patterns; {name!r} is {kh}x{kw}")
     chosen.append((name, i, kind, kh))
   return chosen
@@ -129,7 +130,7 @@ def make_plan(cfg: Config, params: PyTree) -> Plan:
       callable) that is not in ``[0, 1]``.
   """
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  chosen = _chosen(cfg, leaves)
+  chosen = _chosen(cfg.layer_filter, cfg.mode, leaves)
   ratios = _ratios(cfg, chosen, leaves)
   groups = cfg.aligned.filter_groups if cfg.aligned else 0
   clustered = bool(groups) and cfg.aligned.grouping == "clustered"
@@ -159,21 +160,20 @@ def ratios_by_name(
     ``{path: ratio}``.
 
   Raises:
-    ValueError: a count of ``ratios`` other than the pruned layers', or a ratio outside
-      ``[0, 1]``.
+    ValueError: a count of ``ratios`` other than the pruned layers', a ratio outside
+      ``[0, 1]``, or a layer the filter chose that cannot be pruned as it says.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from jaxprune import clicktrain
-    >>> params = {"a": {"kernel": jnp.zeros((3, 3, 8, 8))}, "b": {"kernel": jnp.zeros((3, 3, 8, 8))}}
+    >>> kernel = jnp.zeros((3, 3, 8, 8))
+    >>> params = {"a": {"kernel": kernel}, "b": {"kernel": kernel}}
     >>> clicktrain.ratios_by_name(params, [0.5, 0.7])
     {'a/kernel': 0.5, 'b/kernel': 0.7}
   """
   layer_filter = default_layer_filter if layer_filter is None else layer_filter
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  names = [
-    n for n, leaf in ((path_string(p), x) for p, x in leaves) if layer_filter(n, np.shape(leaf))
-  ]
+  names = [c[0] for c in _chosen(layer_filter, "paper", leaves)]
   ratios = list(ratios)
   if len(ratios) != len(names):
     raise ValueError(f"ratios has {len(ratios)} entries for {len(names)} pruned layers: {names}")

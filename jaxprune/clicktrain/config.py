@@ -254,8 +254,9 @@ class Config:
 
   Built and validated once (each sub-config where it is built); ``kernel_prune_ratio`` is
   normalised to a float, a tuple of floats, a :class:`RatiosByName` or a callable,
-  ``layer_filter`` to a function (the default when ``None`` is given). ``clicktrain(inner, config=...)`` takes one instead of the
-  keywords; :meth:`from_keywords` builds one from them.
+  ``layer_filter`` to a function (the default when ``None`` is given).
+  ``clicktrain(inner, config=...)`` takes one instead of the keywords; :meth:`from_keywords`
+  builds one from them.
 
   Example:
     >>> from jaxprune import clicktrain
