@@ -56,6 +56,7 @@ from experiments.common.masks import clicktrain_to_hard_prune, kill_channels, st
 from jaxprune import flops, masking, methods, models, train
 from jaxprune import prunetrain as pt
 from jaxprune.clicktrain import masks as clicktrain_masks
+from jaxprune.clicktrain import specialize_pruned
 from jaxprune.clicktrain.execution import to_sparse_layers
 from jaxprune.clicktrain.execution.aligned_conv import COLUMNS
 from jaxprune.clicktrain.execution.options import default_backend
@@ -184,7 +185,7 @@ def clicktrain_variants(
         )
         row["convert_s"] = time.perf_counter() - start
         row["sparse_layers"] = f"{sum(c.backend != 'dense' for c in choices)}/{len(choices)}"
-      yield label, _Stepper(fresh, pruned.tx, batch, opt_state), row
+      yield label, _Stepper(fresh, pruned.tx, batch, specialize_pruned(opt_state)), row
     del pruned
   for g in groups:
     aligned, masks, compression = _pruned_clicktrain(nnx.clone(model), model_name, batch, g)
@@ -195,11 +196,10 @@ def clicktrain_variants(
       )
       row = {"compression": compression, "sparse_layers": f"{len(choices)}/{len(choices)}"}
       label = f"aligned G={g}" + (" shared" if columns == "shared" else "")
-      yield label, _Stepper(fresh, aligned.tx, batch, opt_state), row
+      yield label, _Stepper(fresh, aligned.tx, batch, specialize_pruned(opt_state)), row
       if columns == COLUMNS[0]:
         # The same layers under the inner optimizer and the final masks alone: what ClickTrain's
-        # transform in its pruned stage should cost no more than (issue: its update adds work
-        # the pruned stage does not need).
+        # transform in its pruned stage (specialised, as the trainer runs it) should match.
         plain = optax.chain(_inner(), masking.mask(masks))
         yield f"{label}, SGD + masks", _Stepper(fresh, plain, batch), dict(row)
 

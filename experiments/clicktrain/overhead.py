@@ -6,7 +6,8 @@ each training stage (``--mode paper``: warmup, DPPG pool generation, finalizatio
 regularization, pruned, plus pool / finalization with the importance work every 4th step;
 ``--mode one_shot``: warmup, regularization, pruned), and the inner optimizer with the pruned
 stage's final masks (``optax.chain(sgd, masking.mask(masks))``): what the pruned stage should
-cost, since its masks no longer change. The layers stay dense and masked here; the step with
+cost, since its masks no longer change; and the pruned stage's step as a trainer runs it
+after the hard prune (``specialize_pruned``: the stage machine left out). The layers stay dense and masked here; the step with
 the aligned or sparse layers is ``step_bench``'s.
 Variants are timed in interleaved rounds (the machine is shared); the minimum
 and the median per-step time of each are reported with their ratio to the inner
@@ -111,11 +112,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   variants: dict[str, tuple[Any, Any]] = {}
   updates_only: dict[str, tuple[Any, Any]] = {}
 
-  def add(label, tx, stage=None):
+  def add(label, tx, stage=None, specialised=False):
     trainer = train.Trainer(model, tx, progress=False, donate=False)
     state = train.TrainState.start(trainer.params, trainer.rest, trainer.opt_state)
     if stage is not None:
-      state = state._replace(opt_state=_forced(trainer.opt_state, stage))
+      opt_state = _forced(trainer.opt_state, stage)
+      if specialised:  # what PrunedStageStep installs after the hard prune
+        opt_state = jaxprune.clicktrain.specialize_pruned(opt_state)
+      state = state._replace(opt_state=opt_state)
     jax.block_until_ready(trainer.steps.train(state, x, y))  # compile
     variants[label] = (trainer.steps.train, state)
     tx_extra = optax.with_extra_args_support(tx)
@@ -128,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   for stage in stages if args.mode == "paper" else (ct_state.WARMUP, ct_state.REGULARIZE):
     add(f"clicktrain: {ct_state.STAGE_NAMES[stage]}", tx1, stage)
   add("clicktrain: pruned", tx1, ct_state.PRUNED)
+  add("clicktrain: pruned, specialised", tx1, ct_state.PRUNED, specialised=True)
   # What the pruned stage should cost: the inner optimizer and the same final masks.
   pruned_state = variants["clicktrain: pruned"][1]
   final_masks = jaxprune.clicktrain.masks(pruned_state.opt_state, pruned_state.params)

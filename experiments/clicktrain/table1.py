@@ -51,7 +51,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.clicktrain import aligned_page
+from experiments.clicktrain import aligned_page, transition_options
 from experiments.common import budgets, cli, pages, rows, run_options
 from jaxprune import data, flops, methods, models, train
 from jaxprune.clicktrain import HardPruneReadout, patterns, preset, readouts
@@ -112,27 +112,7 @@ def _parse(argv):
     "the filters' Eq. 2 / pattern scores when the patterns are finalized (saved as method "
     "aligned-g<G>c)",
   )
-  p.add_argument(
-    "--group-lasso-ramp",
-    default="constant",
-    choices=["constant", "linear", "cubic"],
-    help="beyond the paper: λ held over the regularize stage (the paper) or grown from 0 "
-    "linearly / cubically (saved with the suffix -ramp<l|c>)",
-  )
-  p.add_argument(
-    "--prune-window-epochs",
-    type=int,
-    default=0,
-    help="beyond the paper: a soft hard prune, the dropped weights decaying to zero over this "
-    "many epochs before it (saved with the suffix -win<N>)",
-  )
-  p.add_argument(
-    "--lr-rewind-epoch",
-    type=int,
-    default=None,
-    help="beyond the paper: after the hard prune the LR schedule replays from this epoch to its "
-    "end over the remaining epochs (learning-rate rewinding; saved with the suffix -rw<E>)",
-  )
+  transition_options.add_arguments(p)
   cli.add_resume_argument(p)
   cli.add_dtype_argument(p)
   run_options.add_arguments(p)
@@ -144,9 +124,9 @@ def _parse(argv):
     p.error(f"--methods: choose from dense, clicktrain, got {a.methods}")
   if a.filter_grouping != "consecutive" and a.filter_groups is None:
     p.error("--filter-grouping needs --filter-groups")
-  if a.prune_window_epochs < 0:
-    p.error("--prune-window-epochs must be >= 0")
-  return run_options.table_args(a, "clicktrain_table1")
+  a = run_options.table_args(a, "clicktrain_table1")
+  transition_options.check(p, a)
+  return a
 
 
 def _stage_epochs(args, row: str) -> dict[str, Any]:
@@ -161,7 +141,7 @@ def _stage_epochs(args, row: str) -> dict[str, Any]:
   """
   budget = args.recipe
   if budget.hard_prune_fraction is not None:
-    hard = max(4, round(budget.hard_prune_fraction * budget.epochs))
+    hard = args.hard_prune_epoch or max(4, round(budget.hard_prune_fraction * budget.epochs))
     if args.mode == "one_shot":
       return {"hard_prune_epoch": hard, "one_shot_epoch": 1}
     return {
@@ -191,18 +171,6 @@ def _method(args, row: str) -> methods.Method:
     **_stage_epochs(args, row),
     **aligned,
   )
-
-
-def _transition_suffix(args) -> str:
-  """The run name's mark of the transition options beyond the paper (empty without them)."""
-  marks = []
-  if args.group_lasso_ramp != "constant":
-    marks.append(f"ramp{args.group_lasso_ramp[0]}")
-  if args.prune_window_epochs:
-    marks.append(f"win{args.prune_window_epochs}")
-  if args.lr_rewind_epoch is not None:
-    marks.append(f"rw{args.lr_rewind_epoch}")
-  return "".join(f"-{m}" for m in marks)
 
 
 def _schedule(args, row: str, steps: int, prune: bool):
@@ -239,7 +207,7 @@ def _spec(
     clustered = args.filter_grouping == "clustered"
     label = f"aligned-g{args.filter_groups}{'c' if clustered else ''}"
   if prune:
-    label += _transition_suffix(args)
+    label += transition_options.suffix(args)
   stem = aligned_page.run_stem(_tag(args.budget, args.dtype), row, label, args.seed)
   overrides = {}
   if budget.linear_init_std is not None and row.startswith("vgg"):

@@ -29,6 +29,9 @@ fraction of whole kernels is removed. The package has two halves.
   which keeps them whatever is chained after the wrapper.
 * :mod:`~jaxprune.clicktrain.prune_batchnorm` — :class:`HardPruneBatchNorm` (re-estimating the
   BatchNorm statistics at the hard prune) and :class:`HardPruneCheck`, trainer hooks.
+* :mod:`~jaxprune.clicktrain.pruned_step` — :func:`specialize_pruned` and the trainer hook
+  :class:`PrunedStageStep`: once the masks are final, the update runs the pruned stage's work
+  only (no stage machine, the per-layer state passed through).
 * :mod:`~jaxprune.clicktrain.prune_readout` — :class:`HardPruneReadout`, the trainer hook
   recording, just before the hard prune, the weight norm it removes and the test accuracy
   with and without the masks.
@@ -108,6 +111,7 @@ from jaxprune.clicktrain.patterns import all_patterns, dppg_candidates, library_
 from jaxprune.clicktrain.preset import RELEASED_CIFAR10, method, released_method
 from jaxprune.clicktrain.prune_batchnorm import HardPruneBatchNorm, HardPruneCheck
 from jaxprune.clicktrain.prune_readout import HardPruneReadout
+from jaxprune.clicktrain.pruned_step import PrunedStageStep, is_specialized, specialize_pruned
 from jaxprune.clicktrain.readouts import (
   compression,
   filter_partition,
@@ -122,7 +126,13 @@ from jaxprune.clicktrain.readouts import (
   removed_norm_fraction,
   stage_name,
 )
-from jaxprune.clicktrain.state import STAGE_NAMES, ClickTrainLayerState, ClickTrainState, Stage
+from jaxprune.clicktrain.state import (
+  STAGE_NAMES,
+  ClickTrainLayerState,
+  ClickTrainState,
+  PrunedStep,
+  Stage,
+)
 from jaxprune.clicktrain.transform import clicktrain
 
 __all__ = [
@@ -141,6 +151,9 @@ __all__ = [
   "Schedule",
   "ClickTrainState",
   "ClickTrainLayerState",
+  "PrunedStep",
+  "specialize_pruned",
+  "is_specialized",
   "Stage",
   "STAGE_NAMES",
   # the paper's importance (Eq. 1, 2) and patterns (§4.2)
@@ -171,6 +184,7 @@ __all__ = [
   "HardPruneBatchNorm",
   "HardPruneCheck",
   "HardPruneReadout",
+  "PrunedStageStep",
   "SparseExecution",
   # sparse execution entry points
   "SparseExecutionConfig",

@@ -99,6 +99,7 @@ def next_state(
     inner_state=inner_state,
     epoch_length=state.epoch_length._replace(step=clock.step),
     schedule=state.schedule,
+    pruned_step=state.pruned_step,
   )
 
 

@@ -240,10 +240,14 @@ def one_shot_masks(layers: Layers, plan: Plan, w_leaves, g_leaves, num_patterns:
 
 def _switch_pruned(branches, index, plan: Plan, leaves) -> list:
   """``leaves`` with the pruned layers' entries replaced by ``branches[index]({name: leaf})``
-  under one ``lax.switch`` (the branches not taken neither compute nor copy them)."""
+  under one ``lax.switch`` (the branches not taken neither compute nor copy them), or, for an
+  ``index`` known when tracing (a Python int: the pruned-stage step), that branch alone."""
   leaves = list(leaves)
   chosen = {name: leaves[layer.index] for name, layer in plan.items()}
-  chosen = jax.lax.switch(index, branches, chosen)
+  if isinstance(index, int):
+    chosen = branches[index](chosen)
+  else:
+    chosen = jax.lax.switch(index, branches, chosen)
   for name, layer in plan.items():
     leaves[layer.index] = chosen[name]
   return leaves
@@ -251,8 +255,10 @@ def _switch_pruned(branches, index, plan: Plan, leaves) -> list:
 
 def _map_pruned(fn, pred, plan: Plan, leaves) -> list:
   """``leaves`` with the pruned layers' entries replaced by ``fn({name: leaf})`` where
-  ``pred`` holds (:func:`_switch_pruned` of the identity and ``fn``)."""
-  return _switch_pruned([lambda x: x, fn], pred.astype(jnp.int32), plan, leaves)
+  ``pred`` holds (:func:`_switch_pruned` of the identity and ``fn``; a Python bool decides
+  when tracing)."""
+  index = int(pred) if isinstance(pred, bool) else pred.astype(jnp.int32)
+  return _switch_pruned([lambda x: x, fn], index, plan, leaves)
 
 
 def modify_grads(
@@ -281,7 +287,10 @@ def modify_grads(
       for name in plan
     }
 
-  branch = jnp.where(stage == REGULARIZE, 1, jnp.where(stage == PRUNED, 2, 0))
+  if isinstance(stage, int):  # known when tracing (the pruned-stage step): no switch
+    branch = 1 if stage == REGULARIZE else 2 if stage == PRUNED else 0
+  else:
+    branch = jnp.where(stage == REGULARIZE, 1, jnp.where(stage == PRUNED, 2, 0))
   return _switch_pruned([lambda gs: gs, regularize, mask], branch, plan, g_leaves)
 
 

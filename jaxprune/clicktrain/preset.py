@@ -15,6 +15,7 @@ from typing import Any
 from jaxprune.clicktrain.execution import SparseExecution
 from jaxprune.clicktrain.layer_choice import LayerChoiceCheck
 from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES, HardPruneBatchNorm, HardPruneCheck
+from jaxprune.clicktrain.pruned_step import PrunedStageStep
 from jaxprune.clicktrain.schedule import Schedule
 from jaxprune.clicktrain.transform import clicktrain
 from jaxprune.method_api import Method, Run, split_config
@@ -62,6 +63,8 @@ def _callbacks(recompute_batchnorm: int, sparse: bool, by_name: bool):
   def callbacks(run: Run) -> list[Any]:
     hooks: list[Any] = [HardPruneBatchNorm(recompute_batchnorm)] if recompute_batchnorm else []
     hooks.append(HardPruneCheck(run.epochs))
+    # After the hard prune the stage machine is dead weight on every step: the pruned stage's own.
+    hooks.append(PrunedStageStep())
     if by_name:
       hooks.append(LayerChoiceCheck(run.image_shape))
     if sparse:
@@ -85,7 +88,9 @@ def method(**config: Any) -> Method:
   still describe the dense weights when that epoch is evaluated (an accuracy collapse that
   recovers an epoch later; docs/design.md, "BatchNorm at the hard prune"). Beyond the paper,
   which does not say how it evaluates then.
-  They also hold a :class:`~jaxprune.clicktrain.HardPruneCheck`, which warns when the run's
+  They also hold a :class:`~jaxprune.clicktrain.PrunedStageStep`, which specialises the train
+  step to the pruned stage once the masks are final, a
+  :class:`~jaxprune.clicktrain.HardPruneCheck`, which warns when the run's
   last epoch ends before the hard prune (the transform, given ``total_epochs=run.epochs``,
   already warns when it is built if the schedule cannot prune inside the run), a
   :class:`~jaxprune.clicktrain.LayerChoiceCheck` unless ``layer_filter`` is given (the default

@@ -7,6 +7,7 @@ order are part of the checkpoint format.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import NamedTuple
 
@@ -26,6 +27,7 @@ __all__ = [
   "WARMUP",
   "ClickTrainLayerState",
   "ClickTrainState",
+  "PrunedStep",
   "Stage",
   "full_mask",
 ]
@@ -63,6 +65,18 @@ class ClickTrainLayerState(NamedTuple):
   filter_group: jax.Array
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class PrunedStep:
+  """Marks a state whose stage is PRUNED for good (:func:`~jaxprune.clicktrain.specialize_pruned`).
+
+  Static (no leaves): a state holding it has another tree structure, so ``jit`` traces the update
+  anew, and there the update runs only the pruned stage's work (the masked gradient, the inner
+  optimizer, the hard mask); the per-layer state passes through untouched. Checkpoints store the
+  same arrays with or without it.
+  """
+
+
 class ClickTrainState(NamedTuple):
   count: jax.Array  # steps done
   stage: jax.Array  # Stage.WARMUP .. Stage.PRUNED
@@ -77,6 +91,9 @@ class ClickTrainState(NamedTuple):
   # by the learning rate's step increment: the schedule's epochs follow the trainer's.
   epoch_length: EpochLengthState
   schedule: Schedule  # the epoch settings; static (no leaves)
+  # Static: None, or the mark that the stage is PRUNED for good and the update is specialised to
+  # it (set from outside jit once the masks are final; PRUNED is the last stage).
+  pruned_step: PrunedStep | None = None
 
 
 def full_mask(ls: ClickTrainLayerState) -> jax.Array:

@@ -249,6 +249,13 @@ def clicktrain(
     check_layers(plan, state.layers, params)
     g_leaves, g_def = jax.tree.flatten(updates)
     clock = _stage_machine.step_clock(cfg, state, loss)
+    if state.pruned_step is not None:
+      # Specialised to the pruned stage (specialize_pruned): the same arithmetic as the general
+      # step's PRUNED branches, with no stage switch, so the per-layer state (votes, scores,
+      # masks) is neither copied nor selected: it passes through as it came in.
+      return _pruned_update(
+        plan, state, clock, w_leaves, g_leaves, g_def, params, value, extra_args
+      )
     if cfg.mode == "paper":
       layers, moved = _stage_machine.paper_step(cfg, plan, state, clock, w_leaves, g_leaves)
       stage = state.stage
@@ -274,6 +281,21 @@ def clicktrain(
     # The step that enters PRUNED already emits the hard mask: a state (and every read-out
     # of it) that says "pruned" always comes with weights that are zero where the masks prune.
     u_leaves = _stage_work.hard_mask(u_leaves, layers, plan, w_leaves, new_state.stage == PRUNED)
+    return jax.tree.unflatten(u_def, u_leaves), new_state
+
+  def _pruned_update(plan, state, clock, w_leaves, g_leaves, g_def, params, value, extra_args):
+    """The update of a state marked :class:`~jaxprune.clicktrain.PrunedStep`: mask the
+    gradient, run the inner optimizer, emit the hard mask (ClickTrain §4.4, after the prune)."""
+    layers = state.layers
+    g_leaves = _stage_work.modify_grads(g_leaves, layers, plan, w_leaves, PRUNED, 0.0, cfg.eps)
+    new_updates, inner_state = inner.update(
+      jax.tree.unflatten(g_def, g_leaves), state.inner_state, params, value=value, **extra_args
+    )
+    u_leaves, u_def = jax.tree.flatten(new_updates)
+    new_state = _stage_machine.next_state(
+      cfg, state, clock, state.stage, jnp.bool_(False), layers, inner_state
+    )
+    u_leaves = _stage_work.hard_mask(u_leaves, layers, plan, w_leaves, True)
     return jax.tree.unflatten(u_def, u_leaves), new_state
 
   # Jitted: called eagerly (nnx.Optimizer.update outside jit) the stage machine's lax.cond /

@@ -213,10 +213,12 @@ class Placement:
     """
     model = self.model if model is None else model
     opt_state = self.opt_state if opt_state is None else opt_state
-    expected, expected_def = jax.tree.flatten(
+    # Leaves compared by path and shape, not tree structure: a state may carry static marks
+    # that tx.init does not (ClickTrain's specialize_pruned), with the same arrays.
+    expected = jax.tree_util.tree_flatten_with_path(
       jax.eval_shape(self.tx.init, nnx.as_pure(nnx.state(model, nnx.Param)))
-    )
-    got, got_def = jax.tree.flatten(opt_state)
-    if expected_def != got_def or [e.shape for e in expected] != [np.shape(g) for g in got]:
+    )[0]
+    got = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    if [(p, e.shape) for p, e in expected] != [(p, np.shape(g)) for p, g in got]:
       raise ValueError("opt_state: structure or shapes do not match tx.init(model params)")
     self.set_model(model, opt_state)

@@ -80,6 +80,33 @@ def _paper_tx(**kw):
   )
 
 
+def _pruning_tx(inner):
+  """Paper mode on a short schedule around ``inner``: 2 steps per epoch, one epoch each of
+  warm-up, pool and finalization, the hard prune at the end of epoch 4, half the kernels."""
+  return ct.clicktrain(
+    inner,
+    steps_per_epoch=2,
+    hard_prune_epoch=4,
+    pool_start_epoch=1,
+    pool_epochs=1,
+    finalize_epochs=1,
+    pool_size=6,
+    kernel_prune_ratio=0.5,
+  )
+
+
+def _train_step(tx):
+  """The jitted training step of ``tx`` on the toy loss: ``step(params, state, x, y)``."""
+
+  @jax.jit
+  def step(p, st, x, y):
+    loss, g = jax.value_and_grad(_loss)(p, x, y)
+    u, st = tx.update(g, st, p, value=loss)
+    return optax.apply_updates(p, u), st
+
+  return step
+
+
 def _run(tx, steps=7):
   """``tx`` on the toy params for ``steps`` steps of falling loss: ``(params, states (the
   initial one first), last update)``."""
@@ -162,6 +189,8 @@ def kit():
     loss=_loss,
     batch=_batch,
     fake_grads=_fake_grads,
+    train_step=_train_step,
+    pruning_tx=_pruning_tx,
     CONV1=CONV1,
     CONV2=CONV2,
     paper_run=_paper_run,

@@ -88,12 +88,16 @@ def test_training_after_the_switch_matches_the_masked_dense_model(measured_run):
 
 
 def test_resume_across_the_switch_is_exact(tmp_path):
+  # With the step specialised to the pruned stage from the prune on (PrunedStageStep): the
+  # checkpoint stores the same arrays, and the resumed run specialises again at fit start.
   def hook():
-    return SparseExecution(threshold=0.0, filter_groups=GROUPS)
+    return [SparseExecution(threshold=0.0, filter_groups=GROUPS), clicktrain.PrunedStageStep()]
 
-  straight, h_straight = _run([hook()])
-  _run([hook()], epochs=3, checkpoint_dir=tmp_path)  # switched at the end of epoch 2
-  resumed, h_resumed = _run([hook()], checkpoint_dir=tmp_path)  # switches again at fit start
+  straight, h_straight = _run(hook())
+  assert [r["ct_pruned_step"] for r in h_straight] == [False, True, True, True]
+  _run(hook(), epochs=3, checkpoint_dir=tmp_path)  # switched at the end of epoch 2
+  resumed, h_resumed = _run(hook(), checkpoint_dir=tmp_path)  # switches again at fit start
+  assert clicktrain.is_specialized(resumed.opt_state)
   assert pattern_convs(resumed.model) and set(pattern_convs(resumed.model)) == set(
     pattern_convs(straight.model)
   )

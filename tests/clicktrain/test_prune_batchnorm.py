@@ -131,9 +131,10 @@ def test_a_run_that_ends_before_the_hard_prune_warns_at_its_last_epoch(tiny_cnn,
   method = methods.get("clicktrain", hard_prune_epoch=3, recompute_batchnorm=0)
   with pytest.warns(RuntimeWarning, match="ends before its hard prune"):
     tx = method.make_tx(optax.sgd(0.0), run)  # a flat loss: the trigger fires at epoch 2
-  # The end-of-run check, then the layer choice's fit-start check.
-  check, layers = method.callbacks(run)
+  # The end-of-run check, the pruned stage's step, then the layer choice's fit-start check.
+  check, pruned_step, layers = method.callbacks(run)
   assert isinstance(check, clicktrain.HardPruneCheck) and check.epochs == 4
+  assert isinstance(pruned_step, clicktrain.PrunedStageStep)
   assert isinstance(layers, clicktrain.LayerChoiceCheck)
   trainer = train.Trainer(tiny_cnn(num_classes=4), tx, callbacks=[check], progress=False)
   with warnings.catch_warnings(record=True) as caught:

@@ -165,25 +165,10 @@ def test_compression_reports_the_weights_and_planned_compression_the_masks(
 def test_hard_prune_keeps_pruned_weights_exactly_zero(kit):
   spe = 2
   inner = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05, momentum=0.9))
-  tx = ct.clicktrain(
-    inner,
-    steps_per_epoch=spe,
-    hard_prune_epoch=4,
-    pool_start_epoch=1,
-    pool_epochs=1,
-    finalize_epochs=1,
-    pool_size=6,
-    kernel_prune_ratio=0.5,
-  )
+  tx = kit.pruning_tx(inner)  # 2 steps per epoch, hard prune at the end of epoch 4
   p = kit.params()
   st = tx.init(p)
-
-  @jax.jit
-  def step(p, st, x, y):
-    l, g = jax.value_and_grad(kit.loss)(p, x, y)
-    u, st = tx.update(g, st, p, value=l)
-    return optax.apply_updates(p, u), st
-
+  step = kit.train_step(tx)
   mask0 = None
   for i in range(30):
     p, st = step(p, st, *kit.batch(i))

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 from experiments.clicktrain import table1 as clicktrain_table1
+from experiments.clicktrain import transition_options
 from jaxprune import methods
 from jaxprune.clicktrain import Schedule, preset
 
@@ -181,14 +182,35 @@ def test_transition_options_reach_clicktrain_the_schedule_and_the_run_name(click
     optax.sgd(0.1), methods.Run(10, args.recipe.epochs)
   )
   assert (calls[0]["group_lasso_ramp"], calls[0]["schedule"].prune_window_epochs) == ("cubic", 2)
-  assert clicktrain_table1._transition_suffix(args) == "-rampc-win2-rw3"
-  assert clicktrain_table1._transition_suffix(clicktrain_table1._parse([])) == ""
+  assert transition_options.suffix(args) == "-rampc-win2-rw3"
+  assert transition_options.suffix(clicktrain_table1._parse([])) == ""
   rewound = clicktrain_table1._schedule(args, "vgg11", 10, prune=True)
   plain = clicktrain_table1._schedule(args, "vgg11", 10, prune=False)
   # Epoch 7 ends with the prune: the LR goes back to epoch 3's (0.1, before the drop at 6).
   assert float(plain(69)) == float(rewound(69)) == pytest.approx(0.01)
   assert float(rewound(70)) == pytest.approx(0.1) and float(plain(70)) == pytest.approx(0.01)
   assert float(rewound(120)) == pytest.approx(float(plain(120)))  # the schedule's end
+
+
+def test_hard_prune_epoch_moves_the_prune_and_the_rewind_and_is_checked(clicktrain_calls):
+  """--hard-prune-epoch replaces the cpu budget's share (epoch 7 of 12): the schedule the
+  transform gets, the LR rewind's epoch and the run name follow it; a value outside the stages
+  or the run, or on the paper budget, stops the command."""
+  argv = ["--budget", "cpu", "--filter-groups", "8", "--hard-prune-epoch", "9"]
+  args = clicktrain_table1._parse([*argv, "--lr-rewind-epoch", "3"])
+  clicktrain_table1._method(args, "vgg11").make_tx(
+    optax.sgd(0.1), methods.Run(10, args.recipe.epochs)
+  )
+  assert clicktrain_calls[0]["schedule"].hard_prune_epoch == 9
+  assert transition_options.suffix(args) == "-rw3-hp9"
+  rewound = clicktrain_table1._schedule(args, "vgg11", 10, prune=True)
+  assert float(rewound(89)) == pytest.approx(0.01)  # epoch 9 ends with the prune
+  assert float(rewound(90)) == pytest.approx(0.1)  # back to epoch 3's
+  for bad in (["--hard-prune-epoch", "3"], ["--hard-prune-epoch", "12"]):
+    with pytest.raises(SystemExit):
+      clicktrain_table1._parse(["--budget", "cpu", *bad])
+  with pytest.raises(SystemExit):
+    clicktrain_table1._parse(["--budget", "paper", "--hard-prune-epoch", "90"])
 
 
 def test_clustered_filter_grouping_reaches_clicktrain_and_the_aligned_page(
