@@ -24,7 +24,9 @@ and for each registered method in its steady state:
 
 Each time is the median of ``--repeats`` steps after two warm-up steps (``block_until_ready``
 after each); compile time is the step's ``lower(...).compile()``; every ratio divides by the
-dense step of the same model and dtype measured in the same run. Rows are printed and saved
+dense step of the same model and dtype measured in the same run (an aligned row and its
+"SGD + masks" pair, whose ratio is the transform's cost after the prune, are timed again in
+alternating rounds, :func:`time_pair`). Rows are printed and saved
 as they are measured (``step_time_<platform>[_small].json`` and ``.md``), so a run cut short
 keeps a table; ``--max-seconds`` stops measuring (listing what was left) before a device
 window closes::
@@ -39,6 +41,7 @@ import argparse
 import dataclasses
 import datetime
 import itertools
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -124,6 +127,17 @@ def time_steps(stepper: _Stepper, repeats: int) -> dict[str, float]:
   return {"ms": median_call_ms(stepper.step, repeats=repeats, warmup=2), "compile_s": compile_s}
 
 
+def time_pair(first: _Stepper, second: _Stepper, repeats: int) -> tuple[float, float]:
+  """Both steppers' ms (each compiled already), timed in ``repeats`` alternating rounds of three
+  steps: the median of each one's round medians. For two rows whose ratio is the measurement
+  (a transform against the same layers under SGD + its masks): the machine's drift reaches both."""
+  times: tuple[list[float], list[float]] = ([], [])
+  for _ in range(repeats):
+    for stepper, out in zip((first, second), times):
+      out.append(median_call_ms(stepper.step, repeats=3, warmup=0))
+  return statistics.median(times[0]), statistics.median(times[1])
+
+
 # ------------------------------------------------------------------------------ the methods
 
 
@@ -201,7 +215,7 @@ def clicktrain_variants(
         # The same layers under the inner optimizer and the final masks alone: what ClickTrain's
         # transform in its pruned stage (specialised, as the trainer runs it) should match.
         plain = optax.chain(_inner(), masking.mask(masks))
-        yield f"{label}, SGD + masks", _Stepper(fresh, plain, batch), dict(row)
+        yield f"{label}, SGD + masks", _Stepper(fresh, plain, batch), {**row, "versus": label}
 
 
 def sdgp_variants(
@@ -296,6 +310,8 @@ def _notes(row: dict[str, Any]) -> str:
     notes.append(f"pruned layers {row['compression']:.1f}× compressed")
   if "sparse_layers" in row:
     notes.append(f"{row['sparse_layers']} layers sparse")
+  if row.get("interleaved"):
+    notes.append("timed in alternating rounds with its pair")
   if "convert_s" in row:
     notes.append(f"conversion {row['convert_s']:.1f} s")
   if row.get("auto"):
@@ -377,6 +393,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     "methods: minutes on a 2-core CPU",
   )
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--name", default=None, help="file stem of the table (default step_time_<platform>[_small])"
+  )
   cli.add_output_arguments(parser, "benchmarks/")
   args = parser.parse_args(argv)
   small = args.small
@@ -412,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "rows": [],
     "not_measured": [],
   }
-  stem = f"step_time_{jax.default_backend()}" + ("_small" if args.small else "")
+  stem = args.name or f"step_time_{jax.default_backend()}" + ("_small" if args.small else "")
 
   def save():
     pages.write_result(out / stem, result, to_markdown(result))
@@ -439,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       rows = [{**base, "variant": "dense", **dense, "ratio": 1.0}]
       _record(result, rows[-1], save)
       variants = _variants(suite, spec, model, batch, args)
+      last: tuple[dict[str, Any], _Stepper] | None = None
       while True:
         if time.perf_counter() > deadline:
           result["not_measured"].append(f"{suite} {dtype}: the variants after the last row")
@@ -453,9 +473,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result, {**base, "variant": "?", "error": f"{type(error).__name__}: {error}"}, save
           )
           break
-        del stepper
+        if last is not None and facts.get("versus") == last[0]["variant"]:
+          # A pair whose ratio is the point: timed again in alternating rounds, both rows.
+          ms = time_pair(last[1], stepper, args.repeats)
+          last[0].update(ms=ms[0], ratio=ms[0] / dense["ms"], interleaved=True)
+          timed = {**timed, "ms": ms[1]}
+          facts = {**facts, "interleaved": True}
         row = {**base, "variant": label, **facts, **timed, "ratio": timed["ms"] / dense["ms"]}
         _record(result, row, save)
+        last = (row, stepper)
+        del stepper
   save()
   print(to_markdown(result))
   return result

@@ -88,8 +88,10 @@ def specialize_pruned(opt_state: Any) -> Any:
 
 
 def is_specialized(opt_state: Any) -> bool:
-  """Whether every ClickTrain state in ``opt_state`` is marked by :func:`specialize_pruned`
-  (False when it holds none)."""
+  """Whether every ClickTrain state in ``opt_state`` is marked by :func:`specialize_pruned`.
+
+  False when it holds none.
+  """
   found = find_states(as_pure(opt_state), ClickTrainState)
   return bool(found) and all(s.pruned_step is not None for s in found)
 

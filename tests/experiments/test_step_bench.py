@@ -86,6 +86,8 @@ def test_clicktrain_variants_step_like_the_masked_dense_model():
     "aligned G=2 shared",
   ]
   assert all(row["compression"] > 9 / 4 for _, _, row in variants)  # patterns, then kernels
+  # The transform's aligned row and its SGD + masks pair are timed together (time_pair).
+  assert variants[4][2]["versus"] == "aligned G=2" and "versus" not in variants[3][2]
   steppers = {label: stepper for label, stepper, _ in variants}
   fine = nnx.merge(
     steppers["fine-grained (reference)"].graphdef, *steppers["masked dense"].state[:2]
@@ -106,6 +108,10 @@ def test_clicktrain_variants_step_like_the_masked_dense_model():
   # The reference row for the transform's cost: the same aligned layers under the inner
   # optimizer and the final masks keep the pruned weights at exactly zero.
   plain = steppers["aligned G=2, SGD + masks"]
+  # The ClickTrain rows run the step specialised to the pruned stage, as a trainer would.
+  assert clicktrain.is_specialized(steppers["aligned G=2"].state[2])
+  pair = step_bench.time_pair(steppers["aligned G=2"], plain, repeats=1)
+  assert len(pair) == 2 and min(pair) > 0
   masks = clicktrain.masks(steppers["aligned G=2"].state[2], steppers["aligned G=2"].state[0])
   flat_masks = jax.tree.leaves(masks, is_leaf=lambda v: v is None)
   flat_params = jax.tree.leaves(_params_after_one_step(plain))
