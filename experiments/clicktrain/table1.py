@@ -54,7 +54,7 @@ from flax import nnx
 from experiments.clicktrain import aligned_page, transition_options
 from experiments.common import budgets, cli, pages, rows, run_options
 from jaxprune import data, flops, methods, models, train
-from jaxprune.clicktrain import HardPruneReadout, patterns, preset, readouts
+from jaxprune.clicktrain import HardPruneReadout, PrunedStageStep, patterns, preset, readouts
 from jaxprune.clicktrain.execution import SparseExecution
 
 # Paper Table 1, CIFAR-10, first ClickTrain row per model:
@@ -235,6 +235,10 @@ def _spec(
       # convs to the aligned layers there (each kept where it measures faster than the masked
       # dense conv), each layer's groups as the ClickTrain state holds them.
       hooks.append(SparseExecution(filter_groups="from_state"))
+    if prune:
+      # After the hard prune the train step is the pruned stage's, as the preset's hook makes
+      # it (the table sets its own hooks).
+      hooks.append(PrunedStageStep())
     return hooks
 
   metrics = {"compression": lambda t: flops.compression_ratio(t.params)}
