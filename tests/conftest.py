@@ -192,6 +192,26 @@ def digits_loader():
   return build
 
 
+def _optax_train_step(loss_fn, tx):
+  """The jitted training step of ``tx`` on ``loss_fn(params, x, y)`` (the loss goes to ``tx`` as
+  ``value``): ``step(params, state, x, y) -> (params, state)``."""
+
+  @jax.jit
+  def step(p, st, x, y):
+    loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+    u, st = tx.update(g, st, p, value=loss)
+    return optax.apply_updates(p, u), st
+
+  return step
+
+
+@pytest.fixture
+def optax_train_step():
+  """Builder of the jitted training step of an Optax transform on a plain loss:
+  ``optax_train_step(loss_fn, tx)``."""
+  return _optax_train_step
+
+
 @pytest.fixture
 def one_shot_clicktrain():
   """Builder of the ClickTrain transform the masking tests share: one-shot masks from the first

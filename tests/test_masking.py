@@ -164,16 +164,6 @@ def _batch(i):
   return jnp.asarray(rng.normal(size=(8, 6, 6, 3)), jnp.float32), jnp.arange(8) % 3
 
 
-def _stepper(tx):
-  @jax.jit
-  def step(p, st, x, y):
-    loss, g = jax.value_and_grad(_loss)(p, x, y)
-    u, st = tx.update(g, st, p, value=loss)
-    return optax.apply_updates(p, u), st
-
-  return step
-
-
 def _train(step, p, st, steps, start=0, check=None):
   for i in range(start, start + steps):
     p, st = step(p, st, *_batch(i))
@@ -182,10 +172,10 @@ def _train(step, p, st, steps, start=0, check=None):
   return p, st
 
 
-def test_mask_after_adamw_chained_outside_clicktrain(one_shot_clicktrain):
+def test_mask_after_adamw_chained_outside_clicktrain(one_shot_clicktrain, optax_train_step):
   adamw = optax.adamw(1e-2, weight_decay=1e-2)
   tx = optax.chain(one_shot_clicktrain(), adamw)
-  step = _stepper(tx)
+  step = optax_train_step(_loss, tx)
   p = _params()
   p, st = _train(step, p, tx.init(p), 2)  # masks chosen, stage -> PRUNED at the epoch end
   assert readouts.stage_name(st) == "pruned"
@@ -207,7 +197,7 @@ def test_mask_after_adamw_chained_outside_clicktrain(one_shot_clicktrain):
   def zero_where_pruned(q):
     assert np.all(np.asarray(q["block"]["conv1"]["kernel"])[~keep] == 0.0)
 
-  p_ok, st_ok = _train(_stepper(tx_m), p, st_m, 5, start=2, check=zero_where_pruned)
+  p_ok, st_ok = _train(optax_train_step(_loss, tx_m), p, st_m, 5, start=2, check=zero_where_pruned)
   assert readouts.stage_name(st_ok) == "pruned"
   w0, w1 = (np.asarray(q["block"]["conv1"]["kernel"])[keep] for q in (p, p_ok))
   assert np.all(w0 != w1)
@@ -275,7 +265,9 @@ def test_bad_masks():
     masking.save_masks("unused.npz", half)
 
 
-def test_find_masks_combines_sources_and_skips_unpruned_clicktrain(one_shot_clicktrain):
+def test_find_masks_combines_sources_and_skips_unpruned_clicktrain(
+  one_shot_clicktrain, optax_train_step
+):
   p = _params()
   m = _masks(p)
   tx = optax.chain(one_shot_clicktrain(), masking.mask(m))
@@ -286,7 +278,7 @@ def test_find_masks_combines_sources_and_skips_unpruned_clicktrain(one_shot_clic
     found["block"]["conv1"]["kernel"], np.asarray(m["block"]["conv1"]["kernel"])
   )
   assert found["stem"]["kernel"] is None
-  p2, st2 = _train(_stepper(tx), p, st, 2)
+  p2, st2 = _train(optax_train_step(_loss, tx), p, st, 2)
   assert readouts.stage_name(st2) == "pruned"
   both = masking.find_masks(st2, p2)
   ct_keep = np.asarray(readouts.masks(st2, p2)["block"]["conv1"]["kernel"]) != 0

@@ -210,8 +210,11 @@ def clicktrain_variants(
       )
       row = {"compression": compression, "sparse_layers": f"{len(choices)}/{len(choices)}"}
       label = f"aligned G={g}" + (" shared" if columns == "shared" else "")
-      yield label, _Stepper(fresh, aligned.tx, batch, specialize_pruned(opt_state)), row
-      if columns == COLUMNS[0]:
+      paired = columns == COLUMNS[0]
+      # ``timed_with_next``: the next row is its pair, so the main loop keeps this stepper.
+      facts = {**row, "timed_with_next": True} if paired else row
+      yield label, _Stepper(fresh, aligned.tx, batch, specialize_pruned(opt_state)), facts
+      if paired:
         # The same layers under the inner optimizer and the final masks alone: what ClickTrain's
         # transform in its pruned stage (specialised, as the trainer runs it) should match.
         plain = optax.chain(_inner(), masking.mask(masks))
@@ -473,6 +476,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result, {**base, "variant": "?", "error": f"{type(error).__name__}: {error}"}, save
           )
           break
+        keep = facts.pop("timed_with_next", False)
         if last is not None and facts.get("versus") == last[0]["variant"]:
           # A pair whose ratio is the point: timed again in alternating rounds, both rows.
           ms = time_pair(last[1], stepper, args.repeats)
@@ -481,7 +485,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           facts = {**facts, "interleaved": True}
         row = {**base, "variant": label, **facts, **timed, "ratio": timed["ms"] / dense["ms"]}
         _record(result, row, save)
-        last = (row, stepper)
+        # Only the first of a pair stays alive past its row (a stepper holds a model's state).
+        last = (row, stepper) if keep else None
         del stepper
   save()
   print(to_markdown(result))

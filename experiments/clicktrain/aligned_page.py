@@ -416,7 +416,9 @@ def aligned_markdown(
       )
     lines += _run_lines(row, runs)
     seeds += _seed_lines(row, runs)
-    targets += [*_target_lines(row, runs), ""]
+    row_targets = _target_lines(row, runs)
+    if row_targets:
+      targets += [*row_targets, ""]
     times += [*_time_lines(row, runs, folder / f"table1-aligned_{tag}_{row}_time.png"), ""]
     for seed in sorted({s for _, s in runs}):
       for method in (m for m in _methods(runs) if (m, seed) in runs):
@@ -438,7 +440,7 @@ def aligned_markdown(
       "",
       *seeds[:-1],
     ]
-  if any(targets):
+  if targets:
     lines += [
       "",
       "## Against the targets",
@@ -451,7 +453,7 @@ def aligned_markdown(
         "at one G only shows –)."
       ),
       "",
-      *[line for i, line in enumerate(targets) if line or (i and targets[i - 1])][:-1],
+      *targets[:-1],
     ]
   if times:
     lines += [

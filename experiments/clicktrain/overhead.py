@@ -7,8 +7,8 @@ regularization, pruned, plus pool / finalization with the importance work every 
 ``--mode one_shot``: warmup, regularization, pruned), and the inner optimizer with the pruned
 stage's final masks (``optax.chain(sgd, masking.mask(masks))``): what the pruned stage should
 cost, since its masks no longer change; and the pruned stage's step as a trainer runs it
-after the hard prune (``specialize_pruned``: the stage machine left out). The layers stay dense and masked here; the step with
-the aligned or sparse layers is ``step_bench``'s.
+after the hard prune (``specialize_pruned``: the stage machine left out). The layers stay
+dense and masked here; the step with the aligned or sparse layers is ``step_bench``'s.
 Variants are timed in interleaved rounds (the machine is shared); the minimum
 and the median per-step time of each are reported with their ratio to the inner
 optimizer (target <= 1.05x during pool generation and finalization). Because

@@ -11,7 +11,8 @@ branch at every step (on VGG-11 the finalization votes alone are 49 MB). Measure
 :func:`specialize_pruned` marks the state (a static :class:`~jaxprune.clicktrain.PrunedStep`,
 no new arrays): its tree structure changes, ``jit`` traces the update again, and that trace holds
 only the pruned stage's work, the same arithmetic as the general step's pruned branches (the
-masked gradient, the inner optimizer, the hard mask), bit for bit. :class:`PrunedStageStep` does
+masked gradient, the inner optimizer, the hard mask); XLA fuses the two programs apart, so a float
+may differ in its last bit. :class:`PrunedStageStep` does
 it in a :class:`~jaxprune.train.Trainer` at the epoch end of the hard prune (and at the start of a
 fit resumed after it); the ClickTrain preset attaches it.
 
@@ -28,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxprune._states import as_pure, find_states
+from jaxprune._states import find_states
 from jaxprune.clicktrain.state import PRUNED, STAGE_NAMES, ClickTrainState, PrunedStep
 from jaxprune.train import Callback, TrainerLike
 
@@ -92,7 +93,7 @@ def is_specialized(opt_state: Any) -> bool:
 
   False when it holds none.
   """
-  found = find_states(as_pure(opt_state), ClickTrainState)
+  found = find_states(opt_state, ClickTrainState)
   return bool(found) and all(s.pruned_step is not None for s in found)
 
 
@@ -112,13 +113,10 @@ class PrunedStageStep(Callback):
   """
 
   def _specialize(self, trainer: TrainerLike) -> None:
-    opt_state = trainer.opt_state
-    found = find_states(opt_state, ClickTrainState)
-    if not found or is_specialized(opt_state):
-      return
-    if any(int(np.asarray(s.stage)) != PRUNED for s in found):
-      return
-    trainer.replace(trainer.model, specialize_pruned(opt_state))
+    found = find_states(trainer.opt_state, ClickTrainState)
+    if found and any(s.pruned_step is None for s in found):
+      if all(int(np.asarray(s.stage)) == PRUNED for s in found):
+        trainer.replace(trainer.model, specialize_pruned(trainer.opt_state))
 
   def on_fit_start(self, trainer: TrainerLike) -> None:
     self._specialize(trainer)

@@ -95,18 +95,6 @@ def _pruning_tx(inner):
   )
 
 
-def _train_step(tx):
-  """The jitted training step of ``tx`` on the toy loss: ``step(params, state, x, y)``."""
-
-  @jax.jit
-  def step(p, st, x, y):
-    loss, g = jax.value_and_grad(_loss)(p, x, y)
-    u, st = tx.update(g, st, p, value=loss)
-    return optax.apply_updates(p, u), st
-
-  return step
-
-
 def _run(tx, steps=7):
   """``tx`` on the toy params for ``steps`` steps of falling loss: ``(params, states (the
   initial one first), last update)``."""
@@ -181,7 +169,7 @@ def _one_shot_reference(w, g, ratio, num_patterns=4):
 
 
 @pytest.fixture
-def kit():
+def kit(optax_train_step):
   """The transform tests' toy params, batches and gradients, the shared paper-mode run and the
   NumPy reference of the released one-shot rule."""
   return types.SimpleNamespace(
@@ -189,7 +177,8 @@ def kit():
     loss=_loss,
     batch=_batch,
     fake_grads=_fake_grads,
-    train_step=_train_step,
+    # the jitted training step of a transform on the toy loss: train_step(tx)(p, st, x, y)
+    train_step=lambda tx: optax_train_step(_loss, tx),
     pruning_tx=_pruning_tx,
     CONV1=CONV1,
     CONV2=CONV2,

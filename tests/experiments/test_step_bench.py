@@ -88,6 +88,7 @@ def test_clicktrain_variants_step_like_the_masked_dense_model():
   assert all(row["compression"] > 9 / 4 for _, _, row in variants)  # patterns, then kernels
   # The transform's aligned row and its SGD + masks pair are timed together (time_pair).
   assert variants[4][2]["versus"] == "aligned G=2" and "versus" not in variants[3][2]
+  assert variants[3][2]["timed_with_next"] and "timed_with_next" not in variants[5][2]
   steppers = {label: stepper for label, stepper, _ in variants}
   fine = nnx.merge(
     steppers["fine-grained (reference)"].graphdef, *steppers["masked dense"].state[:2]
