@@ -508,6 +508,14 @@ def _saved_rows(folder: Path, budget: str, dtype: str = "fp32") -> dict[str, dic
   return results
 
 
+def _on_table1_page(args, prune: bool) -> bool:
+  """Whether a run belongs to the Table 1 page: seed 0, fine-grained or dense, and (when
+  pruned) without transition options; every other run goes to the aligned page."""
+  return (
+    args.filter_groups is None and not args.seed and not (prune and transition_options.suffix(args))
+  )
+
+
 def write_pages(folder: Path, budget: str, dtype: str = "fp32") -> Path:
   """Rewrites ``table1_<budget>.md`` in ``folder`` from the rows saved there (and the aligned
   page when aligned runs are there), e.g. after rows trained elsewhere were copied in; returns
@@ -549,9 +557,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       if res is None:  # stopped at --max-seconds: the command ends here
         return {"stopped": f"{row} {method}"}
       results[row]["clicktrain" if prune else "dense"] = res
-      if args.filter_groups is None and not args.seed:
+      if _on_table1_page(args, prune):
         out.write_text(_markdown(args, _saved_rows(folder, args.budget, args.dtype), command))
-      else:  # the aligned runs, and the runs of other seeds, have their own page
+      else:  # the aligned runs, runs with transition options or other seeds: their own page
         page = aligned_markdown(folder, args.budget, args.dtype)
         (folder / f"table1-aligned_{tag}.md").write_text(page)
       print(
