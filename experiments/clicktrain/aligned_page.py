@@ -311,17 +311,43 @@ def _target_lines(
         if gains
         else ""
       )
+      + _underfit_sentence(runs)
     ),
   ]
   return lines
+
+
+def _underfit_sentence(runs: Mapping[tuple[str, int], Mapping[str, Any]]) -> str:
+  """Whether the row's budget lets its networks fit their training data: the dense run's last
+  training loss and accuracy against its test accuracy, and the widest train-over-test accuracy
+  gap of the seed-0 runs (empty where the runs did not record their training accuracy)."""
+  dense = runs.get(("dense", 0))
+  seed0 = [r for (_, s), r in runs.items() if s == 0 and "train_acc" in r["history"][-1]]
+  if dense is None or "train_acc" not in dense["history"][-1]:
+    return ""
+  last = dense["history"][-1]
+  widest = max(100 * (r["history"][-1]["train_acc"] - r["test_acc"]) for r in seed0)
+  gap = (
+    "every run's training accuracy is at or below its test accuracy"
+    if widest <= 0
+    else f"no run's training accuracy is more than {widest:.1f} points above its test accuracy"
+  )
+  return (
+    f" The dense run itself ends at a training loss of {last['train_loss']:.3f} (training "
+    f"accuracy over its last epoch, augmented, {100 * last['train_acc']:.1f}%; test "
+    f"{100 * dense['test_acc']:.1f}%), and {gap}: at this budget every network underfits, so "
+    "what a structure costs in capacity it costs in test accuracy. A recipe that fits its "
+    "training data (as a full-length one does) leaves capacity to spare; how much of the gap "
+    "remains there is not measured here."
+  )
 
 
 def _fine_lines(
   row: str, runs: Mapping[tuple[str, int], Mapping[str, Any]], reference: float | None
 ) -> list[str]:
   """The fine-grained runs of ``row``: their mean against the published accuracy ``reference``
-  (the target: not more than a point below), and each fine-grained run with transition options against the
-  plain one of its seed (empty without fine-grained runs)."""
+  (the target: not more than a point below), and each fine-grained run with transition options
+  against the plain one of its seed (empty without fine-grained runs)."""
   accs = [100 * r["test_acc"] for (m, _), r in runs.items() if m == "clicktrain"]
   if not accs:
     return []

@@ -416,3 +416,12 @@ def test_fine_grained_runs_with_options_and_the_specialised_step_on_the_aligned_
     "the runs without options, general step: aligned-g8 0.70×; with the pruned stage's "
     "specialised step (`PrunedStageStep`): aligned-g8-rw3-hp9 0.60×." in targets
   )
+  # Whether the budget lets the networks fit: the dense run's last record, and the widest
+  # train-over-test gap of the seed-0 runs (every run here ends at the fine run's training
+  # accuracy; the least accurate test is aligned-g8's 66%).
+  last = fine["history"][-1]
+  assert (
+    f"The dense run itself ends at a training loss of {last['train_loss']:.3f} (training "
+    f"accuracy over its last epoch, augmented, {100 * last['train_acc']:.1f}%; test 80.0%), and "
+    f"no run's training accuracy is more than {100 * last['train_acc'] - 66:.1f} points above"
+  ) in targets
