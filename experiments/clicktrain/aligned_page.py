@@ -206,12 +206,15 @@ def _split_method(method: str) -> tuple[int, str]:
   return groups, name[len(str(groups)) :]
 
 
-def _mean_delta(runs: Mapping[tuple[str, int], Mapping[str, Any]], method: str):
-  """``(mean Δ vs fine-grained in points, seeds)`` over the seeds with both runs, or None."""
+def _mean_delta(
+  runs: Mapping[tuple[str, int], Mapping[str, Any]], method: str, against: str = "clicktrain"
+):
+  """``(mean Δ vs the run of method ``against`` (the fine-grained one) in points, seeds)`` over
+  the seeds with both runs, or None."""
   deltas = [
-    run["test_acc"] - runs["clicktrain", s]["test_acc"]
+    run["test_acc"] - runs[against, s]["test_acc"]
     for (m, s), run in runs.items()
-    if m == method and ("clicktrain", s) in runs
+    if m == method and (against, s) in runs
   ]
   return (100 * sum(deltas) / len(deltas), len(deltas)) if deltas else None
 
@@ -295,6 +298,17 @@ def _target_lines(
     options = [d[g][0] for k, d in by_technique.items() if k.startswith("-") and g in d]
     if plain is not None and options:
       gains.append(f"{max(options) - plain[0]:+.2f} at G = {g}")
+  # Like for like: an option run in both modes, the aligned runs against the fine-grained run
+  # with the same option (does it close the structure's gap, or lift both modes alike?).
+  alike = []
+  for suffix in sorted(k for k in by_technique if k.startswith("-")):
+    against = [
+      f"G = {g} {delta[0]:+.2f} ({delta[1]})"
+      for g in (1, 8)
+      if (delta := _mean_delta(runs, f"aligned-g{g}{suffix}", f"clicktrain{suffix}"))
+    ]
+    if against:
+      alike.append(f"`{suffix.lstrip('-')}` {', '.join(against)}")
   losses = [runs[m, 0]["history"][-1]["train_loss"] for m in aligned]
   fine_loss = runs["clicktrain", 0]["history"][-1]["train_loss"]
   lines += [
@@ -309,6 +323,12 @@ def _target_lines(
         f" The best transition option moves the accuracy by {' and '.join(gains)} against the "
         "same G's run without options."
         if gains
+        else ""
+      )
+      + (
+        " Against the fine-grained run with the same option, the aligned runs with it stand at "
+        f"{'; '.join(alike)}."
+        if alike
         else ""
       )
       + _underfit_sentence(runs)

@@ -388,6 +388,7 @@ def test_fine_grained_runs_with_options_and_the_specialised_step_on_the_aligned_
     ("clicktrain", 1): run(0.71, 10.0),
     ("clicktrain-rw3", 0): run(0.715, 10.0),
     ("aligned-g8", 0): run(0.66, 7.0),
+    ("aligned-g8-rw3", 0): run(0.68, 7.0),
     ("aligned-g8-rw3-hp9", 0): run(0.67, 6.0, specialised=True),
   }
   for (method, seed), saved in runs.items():
@@ -402,6 +403,7 @@ def test_fine_grained_runs_with_options_and_the_specialised_step_on_the_aligned_
     "clicktrain",
     "clicktrain-rw3",
     "aligned-g8",
+    "aligned-g8-rw3",
     "aligned-g8-rw3-hp9",
   ]
   assert "| 71.50% | -8.50 | +1.50 |" in rows[3]  # against the seed-0 fine-grained 70%
@@ -412,6 +414,8 @@ def test_fine_grained_runs_with_options_and_the_specialised_step_on_the_aligned_
   assert "The fine-grained mean, 70.50% over 2 seed(s), against the 70.7% published" in targets
   assert "point below): met." in targets
   assert "| vgg11 | LR rewinding to epoch 3 + hard prune after epoch 9 | – | -3.00 (1) |" in targets
+  # Like for like: aligned-g8-rw3 (68%) against clicktrain-rw3 (71.5%), not the plain 70%.
+  assert "with the same option, the aligned runs with it stand at `rw3` G = 8 -3.50 (1)." in targets
   assert (
     "the runs without options, general step: aligned-g8 0.70×; with the pruned stage's "
     "specialised step (`PrunedStageStep`): aligned-g8-rw3-hp9 0.60×." in targets
