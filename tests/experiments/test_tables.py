@@ -375,8 +375,9 @@ _SCHEME = {
   "clicktrain": (
     ["table1", "table1-aligned"],
     [*clicktrain_table1.PAPER, *clicktrain_table1.EXTRA_ROWS],
-    # The aligned runs, with the transition options' suffixes (clicktrain_table1's order).
-    ["dense", "clicktrain", r"aligned-g\d+c?(?:-ramp[lc])?(?:-win\d+)?(?:-rw\d+)?"],
+    # The fine-grained and aligned runs, with the transition options' suffixes
+    # (transition_options.suffix's order).
+    ["dense", r"(?:clicktrain|aligned-g\d+c?)(?:-ramp[lc])?(?:-win\d+)?(?:-rw\d+)?(?:-hp\d+)?"],
   ),
   "prunetrain": (["table1"], prunetrain_table1.ROWS, ["dense", "prunetrain"]),
   "sdgp": (
