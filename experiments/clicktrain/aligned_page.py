@@ -263,7 +263,7 @@ def _target_lines(
     cells = [fmt(by_technique[suffix][g]) if g in by_technique[suffix] else "–" for g in (1, 8)]
     lines.append(f"| {row} | {_technique(suffix)} | {' | '.join(cells)} |")
   lines += _fine_lines(row, runs, reference)
-  speed = {True: [], False: []}  # runs with and without the pruned stage's specialised step
+  speed = {False: [], True: []}  # runs without and with the pruned stage's specialised step
   for method in _methods(runs):
     if not method.startswith("aligned") or _split_method(method)[0] not in (1, 8):
       continue
@@ -275,20 +275,13 @@ def _target_lines(
         ratio = _epoch_s(run, at, True) / _epoch_s(run, at, False)
         name = method + (f" seed {seed}" if seed else "")
         speed[specialised].append(f"{name} {ratio:.2f}×")
-  if speed[False] or speed[True]:
+  labels = ("the runs without options, general step", "with the pruned stage's specialised step")
+  parts = [f"{labels[key]}: {', '.join(names)}" for key, names in speed.items() if names]
+  if parts:
     lines += [
       "",
       f"Epochs after the prune over the epochs before (target ≤ {AFTER_OVER_BEFORE}×; runs timed "
-      "alone): "
-      + "; ".join(
-        f"{label}: {', '.join(speed[key])}"
-        for key, label in (
-          (False, "the runs without options, general step"),
-          (True, "with the pruned stage's specialised step (`PrunedStageStep`)"),
-        )
-        if speed[key]
-      )
-      + ".",
+      f"alone): {'; '.join(parts)}.",
     ]
   if not missed:
     return lines

@@ -418,7 +418,7 @@ def test_fine_grained_runs_with_options_and_the_specialised_step_on_the_aligned_
   assert "with the same option, the aligned runs with it stand at `rw3` G = 8 -3.50 (1)." in targets
   assert (
     "the runs without options, general step: aligned-g8 0.70×; with the pruned stage's "
-    "specialised step (`PrunedStageStep`): aligned-g8-rw3-hp9 0.60×." in targets
+    "specialised step: aligned-g8-rw3-hp9 0.60×." in targets
   )
   # Whether the budget lets the networks fit: the dense run's last record, and the widest
   # train-over-test gap of the seed-0 runs (every run here ends at the fine run's training
