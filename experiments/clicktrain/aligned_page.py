@@ -280,8 +280,10 @@ def _target_lines(
   if parts:
     lines += [
       "",
-      f"Epochs after the prune over the epochs before (target ≤ {AFTER_OVER_BEFORE}×; runs timed "
-      f"alone): {'; '.join(parts)}.",
+      (
+        f"Epochs after the prune over the epochs before (target ≤ {AFTER_OVER_BEFORE}×; runs "
+        f"timed alone): {'; '.join(parts)}."
+      ),
     ]
   if not missed:
     return lines
