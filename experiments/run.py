@@ -47,6 +47,7 @@ COMMANDS: dict[str, str] = {
   "allreduce_bench": "benchmarks.allreduce_bench",
   "cifar_baseline": "benchmarks.cifar_baseline",
   "model_params": "benchmarks.model_params",
+  "fit_sizing": "benchmarks.fit_sizing",
   "bench_train_step": "benchmarks.train_step",
   "bench_conv_weight_grad": "benchmarks.conv_weight_grad",
   "bench_loader": "benchmarks.loader",

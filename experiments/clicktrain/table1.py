@@ -150,7 +150,13 @@ def _stage_epochs(args, row: str) -> dict[str, Any]:
       "finalize_epochs": budget.finalize_epochs,
       "hard_prune_epoch": hard,
     }
-  epochs = {"hard_prune_epoch": PAPER[row][5]} if row in PAPER else {}
+  # The row's Table 1 epoch, at the same fraction of a run shorter than the paper's 190.
+  paper_run = budgets.get_budget("clicktrain_table1", "paper").epochs
+  epochs = (
+    {"hard_prune_epoch": budgets.scaled_epochs(PAPER[row][5], paper_run, budget.epochs)}
+    if row in PAPER
+    else {}
+  )
   if args.mode == "one_shot":
     return epochs
   return {"pool_epochs": budget.pool_epochs, "finalize_epochs": budget.finalize_epochs, **epochs}
@@ -209,9 +215,7 @@ def _spec(
   if prune:
     label += transition_options.suffix(args)
   stem = aligned_page.run_stem(_tag(args.budget, args.dtype), row, label, args.seed)
-  overrides = {}
-  if budget.linear_init_std is not None and row.startswith("vgg"):
-    overrides["linear_init_std"] = budget.linear_init_std
+  overrides = budgets.model_overrides(args.budget, f"clicktrain-{row}")
 
   def model():
     return models.create(
@@ -241,6 +245,25 @@ def _spec(
       hooks.append(PrunedStageStep())
     return hooks
 
+  # The dense run is the model's baseline at this budget, shared with every table that trains
+  # the same model alike (PruneTrain's Table 1 on this family's networks).
+  shared = None
+  if not prune:
+    width = budgets.row_width(budget.width, row)
+    shared = rows.SharedRun(
+      pages.shared_dir(args.publish, args.out),
+      f"{_tag(args.budget, args.dtype)}_clicktrain-{row}_seed{args.seed}",
+      rows.dense_settings(
+        f"clicktrain-{row}",
+        width,
+        budget,
+        args.options,
+        augment="clicktrain",
+        seed=args.seed,
+        dtype=args.dtype,
+        model_overrides=overrides,
+      ),
+    )
   metrics = {"compression": lambda t: flops.compression_ratio(t.params)}
   if prune:
     metrics = {"stage": lambda t: readouts.stage_name(t.opt_state), **metrics}
@@ -283,6 +306,7 @@ def _spec(
     # epoch whose end finds the stage pruned (the preset placed it), then mixup batches.
     switch=(_pruned, "clicktrain-mixup") if prune and args.mode == "one_shot" else None,
     save=save,
+    shared=shared,
   )
 
 
@@ -461,6 +485,9 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
     ],
   )
   lines = [page]
+  lines += pages.fit_section(
+    [(f"{row} {method}", run) for row, res in results.items() for method, run in res.items()]
+  )
   for row, res in results.items():
     clk = res.get("clicktrain")
     if clk:

@@ -56,6 +56,15 @@ def output_dir(
   return folder
 
 
+def shared_dir(publish: bool = False, out: str | os.PathLike | None = None) -> Path:
+  """Where the runs several tables share are saved (:class:`experiments.common.rows.SharedRun`):
+  ``experiments/results/shared/`` with ``publish``, ``runs/shared/`` without, ``<out>/shared/``
+  for a command with ``--out``. Not created here (the first run saved creates it)."""
+  if out is not None:
+    return Path(out) / "shared"
+  return (RESULTS if publish else SCRATCH) / "shared"
+
+
 def probes_dir(folder: str | os.PathLike) -> Path:
   """``<folder>/probes/`` (created): where a run that is not a row of its table writes (a probe,
   a measurement beside the table), so that a paper's folder holds its tables' pages only."""
@@ -167,3 +176,51 @@ def results_page(
       cells.append(f"[{Path(logs[label]).name}]({logs[label]})" if label in logs else "—")
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
+
+
+# When a dense run fits its data (the `fit` budget's test, budgets.py): it classifies at least
+# this share of its training images, and its test accuracy rises by at most this much over the
+# run's last quarter.
+FIT_TRAIN_ACC = 0.97
+FIT_PLATEAU_GAIN = 0.005
+
+
+def fits(run: Mapping[str, Any]) -> bool | None:
+  """Whether ``run`` (a row's record) fit its data (:data:`FIT_TRAIN_ACC`,
+  :data:`FIT_PLATEAU_GAIN`); None for a run saved without the figures."""
+  train_acc, gain = run.get("train_acc"), run.get("test_gain_last_quarter")
+  if train_acc is None or gain is None:
+    return None
+  return train_acc >= FIT_TRAIN_ACC and gain <= FIT_PLATEAU_GAIN
+
+
+def fit_section(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
+  """The lines of a page's "does each run fit its data" table: for each ``(label, record)``,
+  the accuracy on its own training images (eval mode) and the test accuracy's gain over the
+  last quarter of the run, against the `fit` budget's test. Empty when no run has the figures
+  (runs saved before they were recorded)."""
+  shown = [(label, run) for label, run in runs if "train_acc" in run]
+  if not shown:
+    return []
+
+  def cell(value: float | None, sign: str = "") -> str:
+    return "—" if value is None else f"{100 * value:{sign}.2f}"
+
+  lines = [
+    "## Does each run fit its data",
+    "",
+    (
+      f"A run fits when it classifies at least {100 * FIT_TRAIN_ACC:.0f}% of the training "
+      "images it trained on (eval mode: running BatchNorm statistics, no dropout, no training "
+      f"augmentation) and its test accuracy rises by at most {100 * FIT_PLATEAU_GAIN:.1f} "
+      "points over the last quarter of its epochs (a plateau, not a run cut short)."
+    ),
+    "",
+    "| run | train acc (%) | test gain, last quarter (points) | fits |",
+    "|---|---:|---:|---|",
+  ]
+  for label, run in shown:
+    verdict = {True: "yes", False: "no", None: "—"}[fits(run)]
+    gain = cell(run.get("test_gain_last_quarter"), "+")
+    lines.append(f"| {label} | {cell(run['train_acc'])} | {gain} | {verdict} |")
+  return [*lines, ""]

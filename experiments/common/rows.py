@@ -9,6 +9,10 @@ and deleting the row's checkpoints once it is saved.
     spec = RowSpec(label="vgg11 dense", model=build, method=methods.get("dense"), ...)
     record = run_row(spec, args.options)   # None: stopped at --max-seconds, checkpoint kept
 
+A run that several tables train alike (a model's dense baseline at one budget) is trained
+once: its spec names a :class:`SharedRun`, whose record the first table to train it saves and
+every later table with the same settings takes (:func:`run_row`).
+
 PruneTrain's ``--paired`` runs alternate epochs: they use :func:`build_row`,
 :meth:`Row.advance` and :func:`row_record`, the parts :func:`run_row` is made of.
 """
@@ -16,6 +20,8 @@ PruneTrain's ``--paired`` runs alternate epochs: they use :func:`build_row`,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -59,6 +65,8 @@ class RowSpec:
     switch: ``(done, augment)``: train epoch by epoch until ``done(trainer)``, then go on with
       the training augmentation ``augment`` (ClickTrain's one-shot mixup after its prune).
     save: writes the finished record (its JSON or page) before the checkpoints are deleted.
+    shared: the run is one that other tables train alike (:class:`SharedRun`): taken from
+      there when saved, saved there once trained.
   """
 
   label: str
@@ -81,6 +89,128 @@ class RowSpec:
   measure: Callable[[Any], Any] | None = None
   switch: tuple[Callable[[Any], bool], str] | None = None
   save: Callable[[dict[str, Any]], None] | None = None
+  shared: SharedRun | None = None
+
+
+# What a shared run keeps: what its training gave (the rest of a table's record is read off the
+# model's structure, the same for every table that trains it).
+_SHARED_FIELDS = (
+  "history",
+  "train_acc",
+  "test_gain_last_quarter",
+  "wall_time_s",
+  "host_steal_s",
+  "loader",
+  "machine",
+  "date",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedRun:
+  """A run that several tables train alike, such as a model's dense baseline at one budget:
+  the first table to train it saves what the training gave to ``folder``, and every table
+  whose run has the same ``settings`` takes it from there instead of training it again.
+
+  Only a run whose record is its history, its fit figures and what the model's structure
+  gives can be shared: a dense run (the tables' other records read the trained parameters).
+
+  Attributes:
+    folder: where shared runs are saved (:func:`experiments.common.pages.shared_dir`).
+    name: the run's readable name (``"fit_clicktrain-vgg11_seed0"``); the file adds a digest
+      of ``settings``, so runs of other settings never meet.
+    settings: everything the training depends on (model, width, data, schedule, augmentation,
+      seed, dtype, loader, evaluation cadence), JSON-serialisable.
+  """
+
+  folder: Path
+  name: str
+  settings: Mapping[str, Any]
+
+  @property
+  def path(self) -> Path:
+    """The run's file: ``<folder>/<name>_<digest of the settings>.json``."""
+    text = json.dumps(self.settings, sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    return Path(self.folder) / f"{self.name}_{digest}.json"
+
+  def load(self) -> dict[str, Any] | None:
+    """The saved run (``settings``, ``trained_by``, ``command`` and the shared record fields),
+    or None if no table trained it yet."""
+    if not self.path.exists():
+      return None
+    saved = json.loads(self.path.read_text())
+    if saved.get("settings") != json.loads(json.dumps(self.settings, default=str)):
+      raise ValueError(f"shared run {self.path}: saved under other settings than its digest says")
+    return saved
+
+  def save(self, label: str, record: Mapping[str, Any]) -> None:
+    """Saves the finished run whose record is ``record`` (trained by the row ``label``)."""
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    saved = {
+      "settings": self.settings,
+      "trained_by": label,
+      "command": record.get("command"),
+      **{k: record[k] for k in _SHARED_FIELDS if k in record},
+    }
+    self.path.write_text(json.dumps(saved, indent=1, default=float))
+
+
+# The step-budget settings a dense run's training depends on (the method settings do not).
+_DENSE_BUDGET_FIELDS = ("train_subset", "test_subset", "epochs", "batch_size", "lr", "milestones")
+# Augmentation presets that are the same transform under two names (jaxprune.data.augment):
+# ClickTrain's and PruneTrain's 4-pixel pad-crop + flip.
+_SAME_AUGMENTATION = {"clicktrain": "crop_flip", "prunetrain": "crop_flip"}
+
+
+def dense_settings(
+  model: str,
+  width: float,
+  budget: Mapping[str, Any],
+  options: RunOptions,
+  *,
+  augment: str,
+  seed: int,
+  dtype: str,
+  momentum: float = 0.9,
+  weight_decay: float = 5e-4,
+  model_overrides: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+  """The settings a dense SGD run's training depends on, for :class:`SharedRun`: the model and
+  its width (and constructor ``model_overrides``), the step budget's data and schedule, the
+  loader and evaluation cadence of ``options``, the augmentation (presets that are one
+  transform under two names count as one), the seed, the dtype, SGD's momentum and weight
+  decay. Two tables whose dense runs have equal settings train the same run.
+
+  Args:
+    model: the registry name (``"clicktrain-vgg11"``).
+    width: its width multiplier.
+    budget: a :class:`~experiments.common.budgets.StepBudget`.
+    options: the command's run options.
+    augment: the training augmentation preset.
+    seed: the model's and the loader's seed.
+    dtype: the compute dtype's name (``"fp32"``).
+    momentum: SGD's momentum.
+    weight_decay: SGD's weight decay.
+    model_overrides: other keywords of ``models.create``.
+  """
+  from experiments.common import budgets
+
+  saved = budgets.as_saved(budget)
+  return {
+    "model": model,
+    "width": float(width),
+    "model_overrides": dict(model_overrides or {}),
+    **{k: saved[k] for k in _DENSE_BUDGET_FIELDS},
+    "loader": options.loader,
+    "steps_per_dispatch": options.steps_per_dispatch,
+    "eval_every": options.eval_every,
+    "augment": _SAME_AUGMENTATION.get(augment, augment),
+    "seed": seed,
+    "dtype": dtype,
+    "momentum": momentum,
+    "weight_decay": weight_decay,
+  }
 
 
 @dataclasses.dataclass
@@ -166,11 +296,45 @@ def build_row(spec: RowSpec, options: RunOptions) -> Row:
   return row
 
 
+def last_quarter_gain(history: Sequence[Mapping[str, Any]]) -> float | None:
+  """How much the test accuracy rose over the last quarter of a run: the last evaluation's
+  ``test_acc`` less the one at the quarter's start (the latest evaluated epoch at or before
+  ``round(0.75 * E)`` of ``E`` epochs), as a fraction. A run that plateaued gains little; one
+  cut short is still climbing. None when no evaluation precedes the last one.
+
+  Args:
+    history: the trainer's per-epoch records (``epoch``, and ``test_acc`` where evaluated).
+  """
+  evaluated = [r for r in history if r.get("test_acc") is not None]
+  if len(evaluated) < 2:
+    return None
+  start = round(0.75 * evaluated[-1]["epoch"])
+  before = [r for r in evaluated[:-1] if r["epoch"] <= start]
+  if not before:
+    return None
+  return float(evaluated[-1]["test_acc"] - before[-1]["test_acc"])
+
+
+def fit_figures(row: Row, options: RunOptions) -> dict[str, float | None]:
+  """Whether the finished run fit its data: ``train_acc``, the accuracy on the very training
+  images it trained on (eval mode: running BatchNorm statistics, no dropout, no training
+  augmentation), and ``test_gain_last_quarter`` (:func:`last_quarter_gain`)."""
+  loader = run_options.test_loader(
+    options, row.spec.train_set, min(_TEST_BATCH, len(row.spec.train_set))
+  )
+  return {
+    "train_acc": float(row.trainer.evaluate(loader)["test_acc"]),
+    "test_gain_last_quarter": last_quarter_gain(row.trainer.history),
+  }
+
+
 def row_record(row: Row, options: RunOptions) -> dict[str, Any]:
-  """The finished row's record: the spec's result with the loader and where and when it was
-  trained (:func:`run_options.provenance`); its per-epoch ``history`` stays last."""
+  """The finished row's record: the spec's result with the fit figures (:func:`fit_figures`),
+  the loader and where and when it was trained (:func:`run_options.provenance`); its per-epoch
+  ``history`` stays last."""
   record = row.spec.result(row)
   history = record.pop("history", None)
+  record.update(fit_figures(row, options))
   record.update(loader=options.loader, **run_options.provenance())
   if history is not None:
     record["history"] = history
@@ -192,6 +356,8 @@ def run_row(spec: RowSpec, options: RunOptions) -> dict[str, Any] | None:
     The record, or None if the run stopped at the time box (said on stdout; its checkpoint
     stays for ``--resume``).
   """
+  if spec.shared is not None and (saved := spec.shared.load()) is not None:
+    return _shared_record(spec, options, saved)
   row = build_row(spec, options)
   if spec.switch is not None:
     done, augment = spec.switch
@@ -204,8 +370,41 @@ def run_row(spec: RowSpec, options: RunOptions) -> dict[str, Any] | None:
   if run_options.stopped(row.trainer, spec.label):
     return None
   record = row_record(row, options)
+  if spec.shared is not None:
+    spec.shared.save(spec.label, record)
   if spec.save is not None:
     spec.save(record)
   if spec.checkpoint_dir is not None:
     shutil.rmtree(spec.checkpoint_dir, ignore_errors=True)
+  return record
+
+
+def _shared_record(spec: RowSpec, options: RunOptions, saved: Mapping[str, Any]) -> dict[str, Any]:
+  """This table's record of a shared run that another table trained (``saved``): the spec's
+  result, computed on the fresh model with the saved history (a shared run's record reads only
+  the history and the model's structure), with the saved fit figures, wall time and
+  provenance; nothing is trained."""
+  row = build_row(dataclasses.replace(spec, checkpoint_dir=None), options)
+  row.trainer.history = [dict(r) for r in saved["history"]]
+  row.trainer.epoch = int(saved["history"][-1]["epoch"])
+  row.trainer.step = int(saved["history"][-1].get("step", 0))
+  row.wall_s, row.steal_s = saved.get("wall_time_s", 0.0), saved.get("host_steal_s")
+  record = spec.result(row)
+  history = record.pop("history", None)
+  record.update({k: saved[k] for k in _SHARED_FIELDS if k in saved and k != "history"})
+  if saved.get("command") is not None:
+    record["command"] = saved["command"]
+  record["shared_from"] = {"trained_by": saved["trained_by"], "file": spec.shared.path.name}
+  if spec.log_path is not None:  # this table's link to the run's epochs
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    spec.log_path.write_text("".join(json.dumps(r) + "\n" for r in saved["history"]))
+  if history is not None:
+    record["history"] = history
+  print(
+    f"{spec.label}: taken from the shared run {spec.shared.path} (trained by "
+    f"{saved['trained_by']}), not trained again",
+    flush=True,
+  )
+  if spec.save is not None:
+    spec.save(record)
   return record

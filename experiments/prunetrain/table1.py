@@ -117,6 +117,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     help=f"comma list of {','.join(ROWS)} (every row trains with the same budget)",
   )
   parser.add_argument(
+    "--family",
+    choices=FAMILIES,
+    default="prunetrain",
+    help="the networks: PruneTrain's own, or ClickTrain's of the same names (ClickTrain "
+    "Table 1's PruneTrain rows; rows named clicktrain-<row>, their dense runs shared with "
+    "clicktrain_table1's)",
+  )
+  parser.add_argument(
     "--proximal",
     action="store_true",
     help="apply the group lasso as a proximal step (exact zeros; not the paper's)",
@@ -182,6 +190,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 ROWS = tuple(name.split("-", 1)[1] for name in PAPER)
+# The model families a row can train: PruneTrain's networks, or ClickTrain's of the same names
+# (ClickTrain Table 1 has a PruneTrain row per network, -2.1 points at 2.2x on ResNet-32).
+FAMILIES = ("prunetrain", "clicktrain")
+# ClickTrain Table 1's PruneTrain rows: accuracy change (points) and compression.
+CLICKTRAIN_PAPER = {
+  "clicktrain-resnet32": {"acc_delta": -2.1, "compression": 2.2},
+  "clicktrain-resnet50": {"acc_delta": -1.1, "compression": 2.2},
+  "clicktrain-vgg11": {"acc_delta": -0.7, "compression": 6.6},
+  "clicktrain-vgg13": {"acc_delta": -0.6, "compression": 6.3},
+}
 # Every run's SGD weight decay (the paper's).
 WEIGHT_DECAY = 5e-4
 # Settings that make a dense row reusable: the dense run does not depend on the others.
@@ -205,11 +223,13 @@ def saved_args(args: argparse.Namespace, row: str) -> argparse.Namespace:
   ``args`` (:func:`experiments.prunetrain.table1_pages.row_page`), which ``--reuse-dense`` and
   the table page compare."""
   flags = {k: v for k, v in vars(args).items() if k not in ("recipe", "options")}
+  model = f"{getattr(args, 'family', 'prunetrain')}-{row}"
   return argparse.Namespace(
     **flags,
     **args.options.as_flags(),
     **budgets.as_saved(args.recipe),
-    model=f"prunetrain-{row}",
+    model=model,
+    row_width=budgets.row_width(args.recipe.width, model),
     weight_decay=WEIGHT_DECAY,
   )
 
@@ -311,14 +331,33 @@ def _spec(
     return made
 
   saved = saved_args(args, row)
+  overrides = budgets.model_overrides(args.budget, saved.model)
+  shared = None
+  if method == "dense":  # the model's baseline, shared with every table that trains it alike
+    shared = rows.SharedRun(
+      pages.shared_dir(args.publish, args.out),
+      f"{args.budget}{cli.dtype_suffix(args)}_{saved.model}_seed{args.seed}",
+      rows.dense_settings(
+        saved.model,
+        saved.row_width,
+        budget,
+        args.options,
+        augment="prunetrain",
+        seed=args.seed,
+        dtype=args.dtype,
+        weight_decay=WEIGHT_DECAY,
+        model_overrides=overrides,
+      ),
+    )
   return rows.RowSpec(
     label=f"[{log_stem.name}] {method}",
     model=lambda: models.create(
       saved.model,
       num_classes=train_set.num_classes,
       rngs=nnx.Rngs(args.seed),
-      width_multiplier=budget.width,
+      width_multiplier=saved.row_width,
       dtype=cli.compute_dtype(args),
+      **overrides,
     ),
     method=chosen,
     optimizer=optimizer,
@@ -341,6 +380,7 @@ def _spec(
       **run_options.run_config(args.options),
     },
     measure=lambda model: pt.model_costs(model, image_shape),
+    shared=shared,
   )
 
 
@@ -433,7 +473,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   )
   out = {}
   for row in args.rows:
-    name = f"table1_{args.budget}{cli.dtype_suffix(args)}_{row}{args.name_suffix}"
+    label = row if args.family == "prunetrain" else f"{args.family}-{row}"
+    name = f"table1_{args.budget}{cli.dtype_suffix(args)}_{label}{args.name_suffix}"
     out[row] = _run_row(args, row, name, folder, command, train_set, test_set)
     if "stopped" in out[row]:
       return {**out, "stopped": f"{row} {out[row]['stopped']}"}
@@ -444,9 +485,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def write_table_page(folder: Path, budget_name: str, command: str, dtype: str = "fp32") -> Path:
   """``table1_<budget>.md`` in ``folder`` (``table1_<budget>_bf16.md`` for ``dtype`` bf16):
-  every row of :data:`ROWS` saved there under the budget and dtype, beside the paper's Table 1
+  every row of :data:`ROWS` saved there under the budget and dtype (PruneTrain's networks, then
+  ClickTrain's), beside the paper's Table 1
   (:func:`experiments.prunetrain.table1_pages.table_page`)."""
-  return table1_pages.table_page(folder, budget_name, command, ROWS, dtype)
+  other = tuple(f"clicktrain-{row}" for row in ROWS)
+  return table1_pages.table_page(folder, budget_name, command, (*ROWS, *other), dtype)
 
 
 def _run_row(args, row, name, folder, command, train_set, test_set) -> dict[str, Any]:
@@ -467,7 +510,7 @@ def _run_row(args, row, name, folder, command, train_set, test_set) -> dict[str,
     f"train / {len(test_set)} test images, {args.recipe.epochs} epochs",
     flush=True,
   )
-  paper = PAPER[saved.model]
+  paper = {**PAPER, **CLICKTRAIN_PAPER}[saved.model]
   specs = {
     method: _spec(
       args, row, method, train_set, test_set, log_stem, _checkpoints(args, name, method)

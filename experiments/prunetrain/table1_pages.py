@@ -14,6 +14,12 @@ from experiments.common import budgets, cli, pages, run_options
 from experiments.common.machine import machine_description
 
 
+def _paper_share(paper: dict[str, Any], key: str) -> str:
+  """A paper's FLOPs or time fraction as a cell; ``—`` where its table gives none (ClickTrain
+  Table 1's PruneTrain rows give the accuracy change and compression only)."""
+  return "—" if paper.get(key) is None else f"{100 * paper[key]:.0f}%"
+
+
 def _percent(value: float | None) -> str:
   """A test accuracy cell; ``—`` for an epoch that was not evaluated (``--eval-every``)."""
   return "—" if value is None else f"{100 * value:.2f}%"
@@ -28,7 +34,7 @@ def table_page(
   another ``dtype`` than fp32 have their own files and page (``table1_<budget>_bf16.md``)."""
   budget = budgets.as_saved(budgets.get_budget("prunetrain_table1", budget_name))
   tag = f"{budget_name}{cli.dtype_suffix(dtype)}"
-  table_rows, logs, shown = [], {}, []
+  table_rows, logs, shown, fit_runs = [], {}, [], []
   for row in rows:
     path = folder / f"table1_{tag}_{row}.json"
     if not path.exists():
@@ -55,6 +61,7 @@ def table_page(
       continue
     shown.append(saved)
     paper, runs = saved["paper"], saved["runs"]
+    fit_runs += [(f"{row} {method}", run) for method, run in runs.items()]
     dense, pruned = runs.get("dense"), runs.get("prunetrain")
     ours = [None, None, None, None]
     if pruned:
@@ -72,8 +79,8 @@ def table_page(
         [
           None,
           f"{paper['acc_delta']:+.1f}",
-          f"{100 * paper['train_flops']:.0f}%",
-          f"{100 * paper['inference_flops']:.0f}%",
+          _paper_share(paper, "train_flops"),
+          _paper_share(paper, "inference_flops"),
         ],
         ours,
       )
@@ -100,8 +107,9 @@ def table_page(
       *cli.dtype_notes(dtype),
     ],
   )
+  fit = pages.fit_section(fit_runs)
   out = folder / f"table1_{tag}.md"
-  out.write_text(page)
+  out.write_text("\n".join([page, *fit]))
   return out
 
 
@@ -198,7 +206,7 @@ def row_page(
     f"- Date: {date}; machine: {machine}",
     (
       f"- Data: {args.train_subset or 50000} training / {args.test_subset or 10000} test images "
-      f"of the JPEG-re-encoded CIFAR-10; pad-4 crop + flip; model width ×{args.width:g}."
+      f"of the JPEG-re-encoded CIFAR-10; pad-4 crop + flip; model width ×{getattr(args, 'row_width', args.width):g}."
     ),
     f"- Recipe: batch {args.batch_size}, SGD momentum 0.9, lr {args.lr} (×0.1 at "
     f"{', '.join(f'{100 * f:.0f}%' for f in args.milestones)} of {args.epochs} epochs), "
@@ -259,8 +267,8 @@ def row_page(
     )
   lines.append(
     f"| PruneTrain (paper, 182 epochs) | — | {paper['acc_delta']:+.1f}% "
-    f"| {100 * paper['train_flops']:.0f}% (time {100 * paper['train_time']:.0f}%) "
-    f"| {100 * paper['inference_flops']:.0f}% | — | — |"
+    f"| {_paper_share(paper, 'train_flops')} (time {_paper_share(paper, 'train_time')}) "
+    f"| {_paper_share(paper, 'inference_flops')} | — | — |"
   )
   if pt_run:
     named = _named_runs(pt_run, dense)
@@ -306,6 +314,7 @@ def row_page(
     plot = _plot_over_training(pt_run, stem)
     if plot is not None:
       lines += ["", f"![channels and FLOPs over training]({plot.name})"]
+  lines += ["", *pages.fit_section([(method, run) for method, run in runs.items()])]
   lines += [
     "",
     "Per-epoch logs: "

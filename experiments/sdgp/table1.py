@@ -398,7 +398,8 @@ def _write(
       *cli.dtype_notes(dtype),
     ],
   )
-  stem.with_suffix(".md").write_text(page)
+  fit = pages.fit_section([(LABELS.get(r["method"], r["method"]), r) for r in results])
+  stem.with_suffix(".md").write_text("\n".join([page, *fit]))
 
 
 if __name__ == "__main__":

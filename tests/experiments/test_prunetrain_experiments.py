@@ -262,8 +262,9 @@ def test_resumed_run_continues_from_the_reconfigured_checkpoint(tmp_path, tiny_r
 
 
 def test_row_and_probe_files_follow_the_results_naming_scheme(tmp_path, tiny_rows):
-  """A row writes ``table1_<budget>_<row>.{md,json}`` and ``logs/..._<method>.jsonl``; a probe
-  (``--name-suffix``) the same names with its suffix under ``probes/``; every link resolves."""
+  """A row writes ``table1_<budget>_<row>.{md,json}`` and ``logs/..._<method>.jsonl``, its dense
+  run ``shared/<budget>_<model>_seed<S>_<digest>.json``; a probe (``--name-suffix``) the same
+  names with its suffix under ``probes/``; every link resolves."""
   import re
 
   train_set, test_set, make_args = tiny_rows
@@ -278,7 +279,12 @@ def test_row_and_probe_files_follow_the_results_naming_scheme(tmp_path, tiny_row
     for p in tmp_path.rglob("*")
     if p.is_file() and "checkpoints" not in p.parts and p.suffix != ".png"
   }
-  assert files == {
+  # the dense run, shared with every table that trains the model alike
+  shared = {f for f in files if f.startswith("shared/")}
+  assert len(shared) == 1 and re.fullmatch(
+    r"shared/cpu_prunetrain-resnet32_seed0_[0-9a-f]{10}\.json", shared.pop()
+  )
+  assert files - {f for f in files if f.startswith("shared/")} == {
     "table1_cpu_resnet32.json",
     "table1_cpu_resnet32.md",
     "logs/table1_cpu_resnet32_dense.jsonl",

@@ -379,7 +379,12 @@ _SCHEME = {
     # (transition_options.suffix's order).
     ["dense", r"(?:clicktrain|aligned-g\d+c?)(?:-ramp[lc])?(?:-win\d+)?(?:-rw\d+)?(?:-hp\d+)?"],
   ),
-  "prunetrain": (["table1"], prunetrain_table1.ROWS, ["dense", "prunetrain"]),
+  # PruneTrain's networks, and ClickTrain's (ClickTrain Table 1's PruneTrain rows)
+  "prunetrain": (
+    ["table1"],
+    [*prunetrain_table1.ROWS, *(f"clicktrain-{row}" for row in prunetrain_table1.ROWS)],
+    ["dense", "prunetrain"],
+  ),
   "sdgp": (
     ["table1", "fig8", "timemodel"],
     [sdgp_table1.MODEL.removeprefix("sdgp-")],
