@@ -48,6 +48,7 @@ COMMANDS: dict[str, str] = {
   "cifar_baseline": "benchmarks.cifar_baseline",
   "model_params": "benchmarks.model_params",
   "fit_sizing": "benchmarks.fit_sizing",
+  "fit_width": "benchmarks.fit_width",
   "bench_train_step": "benchmarks.train_step",
   "bench_conv_weight_grad": "benchmarks.conv_weight_grad",
   "bench_loader": "benchmarks.loader",

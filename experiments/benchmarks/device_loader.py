@@ -58,9 +58,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   import jax
 
-  subset = data.load("cifar10", root=args.root, split="train").balanced_subset(
-    128 * args.steps, 0
-  )
+  subset = data.load("cifar10", root=args.root, split="train").balanced_subset(128 * args.steps, 0)
   configs = {
     "host Loader": lambda: data.Loader(subset, 128, seed=0, augment="clicktrain"),
     "DeviceLoader, 1 step per call": lambda: data.DeviceLoader(

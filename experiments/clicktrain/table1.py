@@ -105,6 +105,13 @@ def _parse(argv):
     "are saved as method aligned-g<G> and switch to the aligned layers after the hard prune",
   )
   p.add_argument(
+    "--width",
+    type=float,
+    default=None,
+    help="every row at this width multiplier instead of the budget's (a width sweep: its files "
+    "are marked _w<W>, table1_fit_w0.25_vgg11_dense.json, with pages of their own)",
+  )
+  p.add_argument(
     "--filter-grouping",
     default="consecutive",
     choices=["consecutive", "clustered"],
@@ -196,10 +203,16 @@ def _schedule(args, row: str, steps: int, prune: bool):
   )
 
 
-def _tag(budget: str, dtype: str = "fp32") -> str:
+def _tag(budget: str, dtype: str = "fp32", width: float | None = None) -> str:
   """The budget part of a run's file names: ``budget``, with the dtype's marker when it is not
-  fp32 (``cpu_bf16``): a bf16 run's rows and pages stand apart from the fp32 ones."""
-  return f"{budget}{cli.dtype_suffix(dtype)}"
+  fp32 (``cpu_bf16``) and the width of a ``--width`` run (``fit_w0.25``): a bf16 run's rows, or
+  a width sweep's, and their pages stand apart from the budget's own."""
+  return f"{budget}{cli.dtype_suffix(dtype)}" + ("" if width is None else f"_w{width:g}")
+
+
+def _row_width(args, row: str) -> float:
+  """``row``'s width: ``--width``, or the budget's for its family."""
+  return args.width if args.width is not None else budgets.row_width(args.recipe.width, row)
 
 
 def _spec(
@@ -214,7 +227,8 @@ def _spec(
     label = f"aligned-g{args.filter_groups}{'c' if clustered else ''}"
   if prune:
     label += transition_options.suffix(args)
-  stem = aligned_page.run_stem(_tag(args.budget, args.dtype), row, label, args.seed)
+  tag = _tag(args.budget, args.dtype, args.width)
+  stem = aligned_page.run_stem(tag, row, label, args.seed)
   overrides = budgets.model_overrides(args.budget, f"clicktrain-{row}")
 
   def model():
@@ -222,7 +236,7 @@ def _spec(
       f"clicktrain-{row}",
       num_classes=10,
       rngs=nnx.Rngs(args.seed),
-      width_multiplier=budgets.row_width(budget.width, row),
+      width_multiplier=_row_width(args, row),
       dtype=cli.compute_dtype(args),
       **overrides,
     )
@@ -249,13 +263,12 @@ def _spec(
   # the same model alike (PruneTrain's Table 1 on this family's networks).
   shared = None
   if not prune:
-    width = budgets.row_width(budget.width, row)
     shared = rows.SharedRun(
       pages.shared_dir(args.publish, args.out),
       f"{_tag(args.budget, args.dtype)}_clicktrain-{row}_seed{args.seed}",
       rows.dense_settings(
         f"clicktrain-{row}",
-        width,
+        _row_width(args, row),
         budget,
         args.options,
         augment="clicktrain",
@@ -299,6 +312,7 @@ def _spec(
       "mode": args.mode,
       "seed": args.seed,
       **budgets.as_saved(budget),
+      **({} if args.width is None else {"width_sweep": args.width}),
       **cli.dtype_config(args),
       **run_options.run_config(args.options),
     },
@@ -457,6 +471,11 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
     rows=table_rows,
     logs=logs,
     notes=[
+      *(
+        [f"Width sweep: every row at width ×{args.width:g}, not the budget's (`--width`)."]
+        if args.width is not None
+        else []
+      ),
       (
         f"ClickTrain mode: `{args.mode}`; data: the JPEG re-encoded CIFAR-10 (accuracies a "
         "little under published numbers)."
@@ -491,7 +510,7 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
   for row, res in results.items():
     clk = res.get("clicktrain")
     if clk:
-      stem = f"table1_{_tag(args.budget, args.dtype)}_{row}_clicktrain"
+      stem = f"table1_{_tag(args.budget, args.dtype, args.width)}_{row}_clicktrain"
       lines += [
         f"## {row}: pattern pool and per-layer sparsity",
         "",
@@ -514,22 +533,27 @@ def _markdown(args, results: dict[str, dict[str, dict[str, Any]]], command: str)
   return "\n".join(lines) + "\n"
 
 
-def aligned_markdown(folder: Path, budget: str, dtype: str = "fp32") -> str:
+def aligned_markdown(
+  folder: Path, budget: str, dtype: str = "fp32", width: float | None = None
+) -> str:
   """The aligned mode's page (beyond the paper): every row with aligned runs beside its dense and
-  fine-grained ClickTrain runs of the same budget, seed and ``dtype``, and the runs of other
-  seeds below (:mod:`experiments.clicktrain.aligned_page`)."""
+  fine-grained ClickTrain runs of the same budget, seed, ``dtype`` and ``--width``, and the runs
+  of other seeds below (:mod:`experiments.clicktrain.aligned_page`)."""
+  tag = _tag(budget, dtype, width)
   return aligned_page.aligned_markdown(
-    folder, budget, _tag(budget, dtype), PAPER, (*PAPER, *EXTRA_ROWS), cli.dtype_notes(dtype)
+    folder, budget, tag, PAPER, (*PAPER, *EXTRA_ROWS), cli.dtype_notes(dtype)
   )
 
 
-def _saved_rows(folder: Path, budget: str, dtype: str = "fp32") -> dict[str, dict[str, Any]]:
-  """Every row of ``budget`` at ``dtype`` whose JSON is in ``folder`` (rows run separately
-  share a page)."""
+def _saved_rows(
+  folder: Path, budget: str, dtype: str = "fp32", width: float | None = None
+) -> dict[str, dict[str, Any]]:
+  """Every row of ``budget`` at ``dtype`` (and ``--width``) whose JSON is in ``folder`` (rows
+  run separately share a page)."""
   results: dict[str, dict[str, Any]] = {}
   for row in (*PAPER, *EXTRA_ROWS):
     for method in ("dense", "clicktrain"):
-      path = folder / f"table1_{_tag(budget, dtype)}_{row}_{method}.json"
+      path = folder / f"table1_{_tag(budget, dtype, width)}_{row}_{method}.json"
       if path.exists():
         results.setdefault(row, {})[method] = json.loads(path.read_text())
   return results
@@ -570,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
     args.recipe.test_subset, args.seed + 1
   )
-  tag = _tag(args.budget, args.dtype)
+  tag = _tag(args.budget, args.dtype, args.width)
   out = folder / f"table1_{tag}.md"
   results: dict[str, dict[str, Any]] = {}
   for row in chosen:
@@ -585,9 +609,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {"stopped": f"{row} {method}"}
       results[row]["clicktrain" if prune else "dense"] = res
       if _on_table1_page(args, prune):
-        out.write_text(_markdown(args, _saved_rows(folder, args.budget, args.dtype), command))
+        saved = _saved_rows(folder, args.budget, args.dtype, args.width)
+        out.write_text(_markdown(args, saved, command))
       else:  # the aligned runs, runs with transition options or other seeds: their own page
-        page = aligned_markdown(folder, args.budget, args.dtype)
+        page = aligned_markdown(folder, args.budget, args.dtype, args.width)
         (folder / f"table1-aligned_{tag}.md").write_text(page)
       print(
         f"{row} {res['method']}: acc {100 * res['test_acc']:.2f}% "

@@ -39,7 +39,10 @@ from jaxprune import models, train
 from jaxprune import prunetrain as pt
 
 _SHAPE = (1, 32, 32, 3)
-_ZOO = {"zoo: prunetrain-resnet20": "prunetrain-resnet20", "zoo: prunetrain-vgg11": "prunetrain-vgg11"}
+_ZOO = {
+  "zoo: prunetrain-resnet20": "prunetrain-resnet20",
+  "zoo: prunetrain-vgg11": "prunetrain-vgg11",
+}
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -148,7 +151,10 @@ def _page(rows: list[dict[str, Any]], command: str) -> str:
   ]
   for row in rows:
     reasons = sorted({r for rs in row["blocked"].values() for r in rs if not r.startswith("fixed")})
-    lines.append(f"- **{row['name']}**: " + ("; ".join(reasons) if reasons else "only the input and output are fixed"))
+    lines.append(
+      f"- **{row['name']}**: "
+      + ("; ".join(reasons) if reasons else "only the input and output are fixed")
+    )
   return "\n".join(lines) + "\n"
 
 
@@ -157,12 +163,21 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   args = _parse(argv)
   builders = {name: lambda b=build: b(nnx.Rngs(0)) for name, build in ARCHITECTURES.items()}
   builders.update(
-    {name: lambda z=zoo: models.create(z, num_classes=10, rngs=nnx.Rngs(0)) for name, zoo in _ZOO.items()}
+    {
+      name: lambda z=zoo: models.create(z, num_classes=10, rngs=nnx.Rngs(0))
+      for name, zoo in _ZOO.items()
+    }
   )
   rows = []
   for name, build in builders.items():
     rows.append(measure(name, build(), args))
-    print(rows[-1]["name"], rows[-1]["status"], rows[-1].get("delta"), rows[-1].get("step_s"), flush=True)
+    print(
+      rows[-1]["name"],
+      rows[-1]["status"],
+      rows[-1].get("delta"),
+      rows[-1].get("step_s"),
+      flush=True,
+    )
   folder = pages.output_dir("prunetrain", args.publish, args.out)
   command = cli.command_line("prunetrain_any_model", argv)
   pages.write_result(folder / "any_model", {"command": command, "rows": rows}, _page(rows, command))

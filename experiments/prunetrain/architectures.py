@@ -98,7 +98,9 @@ class ConvNeXtBlock(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs, width: int = 16, num_classes: int = 10):
     self.stem = _conv(3, width, 4, rngs, strides=4)
-    self.depthwise = nnx.Conv(width, width, (7, 7), padding="SAME", feature_group_count=width, rngs=rngs)
+    self.depthwise = nnx.Conv(
+      width, width, (7, 7), padding="SAME", feature_group_count=width, rngs=rngs
+    )
     self.norm = nnx.LayerNorm(width, rngs=rngs)
     self.up = nnx.Linear(width, 4 * width, rngs=rngs)
     self.down = nnx.Linear(4 * width, width, rngs=rngs)
@@ -193,4 +195,3 @@ ARCHITECTURES: dict[str, Architecture] = {
   "conv + flatten into Linear": FlattenCNN,
   "MLP": MLP,
 }
-

@@ -125,6 +125,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     "clicktrain_table1's)",
   )
   parser.add_argument(
+    "--width",
+    dest="sweep_width",
+    type=float,
+    default=None,
+    help="every row at this width multiplier instead of the budget's: a width sweep's probe, "
+    "named with _w<W> (under probes/)",
+  )
+  parser.add_argument(
     "--proximal",
     action="store_true",
     help="apply the group lasso as a proximal step (exact zeros; not the paper's)",
@@ -180,6 +188,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   if unknown or not chosen:
     parser.error(f"--rows: unknown {unknown}; choose from {ROWS}")
   args.rows = chosen
+  if args.sweep_width is not None:  # a width sweep's run is a probe beside the table
+    args.name_suffix = f"_w{args.sweep_width:g}{args.name_suffix}"
   if args.reuse_dense is not None and not args.skip_dense:
     parser.error("--reuse-dense needs --skip-dense (otherwise the dense row is run)")
   if args.paired and args.skip_dense:
@@ -229,7 +239,11 @@ def saved_args(args: argparse.Namespace, row: str) -> argparse.Namespace:
     **args.options.as_flags(),
     **budgets.as_saved(args.recipe),
     model=model,
-    row_width=budgets.row_width(args.recipe.width, model),
+    row_width=(
+      budgets.row_width(args.recipe.width, model)
+      if getattr(args, "sweep_width", None) is None
+      else args.sweep_width
+    ),
     weight_decay=WEIGHT_DECAY,
   )
 
@@ -375,6 +389,7 @@ def _spec(
     run_config={
       "method": method,
       **{k: getattr(saved, k) for k in _DENSE_SETTINGS},
+      "row_width": saved.row_width,
       **config,
       **cli.dtype_config(args),
       **run_options.run_config(args.options),

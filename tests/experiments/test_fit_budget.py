@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments.benchmarks import fit_sizing
+from experiments.benchmarks import fit_sizing, fit_width
 from experiments.clicktrain import table1 as clicktrain_table1
 from experiments.common import budgets, pages, rows
 from experiments.prunetrain import table1 as prunetrain_table1
@@ -188,4 +188,38 @@ def test_a_sizing_probe_at_the_budgets_settings_is_the_tables_dense_run(tmp_path
   assert (
     sum("| `fit` |" in line for line in lines) == 1
     and sum("| probe |" in line for line in lines) == 1
+  )
+
+
+def test_a_width_run_is_named_by_its_width_and_the_sweep_pairs_each_method_with_its_dense(
+  tmp_path, tiny_fit
+):
+  out = ["--budget", "fit", "--eval-every", "2", "--out", str(tmp_path)]
+  clicktrain_table1.main(["--rows", "vgg11", "--methods", "dense", "--width", "0.125", *out])
+  saved = json.loads((tmp_path / "table1_fit_w0.125_vgg11_dense.json").read_text())
+  assert "Width sweep: every row at width ×0.125" in (tmp_path / "table1_fit_w0.125.md").read_text()
+  assert not (tmp_path / "table1_fit.md").exists()  # not a row of the budget's own table
+  # the sweep page reads the runs where the tables publish them (the fixture's fit width is
+  # 0.25, so ×0.0625 is a --width run)
+  results = tmp_path / "results"
+  (results / "clicktrain").mkdir(parents=True)
+  dense = {"test_acc": 0.8, "train_acc": 0.99}
+  pruned = {"test_acc": 0.79, "compression": 8.5, "train_acc": 0.98}
+  for name, run in [("dense", dense), ("clicktrain", pruned)]:
+    (results / "clicktrain" / f"table1_fit_w0.0625_vgg11_{name}.json").write_text(json.dumps(run))
+  (results / "prunetrain" / "probes").mkdir(parents=True)
+  pt = {"runs": {"dense": dense, "prunetrain": {"test_acc": 0.75, "params_ratio": 0.25}}}
+  (results / "prunetrain" / "probes" / "table1_fit_clicktrain-vgg11_w0.0625.json").write_text(
+    json.dumps(pt)
+  )
+  entries = fit_width.sweep(results, [0.0625, 0.5])
+  assert [e["width"] for e in entries] == [0.0625] and saved["test_acc"] is not None
+  methods = entries[0]["methods"]
+  assert methods["ClickTrain fine-grained"]["delta"] == pytest.approx(-1.0)
+  assert methods["PruneTrain"]["delta"] == pytest.approx(-5.0)
+  assert methods["PruneTrain"]["compression"] == pytest.approx(4.0)
+  assert "ClickTrain aligned G=8" not in methods
+  text = fit_width.page(entries, "cmd", None)
+  assert (
+    "| ×0.0625 | 80.00 | 99.00 | ClickTrain fine-grained | 79.00 | -1.00 | 8.50x | 98.00 |" in text
   )

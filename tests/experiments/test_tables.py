@@ -402,7 +402,11 @@ def test_results_follow_one_naming_scheme(paper):
   tables, rows, methods = _SCHEME[paper]
   names = {name for table in budgets.BUDGETS.values() for name in table}
   dtypes = [name for name in cli.DTYPES if name != "fp32"]
-  head = f"{_alternatives(tables)}_{_alternatives(sorted(names))}(?:_{_alternatives(dtypes)})?"
+  # a width sweep's run (ClickTrain Table 1's --width) marks its width after the budget
+  width = r"(?:_w\d+(?:\.\d+)?)?"
+  head = (
+    f"{_alternatives(tables)}_{_alternatives(sorted(names))}(?:_{_alternatives(dtypes)})?{width}"
+  )
   row, method = _alternatives(rows), "(?:" + "|".join(methods) + ")"
   plot = "(?:_(?:patterns|sparsity|over_training|time))?"
   seed = r"(?:_seed\d+)?"  # a run under a seed other than the table's 0
