@@ -6,7 +6,7 @@ dense network fits its training data, inside an hour on 2 CPU cores. Its width, 
 and length were chosen from runs like these: each trains a dense network with the recipe the
 ClickTrain and PruneTrain tables share at `fit` (SGD momentum 0.9, lr 0.1 ×0.1 at 50% / 75% of
 the run, weight decay 5e-4, batch 128, pad-crop + flip, a balanced subset of the training
-images, the whole test set, an evaluation every 4 epochs) and saves it as a shared dense run
+images, the whole test set) and saves it as a shared dense run
 (:class:`experiments.common.rows.SharedRun`). A probe at exactly the budget's settings *is* the
 tables' dense run, which they then take instead of training it again, and a table's dense run
 is a row of this page.
@@ -150,8 +150,9 @@ def sizing_page(shared: Path, title: str = "The `fit` budget: sizing") -> str:
       "Dense runs of the recipe the ClickTrain and PruneTrain tables share at the `fit` budget "
       "(SGD momentum 0.9, lr 0.1 ×0.1 at 50% / 75% of the run, weight decay 5e-4, batch 128, "
       "pad-crop + flip, a balanced subset of the training images, the whole test set of "
-      "10,000, an evaluation every 4 epochs), on 2 CPU cores. The budget takes the widest "
-      "width that a run fits into an hour and as many epochs as the plateau needs; a run fits "
+      "10,000, evaluated every few epochs as each run's settings say), on 2 CPU cores. The "
+      "budget takes the widest width that a run fits into an hour and as many epochs as the "
+      "plateau needs; a run fits "
       f"when it classifies ≥ {100 * pages.FIT_TRAIN_ACC:.0f}% of its training images (eval "
       f"mode) and its test accuracy gains ≤ {100 * pages.FIT_PLATEAU_GAIN:.1f} points over "
       "the last quarter of its epochs."

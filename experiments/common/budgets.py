@@ -164,10 +164,12 @@ _PRUNETRAIN_PAPER = PruneTrainBudget(
 # the papers' claim is about networks that fit. Chosen by measurement (results/fit_sizing.md):
 # one SGD step at batch 128 on 2 cores takes 0.75 s for ClickTrain's VGG-11 at ×1/2, 1.03 s for
 # its ResNet-32 at ×1/4 (3.03 s at ×1/2), 1.52 s for PruneTrain's ResNet-32 at ×1 and 0.85 s
-# for SDGP's ResNet-9 at ×1/4: 48 epochs of 5 000 images (1 872 steps) fit the hour at those
-# widths, the widest that do.
-FIT_TRAIN_SUBSET = 5_000
-FIT_EPOCHS = 48
+# for SDGP's ResNet-9 at ×1/4: about 1 900 steps fit the hour at those widths, the widest that
+# do. 5 000 images for 48 epochs (1 872 steps) left the ×1/2 VGG-11 short of fitting its
+# training data; 2 560 images (256 a class, 20 steps an epoch) for 96 epochs is the same work
+# with twice the passes over each image.
+FIT_TRAIN_SUBSET = 2_560
+FIT_EPOCHS = 96
 
 
 def scaled_epochs(paper_epochs: int, paper_run: int, epochs: int) -> int:
@@ -204,10 +206,10 @@ BUDGETS: Mapping[str, Mapping[str, Budget]] = {
       linear_init_std=0.05,
     ),
     # The paper's stages at the paper's fractions of the run: pool and finalization 5/190 of
-    # it each, the hard prune at each row's Table 1 epoch scaled by 48/190; the pool starts at
+    # it each, the hard prune at each row's Table 1 epoch scaled by 96/190; the pool starts at
     # §4.1's loss-derivative trigger. The VGG classifier is initialised N(0, 0.05) as at the
-    # cpu budget: with its own N(0, 0.01) the ×1/2 VGG-11 stood at 22% train accuracy after 8
-    # epochs (312 steps) of 48, too slow to fit (results/fit_sizing.md).
+    # cpu budget: with its own N(0, 0.01) the ×1/2 VGG-11 stood at 22% train accuracy after 312
+    # steps (8 epochs of 5 000 images), too slow to fit in the budget's steps.
     "fit": dataclasses.replace(
       _CLICKTRAIN_PAPER,
       width=_CLICKTRAIN_FIT_WIDTH,

@@ -22,23 +22,23 @@ def test_fit_keeps_the_papers_hyper_parameters_and_shares_one_recipe():
   for budget in (ct, pt, sd):
     assert budget.train_subset == budgets.FIT_TRAIN_SUBSET and budget.test_subset is None
     assert budget.epochs == budgets.FIT_EPOCHS and budget.batch_size == 128
-  # PruneTrain §5: ratio 0.2, threshold 1e-4, every 10 of 182 epochs (2.6 of 48 -> 3)
-  assert (pt.penalty_ratio, pt.threshold, pt.interval) == (0.2, 1e-4, 3)
-  # ClickTrain: the paper's schedule and stages at the paper's fractions (5/190 of 48 -> 1)
-  assert (ct.lr, ct.milestones, ct.pool_epochs, ct.finalize_epochs) == (0.1, (0.5, 0.75), 1, 1)
+  # PruneTrain §5: ratio 0.2, threshold 1e-4, every 10 of 182 epochs (5.3 of 96 -> 5)
+  assert (pt.penalty_ratio, pt.threshold, pt.interval) == (0.2, 1e-4, 5)
+  # ClickTrain: the paper's schedule and stages at the paper's fractions (5/190 of 96 -> 3)
+  assert (ct.lr, ct.milestones, ct.pool_epochs, ct.finalize_epochs) == (0.1, (0.5, 0.75), 3, 3)
   assert (pt.lr, pt.milestones) == (ct.lr, ct.milestones)
-  # the hard prune at each row's Table 1 epoch, scaled: ResNet-32 98/190, VGG-11 96/190 of 48
+  # the hard prune at each row's Table 1 epoch, scaled: ResNet-32 98/190, VGG-11 96/190 of 96
   args = clicktrain_table1._parse(["--budget", "fit"])
-  assert clicktrain_table1._stage_epochs(args, "resnet32")["hard_prune_epoch"] == 25
-  assert clicktrain_table1._stage_epochs(args, "vgg11")["hard_prune_epoch"] == 24
+  assert clicktrain_table1._stage_epochs(args, "resnet32")["hard_prune_epoch"] == 50
+  assert clicktrain_table1._stage_epochs(args, "vgg11")["hard_prune_epoch"] == 49
   assert "pool_start_epoch" not in clicktrain_table1._stage_epochs(args, "vgg11")  # §4.1 trigger
   # ClickTrain's networks get the same width in both tables (their dense runs are one run)
   for model in ("clicktrain-resnet32", "clicktrain-vgg11"):
     assert budgets.row_width(pt.width, model) == budgets.row_width(ct.width, model)
   assert budgets.row_width(pt.width, "prunetrain-resnet32") == 1.0
   assert budgets.row_width(ct.width, "vgg11") == budgets.row_width(ct.width, "clicktrain-vgg11")
-  # SDGP: its recipe at 48 epochs (the triangle's peak at 2/150 of the run)
-  assert sd.peak_epoch == pytest.approx(48 * 2 / 150) and sd.peak_lr == 0.5 * 128 / 512
+  # SDGP: its recipe at 96 epochs (the triangle's peak at 2/150 of the run)
+  assert sd.peak_epoch == pytest.approx(96 * 2 / 150) and sd.peak_lr == 0.5 * 128 / 512
 
 
 def test_last_quarter_gain_is_the_rise_from_the_quarters_start():
