@@ -74,19 +74,18 @@ def probe_spec(
   budget, seed = args.recipe, args.seed
   overrides = budgets.model_overrides("fit", args.model)
   milestones = [max(1, round(f * budget.epochs)) for f in budget.milestones]
-  shared = rows.SharedRun(
-    pages.shared_dir(args.publish, args.out),
-    f"fit_{args.model}_seed{seed}",
-    rows.dense_settings(
-      args.model,
-      args.width,
-      budget,
-      args.options,
-      augment=args.model.partition("-")[0],
-      seed=seed,
-      dtype="fp32",
-      model_overrides=overrides,
-    ),
+  shared = rows.shared_dense_run(
+    "fit",
+    args.model,
+    args.width,
+    budget,
+    args.options,
+    publish=args.publish,
+    out=args.out,
+    seed=seed,
+    dtype="fp32",
+    augment=args.model.partition("-")[0],
+    model_overrides=overrides,
   )
   stem = f"fit_sizing_{args.model}_x{args.width:g}_n{budget.train_subset}_e{budget.epochs}"
   return rows.RowSpec(

@@ -263,19 +263,18 @@ def _spec(
   # the same model alike (PruneTrain's Table 1 on this family's networks).
   shared = None
   if not prune:
-    shared = rows.SharedRun(
-      pages.shared_dir(args.publish, args.out),
-      f"{_tag(args.budget, args.dtype)}_clicktrain-{row}_seed{args.seed}",
-      rows.dense_settings(
-        f"clicktrain-{row}",
-        _row_width(args, row),
-        budget,
-        args.options,
-        augment="clicktrain",
-        seed=args.seed,
-        dtype=args.dtype,
-        model_overrides=overrides,
-      ),
+    shared = rows.shared_dense_run(
+      args.budget,
+      f"clicktrain-{row}",
+      _row_width(args, row),
+      budget,
+      args.options,
+      publish=args.publish,
+      out=args.out,
+      seed=args.seed,
+      dtype=args.dtype,
+      augment="clicktrain",
+      model_overrides=overrides,
     )
   metrics = {"compression": lambda t: flops.compression_ratio(t.params)}
   if prune:

@@ -213,6 +213,32 @@ def dense_settings(
   }
 
 
+def shared_dense_run(
+  budget_name: str,
+  model: str,
+  width: float,
+  budget: Mapping[str, Any],
+  options: RunOptions,
+  *,
+  publish: bool,
+  out: str | None,
+  seed: int,
+  dtype: str,
+  **recipe: Any,
+) -> SharedRun:
+  """The :class:`SharedRun` of ``model``'s dense run at budget ``budget_name``: named
+  ``<budget>[_<dtype>]_<model>_seed<S>`` in :func:`experiments.common.pages.shared_dir`, with the
+  settings of :func:`dense_settings` (``recipe``: its other keywords), so every table and probe
+  that trains the same run finds the same file."""
+  from experiments.common import cli, pages
+
+  return SharedRun(
+    pages.shared_dir(publish, out),
+    f"{budget_name}{cli.dtype_suffix(dtype)}_{model}_seed{seed}",
+    dense_settings(model, width, budget, options, seed=seed, dtype=dtype, **recipe),
+  )
+
+
 @dataclasses.dataclass
 class Row:
   """One row's training in progress: its trainer and loaders, and the wall and host steal

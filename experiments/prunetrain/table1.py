@@ -348,20 +348,19 @@ def _spec(
   overrides = budgets.model_overrides(args.budget, saved.model)
   shared = None
   if method == "dense":  # the model's baseline, shared with every table that trains it alike
-    shared = rows.SharedRun(
-      pages.shared_dir(args.publish, args.out),
-      f"{args.budget}{cli.dtype_suffix(args)}_{saved.model}_seed{args.seed}",
-      rows.dense_settings(
-        saved.model,
-        saved.row_width,
-        budget,
-        args.options,
-        augment="prunetrain",
-        seed=args.seed,
-        dtype=args.dtype,
-        weight_decay=WEIGHT_DECAY,
-        model_overrides=overrides,
-      ),
+    shared = rows.shared_dense_run(
+      args.budget,
+      saved.model,
+      saved.row_width,
+      budget,
+      args.options,
+      publish=args.publish,
+      out=args.out,
+      seed=args.seed,
+      dtype=args.dtype,
+      augment="prunetrain",
+      weight_decay=WEIGHT_DECAY,
+      model_overrides=overrides,
     )
   return rows.RowSpec(
     label=f"[{log_stem.name}] {method}",
