@@ -134,6 +134,17 @@ def _params(model: str, width: float) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(nnx.state(built, nnx.Param)))
 
 
+def _probe_command(settings: dict[str, Any]) -> str:
+  """The ``fit_sizing`` command that trains the run of ``settings`` again (a table's dense run
+  at the budget is the same run)."""
+  flags = (
+    f"--model {settings['model']} --width {settings['width']:g} "
+    f"--train-subset {settings['train_subset']} --epochs {settings['epochs']} "
+    f"--eval-every {settings['eval_every']}"
+  )
+  return f"python -m experiments.run fit_sizing {flags} --publish"
+
+
 def sizing_page(shared: Path, title: str = "The `fit` budget: sizing") -> str:
   """The page of every dense run saved in ``shared``: model, width, parameters, data, steps,
   minutes, the fit figures, and whether it is a table's dense run at the `fit` budget."""
@@ -151,21 +162,22 @@ def sizing_page(shared: Path, title: str = "The `fit` budget: sizing") -> str:
       "pad-crop + flip, a balanced subset of the training images, the whole test set of "
       "10,000, evaluated every few epochs as each run's settings say), on 2 CPU cores. The "
       "budget takes the widest width that a run fits into an hour and as many epochs as the "
-      "plateau needs; a run fits "
+      "plateau needs. Minutes are the whole run's wall time, evaluations included, on cores "
+      "that some runs shared with other work (on idle cores a run takes less). A run fits "
       f"when it classifies ≥ {100 * pages.FIT_TRAIN_ACC:.0f}% of its training images (eval "
       f"mode) and its test accuracy gains ≤ {100 * pages.FIT_PLATEAU_GAIN:.1f} points over "
       "the last quarter of its epochs."
     ),
     "",
     (
-      "- Command: `python -m experiments.run fit_sizing --model MODEL [--width W] "
-      "[--train-subset N] [--epochs E] --publish` per run, or the table command that trained "
-      "it (the last column); `fit_sizing --page-only --publish` rewrites this page."
+      "- Each run's command is in its row (a table's dense run at the budget is the same run, "
+      "trained once by whichever comes first); `python -m experiments.run fit_sizing "
+      "--page-only --publish` rewrites this page."
     ),
     "",
     (
-      "| model | width | params | train images | epochs | steps | min | s / step | "
-      "train acc (%) | test acc (%) | test gain, last quarter | fits | budget | trained by |"
+      "| model | width | params | train images | epochs | steps | min | wall s / step | "
+      "train acc (%) | test acc (%) | test gain, last quarter | fits | budget | command |"
     ),
     "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
   ]
@@ -185,7 +197,7 @@ def sizing_page(shared: Path, title: str = "The `fit` budget: sizing") -> str:
       f"| {saved.get('wall_time_s', 0.0) / max(steps, 1):.2f} "
       f"| {100 * saved['train_acc']:.2f} | {100 * history[-1]['test_acc']:.2f} "
       f"| {'—' if gain is None else f'{100 * gain:+.2f}'} | {verdict} "
-      f"| {'`fit`' if at_fit else 'probe'} | `{saved.get('command') or saved['trained_by']}` |"
+      f"| {'`fit`' if at_fit else 'probe'} | `{_probe_command(st)}` |"
     )
   return "\n".join(lines) + "\n"
 
