@@ -20,8 +20,9 @@ METHODS = ("random", "magnitude", "rescaled_magnitude", "mvue")
 # The methods that draw random numbers (they need a PRNG key).
 RANDOM_METHODS = ("random", "mvue")
 
-# SDGP §III-B: ε added to the kept L1 norm before rescaling; the authors' code adds 1e-4
-# after the sum.
+# SDGP §III-B: the ε the authors' released code adds to the kept L1 norm (after the sum) before
+# dividing. Not the default: an absolute ε makes the rescale depend on the loss's scale (see
+# ``rescale_factor``); pass it as ``rescale_eps`` to reproduce the released formula.
 RESCALE_EPS = 1e-4
 
 # The paper's CUDA kernel handles groups of up to 32 entries (one thread per group).
@@ -51,9 +52,25 @@ def validate_key(method: str, key) -> None:
     raise ValueError(f"key is required for method {method!r}")
 
 
-def validate(shape: Sequence[int], dtype, n, m, method: str, key) -> None:
+def validate_rescale_eps(method: str, rescale_eps) -> None:
+  """Raises ``ValueError`` unless ``rescale_eps`` is ``None`` or a finite float > 0 given with
+  ``method="rescaled_magnitude"`` (the only method that rescales)."""
+  if rescale_eps is None:
+    return
+  number = isinstance(rescale_eps, (int, float)) and not isinstance(rescale_eps, bool)
+  if not (number and 0.0 < float(rescale_eps) < float("inf")):
+    raise ValueError(f"rescale_eps must be None or a finite float > 0, got {rescale_eps!r}")
+  if method != "rescaled_magnitude":
+    raise ValueError(
+      f"rescale_eps: only method 'rescaled_magnitude' rescales, got method {method!r} "
+      f"with rescale_eps={rescale_eps!r}"
+    )
+
+
+def validate(shape: Sequence[int], dtype, n, m, method: str, key, rescale_eps=None) -> None:
   """Raises ``ValueError`` naming the bad argument of ``nm_prune``."""
   validate_settings(n, m, method)
+  validate_rescale_eps(method, rescale_eps)
   if len(shape) < 1 or shape[-1] % m != 0:
     raise ValueError(f"x: last axis ({shape[-1] if shape else 'none'}) must be divisible by m={m}")
   if not jnp.issubdtype(dtype, jnp.floating):
@@ -111,6 +128,29 @@ def order_keys(magnitudes: Array) -> Array:
   return jnp.where(magnitudes != magnitudes, jnp.int32(_CANONICAL_NAN_BITS), bits)
 
 
-def rescale_factor(abs_sum: Array, abs_sum_pruned: Array) -> Array:
-  """SDGP §III-B rescaled magnitude: Σ|x| / (Σ|pruned| + ε), keeping each channel's L1."""
-  return abs_sum / (abs_sum_pruned + RESCALE_EPS)
+def rescale_factor(abs_sum: Array, abs_sum_pruned: Array, eps: float | None = None) -> Array:
+  """SDGP §III-B rescaled magnitude: the factor that restores each (sample, channel) L1 norm.
+
+  ``eps=None`` (the default): ``Σ|x| / Σ|pruned|``, with no ε. Magnitude keeps the ``n``
+  largest of every ``m``, so ``Σ|pruned| >= (n/m) · Σ|x|`` and the ratio lies in ``[1, m/n]``
+  whenever ``Σ|x| > 0``; it is then homogeneous of degree 0, so the pruned gradient scales
+  exactly with the loss (a loss scale, a data-parallel device's local-mean loss). Where
+  ``Σ|pruned| == 0`` (an all-zero channel) the factor is 1.
+
+  ``eps`` a float: ``Σ|x| / (Σ|pruned| + eps)``, the authors' released formula (``eps=1e-4``,
+  :data:`RESCALE_EPS`). An absolute ε against sums of order 1e-3 (a mean loss's cotangents)
+  shrinks the factor by a loss-scale-dependent amount.
+
+  Either way, where ``Σ|x|`` is not finite (a NaN or ±inf in the channel, or an overflow) the
+  factor is 1: the channel keeps the magnitude selection as it is, so a NaN stays NaN and an
+  inf stays an inf of its sign (``inf / inf`` would turn it into NaN), and its finite entries
+  are not scaled by an undefined ratio.
+  """
+  finite = jnp.isfinite(abs_sum)
+  if eps is None:
+    ok = finite & (abs_sum_pruned > 0)
+    ratio = abs_sum / jnp.where(ok, abs_sum_pruned, 1.0)
+  else:
+    ok = finite
+    ratio = abs_sum / (abs_sum_pruned + eps)
+  return jnp.where(ok, ratio, 1.0)

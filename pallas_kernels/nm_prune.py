@@ -211,7 +211,7 @@ def _select_kernel(*refs, n: int, m: int, method: str, groups: int, channels: in
   _store_columns(refs[-1], _select_columns(cols, n, method, ucols), m, groups)
 
 
-def _rescaled_kernel(x_ref, o_ref, *, n: int, m: int, groups: int):
+def _rescaled_kernel(x_ref, o_ref, *, n: int, m: int, groups: int, eps: float | None):
   cols = _columns(x_ref, m, groups)  # each (H*W, groups)
   pruned = _select_columns(cols, n, "magnitude")
   out = []
@@ -219,7 +219,7 @@ def _rescaled_kernel(x_ref, o_ref, *, n: int, m: int, groups: int):
     # SDGP §III-B: keep each (sample, channel) L1 norm over H, W.
     abs_sum = jnp.sum(jnp.abs(c.astype(jnp.float32)), axis=0, keepdims=True)
     abs_sum_pruned = jnp.sum(jnp.abs(p), axis=0, keepdims=True)
-    out.append(p * nm_math.rescale_factor(abs_sum, abs_sum_pruned))
+    out.append(p * nm_math.rescale_factor(abs_sum, abs_sum_pruned, eps))
   _store_columns(o_ref, out, m, groups)
 
 
@@ -241,6 +241,7 @@ def nm_prune_pallas(
   seeds: Array | None = None,
   *,
   interpret: bool | None = None,
+  rescale_eps: float | None = None,
 ) -> Array:
   """N:M pruning with the fused Pallas kernel; same semantics as the reference.
 
@@ -252,6 +253,8 @@ def nm_prune_pallas(
     method: one of :data:`pallas_kernels.nm_math.METHODS`.
     seeds: ``nm_math.seeds_from_key(key)`` for the random methods.
     interpret: run the kernel in the Pallas interpreter; ``None`` = on non-GPU backends.
+    rescale_eps: ``rescaled_magnitude``'s ε (``None``: the ε-free ratio); see
+      :func:`pallas_kernels.nm_math.rescale_factor`.
 
   Returns:
     The pruned array, same shape and dtype as ``x``.
@@ -259,7 +262,7 @@ def nm_prune_pallas(
   if interpret is None:
     interpret = _default_interpret()
   if method == "rescaled_magnitude":
-    return _rescaled_call(x, n, m, interpret)
+    return _rescaled_call(x, n, m, interpret, rescale_eps)
   return _select_call(x, n, m, method, seeds, interpret)
 
 
@@ -289,7 +292,7 @@ def _select_call(x, n, m, method, seeds, interpret):
   return out.reshape(shape)
 
 
-def _rescaled_call(x, n, m, interpret):
+def _rescaled_call(x, n, m, interpret, eps):
   shape = x.shape
   if not supports(shape, n, m, "rescaled_magnitude"):
     raise ValueError(
@@ -302,7 +305,7 @@ def _rescaled_call(x, n, m, interpret):
   x3 = x.reshape(batch, spatial, channels)
   spec = pl.BlockSpec((None, spatial, block_c), lambda b, j: (b, 0, j))
   out = pl.pallas_call(
-    functools.partial(_rescaled_kernel, n=n, m=m, groups=groups),
+    functools.partial(_rescaled_kernel, n=n, m=m, groups=groups, eps=eps),
     out_shape=jax.ShapeDtypeStruct(x3.shape, x.dtype),
     grid=(batch, channels // block_c),
     in_specs=[spec],

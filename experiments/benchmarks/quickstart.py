@@ -48,7 +48,7 @@ from flax import nnx
 from experiments.common import cli, pages
 from experiments.common.machine import machine_description
 from jaxprune import data, flops, methods, models, train
-from jaxprune.quickstart import METHODS, dense_tx
+from jaxprune.quickstart import METHODS, dense_tx, departures
 
 DEFAULT_METHODS = ("dense", "sdgp rescaled 2:4", "sdgp mvue 2:4", "prunetrain", "clicktrain")
 
@@ -231,6 +231,7 @@ def write_page(
       f"{args.weight_decay}, {_seed_words(args.seed_list)}; the same for every row."
     ),
     *(f"- {note}" for note in cli.dtype_notes(args)),
+    *(f"- Not the papers' settings: {note}" for note in departures(args.epochs)),
     "",
     format_table(rows),
     "",

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxprune.clicktrain.readouts import stage_name
+from jaxprune.clicktrain.readouts import find_state, stage_name
+from jaxprune.clicktrain.schedule import Schedule
 from jaxprune.train import Callback, TrainerLike, epoch_batches, recompute_batch_stats
 
 __all__ = ["DEFAULT_BATCHES", "HardPruneBatchNorm", "HardPruneCheck"]
@@ -161,9 +162,34 @@ class HardPruneCheck(Callback):
     if stage != "pruned":
       warnings.warn(
         f"clicktrain: the run ended after {self.epochs} epochs before the hard prune, in "
-        f"stage {stage!r}: the model is dense (compression 1.0); the loss-derivative trigger "
-        "fired too late, or not at all, for pool_epochs + finalize_epochs + 1 epochs before "
-        "the end (set pool_start_epoch, shorten the stages or train longer)",
+        f"stage {stage!r}: the model is dense (compression 1.0); "
+        + _why_not_pruned(find_state(trainer.opt_state).schedule, self.epochs),
         RuntimeWarning,
         stacklevel=2,
       )
+
+
+def _why_not_pruned(schedule: Schedule, epochs: int) -> str:
+  """The cause of a run that ended before its hard prune, by schedule: only the paper mode
+  without ``pool_start_epoch`` waits for the loss-derivative trigger (§4.1)."""
+  if schedule.mode == "paper" and schedule.pool_start_epoch is None:
+    return (
+      "the loss-derivative trigger fired too late, or not at all, for pool_epochs + "
+      "finalize_epochs + 1 epochs before the end (set pool_start_epoch, shorten the stages or "
+      "train longer)"
+    )
+  if schedule.mode == "paper":
+    fixed = f"pool_start_epoch={schedule.pool_start_epoch} (a fixed schedule)"
+  else:
+    fixed = f"mode={schedule.mode!r} (a fixed schedule)"
+  earliest = schedule.earliest_hard_prune()
+  if earliest > epochs:
+    return (
+      f"with {fixed} the hard prune comes after {earliest} epochs at the earliest, later than "
+      "the run's end (lower hard_prune_epoch, shorten the stages or train longer)"
+    )
+  return (
+    f"with {fixed} the hard prune was due after {earliest} epochs, so a stage was extended: "
+    "a stage whose epochs feed no importance scores (every step non-finite or skipped) goes "
+    "on for another epoch (check the run's non-finite steps)"
+  )

@@ -119,6 +119,7 @@ def with_pruned_data_gradient(
   method: str,
   key: Array | None = None,
   backend: str = "auto",
+  rescale_eps: float | None = None,
 ) -> Array:
   """``conv_fn(x, kernel)`` with SDGP's backward pass, for any convolution function.
 
@@ -132,12 +133,12 @@ def with_pruned_data_gradient(
     conv_fn: a hashable callable ``(x, kernel) -> y`` (e.g. a frozen dataclass); its last
       output axis (channels) must be divisible by ``m``.
     x, kernel: its arguments.
-    n, m, method, key, backend: as in :func:`jaxprune.sdgp.nm_prune`.
+    n, m, method, key, backend, rescale_eps: as in :func:`jaxprune.sdgp.nm_prune`.
 
   Returns:
     ``conv_fn(x, kernel)``.
   """
-  return _apply(SDGPSettings(n, m, method, backend), conv_fn, x, kernel, key)
+  return _apply(SDGPSettings(n, m, method, backend, rescale_eps), conv_fn, x, kernel, key)
 
 
 def sdgp_conv(
@@ -155,6 +156,7 @@ def sdgp_conv(
   precision=None,
   key: Array | None = None,
   backend: str = "auto",
+  rescale_eps: float | None = None,
 ) -> Array:
   """2-D convolution (NHWC × HWIO) with SDGP's backward pass.
 
@@ -167,7 +169,9 @@ def sdgp_conv(
   Args:
     x: NHWC input.
     kernel: HWIO kernel; its output channels must be divisible by ``m``.
-    n, m, method, backend: as in ``jaxprune.sdgp.nm_prune``.
+    n, m, method, backend, rescale_eps: as in ``jaxprune.sdgp.nm_prune`` (``rescale_eps``:
+      ``None``, the ε-free rescale whose gradients scale exactly with the loss, or the
+      released code's ``1e-4``).
     strides, padding, lhs_dilation, rhs_dilation, feature_group_count, precision: as in
       ``lax.conv_general_dilated`` (``padding``: ``"SAME"``, ``"VALID"``, an int or
       ``((lo, hi), (lo, hi))``).
@@ -185,7 +189,7 @@ def sdgp_conv(
     raise ValueError(f"x must be NHWC (4-D), got shape {x.shape}")
   if kernel.ndim != 4:
     raise ValueError(f"kernel must be HWIO (4-D), got shape {kernel.shape}")
-  return PrunedDataGradient(SDGPSettings(n, m, method, backend))(
+  return PrunedDataGradient(SDGPSettings(n, m, method, backend, rescale_eps))(
     x,
     kernel,
     spatial_pair(strides, "strides"),
@@ -239,6 +243,7 @@ class SDGPConv(PluggableConv):
     m: int | None = None,
     method: str | None = None,
     backend: str = "auto",
+    rescale_eps: float | None = None,
     settings: SDGPSettings | None = None,
     key: Array | None = None,
     rngs: nnx.Rngs,
@@ -248,16 +253,17 @@ class SDGPConv(PluggableConv):
 
     Args:
       in_features, out_features, kernel_size, strides: as ``nnx.Conv``.
-      n, m, method, backend: as ``jaxprune.sdgp.nm_prune``; ``m`` divides out_features.
-      settings: the same as one :class:`SDGPSettings`, instead of ``n``, ``m``, ``method``
-        and ``backend``.
+      n, m, method, backend, rescale_eps: as ``jaxprune.sdgp.nm_prune``; ``m`` divides
+        out_features.
+      settings: the same as one :class:`SDGPSettings`, instead of ``n``, ``m``, ``method``,
+        ``backend`` and ``rescale_eps``.
       key: seed key of the random methods; default ``rngs.sdgp()`` (falls back to
         ``rngs.default``).
       rngs: ``nnx.Rngs`` for the parameters.
       **conv_kwargs: forwarded to ``nnx.Conv``.
     """
     if settings is None:
-      settings = SDGPSettings(n, m, method, backend)
+      settings = SDGPSettings(n, m, method, backend, rescale_eps)
     elif (n, m, method) != (None, None, None):
       raise ValueError("settings: give either settings or n, m and method, not both")
     _check_out_channels("out_features", out_features, settings.m)
@@ -435,6 +441,7 @@ def convert_model(
   seed: int | Array = 0,
   backend: str = "auto",
   reinit: bool = False,
+  rescale_eps: float | None = None,
 ) -> nnx.Module:
   """Swaps every ``nnx.Conv`` with ``>= min_in_channels`` inputs for an ``SDGPConv``, in place.
 
@@ -451,6 +458,7 @@ def convert_model(
     n, m, method, backend: as ``jaxprune.sdgp.nm_prune``.
     min_in_channels: convs with fewer input channels are kept (default 4: skip RGB stems).
     seed: int or key; layer ``i`` (in graph order) gets ``fold_in(key, i)``.
+    rescale_eps: as ``jaxprune.sdgp.nm_prune`` (``1e-4``: the released rescale formula).
     reinit: re-initialise every converted conv the way the authors' released converter does
       (it builds each SDGP conv afresh): kernel U(-b, b) with b = √(6 / fan_in) (PyTorch's
       ``kaiming_uniform_`` with the ReLU gain; fan_in = kh·kw·in / groups), bias zero; layer
@@ -472,5 +480,5 @@ def convert_model(
     >>> model = convert_model(models.create("sdgp-resnet9", num_classes=10,
     ...                       rngs=nnx.Rngs(0)), n=2, m=4, method="rescaled_magnitude")
   """
-  settings = SDGPSettings(n, m, method, backend)
+  settings = SDGPSettings(n, m, method, backend, rescale_eps)
   return SDGPConversion(settings, min_in_channels, seed, reinit)(model)

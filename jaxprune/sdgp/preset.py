@@ -36,6 +36,7 @@ def method(
   seed: int = 0,
   backend: str = "auto",
   reinit: bool = False,
+  rescale_eps: float | None = None,
 ) -> Method:
   """SDGP (N:M pruning of each conv's output data gradient) as a method.
 
@@ -53,19 +54,24 @@ def method(
       backend that made the train step faster there (:data:`jaxprune.sdgp.MEASURED_FASTER`:
       the pure-JAX reference on CUDA, where it beat the Pallas kernel on an H100);
       ``"pallas"`` forces the kernel.
+    rescale_eps: ``rescaled_magnitude``'s ε, as :func:`jaxprune.sdgp.nm_prune`: ``None`` (the
+      ε-free ratio, whose gradients scale exactly with the loss, so a data-parallel step
+      equals the single-device one) or the released code's ``1e-4``.
 
   Returns:
     A :class:`jaxprune.methods.Method` named ``"sdgp"``.
 
   Raises:
-    ValueError: bad ``n``, ``m``, ``method``, ``backend`` or ``reinit`` (checked here, before
+    ValueError: bad ``n``, ``m``, ``method``, ``backend``, ``reinit`` or ``rescale_eps`` (checked
+      here, before
       any model is seen).
 
   Example:
     >>> from jaxprune import sdgp
     >>> m = sdgp.method(n=2, m=4, method="mvue")
   """
-  conversion = SDGPConversion(SDGPSettings(n, m, method, backend), min_in_channels, seed, reinit)
+  settings = SDGPSettings(n, m, method, backend, rescale_eps)
+  conversion = SDGPConversion(settings, min_in_channels, seed, reinit)
   config = {
     "n": n,
     "m": m,
@@ -75,6 +81,8 @@ def method(
     "backend": backend,
     "reinit": reinit,
   }
+  if rescale_eps is not None:  # recorded only when set: earlier runs' configs stay as they were
+    config["rescale_eps"] = rescale_eps
   return Method(name="sdgp", convert=conversion, config=config)
 
 
@@ -91,6 +99,7 @@ def paper_method(
   m: int = 4,
   seed: int = 0,
   backend: str = "auto",
+  rescale_eps: float | None = nm_math.RESCALE_EPS,
 ) -> Method:
   """One row of SDGP's Table I / Fig. 8 exactly as the authors' released configs run it.
 
@@ -108,6 +117,10 @@ def paper_method(
       :func:`paper_model`).
     n, m: the N:M setting of the pruned rows (Table I: 2:4; Fig. 8 sweeps it).
     seed, backend: as :func:`jaxprune.sdgp.convert_model` (``"auto"``: see :func:`method`).
+    rescale_eps: the ``"rescaled_magnitude"`` row's ε; default the released code's ``1e-4``
+      (:data:`jaxprune.sdgp.RESCALE_EPS`), unlike :func:`method`'s ε-free default, because
+      this function reproduces the released runs (on one device, where the loss's scale is
+      fixed). ``None`` gives the scale-invariant rescale. Ignored by the other rows.
 
   Returns:
     A :class:`jaxprune.methods.Method`, named ``"dense"`` for the dense row.
@@ -124,7 +137,8 @@ def paper_method(
     raise ValueError(f"row must be 'dense' or one of {nm_math.METHODS}, got {row!r}")
   common = {"seed": seed, "backend": backend, "reinit": True}
   if row != "dense":
-    return method(n=n, m=m, method=row, **common)
+    eps = rescale_eps if row == "rescaled_magnitude" else None
+    return method(n=n, m=m, method=row, rescale_eps=eps, **common)
   if dataset == "imagenet":
     return Method(name="dense")
   return dataclasses.replace(method(n=4, m=4, method="magnitude", **common), name="dense")

@@ -169,7 +169,14 @@ def _mvue_reference(grouped: Array, n: int, uniforms: Array) -> Array:
   return jnp.stack(columns, axis=-1).reshape(grouped.shape)
 
 
-def nm_prune_reference(x: Array, n: int, m: int, method: str, uniforms: Array | None) -> Array:
+def nm_prune_reference(
+  x: Array,
+  n: int,
+  m: int,
+  method: str,
+  uniforms: Array | None,
+  rescale_eps: float | None = None,
+) -> Array:
   """Pure-JAX N:M pruning (the CPU path and the Pallas kernel's oracle).
 
   Args:
@@ -178,6 +185,7 @@ def nm_prune_reference(x: Array, n: int, m: int, method: str, uniforms: Array | 
     m: group size.
     method: one of ``METHODS``.
     uniforms: ``draw_uniforms(...)`` for the random methods, else ``None``.
+    rescale_eps: ``rescaled_magnitude``'s ε, as in :func:`nm_prune`.
 
   Returns:
     The pruned array, same shape and dtype as ``x``.
@@ -199,7 +207,7 @@ def nm_prune_reference(x: Array, n: int, m: int, method: str, uniforms: Array | 
     axes = tuple(range(1, x.ndim - 1))
     abs_sum = jnp.sum(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
     abs_sum_pruned = jnp.sum(jnp.abs(pruned), axis=axes, keepdims=True)
-    pruned = pruned * nm_math.rescale_factor(abs_sum, abs_sum_pruned)
+    pruned = pruned * nm_math.rescale_factor(abs_sum, abs_sum_pruned, rescale_eps)
   return pruned.astype(x.dtype)
 
 
@@ -211,6 +219,7 @@ def nm_prune(
   *,
   key: Array | None = None,
   backend: str = "auto",
+  rescale_eps: float | None = None,
 ) -> Array:
   """Keeps ``n`` of every ``m`` consecutive entries along the last axis (SDGP Alg. 1).
 
@@ -224,8 +233,13 @@ def nm_prune(
     * ``"magnitude"``: the ``n`` entries with the largest ``|x|``; ties go to the lower
       index.
     * ``"rescaled_magnitude"``: magnitude, then every (sample, channel) is multiplied by
-      ``Σ|x| / (Σ|pruned| + 1e-4)``, the sums running over every axis between the first
-      and the last (H, W for NHWC). Needs ``x.ndim >= 2``.
+      ``Σ|x| / Σ|pruned|``, the sums running over every axis between the first and the
+      last (H, W for NHWC); 1 where ``Σ|pruned| == 0`` (an all-zero channel). Magnitude
+      keeps the top ``n`` of every ``m``, so the ratio lies in ``[1, m/n]`` and needs no ε;
+      without one the pruned gradient scales exactly with the loss (``grad(c·loss) =
+      c·grad(loss)``: loss scaling, data-parallel local-mean losses).
+      ``rescale_eps=1e-4`` gives the authors' released ``Σ|x| / (Σ|pruned| + 1e-4)``, whose
+      absolute ε depends on the loss's scale. Needs ``x.ndim >= 2``.
     * ``"mvue"``: minimum-variance unbiased N:M (Chmiel et al., ICLR'23). Each group is
       split into ``n`` sub-blocks of ``m // n`` consecutive entries and each sub-block keeps
       one entry ``i`` with probability ``|x_i| / Σ|x|``, set to ``sign(x_i) · Σ|x|``. For
@@ -235,7 +249,8 @@ def nm_prune(
 
   Non-finite values: for the magnitude methods NaN ranks above every number (+inf
   included) and NaNs tie with each other, so a NaN is always kept and propagates (under
-  ``"rescaled_magnitude"`` it also makes its (sample, channel) NaN through the sums). For
+  ``"rescaled_magnitude"`` a (sample, channel) whose sum is not finite is not rescaled, so
+  its NaN and ±inf entries pass through as ``"magnitude"`` leaves them). For
   ``"mvue"`` a sub-block holding NaN or ±inf keeps its first non-finite entry unchanged.
   ``"random"`` ignores values.
 
@@ -250,23 +265,33 @@ def nm_prune(
       and wherever the kernel does not support the shape; one jitted function serves every
       platform), ``"reference"`` (pure JAX) or ``"pallas"`` (the Pallas Triton kernel;
       interpreted off GPU; needs :func:`pallas_kernels.triton_available`).
+    rescale_eps: ``None`` (the default: the ε-free, scale-invariant ratio) or a finite
+      float > 0 added to ``Σ|pruned|`` (``1e-4``, :data:`RESCALE_EPS`, reproduces the
+      released code). Only with ``method="rescaled_magnitude"``.
 
   Returns:
     The pruned array, same shape and dtype as ``x``.
 
   Raises:
     ValueError: naming the offending argument (``backend="pallas"`` too, where this JAX has
-      no Pallas Triton backend).
+      no Pallas Triton backend; ``rescale_eps`` with another method, or not > 0).
 
   Example:
     >>> nm_prune(jnp.array([1., 7., -3., 2.]), 2, 4, "magnitude")
     Array([ 0.,  7., -3.,  0.], dtype=float32)
   """
   x = jnp.asarray(x)
-  nm_math.validate(x.shape, x.dtype, n, m, method, key)
+  nm_math.validate(x.shape, x.dtype, n, m, method, key, rescale_eps)
   _check_backend(backend)
   return _nm_prune_jit(
-    x, key, n=n, m=m, method=method, backend=backend, auto_pallas=_auto_pallas_platforms()
+    x,
+    key,
+    n=n,
+    m=m,
+    method=method,
+    backend=backend,
+    auto_pallas=_auto_pallas_platforms(),
+    rescale_eps=None if rescale_eps is None else float(rescale_eps),
   )
 
 
@@ -290,10 +315,12 @@ class SDGPSettings:
       runs, per lowering platform, the backend that measured faster there
       (:data:`MEASURED_FASTER`: the reference on CUDA today), read when the backward pass is
       traced.
+    rescale_eps: as in :func:`nm_prune`: ``None`` (the ε-free, scale-invariant rescale) or
+      the released code's ``1e-4``; only with ``method="rescaled_magnitude"``.
 
   Raises:
-    ValueError: a bad ``n``, ``m``, ``method`` or ``backend`` (named in the message;
-      ``"pallas"`` where this JAX has no Pallas Triton backend).
+    ValueError: a bad ``n``, ``m``, ``method``, ``backend`` or ``rescale_eps`` (named in the
+      message; ``"pallas"`` where this JAX has no Pallas Triton backend).
 
   Example:
     >>> settings = SDGPSettings(n=2, m=4, method="mvue")
@@ -305,10 +332,14 @@ class SDGPSettings:
   m: int
   method: str
   backend: str = "auto"
+  rescale_eps: float | None = None
 
   def __post_init__(self):
     nm_math.validate_settings(self.n, self.m, self.method)
+    nm_math.validate_rescale_eps(self.method, self.rescale_eps)
     _check_backend(self.backend)
+    if self.rescale_eps is not None:
+      object.__setattr__(self, "rescale_eps", float(self.rescale_eps))
 
   @property
   def uses_key(self) -> bool:
@@ -329,17 +360,20 @@ class SDGPSettings:
       method=self.method,
       backend=self.backend,
       auto_pallas=_auto_pallas_platforms(),
+      rescale_eps=self.rescale_eps,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("n", "m", "method", "backend", "auto_pallas"))
-def _nm_prune_jit(x, key, *, n, m, method, backend, auto_pallas):
+@functools.partial(
+  jax.jit, static_argnames=("n", "m", "method", "backend", "auto_pallas", "rescale_eps")
+)
+def _nm_prune_jit(x, key, *, n, m, method, backend, auto_pallas, rescale_eps=None):
   """``auto_pallas``: the lowering platforms where ``"auto"`` runs the kernel."""
   seeds = None if key is None else nm_math.seeds_from_key(key)
 
   def reference(x_, seeds_):
     uniforms = _uniforms_from_seeds(seeds_, x_.shape, n, m, method)
-    return nm_prune_reference(x_, n, m, method, uniforms)
+    return nm_prune_reference(x_, n, m, method, uniforms, rescale_eps)
 
   if backend == "reference" or (backend == "auto" and not auto_pallas):
     return reference(x, seeds)
@@ -351,7 +385,9 @@ def _nm_prune_jit(x, key, *, n, m, method, backend, auto_pallas):
     # Compiled Triton when lowered for CUDA; elsewhere the kernel's own default (compiled on
     # a GPU backend, interpreted otherwise).
     interpret = False if platform == "cuda" else None
-    return lambda x_, s_: kernel_module.nm_prune_pallas(x_, n, m, method, s_, interpret=interpret)
+    return lambda x_, s_: kernel_module.nm_prune_pallas(
+      x_, n, m, method, s_, interpret=interpret, rescale_eps=rescale_eps
+    )
 
   # Chosen per lowering platform, so one jitted function serves every platform.
   if backend == "pallas":

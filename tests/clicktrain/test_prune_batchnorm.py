@@ -172,3 +172,39 @@ def test_a_run_pruned_by_its_end_does_not_warn(tiny_cnn, digits_loader):
   # A fit resumed after the prune marks nothing again.
   (record,) = trainer.fit(loader, epochs=5)[4:]
   assert record["ct_hard_prune"] is False and record["ct_stage"] == "pruned"
+
+
+@pytest.mark.parametrize(
+  "settings, cause",
+  [
+    # Only the paper mode without pool_start_epoch waits for the loss-derivative trigger.
+    ({}, "the loss-derivative trigger fired too late, or not at all"),
+    (
+      {"pool_start_epoch": 1, "hard_prune_epoch": 12},
+      "with pool_start_epoch=1 (a fixed schedule) the hard prune comes after 12 epochs at the "
+      "earliest, later than the run's end",
+    ),
+    (
+      {"pool_start_epoch": 0, "pool_epochs": 1, "finalize_epochs": 1, "hard_prune_epoch": 3},
+      "with pool_start_epoch=0 (a fixed schedule) the hard prune was due after 3 epochs, so a "
+      "stage was extended",
+    ),
+    (
+      {"mode": "one_shot", "one_shot_epoch": 0, "hard_prune_epoch": 6},
+      "with mode='one_shot' (a fixed schedule) the hard prune comes after 6 epochs",
+    ),
+  ],
+)
+def test_the_end_of_run_warning_names_the_schedules_cause(tiny_cnn, settings, cause):
+  import types
+
+  model = tiny_cnn(num_classes=4)
+  kw = {"hard_prune_epoch": 5, **settings}
+  tx = clicktrain.clicktrain(optax.sgd(0.1), steps_per_epoch=SPE, **kw)
+  trainer = types.SimpleNamespace(epoch=4, opt_state=tx.init(nnx.state(model, nnx.Param)))
+  with pytest.warns(RuntimeWarning, match="the run ended after 4 epochs") as caught:
+    clicktrain.HardPruneCheck(4).after_epoch(trainer, {})
+  (message,) = [str(w.message) for w in caught if "the run ended" in str(w.message)]
+  assert cause in message, message
+  if settings:  # a fixed schedule: the trigger is not to blame
+    assert "loss-derivative trigger" not in message

@@ -33,3 +33,22 @@ def test_quickstart_seeds_add_each_methods_min_max():
   # the first seed's run, then min–max over the seeds
   assert "| dense | 97.00% | 1.00x | 3.0 | 95.55–99.00% | 1.00–1.00x |" in lines
   assert "| clicktrain | 50.00% | 2.00x | 1.0 | 50.00–50.00% | 1.50–2.25x |" in lines
+
+
+def test_quickstart_page_says_where_its_settings_are_not_the_papers(tmp_path):
+  from jaxprune import quickstart as settings
+
+  # The PruneTrain row's settings, as the page states them (issue 61, item 8a).
+  notes = settings.departures(15)
+  assert notes[0].startswith(
+    "PruneTrain: penalty ratio 0.9 and dead-channel threshold 0.01, not the paper's 0.2 and 0.0001"
+  )
+  config = settings.METHODS["prunetrain"][1](15)
+  assert (config["penalty_ratio"], config["threshold"]) == (0.9, 1e-2)  # what the note says
+  assert "not the paper's 0.2 and 1e-4" in settings.__doc__.replace("**", "")
+  args = quickstart._parse(["--epochs", "15"])
+  rows = [{"method": "dense", "test_acc": 0.5, "compression": 1.0, "train_time_s": 3.0}]
+  page = quickstart.write_page(tmp_path, rows, "python -m experiments.run quickstart", args)
+  text = page.read_text()
+  for note in notes:
+    assert f"- Not the papers' settings: {note}" in text

@@ -335,14 +335,26 @@ _SCRIPT = textwrap.dedent(
       "compiled": four.steps.train._jitted._cache_size(),
     }
 
-    # SDGP: a deterministic method equals the single-device step; a random one draws per
-    # device (distinct keys), reproducibly, while its stored key advances as on one device.
-    def sdgp_net(method):
+    # SDGP: a deterministic method equals the single-device step (rescaled magnitude too: its
+    # ε-free rescale does not see that each device's local-mean loss is 4x the global one; the
+    # released 1e-4 does); a random one draws per device (distinct keys), reproducibly, while
+    # its stored key advances as on one device.
+    def sdgp_net(method, **kw):
       return lambda: convert_model(Net(batchnorm=False, rngs=nnx.Rngs(3)), n=2, m=4,
-                                   method=method, seed=5)
+                                   method=method, seed=5, **kw)
+    out["sdgp"] = {}
+    for name, kw in [("magnitude", {}), ("rescaled_magnitude", {}),
+                     ("rescaled_released", {"rescale_eps": 1e-4})]:
+      method = "magnitude" if name == "magnitude" else "rescaled_magnitude"
+      one = run(sdgp_net(method, **kw), sgd, 1, None, loader(32))
+      four = run(sdgp_net(method, **kw), sgd, 1, "auto", loader(32))
+      out["sdgp"][name] = {"params": max_diff(one.params, four.params),
+                           "history": history_diff(one, four)}
     one = run(sdgp_net("magnitude"), sgd, 1, None, loader(32))
-    four = run(sdgp_net("magnitude"), sgd, 1, "auto", loader(32))
-    out["sdgp"] = {"params": max_diff(one.params, four.params), "history": history_diff(one, four)}
+    four = run(sdgp_net("mvue"), sgd, 1, "auto", loader(32))
+    again = run(sdgp_net("mvue"), sgd, 1, "auto", loader(32))
+    out["sdgp_mvue"] = {"reproducible": max_diff(four.params, again.params),
+                        "vs_deterministic": max_diff(one.params, four.params)}
     four = run(sdgp_net("random"), sgd, 1, "auto", loader(32))
     again = run(sdgp_net("random"), sgd, 1, "auto", loader(32))
     keyed = lambda rest: [x for x in jax.tree.leaves(rest)
@@ -559,12 +571,23 @@ def test_prunetrain_reconfiguration_under_data_parallelism(results):
   assert got["params"] < 1e-4 and got["history"] < 1e-4, got
 
 
-def test_sdgp_deterministic_method_matches_single_device(results):
-  got = results["sdgp"]
+@pytest.mark.parametrize("method", ["magnitude", "rescaled_magnitude"])
+def test_sdgp_deterministic_method_matches_single_device(results, method):
+  got = results["sdgp"][method]
   assert got["params"] < 1e-5 and got["history"] < 1e-5, got
 
 
-def test_sdgp_random_keys_differ_per_device_and_are_reproducible(results):
+def test_sdgp_released_rescale_differs_from_single_device(results):
+  # Why ε = 1e-4 is no longer the default: each device's cotangents are 4x larger.
+  assert results["sdgp"]["rescaled_released"]["params"] > 1e-5, results["sdgp"]
+
+
+@pytest.mark.parametrize("method", ["random", "mvue"])
+def test_sdgp_random_keys_differ_per_device_and_are_reproducible(results, method):
+  if method == "mvue":
+    got = results["sdgp_mvue"]
+    assert got["reproducible"] == 0.0 and got["vs_deterministic"] > 0.0, got
+    return
   got = results["sdgp_random"]
   assert got["distinct_device_keys"] == 4
   assert got["reproducible"] == 0.0
