@@ -52,6 +52,20 @@ def validate_key(method: str, key) -> None:
     raise ValueError(f"key is required for method {method!r}")
 
 
+# The default of the contract's functions (``nm_prune``, ``sdgp_conv``): ``rescaled_magnitude``
+# with the released code's ε (``Σ|x| / (Σ|pruned| + 1e-4)``), no ε for the other methods.
+RELEASED = "released"
+
+
+def resolve_rescale_eps(method: str, rescale_eps):
+  """``rescale_eps`` with :data:`RELEASED` resolved: :data:`RESCALE_EPS` for
+  ``method="rescaled_magnitude"``, None for the methods that do not rescale; any other value
+  as given (checked by :func:`validate_rescale_eps`)."""
+  if isinstance(rescale_eps, str) and rescale_eps == RELEASED:
+    return RESCALE_EPS if method == "rescaled_magnitude" else None
+  return rescale_eps
+
+
 def validate_rescale_eps(method: str, rescale_eps) -> None:
   """Raises ``ValueError`` unless ``rescale_eps`` is ``None`` or a finite float > 0 given with
   ``method="rescaled_magnitude"`` (the only method that rescales)."""

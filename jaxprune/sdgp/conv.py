@@ -119,7 +119,7 @@ def with_pruned_data_gradient(
   method: str,
   key: Array | None = None,
   backend: str = "auto",
-  rescale_eps: float | None = None,
+  rescale_eps: float | str | None = nm_math.RELEASED,
 ) -> Array:
   """``conv_fn(x, kernel)`` with SDGP's backward pass, for any convolution function.
 
@@ -138,7 +138,8 @@ def with_pruned_data_gradient(
   Returns:
     ``conv_fn(x, kernel)``.
   """
-  return _apply(SDGPSettings(n, m, method, backend, rescale_eps), conv_fn, x, kernel, key)
+  eps = nm_math.resolve_rescale_eps(method, rescale_eps)
+  return _apply(SDGPSettings(n, m, method, backend, eps), conv_fn, x, kernel, key)
 
 
 def sdgp_conv(
@@ -156,7 +157,7 @@ def sdgp_conv(
   precision=None,
   key: Array | None = None,
   backend: str = "auto",
-  rescale_eps: float | None = None,
+  rescale_eps: float | str | None = nm_math.RELEASED,
 ) -> Array:
   """2-D convolution (NHWC × HWIO) with SDGP's backward pass.
 
@@ -170,8 +171,9 @@ def sdgp_conv(
     x: NHWC input.
     kernel: HWIO kernel; its output channels must be divisible by ``m``.
     n, m, method, backend, rescale_eps: as in ``jaxprune.sdgp.nm_prune`` (``rescale_eps``:
-      ``None``, the ε-free rescale whose gradients scale exactly with the loss, or the
-      released code's ``1e-4``).
+      ``"released"``, the default, the released code's ``1e-4`` under
+      ``"rescaled_magnitude"``; ``None``, the ε-free rescale whose gradients scale exactly
+      with the loss, which :class:`SDGPConv` and :func:`convert_model` use by default).
     strides, padding, lhs_dilation, rhs_dilation, feature_group_count, precision: as in
       ``lax.conv_general_dilated`` (``padding``: ``"SAME"``, ``"VALID"``, an int or
       ``((lo, hi), (lo, hi))``).
@@ -189,7 +191,8 @@ def sdgp_conv(
     raise ValueError(f"x must be NHWC (4-D), got shape {x.shape}")
   if kernel.ndim != 4:
     raise ValueError(f"kernel must be HWIO (4-D), got shape {kernel.shape}")
-  return PrunedDataGradient(SDGPSettings(n, m, method, backend, rescale_eps))(
+  eps = nm_math.resolve_rescale_eps(method, rescale_eps)
+  return PrunedDataGradient(SDGPSettings(n, m, method, backend, eps))(
     x,
     kernel,
     spatial_pair(strides, "strides"),

@@ -219,7 +219,7 @@ def nm_prune(
   *,
   key: Array | None = None,
   backend: str = "auto",
-  rescale_eps: float | None = None,
+  rescale_eps: float | str | None = nm_math.RELEASED,
 ) -> Array:
   """Keeps ``n`` of every ``m`` consecutive entries along the last axis (SDGP Alg. 1).
 
@@ -234,12 +234,13 @@ def nm_prune(
       index.
     * ``"rescaled_magnitude"``: magnitude, then every (sample, channel) is multiplied by
       ``Σ|x| / Σ|pruned|``, the sums running over every axis between the first and the
-      last (H, W for NHWC); 1 where ``Σ|pruned| == 0`` (an all-zero channel). Magnitude
-      keeps the top ``n`` of every ``m``, so the ratio lies in ``[1, m/n]`` and needs no ε;
-      without one the pruned gradient scales exactly with the loss (``grad(c·loss) =
-      c·grad(loss)``: loss scaling, data-parallel local-mean losses).
-      ``rescale_eps=1e-4`` gives the authors' released ``Σ|x| / (Σ|pruned| + 1e-4)``, whose
-      absolute ε depends on the loss's scale. Needs ``x.ndim >= 2``.
+      last (H, W for NHWC). By default (``rescale_eps="released"``) the factor is the
+      authors' released ``Σ|x| / (Σ|pruned| + 1e-4)``. Its absolute ε depends on the loss's
+      scale; ``rescale_eps=None`` drops it: magnitude keeps the top ``n`` of every ``m``, so
+      ``Σ|x| / Σ|pruned|`` lies in ``[1, m/n]`` and needs no ε (1 where ``Σ|pruned| == 0``,
+      an all-zero channel), and the pruned gradient scales exactly with the loss
+      (``grad(c·loss) = c·grad(loss)``: loss scaling, data-parallel local-mean losses). The
+      model converter and the presets use ``None``. Needs ``x.ndim >= 2``.
     * ``"mvue"``: minimum-variance unbiased N:M (Chmiel et al., ICLR'23). Each group is
       split into ``n`` sub-blocks of ``m // n`` consecutive entries and each sub-block keeps
       one entry ``i`` with probability ``|x_i| / Σ|x|``, set to ``sign(x_i) · Σ|x|``. For
@@ -265,9 +266,10 @@ def nm_prune(
       and wherever the kernel does not support the shape; one jitted function serves every
       platform), ``"reference"`` (pure JAX) or ``"pallas"`` (the Pallas Triton kernel;
       interpreted off GPU; needs :func:`pallas_kernels.triton_available`).
-    rescale_eps: ``None`` (the default: the ε-free, scale-invariant ratio) or a finite
-      float > 0 added to ``Σ|pruned|`` (``1e-4``, :data:`RESCALE_EPS`, reproduces the
-      released code). Only with ``method="rescaled_magnitude"``.
+    rescale_eps: ``"released"`` (the default: ``1e-4``, :data:`RESCALE_EPS`, added to
+      ``Σ|pruned|`` under ``"rescaled_magnitude"``, as the released code; nothing for the
+      other methods), ``None`` (the ε-free, scale-invariant ratio) or a finite float > 0
+      (only with ``method="rescaled_magnitude"``).
 
   Returns:
     The pruned array, same shape and dtype as ``x``.
@@ -281,6 +283,7 @@ def nm_prune(
     Array([ 0.,  7., -3.,  0.], dtype=float32)
   """
   x = jnp.asarray(x)
+  rescale_eps = nm_math.resolve_rescale_eps(method, rescale_eps)
   nm_math.validate(x.shape, x.dtype, n, m, method, key, rescale_eps)
   _check_backend(backend)
   return _nm_prune_jit(

@@ -59,7 +59,7 @@ def _loop_select(x, n, m, method, uniforms=None):
       for c in range(x.shape[-1]):
         total = np.abs(x[b, ..., c]).sum()
         kept = np.abs(out[b, ..., c]).sum()
-        out[b, ..., c] *= total / kept if kept > 0 else 1.0  # the ε-free default
+        out[b, ..., c] *= total / (kept + 1e-4)  # the default: the released formula
   return out
 
 

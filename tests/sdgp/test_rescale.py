@@ -1,5 +1,6 @@
-"""SDGP's rescaled magnitude (§III-B): the ε-free default, its scale invariance, the released
-formula as an option, all-zero and non-finite channels, the kernel's agreement."""
+"""SDGP's rescaled magnitude (§III-B): the released formula (``nm_prune``'s and ``sdgp_conv``'s
+default, the contract's), the ε-free option (the converter's and the presets' default) and its
+scale invariance, all-zero and non-finite channels, the kernel's agreement."""
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +40,16 @@ def test_rescale_by_hand():
   # kept: position 0 -> 4, 2 (channels 0, 2); position 1 -> 1, 3 (channels 0, 1)
   # channel 0: Σ|x| = 5, Σ|kept| = 5 -> 1; channel 1: 4 / 3; channel 2: 2 / 2; channel 3: 0 -> 1
   want = np.array([[[[4.0, 0.0, 2.0, 0.0]], [[1.0, 3.0 * 4 / 3, 0.0, 0.0]]]])
-  got = np.asarray(sdgp.nm_prune(x, 2, 4, "rescaled_magnitude"))
+  got = np.asarray(sdgp.nm_prune(x, 2, 4, "rescaled_magnitude", rescale_eps=None))
   np.testing.assert_allclose(got, want, rtol=1e-6)
-  # the released formula: Σ|x| / (Σ|kept| + 1e-4)
-  old = np.asarray(sdgp.nm_prune(x, 2, 4, "rescaled_magnitude", rescale_eps=1e-4))
+  # the released formula, the default: Σ|x| / (Σ|kept| + 1e-4)
   factor = np.array([5 / (5 + 1e-4), 4 / (3 + 1e-4), 2 / (2 + 1e-4), 0.0])
-  np.testing.assert_allclose(old, np.where(want != 0, np.asarray(x) * factor, 0.0), rtol=1e-6)
+  expected = np.where(want != 0, np.asarray(x) * factor, 0.0)
+  for old in (
+    sdgp.nm_prune(x, 2, 4, "rescaled_magnitude", rescale_eps=1e-4),
+    sdgp.nm_prune(x, 2, 4, "rescaled_magnitude"),
+  ):
+    np.testing.assert_allclose(np.asarray(old), expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize("eps", [None, 1e-4])
@@ -58,10 +63,12 @@ def test_rescale_matches_numpy(n, m, eps):
 
 def test_all_zero_channel_and_group_stay_zero():
   x = jnp.zeros((2, 3, 3, 8)).at[0, 1, 1, 4].set(2.0)  # one nonzero entry; everything else zero
-  got = np.asarray(sdgp.nm_prune(x, 2, 4, "rescaled_magnitude"))
+  got = np.asarray(sdgp.nm_prune(x, 2, 4, "rescaled_magnitude", rescale_eps=None))
   assert np.isfinite(got).all()
   np.testing.assert_array_equal(got, np.asarray(x))  # factor 1 everywhere: Σ|kept| = Σ|x|
-  zeros = np.asarray(sdgp.nm_prune(jnp.zeros((2, 3, 3, 8)), 2, 4, "rescaled_magnitude"))
+  zeros = np.asarray(
+    sdgp.nm_prune(jnp.zeros((2, 3, 3, 8)), 2, 4, "rescaled_magnitude", rescale_eps=None)
+  )
   np.testing.assert_array_equal(zeros, 0.0)
 
 
@@ -129,7 +136,7 @@ def test_gradients_scale_with_the_loss(method):
 
 
 def test_released_eps_depends_on_the_loss_scale():
-  # Why ε is not the default: against cotangent sums of order 1e-3 the absolute 1e-4 moves the
+  # Why ε is not the converter's default: against cotangent sums of order 1e-3 the absolute 1e-4 moves the
   # gradient by several percent when the loss is scaled.
   assert _max_relative_difference("rescaled_magnitude", 8.0, eps=1e-4) > 0.01
 
