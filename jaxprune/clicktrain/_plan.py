@@ -1,8 +1,11 @@
 """Which param leaves ClickTrain prunes, and how: the static per-layer plan of one step.
 
-The plan is a pure function of the :class:`~jaxprune.clicktrain.config.Config` and the param
+The plan is a function of the :class:`~jaxprune.clicktrain.config.Config` and the param
 tree's paths and shapes (fixed under ``jit``), rebuilt at every ``init`` and ``update``, so a
-model whose structure changed (PruneTrain's reconfiguration) gets a plan of its own.
+model whose structure changed (PruneTrain's reconfiguration) gets a plan of its own. One thing
+carries over between plans (:class:`ChosenLayers`): a layer once chosen stays chosen when a
+channel surgery narrows it, so a conv that PruneTrain leaves 3 input channels is not taken for
+a stem and dropped from the plan with its masks.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jaxprune.clicktrain.state import PATTERN_SIZE, ClickTrainLayerState
 from jaxprune.paths import path_string
 
 __all__ = [
+  "ChosenLayers",
   "Layers",
   "Plan",
   "PrunedLayer",
@@ -57,13 +61,57 @@ Plan = dict[str, PrunedLayer]
 Layers = dict[str, ClickTrainLayerState]
 
 
-def _chosen(layer_filter: LayerFilter, mode: str, leaves) -> list[tuple[str, int, str, int]]:
+class ChosenLayers:
+  """The layers one ``clicktrain()`` transform has chosen, by path, with the shape they had.
+
+  The default layer filter tells the stem by its input channels (3 or fewer), a count that
+  PruneTrain's reconfiguration (§4.2) also lowers: a 3x3 conv left with 3 input channels would
+  drop out of the plan, its masks no longer applied, while the sliced state still holds it
+  (the composed run failed ``Trainer.replace``'s check). ClickTrain's pruning decision is made
+  once and kept (its hard masks hold to the end of training, §4.4), so a layer the filter chose
+  stays chosen, as the same kind, at a shape that only narrows its channels (same kernel size,
+  no more input or output channels). A layer the filter chooses anew is recorded at its new
+  shape; one it never chose is left as the filter says.
+
+  Example:
+    >>> chosen = ChosenLayers()
+    >>> chosen.record("a/kernel", (3, 3, 4, 8), "pattern")
+    >>> chosen.narrowed("a/kernel", (3, 3, 3, 8)), chosen.narrowed("a/kernel", (5, 5, 3, 8))
+    ('pattern', None)
+  """
+
+  def __init__(self):
+    self._layers: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+  def record(self, name: str, shape: tuple[int, ...], kind: str) -> None:
+    """``name`` was chosen as ``kind`` at ``shape``."""
+    self._layers[name] = (kind, tuple(shape))
+
+  def narrowed(self, name: str, shape: tuple[int, ...]) -> str | None:
+    """The kind ``name`` was chosen as, if ``shape`` is its recorded shape narrowed in its
+    channels only; ``None`` otherwise."""
+    if name not in self._layers or len(shape) != 4:
+      return None
+    kind, was = self._layers[name]
+    if tuple(shape[:2]) != was[:2] or shape[2] > was[2] or shape[3] > was[3]:
+      return None
+    return kind
+
+
+def _chosen(
+  layer_filter: LayerFilter, mode: str, leaves, memory: ChosenLayers | None = None
+) -> list[tuple[str, int, str, int]]:
   """``(name, leaf index, kind, kernel side)`` of every leaf ``layer_filter`` prunes (checked
-  for the ``mode``)."""
+  for the ``mode``), or that ``memory`` holds chosen before a channel surgery narrowed it."""
   chosen = []
   for i, (path, leaf) in enumerate(leaves):
-    name = path_string(path)
-    kind = layer_filter(name, tuple(np.shape(leaf)))
+    name, shape = path_string(path), tuple(np.shape(leaf))
+    kind = layer_filter(name, shape)
+    if memory is not None:
+      if kind is None:
+        kind = memory.narrowed(name, shape)
+      elif kind in ("pattern", "kernel"):
+        memory.record(name, shape, kind)
     if kind is None:
       continue
     if kind not in ("pattern", "kernel"):
@@ -113,12 +161,13 @@ def _ratios(cfg: Config, chosen, leaves) -> list[float]:
   return list(spec)
 
 
-def make_plan(cfg: Config, params: PyTree) -> Plan:
+def make_plan(cfg: Config, params: PyTree, memory: ChosenLayers | None = None) -> Plan:
   """The pruned layers of ``params``, in param flatten order.
 
   Args:
     cfg: the transform's settings (layer filter, ratios, mode, ``balanced_kernels``).
     params: the param tree (arrays or shape structs).
+    memory: the layers the transform chose before (kept chosen when only narrowed; updated).
 
   Returns:
     ``{path: PrunedLayer}``.
@@ -130,7 +179,7 @@ def make_plan(cfg: Config, params: PyTree) -> Plan:
       callable) that is not in ``[0, 1]``.
   """
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  chosen = _chosen(cfg.layer_filter, cfg.mode, leaves)
+  chosen = _chosen(cfg.layer_filter, cfg.mode, leaves, memory)
   ratios = _ratios(cfg, chosen, leaves)
   groups = cfg.aligned.filter_groups if cfg.aligned else 0
   clustered = bool(groups) and cfg.aligned.grouping == "clustered"
@@ -226,9 +275,9 @@ def check_layers(plan: Plan, layers: Layers, params: PyTree) -> None:
   """Checks that the params' pruned layers are those the state was built for.
 
   With the same shapes: a ``ValueError`` names the first that is not, instead of a bare
-  ``KeyError`` later. A state layer whose param is still there but that the filter no longer
-  chooses (e.g. a PruneTrain reconfiguration left it 3 input channels) is left to the plan,
-  which follows the params.
+  ``KeyError`` later. A layer a PruneTrain reconfiguration narrowed stays in the plan
+  (:class:`ChosenLayers`); a state layer whose param is still there but that the plan does not
+  hold is left to the plan, which follows the params.
   """
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   w_leaves = [leaf for _, leaf in leaves]

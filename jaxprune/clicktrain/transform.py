@@ -44,6 +44,7 @@ import optax
 
 from jaxprune.clicktrain import _stage_machine, _stage_work
 from jaxprune.clicktrain._plan import (
+  ChosenLayers,
   check_filter_groups,
   check_layers,
   check_not_empty,
@@ -223,9 +224,11 @@ def clicktrain(
   inner = optax.with_extra_args_support(options.pop("inner"))
   cfg = _config(options)
   _stage_machine.warn_unreachable(cfg)
+  # A layer chosen once stays chosen when a reconfiguration narrows it (see ChosenLayers).
+  memory = ChosenLayers()
 
   def init_fn(params):
-    plan = make_plan(cfg, params)
+    plan = make_plan(cfg, params, memory)
     check_not_empty(plan, params)
     check_filter_groups(plan, params)
     leaves = jax.tree.leaves(params)
@@ -251,7 +254,7 @@ def clicktrain(
       raise ValueError("clicktrain needs params: update(grads, state, params, value=loss)")
     if value is None and cfg.mode == "paper":
       raise ValueError("clicktrain(mode='paper') needs the loss: update(..., value=loss)")
-    plan = make_plan(cfg, params)
+    plan = make_plan(cfg, params, memory)
     loss = jnp.asarray(0.0 if value is None else value, jnp.float32)
     w_leaves = jax.tree.leaves(params)
     check_layers(plan, state.layers, params)

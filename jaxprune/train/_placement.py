@@ -219,6 +219,35 @@ class Placement:
       jax.eval_shape(self.tx.init, nnx.as_pure(nnx.state(model, nnx.Param)))
     )[0]
     got = jax.tree_util.tree_flatten_with_path(opt_state)[0]
-    if [(p, e.shape) for p, e in expected] != [(p, np.shape(g)) for p, g in got]:
-      raise ValueError("opt_state: structure or shapes do not match tx.init(model params)")
+    mismatch = first_mismatch(expected, got)
+    if mismatch is not None:
+      raise ValueError(
+        f"opt_state: structure or shapes do not match tx.init(model params): {mismatch}"
+      )
     self.set_model(model, opt_state)
+
+
+def first_mismatch(expected: list[tuple[Any, Any]], got: list[tuple[Any, Any]]) -> str | None:
+  """The first leaf where two flattened states differ, in words (``None``: they match).
+
+  Args:
+    expected: ``(key path, leaf)`` pairs of ``tx.init``'s state (leaves with a ``shape``).
+    got: ``(key path, leaf)`` pairs of the given state.
+
+  Returns:
+    ``None`` when every path and shape agree; otherwise a sentence naming the first leaf that
+    differs (by path) with its expected and given shape, or the leaf that one side lacks.
+  """
+  for (e_path, e_leaf), (g_path, g_leaf) in zip(expected, got):
+    e_key, g_key = jax.tree_util.keystr(e_path), jax.tree_util.keystr(g_path)
+    if e_key != g_key:
+      return f"leaf {e_key} (shape {tuple(e_leaf.shape)}) expected where the state has {g_key}"
+    if tuple(e_leaf.shape) != tuple(np.shape(g_leaf)):
+      return f"leaf {e_key}: expected shape {tuple(e_leaf.shape)}, got {tuple(np.shape(g_leaf))}"
+  if len(expected) > len(got):
+    path, leaf = expected[len(got)]
+    return f"leaf {jax.tree_util.keystr(path)} (shape {tuple(leaf.shape)}) missing from the state"
+  if len(got) > len(expected):
+    path, leaf = got[len(expected)]
+    return f"leaf {jax.tree_util.keystr(path)} (shape {tuple(np.shape(leaf))}) not in tx.init's"
+  return None
