@@ -57,3 +57,32 @@ def test_readme_usage_snippets_run_with_one_model_per_run(monkeypatch):
   exec(blocks[2], namespace)  # noqa: S102
   assert isinstance(namespace["trainer"], train.Trainer)
   assert namespace["model"] is not model
+
+
+def test_readme_own_loop_runs_with_the_guard_and_a_reconfiguration(monkeypatch):
+  """The "Your own loop" snippet, after the usage snippets it names: 20 one-step epochs, two
+  reconfigurations through the guarded optimizer, BatchNorm statistics re-estimated."""
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (128, 16, 16, 3), dtype=np.uint8)
+  small = data.Dataset.from_arrays(images, rng.integers(0, 10, 128), num_classes=10)
+  monkeypatch.setattr(data, "load", lambda name, **kwargs: small)
+  create = models.create
+  monkeypatch.setattr(
+    models, "create", lambda name, **kwargs: create(name, width_multiplier=1 / 16, **kwargs)
+  )
+  monkeypatch.setattr(train.Trainer, "fit", lambda self, *args, **kwargs: None)
+  text = _README.read_text()
+  section = text.split("## Your own loop", 1)[1].split("\n## ", 1)[0]
+  (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+  namespace: dict = {}
+  for usage in _usage_blocks()[:2]:
+    exec(usage, namespace)  # noqa: S102 (the README's own code)
+  exec(block, namespace)  # noqa: S102
+  optimizer = namespace["optimizer"]
+  assert isinstance(optimizer.opt_state, train.SkipNonFiniteState)
+  assert int(optimizer.opt_state.skipped) == 0
+  from jaxprune import prunetrain
+
+  assert isinstance(namespace["report"], prunetrain.ReconfigureReport)
+  params = nnx.state(namespace["model"], nnx.Param)
+  assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(params))

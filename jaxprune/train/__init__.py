@@ -37,6 +37,7 @@ from jaxprune.train._spec_json import decode_spec, encode_spec
 from jaxprune.train.batchnorm import epoch_batches, recompute_batch_stats
 from jaxprune.train.callbacks import Callback, TrainerLike
 from jaxprune.train.checkpoint import CheckpointStore, DamagedCheckpointError, FolderInUseError
+from jaxprune.train.guard import SkipNonFiniteState, skip_nonfinite
 from jaxprune.train.loss import (
   accuracy,
   correct_per_example,
@@ -82,6 +83,8 @@ __all__ = [
   "DamagedCheckpointError",
   "FolderInUseError",
   "NonFiniteError",
+  "SkipNonFiniteState",
+  "skip_nonfinite",
   "decode_spec",
   "encode_spec",
   "accuracy",
