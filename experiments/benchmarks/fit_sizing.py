@@ -166,7 +166,8 @@ def sizing_page(shared: Path, title: str = "The `fit` budget: sizing") -> str:
       "that some runs shared with other work (on idle cores a run takes less). A run fits "
       f"when it classifies ≥ {100 * pages.FIT_TRAIN_ACC:.0f}% of its training images (eval "
       f"mode) and its test accuracy gains ≤ {100 * pages.FIT_PLATEAU_GAIN:.1f} points over "
-      "the last quarter of its epochs."
+      "the last quarter of its epochs (the final LR's phase, from the quarter's first "
+      "evaluation to its last)."
     ),
     "",
     (

@@ -213,7 +213,8 @@ def fit_section(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
       f"A run fits when it classifies at least {100 * FIT_TRAIN_ACC:.0f}% of the training "
       "images it trained on (eval mode: running BatchNorm statistics, no dropout, no training "
       f"augmentation) and its test accuracy rises by at most {100 * FIT_PLATEAU_GAIN:.1f} "
-      "points over the last quarter of its epochs (a plateau, not a run cut short)."
+      "points over the last quarter of its epochs, the final LR's phase, from the quarter's "
+      "first evaluation to its last (a plateau, not a run cut short)."
     ),
     "",
     "| run | train acc (%) | test gain, last quarter (points) | fits |",

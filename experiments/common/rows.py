@@ -323,22 +323,24 @@ def build_row(spec: RowSpec, options: RunOptions) -> Row:
 
 
 def last_quarter_gain(history: Sequence[Mapping[str, Any]]) -> float | None:
-  """How much the test accuracy rose over the last quarter of a run: the last evaluation's
-  ``test_acc`` less the one at the quarter's start (the latest evaluated epoch at or before
-  ``round(0.75 * E)`` of ``E`` epochs), as a fraction. A run that plateaued gains little; one
-  cut short is still climbing. None when no evaluation precedes the last one.
+  """How much the test accuracy rose over the last quarter of a run, as a fraction: the last
+  evaluation's ``test_acc`` less the first one inside the quarter (the first evaluated epoch
+  after ``round(0.75 * E)`` of ``E`` epochs). The papers' schedules drop the LR for the last
+  time at 75% of the run, so the quarter is the final LR's phase: a run that plateaued gains
+  little there, one cut short is still climbing (the jump at the drop itself is not counted).
+  None when the quarter holds fewer than two evaluations.
 
   Args:
     history: the trainer's per-epoch records (``epoch``, and ``test_acc`` where evaluated).
   """
   evaluated = [r for r in history if r.get("test_acc") is not None]
-  if len(evaluated) < 2:
+  if not evaluated:
     return None
   start = round(0.75 * evaluated[-1]["epoch"])
-  before = [r for r in evaluated[:-1] if r["epoch"] <= start]
-  if not before:
+  quarter = [r for r in evaluated if r["epoch"] > start]
+  if len(quarter) < 2:
     return None
-  return float(evaluated[-1]["test_acc"] - before[-1]["test_acc"])
+  return float(quarter[-1]["test_acc"] - quarter[0]["test_acc"])
 
 
 def fit_figures(row: Row, options: RunOptions) -> dict[str, float | None]:

@@ -41,17 +41,17 @@ def test_fit_keeps_the_papers_hyper_parameters_and_shares_one_recipe():
   assert sd.peak_epoch == pytest.approx(96 * 2 / 150) and sd.peak_lr == 0.5 * 128 / 512
 
 
-def test_last_quarter_gain_is_the_rise_from_the_quarters_start():
-  history = [{"epoch": e, "test_acc": a} for e, a in [(4, 0.5), (8, 0.6), (12, 0.7), (16, 0.72)]]
-  # 16 epochs: the quarter starts at epoch 12
-  assert rows.last_quarter_gain(history) == pytest.approx(0.02)
-  # an epoch without evaluation counts as none; the latest evaluation at or before epoch 12
-  history[2] = {"epoch": 12}
-  assert rows.last_quarter_gain(history) == pytest.approx(0.12)
+def test_last_quarter_gain_is_the_rise_inside_the_final_lr_phase():
+  evals = [(4, 0.5), (8, 0.6), (12, 0.7), (13, 0.75), (14, 0.77), (16, 0.78)]
+  history = [{"epoch": e, "test_acc": a} for e, a in evals]
+  # 16 epochs: the quarter is epochs 13-16 (after the last LR drop at epoch 12)
+  assert rows.last_quarter_gain(history) == pytest.approx(0.03)
+  # an epoch without evaluation counts as none: the quarter's first evaluation is then 14
+  history[3] = {"epoch": 13}
+  assert rows.last_quarter_gain(history) == pytest.approx(0.01)
   assert rows.last_quarter_gain([{"epoch": 1, "test_acc": 0.5}]) is None
-  assert (
-    rows.last_quarter_gain([{"epoch": 8, "test_acc": 0.5}, {"epoch": 9, "test_acc": 0.6}]) is None
-  )
+  one_in_quarter = [{"epoch": 8, "test_acc": 0.5}, {"epoch": 12, "test_acc": 0.6}]
+  assert rows.last_quarter_gain(one_in_quarter) is None
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ def test_shared_runs_of_other_settings_never_meet_and_a_tampered_one_is_refused(
 
 @pytest.fixture
 def tiny_fit(monkeypatch):
-  """Both tables' `fit` budgets shrunk to 4 epochs of 32 random 8x8 images at batch 16, and
+  """Both tables' `fit` budgets shrunk to 8 epochs of 32 random 8x8 images at batch 16, and
   every model a quarter-width PruneTrain ResNet-8 whatever its name (its name still keys the
   shared run); returns the list of the methods whose training ran."""
   rng = np.random.default_rng(0)
@@ -102,7 +102,7 @@ def tiny_fit(monkeypatch):
   monkeypatch.setattr(models, "create", tiny)
   for table in ("clicktrain_table1", "prunetrain_table1"):
     fit = dataclasses.replace(
-      budgets.BUDGETS[table]["fit"], width=0.25, train_subset=None, epochs=4, batch_size=16
+      budgets.BUDGETS[table]["fit"], width=0.25, train_subset=None, epochs=8, batch_size=16
     )
     monkeypatch.setitem(budgets.BUDGETS, table, {**budgets.BUDGETS[table], "fit": fit})
   trained = []
@@ -126,8 +126,9 @@ def test_every_row_records_its_fit_and_a_shared_dense_run_is_trained_once(tmp_pa
     json.loads(line) for line in (tmp_path / "logs" / "table1_fit_vgg11_dense.jsonl").open()
   ]
   assert 0.0 <= ct["train_acc"] <= 1.0
+  # 8 epochs: the last quarter is epochs 7 and 8
   assert ct["test_gain_last_quarter"] == pytest.approx(
-    ct_log[3]["test_acc"] - ct_log[2]["test_acc"]
+    ct_log[7]["test_acc"] - ct_log[6]["test_acc"]
   )
   page = (tmp_path / "table1_fit.md").read_text()
   assert "## Does each run fit its data" in page and "| vgg11 dense | " in page
@@ -174,7 +175,8 @@ def test_a_sizing_probe_at_the_budgets_settings_is_the_tables_dense_run(tmp_path
   out = ["--eval-every", "1", "--out", str(tmp_path)]
   probe = fit_sizing.main(["--model", "clicktrain-vgg11", *out])["record"]
   other = fit_sizing.main(["--model", "clicktrain-vgg11", "--epochs", "2", *out])["record"]
-  assert tiny_fit == ["dense", "dense"] and other["test_gain_last_quarter"] is not None
+  assert tiny_fit == ["dense", "dense"]
+  assert probe["test_gain_last_quarter"] is not None and other["test_gain_last_quarter"] is None
   ct = clicktrain_table1.main(["--rows", "vgg11", "--methods", "dense", "--budget", "fit", *out])
   assert tiny_fit == ["dense", "dense"]  # taken from the probe
   assert ct["vgg11"]["dense"]["test_acc"] == probe["test_acc"]
