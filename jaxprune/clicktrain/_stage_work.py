@@ -312,20 +312,6 @@ def hard_mask(u_leaves, layers: Layers, plan: Plan, w_leaves, pruned) -> list:
   return _map_pruned(hard, pruned, plan, u_leaves)
 
 
-def refilled(layers: Layers, plan: Plan, w_leaves) -> jax.Array:
-  """Per pruned layer (plan order), whether a weight its masks prune is non-zero.
-
-  After the hard prune (ClickTrain §4.4) every step's update is ``mask ⊙ (p + u) − p``, so at
-  the next step's entry those weights are exactly 0, unless something changed the update on
-  its way to ``apply_updates`` (a transform chained after this one).
-  """
-  flags = [
-    jnp.any((full_mask(layers[name]) == 0) & (w_leaves[layer.index] != 0))
-    for name, layer in plan.items()
-  ]
-  return jnp.stack(flags) if flags else jnp.zeros((0,), bool)
-
-
 def decay_pruned(u_leaves, layers: Layers, plan: Plan, w_leaves, ratio, decaying) -> list:
   """The soft prune's window: shrinks the dropped weights by ``ratio``.
 

@@ -31,15 +31,12 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxprune.clicktrain import _stage_machine, _stage_work
@@ -98,12 +95,7 @@ def clicktrain(
 
   Args:
       inner: the optimizer (e.g. ``optax.sgd(0.1, momentum=0.9)`` chained with
-          weight decay); receives the regularized / masked gradient. Wrap it, rather than
-          chain it after this transform: after the hard prune the update is
-          ``mask ⊙ (p + u) − p`` and must be the final one (a transform after it, such as the
-          ``optax.adamw`` of ``optax.chain(clicktrain(optax.identity()), optax.adamw(...))``,
-          moves the pruned weights off zero; the next step finds them non-zero and warns once,
-          with a ``RuntimeWarning`` naming the first layer and the fix).
+          weight decay); receives the regularized / masked gradient.
       steps_per_epoch: optimizer steps per epoch (converts the epoch settings). This and
           every epoch setting below (``hard_prune_epoch``, ``mode``, ``pool_start_epoch``,
           ``loss_derivative_threshold``, ``pool_epochs``, ``finalize_epochs``,
@@ -261,14 +253,12 @@ def clicktrain(
     g_leaves, g_def = jax.tree.flatten(updates)
     clock = _stage_machine.step_clock(cfg, state, loss)
     if state.pruned_step is not None:
-      # (The Trainer specialises the step; its epoch-end RefillCheck watches the weights.)
       # Specialised to the pruned stage (specialize_pruned): the same arithmetic as the general
       # step's PRUNED branches, with no stage switch, so the per-layer state (votes, scores,
       # masks) is neither copied nor selected: it passes through as it came in.
       return _pruned_update(
         plan, state, clock, w_leaves, g_leaves, g_def, params, value, extra_args
       )
-    _check_still_pruned(state, plan, w_leaves)
     if cfg.mode == "paper":
       layers, moved = _stage_machine.paper_step(cfg, plan, state, clock, w_leaves, g_leaves)
       stage = state.stage
@@ -296,30 +286,6 @@ def clicktrain(
     u_leaves = _stage_work.hard_mask(u_leaves, layers, plan, w_leaves, new_state.stage == PRUNED)
     return jax.tree.unflatten(u_def, u_leaves), new_state
 
-  warned = []  # the refill warning is given once per transform
-
-  def _refill_warning(names, flags):
-    if warned:
-      return
-    warned.append(True)
-    warnings.warn(refill_message(names[int(np.argmax(np.asarray(flags)))]), RuntimeWarning)
-
-  def _check_still_pruned(state, plan, w_leaves):
-    """After the hard prune the pruned weights must be exactly 0 at every step's entry: this
-    transform's last update made them so. A weight that is not was changed after it, by a
-    transform chained after this one (its update is no longer the final one); said once, from
-    inside ``jit`` by a host callback on the (rare) branch that finds it."""
-    if not plan:
-      return
-    flags = _stage_work.refilled(state.layers, plan, w_leaves)
-    report = functools.partial(_refill_warning, tuple(plan))
-    jax.lax.cond(
-      (state.stage == PRUNED) & jnp.any(flags),
-      lambda f: jax.debug.callback(report, f),
-      lambda f: None,
-      flags,
-    )
-
   def _pruned_update(plan, state, clock, w_leaves, g_leaves, g_def, params, value, extra_args):
     """The update of a state marked :class:`~jaxprune.clicktrain.PrunedStep`: mask the
     gradient, run the inner optimizer, emit the hard mask (ClickTrain §4.4, after the prune)."""
@@ -340,19 +306,6 @@ def clicktrain(
   # JAX's eager dispatch would compile and cache one executable per branch (memory grew by about
   # 12 MB a step). Inside a jitted train step this inner jit is inlined.
   return optax.GradientTransformationExtraArgs(init_fn, jax.jit(update_fn))
-
-
-def refill_message(layer: str) -> str:
-  """The warning given when pruned weights are non-zero after ClickTrain's hard prune."""
-  return (
-    f"clicktrain: pruned weights are non-zero after the hard prune (first in {layer!r}): a "
-    "transform chained after clicktrain changed the update that keeps them zero, e.g. "
-    "optax.chain(clicktrain(optax.identity()), optax.adamw(...)), whose AdamW normalises "
-    "clicktrain's -p into a step of its own. ClickTrain's update after the hard prune must be "
-    "the final one: wrap the optimizer instead, clicktrain(optax.adamw(...)), or, with the "
-    "masks known (clicktrain.masks(opt_state, params)), put jaxprune.masking.mask(masks) last "
-    "in the chain"
-  )
 
 
 def _config(options: dict[str, Any]) -> Config:
