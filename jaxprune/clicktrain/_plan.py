@@ -88,8 +88,10 @@ class ChosenLayers:
     self._layers[name] = (kind, tuple(shape))
 
   def narrowed(self, name: str, shape: tuple[int, ...]) -> str | None:
-    """The kind ``name`` was chosen as, if ``shape`` is its recorded shape narrowed in its
-    channels only; ``None`` otherwise."""
+    """The kind ``name`` was chosen as, if ``shape`` only narrows its recorded channels.
+
+    ``None`` for a layer not recorded, or a shape that changes more than the channels.
+    """
     if name not in self._layers or len(shape) != 4:
       return None
     kind, was = self._layers[name]

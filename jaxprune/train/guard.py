@@ -21,8 +21,11 @@ __all__ = ["SkipNonFiniteState", "skip_nonfinite"]
 
 
 class SkipNonFiniteState(NamedTuple):
-  """State of :func:`skip_nonfinite`: the inner transform's state as of the last finite step,
-  and the steps skipped (int32), in all and in a row."""
+  """State of :func:`skip_nonfinite`.
+
+  The inner transform's state as of the last finite step, and the steps skipped (int32), in all
+  and in a row.
+  """
 
   inner_state: Any
   skipped: jax.Array
