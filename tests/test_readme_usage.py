@@ -25,7 +25,8 @@ def _arrays(model: nnx.Module) -> set[int]:
   return {id(x) for x in jax.tree.leaves(nnx.state(model))}
 
 
-def test_readme_usage_snippets_run_with_one_model_per_run(monkeypatch):
+def _stand_ins(monkeypatch) -> None:
+  """CIFAR-10 as 128 random 16x16 images, every model at 1/16 width."""
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, (128, 16, 16, 3), dtype=np.uint8)
   small = data.Dataset.from_arrays(images, rng.integers(0, 10, 128), num_classes=10)
@@ -34,6 +35,10 @@ def test_readme_usage_snippets_run_with_one_model_per_run(monkeypatch):
   monkeypatch.setattr(
     models, "create", lambda name, **kwargs: create(name, width_multiplier=1 / 16, **kwargs)
   )
+
+
+def test_readme_usage_snippets_run_with_one_model_per_run(monkeypatch):
+  _stand_ins(monkeypatch)
   fits = []
   monkeypatch.setattr(train.Trainer, "fit", lambda self, *args, **kwargs: fits.append(self))
 
@@ -62,14 +67,7 @@ def test_readme_usage_snippets_run_with_one_model_per_run(monkeypatch):
 def test_readme_own_loop_runs_with_the_guard_and_a_reconfiguration(monkeypatch):
   """The "Your own loop" snippet, after the usage snippets it names: 20 one-step epochs, two
   reconfigurations through the guarded optimizer, BatchNorm statistics re-estimated."""
-  rng = np.random.default_rng(0)
-  images = rng.integers(0, 256, (128, 16, 16, 3), dtype=np.uint8)
-  small = data.Dataset.from_arrays(images, rng.integers(0, 10, 128), num_classes=10)
-  monkeypatch.setattr(data, "load", lambda name, **kwargs: small)
-  create = models.create
-  monkeypatch.setattr(
-    models, "create", lambda name, **kwargs: create(name, width_multiplier=1 / 16, **kwargs)
-  )
+  _stand_ins(monkeypatch)
   monkeypatch.setattr(train.Trainer, "fit", lambda self, *args, **kwargs: None)
   text = _README.read_text()
   section = text.split("## Your own loop", 1)[1].split("\n## ", 1)[0]

@@ -9,19 +9,12 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxprune import clicktrain, prunetrain, train
+from jaxprune import prunetrain, train
 
 
-def _transforms():
+def _transforms(one_shot_clicktrain):
   return {
-    "clicktrain": lambda: clicktrain.clicktrain(
-      optax.sgd(0.05, momentum=0.9),
-      steps_per_epoch=2,
-      hard_prune_epoch=1,
-      mode="one_shot",
-      one_shot_epoch=0,
-      kernel_prune_ratio=0.5,
-    ),
+    "clicktrain": one_shot_clicktrain,
     "prunetrain": lambda: prunetrain.with_group_lasso(optax.adamw(1e-2), penalty_ratio=0.2),
   }
 
@@ -53,8 +46,8 @@ def _loop(model, tx, batches):
 
 
 @pytest.mark.parametrize("name", ["clicktrain", "prunetrain"])
-def test_a_nan_batch_changes_nothing_and_training_goes_on(tiny_cnn, name):
-  make = _transforms()[name]
+def test_a_nan_batch_changes_nothing_and_training_goes_on(tiny_cnn, one_shot_clicktrain, name):
+  make = _transforms(one_shot_clicktrain)[name]
   x, y = _batches(4)
   bad = x.copy()
   bad[1, 0, 0, 0, 0] = np.nan  # the second batch holds one NaN pixel
