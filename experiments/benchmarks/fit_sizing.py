@@ -63,10 +63,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def probe_spec(
-  args: argparse.Namespace, train_set: Any, test_set: Any, folder: Path
+  args: argparse.Namespace, train_set: Any, test_set: Any, command: str
 ) -> rows.RowSpec:
-  """The dense run of ``args`` as a row spec, shared under ``folder`` with the tables' dense
-  runs (the same name and settings as theirs: a probe at the budget's settings is their run)."""
+  """The dense run of ``args`` as a row spec whose record names ``command``, shared with the
+  tables' dense runs (the same name and settings as theirs: a probe at the budget's settings is
+  their run)."""
   from flax import nnx
 
   from jaxprune import methods, models, train
@@ -103,7 +104,7 @@ def probe_spec(
     augment=args.model.partition("-")[0],
     epochs=budget.epochs,
     seed=seed,
-    result=_result,
+    result=lambda row: {**_result(row), "command": command},
     log_path=pages.shared_dir(args.publish, args.out) / "logs" / f"{stem}.jsonl",
     checkpoint_dir=run_options.checkpoint_dir("benchmarks", stem, args.out),
     run_config=dict(shared.settings),
@@ -217,9 +218,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     test_set = data.load("cifar10", root=args.root, split="test").balanced_subset(
       budget.test_subset, args.seed + 1
     )
-    spec = probe_spec(args, train_set, test_set, folder)
-    command = cli.command_line("fit_sizing", argv)
-    spec = dataclasses.replace(spec, result=lambda row: {**_result(row), "command": command})
+    spec = probe_spec(args, train_set, test_set, cli.command_line("fit_sizing", argv))
     record = rows.run_row(spec, args.options)
     if record is None:
       return {"stopped": spec.label}
