@@ -5,6 +5,8 @@ The pieces:
 * :mod:`~jaxprune.prunetrain.group_lasso` — the channel group lasso (Eq. 2) as Optax transforms,
   λ from the penalty ratio (Eq. 3), the proximal group shrink.
 * :mod:`~jaxprune.prunetrain.optimizer` — :func:`with_group_lasso`, the optimizer wrapper.
+* :mod:`~jaxprune.prunetrain.penalised` — :func:`penalised_axes`: the kernels, the input conv
+  and the classifier of the penalty read off the traced graph (transformers included).
 * :mod:`~jaxprune.prunetrain.graph` — the channel graph of any NNX model, traced from its jaxpr
   (which variable axes carry each channel group).
 * :mod:`~jaxprune.prunetrain.plan` — :class:`SurgeryPlan`: what a reconfiguration removes, as a
@@ -46,6 +48,7 @@ from jaxprune.prunetrain.group_lasso import (
   LeafGroups,
   PathPredicate,
   add_group_lasso,
+  check_default_rule,
   coefficient_from_ratio,
   default_is_classifier,
   default_is_input_conv,
@@ -57,6 +60,7 @@ from jaxprune.prunetrain.group_lasso import (
   set_coefficient_once,
 )
 from jaxprune.prunetrain.optimizer import PruneTrainState, with_group_lasso
+from jaxprune.prunetrain.penalised import AxisGroups, KernelAxes, PenalisedAxes, penalised_axes
 from jaxprune.state_slicing import (
   ChannelSlices,
   StateSlicer,
@@ -94,6 +98,7 @@ __all__ = [
   "LeafGroups",
   "PathPredicate",
   "add_group_lasso",
+  "check_default_rule",
   "coefficient_from_ratio",
   "default_is_classifier",
   "default_is_input_conv",
@@ -105,6 +110,10 @@ __all__ = [
   "set_coefficient_once",
   "PruneTrainState",
   "with_group_lasso",
+  "AxisGroups",
+  "KernelAxes",
+  "PenalisedAxes",
+  "penalised_axes",
   "ChannelSlices",
   "StateSlicer",
   "register_state_slicer",

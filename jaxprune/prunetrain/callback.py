@@ -17,6 +17,7 @@ from flax import nnx
 from jaxprune import flops
 from jaxprune.prunetrain.dynamic_batch import DynamicBatch
 from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD, channel_graph
+from jaxprune.prunetrain.penalised import PenalisedAxes
 from jaxprune.prunetrain.surgery import (
   ReconfigureReport,
   _check_finite,
@@ -120,6 +121,11 @@ class PruneTrainCallback(Callback):
       from a fresh ``iter`` over it.
     strict: refuse a model whose channel graph meets an operation it cannot follow (named);
       False prunes the groups it can follow and leaves the others whole.
+    penalised: the :class:`~jaxprune.prunetrain.PenalisedAxes` that the trainer's
+      ``with_group_lasso(..., penalised=...)`` reads; the callback binds it to the trainer's
+      model when ``fit`` starts and again after every installed reconfiguration, so the group
+      lasso's kernels and classifier are the traced graph's (:func:`jaxprune.prunetrain.method`
+      passes one to both).
 
   The model may be any NNX model called as ``model(images)``: its channel groups are traced
   from its forward pass for ``image_shape`` (:func:`~jaxprune.prunetrain.channel_graph`). When
@@ -151,6 +157,7 @@ class PruneTrainCallback(Callback):
     min_flops_saving: float = 0.0,
     recompute_batchnorm: int = 0,
     strict: bool = True,
+    penalised: Optional[PenalisedAxes] = None,
   ):
     # checked here too, so a bad value fails when the callback is built, not epochs later
     _check_reconfigure_args(threshold, channel_multiple)
@@ -170,6 +177,11 @@ class PruneTrainCallback(Callback):
       raise ValueError(
         f"recompute_batchnorm must be a non-negative int, got {recompute_batchnorm!r}"
       )
+    if penalised is not None and not isinstance(penalised, PenalisedAxes):
+      raise ValueError(
+        f"penalised must be a prunetrain.PenalisedAxes or None, got {type(penalised).__name__}"
+      )
+    self.penalised = penalised
     self.recompute_batchnorm = recompute_batchnorm
     self.strict = bool(strict)
     self._train_batches = None  # the epoch's training batches, between the two hooks
@@ -248,8 +260,13 @@ class PruneTrainCallback(Callback):
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
   def on_fit_start(self, trainer: TrainerLike) -> None:
     _check_reconfigurable(trainer.model, self.image_shape, self.strict)
+    self._bind_penalised(trainer.model)
     # Before the first epoch trains, not at its end: the loader's batch size is known now.
     self._check_countable(trainer)
+
+  def _bind_penalised(self, model: nnx.Module) -> None:
+    if self.penalised is not None:
+      self.penalised.bind(model, (1, *self.image_shape))
 
   def _check_countable(self, trainer: TrainerLike) -> None:
     """The epochs' images are counted from the loader's batch size: a loader without one is
@@ -305,6 +322,7 @@ class PruneTrainCallback(Callback):
       record["pt_reconfigured"] = False
       return record
     trainer.replace(new_model, new_opt_state)
+    self._bind_penalised(new_model)  # before the next step is traced at the new widths
     if self._train_batches is not None:
       # A removed branch's constant BN(0) output no longer reaches the layers after it.
       self._recompute_batchnorm(trainer)

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxprune.paths import param_path
+from jaxprune.prunetrain.penalised import KernelAxes, PenalisedAxes
 
 __all__ = [
   "EPSILON",
@@ -56,6 +57,7 @@ __all__ = [
   "default_is_classifier",
   "default_is_input_conv",
   "add_group_lasso",
+  "check_default_rule",
   "group_lasso_from_ratio",
   "group_shrink",
   "leaf_groups",
@@ -133,12 +135,32 @@ class LeafGroups:
         sums.append(jnp.sum(jnp.square(leaf), axis=other, keepdims=keepdims))
     return sums
 
+  def shrink(self, leaf: jax.Array, threshold: jax.Array) -> jax.Array:
+    """Group soft-thresholding, output groups first, then input groups (:func:`group_shrink`)."""
+    for axis in (self.output_axis, self.input_axis):
+      if axis is None:
+        continue
+      other = tuple(a for a in range(leaf.ndim) if a != axis)
+      norm = jnp.sqrt(jnp.sum(jnp.square(leaf.astype(jnp.float32)), axis=other, keepdims=True))
+      # max(0, 1 − t/‖g‖), written so that a zero group gives 0, not 0/0
+      scale = jnp.maximum(norm - threshold, 0.0) / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny)
+      leaf = (leaf * scale).astype(leaf.dtype)
+    return leaf
+
+
+_LAYOUTS = (LeafGroups, KernelAxes)
+
+
+def _is_layout_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, _LAYOUTS)
+
 
 def leaf_groups(
   params: Any,
   *,
   is_input_conv: Optional[PathPredicate] = None,
   is_classifier: Optional[PathPredicate] = None,
+  penalised: Optional[PenalisedAxes] = None,
 ) -> Any:
   """The group layout of every leaf of a parameter pytree.
 
@@ -149,11 +171,27 @@ def leaf_groups(
     is_classifier: predicate for the dense layer whose outputs are not grouped;
       default :func:`default_is_classifier`.  ``kernels`` holds
       ``(names, ndim)`` pairs for both predicates.
+    penalised: the kernel axes read off the model's channel graph
+      (:func:`jaxprune.prunetrain.penalised_axes`); when given, it alone decides, by
+      structure, and the two predicates must not be given.
 
   Returns:
-    A pytree of ``params``' structure with a :class:`LeafGroups` (or None for
-    leaves without groups: biases, BatchNorm, scalars) at every leaf.
+    A pytree of ``params``' structure with a :class:`LeafGroups` (a
+    :class:`~jaxprune.prunetrain.penalised.KernelAxes` with ``penalised``), or None for
+    leaves without groups (biases, BatchNorm, scalars), at every leaf.
+
+  Raises:
+    ValueError: ``penalised`` together with a predicate.
   """
+  if penalised is not None:
+    if is_input_conv is not None or is_classifier is not None:
+      raise ValueError(
+        "penalised: the graph's penalised axes decide the input conv and the classifier by "
+        "structure; pass either penalised or is_input_conv / is_classifier"
+      )
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    layout = [penalised.of(param_path(path)) for path, _ in flat]
+    return jax.tree_util.tree_unflatten(treedef, layout)
   is_input_conv = is_input_conv or default_is_input_conv
   is_classifier = is_classifier or default_is_classifier
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -170,6 +208,38 @@ def leaf_groups(
       skip_outputs = is_classifier(names, leaf, kernels)
       layout.append(LeafGroups(output_axis=None if skip_outputs else 1, input_axis=0))
   return jax.tree_util.tree_unflatten(treedef, layout)
+
+
+def check_default_rule(params: Any) -> None:
+  """Refuses a tree that the shape rule of :func:`leaf_groups` would penalise wrongly.
+
+  The rule takes every 2-D / 4-D leaf for a kernel.  In a tree whose layers name their
+  weights ``kernel`` (Flax NNX and Linen), a 2-D / 4-D leaf of another name (a positional
+  embedding, a ``(heads, head_dim)`` bias) would be penalised as a kernel, and a ``kernel`` of
+  another rank (a ``LinearGeneral`` or 1-D conv kernel) would be skipped: both are transformer
+  or non-CNN layouts, where the structural layout is the right one.
+
+  Raises:
+    ValueError: naming the leaves and pointing at :func:`jaxprune.prunetrain.penalised_axes`.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  named = [(param_path(p), leaf) for p, leaf in flat if hasattr(leaf, "ndim")]
+  if not any(names and names[-1] == "kernel" for names, _ in named):
+    return  # a tree of other names: the shape rule is all there is
+  wrong = [
+    "/".join(map(str, names))
+    + (" (not a kernel)" if _is_kernel(leaf) else f" (a {leaf.ndim}-D kernel)")
+    for names, leaf in named
+    if _is_kernel(leaf) != (bool(names) and names[-1] == "kernel")
+  ]
+  if wrong:
+    shown = ", ".join(wrong[:4]) + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else "")
+    raise ValueError(
+      f"penalised: the default rule (every 2-D / 4-D leaf a kernel, the last 2-D one the "
+      f"classifier) does not fit this model: {shown}; pass "
+      "penalised=prunetrain.penalised_axes(model, input_shape), which reads the kernels and "
+      "the classifier off the traced graph"
+    )
 
 
 def default_is_input_conv(names: tuple, leaf: Any, kernels: Sequence[tuple]) -> bool:
@@ -200,6 +270,7 @@ def penalty(
   *,
   is_input_conv: Optional[PathPredicate] = None,
   is_classifier: Optional[PathPredicate] = None,
+  penalised: Optional[PenalisedAxes] = None,
 ) -> jax.Array:
   """The unweighted channel group lasso Σ_g sqrt(Σ_{w∈g} w² + ε) (PruneTrain Eq. 2).
 
@@ -207,11 +278,14 @@ def penalty(
     params: a parameter pytree (HWIO conv kernels, ``(in, out)`` dense kernels).
     is_input_conv: see :func:`leaf_groups`.
     is_classifier: see :func:`leaf_groups`.
+    penalised: see :func:`leaf_groups`.
 
   Returns:
     A float32 scalar (0 for a tree without kernels).
   """
-  layout = leaf_groups(params, is_input_conv=is_input_conv, is_classifier=is_classifier)
+  layout = leaf_groups(
+    params, is_input_conv=is_input_conv, is_classifier=is_classifier, penalised=penalised
+  )
   total = jnp.zeros((), jnp.float32)
   for groups, leaf in zip(
     jax.tree.leaves(layout, is_leaf=lambda x: x is None), jax.tree.leaves(params)
@@ -265,6 +339,7 @@ def group_shrink(
   *,
   is_input_conv: Optional[PathPredicate] = None,
   is_classifier: Optional[PathPredicate] = None,
+  penalised: Optional[PenalisedAxes] = None,
 ) -> Any:
   """Group soft-thresholding: the proximal step of ``threshold``·GL (PruneTrain Eq. 2).
 
@@ -281,29 +356,20 @@ def group_shrink(
     threshold: η·λ (step size times coefficient), a non-negative scalar.
     is_input_conv: see :func:`leaf_groups`.
     is_classifier: see :func:`leaf_groups`.
+    penalised: see :func:`leaf_groups`.
 
   Returns:
     ``params`` with every penalised group shrunk; other leaves unchanged.
   """
-  layout = leaf_groups(params, is_input_conv=is_input_conv, is_classifier=is_classifier)
+  layout = leaf_groups(
+    params, is_input_conv=is_input_conv, is_classifier=is_classifier, penalised=penalised
+  )
   threshold = jnp.asarray(threshold, jnp.float32)
 
-  def shrink(groups: Optional[LeafGroups], leaf: Any) -> Any:
-    if groups is None:
-      return leaf
-    for axis in (groups.output_axis, groups.input_axis):
-      if axis is None:
-        continue
-      other = tuple(a for a in range(leaf.ndim) if a != axis)
-      norm = jnp.sqrt(jnp.sum(jnp.square(leaf.astype(jnp.float32)), axis=other, keepdims=True))
-      # max(0, 1 − t/‖g‖), written so that a zero group gives 0, not 0/0
-      scale = jnp.maximum(norm - threshold, 0.0) / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny)
-      leaf = (leaf * scale).astype(leaf.dtype)
-    return leaf
+  def shrink(groups: Any, leaf: Any) -> Any:
+    return leaf if groups is None else groups.shrink(leaf, threshold)
 
-  return jax.tree.map(
-    shrink, layout, params, is_leaf=lambda x: x is None or isinstance(x, LeafGroups)
-  )
+  return jax.tree.map(shrink, layout, params, is_leaf=_is_layout_leaf)
 
 
 class GroupLassoState(NamedTuple):
@@ -315,6 +381,7 @@ def penalty_gradient(
   *,
   is_input_conv: Optional[PathPredicate] = None,
   is_classifier: Optional[PathPredicate] = None,
+  penalised: Optional[PenalisedAxes] = None,
 ) -> Any:
   """∇GL(params) of :func:`penalty`, written out (PruneTrain Eq. 2).
 
@@ -329,13 +396,16 @@ def penalty_gradient(
     params: a parameter pytree.
     is_input_conv: see :func:`leaf_groups`.
     is_classifier: see :func:`leaf_groups`.
+    penalised: see :func:`leaf_groups`.
 
   Returns:
     A pytree like ``params``: the gradient, zero for leaves without groups.
   """
-  layout = leaf_groups(params, is_input_conv=is_input_conv, is_classifier=is_classifier)
+  layout = leaf_groups(
+    params, is_input_conv=is_input_conv, is_classifier=is_classifier, penalised=penalised
+  )
 
-  def gradient(groups: Optional[LeafGroups], leaf: Any) -> Any:
+  def gradient(groups: Any, leaf: Any) -> Any:
     if groups is None:
       return jnp.zeros_like(leaf)
     w = leaf.astype(jnp.float32)
@@ -343,15 +413,15 @@ def penalty_gradient(
     inverse_norms = sum(jax.lax.rsqrt(s + EPSILON) for s in sums)
     return (w * inverse_norms).astype(leaf.dtype)
 
-  return jax.tree.map(
-    gradient, layout, params, is_leaf=lambda x: x is None or isinstance(x, LeafGroups)
-  )
+  return jax.tree.map(gradient, layout, params, is_leaf=_is_layout_leaf)
 
 
 def _add_penalty_gradient(
-  updates: Any, params: Any, coefficient: jax.Array, is_input_conv, is_classifier
+  updates: Any, params: Any, coefficient: jax.Array, is_input_conv, is_classifier, penalised
 ) -> Any:
-  grads = penalty_gradient(params, is_input_conv=is_input_conv, is_classifier=is_classifier)
+  grads = penalty_gradient(
+    params, is_input_conv=is_input_conv, is_classifier=is_classifier, penalised=penalised
+  )
   return jax.tree.map(lambda u, g: u + (coefficient * g).astype(u.dtype), updates, grads)
 
 
@@ -360,6 +430,7 @@ def add_group_lasso(
   *,
   is_input_conv: Optional[PathPredicate] = None,
   is_classifier: Optional[PathPredicate] = None,
+  penalised: Optional[PenalisedAxes] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Adds λ·∇GL(params) to the gradient, GL the channel group lasso (PruneTrain Eq. 2).
 
@@ -370,6 +441,7 @@ def add_group_lasso(
     coefficient: λ ≥ 0.
     is_input_conv: see :func:`leaf_groups`.
     is_classifier: see :func:`leaf_groups`.
+    penalised: see :func:`leaf_groups`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
@@ -389,7 +461,8 @@ def add_group_lasso(
     raise ValueError(f"coefficient must be a finite number >= 0, got {coefficient!r}")
 
   def init_fn(params):
-    del params
+    if penalised is None:
+      check_default_rule(params)
     return GroupLassoState()
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -397,7 +470,12 @@ def add_group_lasso(
     if params is None:
       raise ValueError("add_group_lasso needs params: call update(updates, state, params)")
     return _add_penalty_gradient(
-      updates, params, jnp.asarray(coefficient, jnp.float32), is_input_conv, is_classifier
+      updates,
+      params,
+      jnp.asarray(coefficient, jnp.float32),
+      is_input_conv,
+      is_classifier,
+      penalised,
     ), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -420,6 +498,7 @@ def group_lasso_from_ratio(
   *,
   is_input_conv: Optional[PathPredicate] = None,
   is_classifier: Optional[PathPredicate] = None,
+  penalised: Optional[PenalisedAxes] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Group lasso whose λ is set at the first step from a penalty ratio (PruneTrain §4.1).
 
@@ -433,6 +512,7 @@ def group_lasso_from_ratio(
     penalty_ratio: r in (0, 1); the paper uses 0.2 (0.25 for stronger pruning).
     is_input_conv: see :func:`leaf_groups`.
     is_classifier: see :func:`leaf_groups`.
+    penalised: see :func:`leaf_groups`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``
@@ -451,7 +531,8 @@ def group_lasso_from_ratio(
     raise ValueError(f"penalty_ratio must lie in (0, 1), got {penalty_ratio}")
 
   def init_fn(params):
-    del params
+    if penalised is None:
+      check_default_rule(params)
     return GroupLassoRatioState(
       coefficient=jnp.zeros((), jnp.float32), initialized=jnp.zeros((), jnp.bool_)
     )
@@ -465,9 +546,10 @@ def group_lasso_from_ratio(
       value,
       is_input_conv=is_input_conv,
       is_classifier=is_classifier,
+      penalised=penalised,
     )
     updates = _add_penalty_gradient(
-      updates, params, state.coefficient, is_input_conv, is_classifier
+      updates, params, state.coefficient, is_input_conv, is_classifier, penalised
     )
     return updates, state
 
@@ -482,6 +564,7 @@ def set_coefficient_once(
   *,
   is_input_conv: Optional[PathPredicate] = None,
   is_classifier: Optional[PathPredicate] = None,
+  penalised: Optional[PenalisedAxes] = None,
 ) -> GroupLassoRatioState:
   """λ of :func:`group_lasso_from_ratio`'s state, set once.
 
@@ -503,7 +586,9 @@ def set_coefficient_once(
     return coefficient_from_ratio(
       penalty_ratio,
       value,
-      penalty(params, is_input_conv=is_input_conv, is_classifier=is_classifier),
+      penalty(
+        params, is_input_conv=is_input_conv, is_classifier=is_classifier, penalised=penalised
+      ),
     )
 
   if isinstance(state.initialized, jax.core.Tracer) or isinstance(value, jax.core.Tracer):

@@ -20,6 +20,7 @@ from jaxprune.prunetrain.group_lasso import (
   group_shrink,
   set_coefficient_once,
 )
+from jaxprune.prunetrain.penalised import PenalisedAxes
 from jaxprune.train.optim import find_lr_states
 
 __all__ = ["PruneTrainState", "with_group_lasso"]
@@ -53,6 +54,7 @@ def with_group_lasso(
   learning_rate: Optional[optax.ScalarOrSchedule] = None,
   is_input_conv: Optional[PathPredicate] = None,
   is_classifier: Optional[PathPredicate] = None,
+  penalised: Optional[PenalisedAxes] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """PruneTrain's optimizer: ``inner`` with the channel group lasso λ·GL (§4.1).
 
@@ -90,6 +92,13 @@ def with_group_lasso(
       only with ``proximal=True``.
     is_input_conv: see :func:`jaxprune.prunetrain.group_lasso.leaf_groups`.
     is_classifier: see :func:`jaxprune.prunetrain.group_lasso.leaf_groups`.
+    penalised: the penalised kernel axes read off the model's channel graph
+      (:func:`jaxprune.prunetrain.penalised_axes`, or an unbound
+      :class:`~jaxprune.prunetrain.PenalisedAxes` that :class:`PruneTrainCallback` binds when
+      ``fit`` starts). Without it the group lasso goes by shape and name (every 2-D / 4-D leaf
+      a kernel, the last 2-D one the classifier), which holds for the papers' CNNs; a tree it
+      does not fit (a transformer's positional embedding, 3-D attention kernels) is refused
+      at ``init`` by name. :func:`jaxprune.prunetrain.method` passes one always.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs ``params`` and
@@ -113,7 +122,7 @@ def with_group_lasso(
   if learning_rate is not None and not proximal:
     raise ValueError("learning_rate is the proximal step size: pass it with proximal=True")
   regularizer = group_lasso_from_ratio(
-    penalty_ratio, is_input_conv=is_input_conv, is_classifier=is_classifier
+    penalty_ratio, is_input_conv=is_input_conv, is_classifier=is_classifier, penalised=penalised
   )
   inner = optax.with_extra_args_support(inner)
 
@@ -141,6 +150,7 @@ def with_group_lasso(
       extra_args.get("value"),
       is_input_conv=is_input_conv,
       is_classifier=is_classifier,
+      penalised=penalised,
     )
     updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
     if learning_rate is None:
@@ -155,6 +165,7 @@ def with_group_lasso(
       jnp.asarray(step_size, jnp.float32) * lasso_state.coefficient,
       is_input_conv=is_input_conv,
       is_classifier=is_classifier,
+      penalised=penalised,
     )
     # Leaves without groups come back from group_shrink as the very same array: keep their
     # update exactly as ``inner`` made it instead of the rounded (p + u) − p.

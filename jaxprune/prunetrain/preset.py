@@ -12,6 +12,7 @@ from typing import Any
 from jaxprune.method_api import Method, Run, split_config
 from jaxprune.prunetrain.callback import PruneTrainCallback
 from jaxprune.prunetrain.optimizer import with_group_lasso
+from jaxprune.prunetrain.penalised import PenalisedAxes
 
 __all__ = ["method"]
 
@@ -50,13 +51,20 @@ def method(**config: Any) -> Method:
     owner="prunetrain",
   )
 
+  # One layout shared by the optimizer and the callback: the callback binds it to the
+  # trainer's model when fit starts, so the penalty's kernels and classifier are the graph's.
+  penalised = routed["optimizer"].pop("penalised", None) or PenalisedAxes()
+  routed["callback"].pop("penalised", None)
+
   def make_tx(inner, run: Run):
     del run
-    return with_group_lasso(inner, **routed["optimizer"])
+    return with_group_lasso(inner, penalised=penalised, **routed["optimizer"])
 
   def callbacks(run: Run):
     if run.image_shape is None:
       raise ValueError("run.image_shape: PruneTrain traces the model on one training image")
-    return [PruneTrainCallback(image_shape=run.image_shape, **routed["callback"])]
+    return [
+      PruneTrainCallback(image_shape=run.image_shape, penalised=penalised, **routed["callback"])
+    ]
 
   return Method(name="prunetrain", make_tx=make_tx, callbacks=callbacks, config=dict(config))
