@@ -14,11 +14,13 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxprune.clicktrain import patterns as _pat
 from jaxprune.clicktrain.schedule import Schedule, check_int
 from jaxprune.clicktrain.state import PATTERN_SIZE
+from jaxprune.paths import path_string
 
 __all__ = [
   "FILTER_GROUPINGS",
@@ -94,18 +96,28 @@ def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
     shape: the param's shape (HWIO for a conv kernel).
 
   Returns:
-    ``"pattern"`` (patterns + kernel pruning) for a square ``k x k`` kernel, ``k > 1``, with
-    more than 3 input channels; ``"kernel"`` (connectivity pruning only) for other such convs
-    and 1x1 convs not on a ``shortcut`` / ``downsample`` path; ``None`` (left dense) for the
-    rest: non-4-D params, the stem (3 input channels) and 1x1 shortcut convs.
+    ``"pattern"`` (patterns + kernel pruning) for a 3x3 kernel with more than 3 input channels;
+    ``"kernel"`` (connectivity pruning only) for 1x1 convs not on a ``shortcut`` /
+    ``downsample`` path; ``None`` (left dense) for the rest: non-4-D params, the stem (3 input
+    channels), 1x1 shortcut convs and convs of other kernel sizes (5x5, 3x1, ...: the
+    patterns are 3x3), which the transform names once in a warning.
   """
   return choose_layer(shape, shortcut="shortcut" in path or "downsample" in path)
+
+
+def uses_choose_layer(layer_filter: Any) -> bool:
+  """Whether ``layer_filter`` is one of the library's rules (:func:`choose_layer` underneath:
+  the default, :func:`jaxprune.clicktrain.layer_filter_for`), not one of the user's."""
+  return layer_filter is default_layer_filter or getattr(layer_filter, "choose_layer_rule", False)
 
 
 def choose_layer(shape: tuple[int, ...], *, shortcut: bool) -> str | None:
   """The released code's choice for a param of ``shape``.
 
-  ``shortcut``: the param is a 1x1 projection shortcut (left dense).
+  ``shortcut``: the param is a 1x1 projection shortcut (left dense). A conv of another kernel
+  size than 3x3 and 1x1 (5x5, 7x7, 3x1, ...) is left dense: ClickTrain's patterns are 4 of a
+  3x3 kernel's 9 weights (§4.1), and neither the paper nor the released code says what a 5x5
+  or a 3x1 kernel keeps; a ``layer_filter`` of one's own may still choose such a layer.
   """
   if len(shape) != 4:
     return None
@@ -114,7 +126,30 @@ def choose_layer(shape: tuple[int, ...], *, shortcut: bool) -> str | None:
     return None
   if kh == kw == 1:
     return None if shortcut else "kernel"
-  return "pattern" if kh == kw else "kernel"
+  return "pattern" if kh == kw == 3 else None
+
+
+def unsupported_kernels(params: Any) -> list[str]:
+  """The convs (4-D kernels, past the stem) that the default choice leaves dense for their
+  kernel size: neither 3x3 (patterns) nor 1x1 (connectivity), as ``path (kh x kw)``."""
+  found = []
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    shape = tuple(np.shape(leaf))
+    if len(shape) == 4 and shape[2] > 3 and shape[:2] not in ((3, 3), (1, 1)):
+      found.append(f"{path_string(key_path)} ({shape[0]}x{shape[1]})")
+  return found
+
+
+def name_chosen_projections(params: Any) -> list[str]:
+  """The 1x1 convs (past the stem) that the name rule prunes: their paths do not say
+  ``shortcut`` / ``downsample``, so a projection shortcut named otherwise (``proj``) is among
+  them."""
+  found = []
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    path, shape = path_string(key_path), tuple(np.shape(leaf))
+    if len(shape) == 4 and shape[:2] == (1, 1) and default_layer_filter(path, shape):
+      found.append(path)
+  return found
 
 
 def check_ratio(r: Any, name: str | None = None) -> float:

@@ -62,7 +62,17 @@ def layer_filter_for(model: nnx.Module, input_shape: Sequence[int]) -> LayerFilt
   def layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
     return choose_layer(shape, shortcut=path in shortcuts)
 
+  layer_filter.choose_layer_rule = True  # the transform names the kernel sizes it skips
   return layer_filter
+
+
+def checked_default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
+  """The name-based default, for a run whose :class:`LayerChoiceCheck` compares it with the
+  structure at fit start (so the transform does not warn that it goes by name)."""
+  return default_layer_filter(path, shape)
+
+
+checked_default_layer_filter.choose_layer_rule = True
 
 
 def layer_choice_differences(model: nnx.Module, input_shape: Sequence[int]) -> dict[str, str]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxprune.clicktrain.execution import SparseExecution
-from jaxprune.clicktrain.layer_choice import LayerChoiceCheck
+from jaxprune.clicktrain.layer_choice import LayerChoiceCheck, checked_default_layer_filter
 from jaxprune.clicktrain.prune_batchnorm import DEFAULT_BATCHES, HardPruneBatchNorm, HardPruneCheck
 from jaxprune.clicktrain.pruned_step import PrunedStageStep
 from jaxprune.clicktrain.schedule import Schedule
@@ -31,12 +31,16 @@ __all__ = [
 
 
 def _split_schedule(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-  """``config`` split into the schedule's fields and the rest of ``clicktrain()``'s keywords."""
+  """``config`` split into the schedule's fields and the rest of ``clicktrain()``'s keywords.
+
+  Without a ``layer_filter`` the rest takes the name-based default that the preset's
+  :class:`LayerChoiceCheck` compares with the model's structure at fit start.
+  """
   keys = {f.name for f in dataclasses.fields(Schedule)}
-  return (
-    {k: v for k, v in config.items() if k in keys},
-    {k: v for k, v in config.items() if k not in keys},
-  )
+  rest = {k: v for k, v in config.items() if k not in keys}
+  if rest.get("layer_filter") is None:
+    rest["layer_filter"] = checked_default_layer_filter
+  return {k: v for k, v in config.items() if k in keys}, rest
 
 
 def _hook_settings(

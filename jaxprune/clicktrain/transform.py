@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,7 +49,13 @@ from jaxprune.clicktrain._plan import (
   init_layer,
   make_plan,
 )
-from jaxprune.clicktrain.config import Config
+from jaxprune.clicktrain.config import (
+  Config,
+  default_layer_filter,
+  name_chosen_projections,
+  unsupported_kernels,
+  uses_choose_layer,
+)
 from jaxprune.clicktrain.schedule import Schedule
 from jaxprune.clicktrain.state import POOL, PRUNED, REGULARIZE, WARMUP, ClickTrainState
 from jaxprune.train.optim import epoch_length_state
@@ -57,6 +64,31 @@ __all__ = ["clicktrain"]
 
 # The keywords of clicktrain() that are the schedule's fields.
 _SCHEDULE_KEYS = tuple(f.name for f in dataclasses.fields(Schedule))
+
+
+def _warn_layer_choice(cfg: Config, params: Any) -> None:
+  """Says once what the library's layer rule decided without being asked (ClickTrain §4.1)."""
+  if not uses_choose_layer(cfg.layer_filter):
+    return  # the user's own layer_filter decides
+  skipped = unsupported_kernels(params)
+  if skipped:
+    warnings.warn(
+      f"clicktrain leaves {', '.join(skipped)} dense: its patterns are 4 of a 3x3 kernel's 9 "
+      "weights (ClickTrain §4.1) and the paper prunes no other kernel size; pass a "
+      "layer_filter returning 'kernel' (connectivity pruning) or 'pattern' to prune them",
+      UserWarning,
+      stacklevel=3,
+    )
+  by_name = name_chosen_projections(params) if cfg.layer_filter is default_layer_filter else []
+  if by_name:
+    warnings.warn(
+      f"clicktrain prunes the 1x1 convs {', '.join(by_name)} (connectivity) because their "
+      "names do not say 'shortcut' / 'downsample'; the transform sees parameters only. If one "
+      "is a projection shortcut (left dense in the paper's code), pass "
+      "layer_filter=clicktrain.layer_filter_for(model, input_shape), which decides by structure",
+      UserWarning,
+      stacklevel=3,
+    )
 
 
 def clicktrain(
@@ -218,8 +250,13 @@ def clicktrain(
   _stage_machine.warn_unreachable(cfg)
   # A layer chosen once stays chosen when a reconfiguration narrows it (see ChosenLayers).
   memory = ChosenLayers()
+  warned = []  # the layer-choice notes are said once per transform, not at every init
+  warned_refill = []  # the same for the pruned weights a later transform re-filled
 
   def init_fn(params):
+    if not warned:
+      warned.append(True)
+      _warn_layer_choice(cfg, params)
     plan = make_plan(cfg, params, memory)
     check_not_empty(plan, params)
     check_filter_groups(plan, params)
@@ -252,6 +289,7 @@ def clicktrain(
     check_layers(plan, state.layers, params)
     g_leaves, g_def = jax.tree.flatten(updates)
     clock = _stage_machine.step_clock(cfg, state, loss)
+    _watch_refill(plan, state, w_leaves)
     if state.pruned_step is not None:
       # Specialised to the pruned stage (specialize_pruned): the same arithmetic as the general
       # step's PRUNED branches, with no stage switch, so the per-layer state (votes, scores,
@@ -285,6 +323,43 @@ def clicktrain(
     # of it) that says "pruned" always comes with weights that are zero where the masks prune.
     u_leaves = _stage_work.hard_mask(u_leaves, layers, plan, w_leaves, new_state.stage == PRUNED)
     return jax.tree.unflatten(u_def, u_leaves), new_state
+
+  def _watch_refill(plan, state, w_leaves):
+    """Warns (once) when the params of a step after the hard prune hold pruned weights.
+
+    The hard prune emits updates that make ``p + u`` exactly zero where the masks prune; placed
+    first in ``optax.chain(clicktrain(identity), adamw)`` the next transform rescales them, the
+    pruned weights come back, and nothing else would say so (the Trainer's end-of-epoch check
+    exists only inside the Trainer). Checked on the params this step receives, so a step that
+    enters the pruned stage (params not yet masked) is not counted.
+    """
+    if warned_refill or not plan:
+      return
+    counts = _stage_work.refilled_counts(state.layers, plan, w_leaves)
+    counts = jnp.where(state.stage == PRUNED, counts, 0)
+    names = list(plan)
+
+    def warn(host_counts):
+      if warned_refill:
+        return
+      warned_refill.append(True)
+      found = [f"{n} ({int(c)})" for n, c in zip(names, host_counts) if c]
+      warnings.warn(
+        f"clicktrain: after the hard prune the params hold nonzero pruned weights: "
+        f"{', '.join(found[:3])}{' ...' if len(found) > 3 else ''}. A transform after "
+        "clicktrain changed its masked updates (e.g. optax.chain(clicktrain(optax.identity()), "
+        "optax.adamw(...)) rescales them); wrap the optimizer instead, "
+        "clicktrain(optax.adamw(...), ...), so the masks act on the final update",
+        UserWarning,
+        stacklevel=2,
+      )
+
+    jax.lax.cond(
+      jnp.any(counts > 0),
+      lambda c: jax.debug.callback(warn, c),
+      lambda c: None,
+      counts,
+    )
 
   def _pruned_update(plan, state, clock, w_leaves, g_leaves, g_def, params, value, extra_args):
     """The update of a state marked :class:`~jaxprune.clicktrain.PrunedStep`: mask the

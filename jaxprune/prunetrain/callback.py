@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxprune import flops
 from jaxprune.prunetrain.dynamic_batch import DynamicBatch
 from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD, channel_graph
+from jaxprune.prunetrain.group_lasso import GroupLassoRatioState
 from jaxprune.prunetrain.penalised import PenalisedAxes
 from jaxprune.prunetrain.surgery import (
   ReconfigureReport,
@@ -25,7 +30,13 @@ from jaxprune.prunetrain.surgery import (
   _param_count,
   reconfigure,
 )
-from jaxprune.train import Callback, TrainerLike, epoch_batches, recompute_batch_stats
+from jaxprune.train import (
+  Callback,
+  TrainerLike,
+  cross_entropy,
+  epoch_batches,
+  recompute_batch_stats,
+)
 
 __all__ = ["RECORD_KEYS", "PruneTrainCallback", "model_costs"]
 
@@ -261,6 +272,8 @@ class PruneTrainCallback(Callback):
   def on_fit_start(self, trainer: TrainerLike) -> None:
     _check_reconfigurable(trainer.model, self.image_shape, self.strict)
     self._bind_penalised(trainer.model)
+    if trainer.step == 0:
+      _warn_if_pretrained(trainer)
     # Before the first epoch trains, not at its end: the loader's batch size is known now.
     self._check_countable(trainer)
 
@@ -428,6 +441,50 @@ def _check_reconfigurable(model: nnx.Module, image_shape: tuple, strict: bool) -
       f"model: the channel graph of the trainer's {type(model).__name__} cannot follow some "
       f"operations ({named}); PruneTrainCallback(strict=False) prunes only the "
       f"{len(graph.prunable)} other groups"
+    )
+
+
+# PruneTrain §4.1 sets λ at initialisation, where CE₀ is about ln(classes); a first loss under
+# this share of that says the model already fits, and λ from the ratio will be as much weaker.
+_PRETRAINED_LOSS_SHARE = 0.5
+
+
+def _warn_if_pretrained(trainer: TrainerLike) -> None:
+  """Warns before the first step when λ will come from the penalty ratio of a model that
+  already fits its data (fine-tuning): CE₀ is then small, and λ = r·CE₀ / ((1 − r)·GL₀) with it.
+  """
+  ratio_states = [
+    s
+    for s in jax.tree.leaves(
+      trainer.opt_state, is_leaf=lambda s: isinstance(s, GroupLassoRatioState)
+    )
+    if isinstance(s, GroupLassoRatioState)
+  ]
+  loader = getattr(trainer, "train_loader", None)
+  if not ratio_states or bool(ratio_states[0].initialized) or loader is None:
+    return  # λ given by hand, already set (a resumed run), or no batch to look at
+  batch = next(iter(epoch_batches(loader, 1)), None)
+  if batch is None:
+    return
+  images, labels = jnp.asarray(batch[0]), jnp.asarray(batch[1])
+  model = trainer.model
+  model.eval()
+  try:
+    logits = model(images)
+  finally:
+    model.train()
+  chance = math.log(logits.shape[-1])
+  first_loss = float(cross_entropy(logits, labels))
+  if math.isfinite(first_loss) and first_loss < _PRETRAINED_LOSS_SHARE * chance:
+    warnings.warn(
+      f"PruneTrainCallback: the group lasso's λ is computed from the first loss and the penalty "
+      f"ratio (PruneTrain Eq. 3), and this model's loss on a training batch is already "
+      f"{first_loss:.3f} against ln({logits.shape[-1]}) = {chance:.3f} for an untrained one: a "
+      f"pretrained model gets a λ about {chance / max(first_loss, 1e-6):.0f}x weaker than the "
+      "paper's from-scratch ratio means. For fine-tuning set λ yourself "
+      "(prunetrain.add_group_lasso(coefficient)) or a larger penalty_ratio",
+      UserWarning,
+      stacklevel=3,
     )
 
 

@@ -196,6 +196,8 @@ class Trainer:
     self.history: list[dict[str, Any]] = []
     # Why the last fit stopped before its epochs (None: it did not); see fit(max_seconds=...).
     self.stopped_early: str | None = None
+    # The training loader of the current fit, for hooks that look at a batch when it starts.
+    self.train_loader: Iterable | None = None
     self._elapsed_before = 0.0  # seconds of the run before this fit (restored on resume)
     self._refill_check = masking.RefillCheck()  # pruned weights re-filled at an epoch end
 
@@ -521,6 +523,7 @@ class Trainer:
       )
     # Before the hooks, which may need the reference batch size to count the epochs.
     self._batches.start_fit(train_loader)
+    self.train_loader = train_loader.loader
     _fit_checks.warn_epoch_length(self.opt_state, train_loader, self.reference_batch_size)
     for c in self.callbacks:
       c.on_fit_start(self)

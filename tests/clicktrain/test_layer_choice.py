@@ -1,6 +1,8 @@
 """ClickTrain's layer choice by structure: which 1x1 convs are projection shortcuts, whatever
 their names, and the preset's fit-start check that the name-based default agrees."""
 
+import warnings
+
 import numpy as np
 import optax
 import pytest
@@ -132,3 +134,67 @@ def test_preset_trains_a_model_whose_shortcut_name_the_default_knows():
     "b2/expand/kernel",
     "side/kernel",
   }
+
+
+class _OddKernels(nnx.Module):
+  """3x3, 5x5, 3x1 and 1x1 convs (past a 4-channel stem) and a projection named ``proj``."""
+
+  def __init__(self, rngs):
+    self.stem = nnx.Conv(4, 8, (3, 3), rngs=rngs)
+    self.wide = nnx.Conv(8, 8, (5, 5), rngs=rngs)
+    self.tall = nnx.Conv(8, 8, (3, 1), rngs=rngs)
+    self.proj = nnx.Conv(8, 8, (1, 1), rngs=rngs)
+    self.head = nnx.Linear(8, 4, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.stem(x))
+    x = x + self.proj(nnx.relu(self.tall(nnx.relu(self.wide(x)))))
+    return self.head(x.mean((1, 2)))
+
+
+def _raw(**kw):
+  return ct.clicktrain(
+    optax.sgd(0.1), steps_per_epoch=2, hard_prune_epoch=1, mode="one_shot", one_shot_epoch=0,
+    kernel_prune_ratio=0.5, **kw,
+  )
+
+
+def _notes(tx, params) -> list[str]:
+  """The warnings of ``tx.init(params)``, as text."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tx.init(params)
+  return [str(w.message) for w in caught]
+
+
+def test_other_kernel_sizes_stay_dense_and_are_named_once():
+  # ClickTrain's patterns are 4 of a 3x3 kernel's 9 weights (§4.1): a 5x5 conv is no longer
+  # cut to 4 of 25, nor a 3x1 pruned, without a word.
+  params = nnx.state(_OddKernels(nnx.Rngs(0)), nnx.Param)
+  assert ct.default_layer_filter("wide/kernel", (5, 5, 8, 8)) is None
+  assert ct.default_layer_filter("tall/kernel", (3, 1, 8, 8)) is None
+  assert ct.default_layer_filter("stem/kernel", (3, 3, 4, 8)) == "pattern"
+  tx = _raw()
+  notes = _notes(tx, params)
+  assert any("leaves tall/kernel (3x1), wide/kernel (5x5) dense" in n for n in notes), notes
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    state = tx.init(params)  # said once per transform
+    assert set(state.layers) == {"stem/kernel", "proj/kernel"}
+    # a layer_filter of one's own decides alone: no word
+    _raw(layer_filter=lambda path, shape: "kernel" if len(shape) == 4 else None).init(params)
+
+
+def test_raw_transform_names_the_1x1_convs_it_prunes_by_name():
+  params = nnx.state(_OddKernels(nnx.Rngs(0)), nnx.Param)
+  notes = _notes(_raw(), params)
+  assert any("prunes the 1x1 convs proj/kernel" in n and "layer_filter_for" in n for n in notes)
+  # decided by structure, the name is not the question any more: only the kernel-size note
+  by_structure = ct.layer_filter_for(_OddKernels(nnx.Rngs(0)), (1, 8, 8, 4))
+  notes = _notes(_raw(layer_filter=by_structure), params)
+  assert len(notes) == 1 and "dense: its patterns" in notes[0]
+  # the preset checks the name rule against the structure at fit start: no note from it
+  tx = methods.get("clicktrain", kernel_prune_ratio=0.5).make_tx(
+    optax.sgd(0.1), methods.Run(steps_per_epoch=2, epochs=40)
+  )
+  assert all("1x1" not in n for n in _notes(tx, params))
