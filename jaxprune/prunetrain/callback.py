@@ -29,6 +29,7 @@ from jaxprune.prunetrain.surgery import (
   _check_reconfigure_args,
   _param_count,
   reconfigure,
+  refuse_linen,
 )
 from jaxprune.train import (
   Callback,
@@ -426,6 +427,7 @@ def _check_reconfigurable(model: nnx.Module, image_shape: tuple, strict: bool) -
     ValueError: what stops the reconfiguration, named, instead of a failure (or a run that
       never removes a channel) epochs later.
   """
+  refuse_linen(model)  # before the first epoch trains, not at the first reconfiguration
   graph = channel_graph(model, (1, *image_shape))
   _check_finite(graph)
   if not any(g.kernels and not g.blocked for g in graph.groups):  # width 1: already cut down

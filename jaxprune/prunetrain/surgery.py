@@ -56,6 +56,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprune import flops, models
+from jaxprune.linen_bridge import refuse_bridged
 from jaxprune.models.conversions import submodule
 from jaxprune.prunetrain.graph import (
   DEFAULT_THRESHOLD,
@@ -189,6 +190,17 @@ def _branch_offset(module: nnx.Module) -> float:
   return float(np.max(np.abs(offset))) if np.size(offset) else 0.0
 
 
+def refuse_linen(model: nnx.Module) -> None:
+  """Refuses a model with a Linen module bridged in (``nnx.bridge.ToNNX``), by name."""
+  refuse_bridged(
+    model,
+    what="PruneTrain's reconfiguration rebuilds NNX layers at their new widths, and a Linen "
+    "module's widths are its dataclass fields, which the surgery cannot rebuild",
+    instead="The group lasso alone works on it (prunetrain.with_group_lasso without "
+    "PruneTrainCallback); to remove channels, write the model with flax.nnx layers",
+  )
+
+
 def reconfigure(
   model: nnx.Module,
   opt_state: Any = None,
@@ -231,6 +243,7 @@ def reconfigure(
       follow their new widths (named).
   """
   _check_reconfigure_args(threshold, channel_multiple)
+  refuse_linen(model)
   graph = channel_graph(model, input_shape)
   _check_finite(graph)
   multiple = math.lcm(channel_multiple, models.channel_multiple(model))

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprune._conv_args import canonical_padding, spatial_pair
+from jaxprune.linen_bridge import refuse_bridged
 from jaxprune.models.conversions import record_conversion, replace_submodule
 from jaxprune.models.layers import kaiming_uniform_relu_init
 from jaxprune.models.pluggable_conv import (
@@ -362,6 +363,13 @@ class SDGPConversion:
 
   def __call__(self, model: nnx.Module) -> nnx.Module:
     """Converts ``model`` in place (see :func:`convert_model`) and records ``self`` on it."""
+    refuse_bridged(
+      model,
+      what="SDGP replaces nnx.Conv layers and cannot reach the Linen convs inside it, which would "
+      "keep their dense data gradient",
+      instead="Inside a Linen module call jaxprune.sdgp.sdgp_conv(x, kernel, n=..., m=..., "
+      "method=...) in place of the convolution, or write the model with flax.nnx layers",
+    )
     n, m = self.settings.n, self.settings.m
     targets = []
     for path, module in nnx.iter_modules(model):

@@ -45,6 +45,7 @@ import optax
 from flax import nnx
 
 from jaxprune import masking
+from jaxprune.linen_bridge import refuse_bridged
 from jaxprune.state_slicing import applied_plans
 from jaxprune.train import _fit_checks, _loaders, _run_log, data_parallel
 from jaxprune.train._batch_growth import BatchGrowth
@@ -178,6 +179,16 @@ class Trainer:
     max_nonfinite_steps: int | None = 20,
   ):
     _fit_checks.check_settings(label_smoothing, checkpoint_every, eval_every, max_nonfinite_steps)
+    refuse_bridged(
+      model,
+      only_stateful=True,
+      what="a bridged Linen module updates its batch statistics only when called with "
+      "mutable=, and the Trainer calls model(x), so Flax would stop the first step ('collection "
+      "batch_stats is immutable')",
+      instead="The Trainer trains a bridged model whose variables are all parameters; with "
+      "BatchNorm, write the model with flax.nnx layers (nnx.BatchNorm), or call it as "
+      "model(x, mutable=['batch_stats']) in a loop of your own",
+    )
     self.eval_every = int(eval_every)
     self.callbacks: list[Callback] = as_callbacks(callbacks)
     self.metrics = dict(metrics or {})

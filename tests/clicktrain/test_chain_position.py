@@ -14,7 +14,11 @@ from jaxprune import clicktrain as ct
 
 def _clicktrain(inner):
   return ct.clicktrain(
-    inner, steps_per_epoch=2, hard_prune_epoch=1, mode="one_shot", one_shot_epoch=0,
+    inner,
+    steps_per_epoch=2,
+    hard_prune_epoch=1,
+    mode="one_shot",
+    one_shot_epoch=0,
     kernel_prune_ratio=0.5,
   )
 

@@ -115,7 +115,9 @@ def _fit(model, **config):
 def test_preset_refuses_a_name_based_choice_the_structure_contradicts_before_any_step():
   # Before: the projection named "proj" was kernel-pruned, "shortcut" left dense.
   model = _Net(nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"b1/proj/kernel: a 1x1 projection shortcut.*layer_filter_for"):
+  with pytest.raises(
+    ValueError, match=r"b1/proj/kernel: a 1x1 projection shortcut.*layer_filter_for"
+  ):
     _fit(model)
   # With the structural filter the run trains, and the projection stays dense.
   trainer = _fit(_Net(nnx.Rngs(0)), layer_filter=ct.layer_filter_for(model, _SHAPE))
@@ -154,8 +156,13 @@ class _OddKernels(nnx.Module):
 
 def _raw(**kw):
   return ct.clicktrain(
-    optax.sgd(0.1), steps_per_epoch=2, hard_prune_epoch=1, mode="one_shot", one_shot_epoch=0,
-    kernel_prune_ratio=0.5, **kw,
+    optax.sgd(0.1),
+    steps_per_epoch=2,
+    hard_prune_epoch=1,
+    mode="one_shot",
+    one_shot_epoch=0,
+    kernel_prune_ratio=0.5,
+    **kw,
   )
 
 
