@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -140,15 +141,21 @@ def unsupported_kernels(params: Any) -> list[str]:
   return found
 
 
+# Words that name a skip path in other code bases (``proj``, ``skip``, ``residual``, ...), which
+# the name rule does not know: a 1x1 conv so named is likely a projection shortcut it prunes.
+_SKIP_WORDS = re.compile(r"proj|skip|short|resid|ident|down", re.IGNORECASE)
+
+
 def name_chosen_projections(params: Any) -> list[str]:
-  """The 1x1 convs (past the stem) that the name rule prunes: their paths do not say
-  ``shortcut`` / ``downsample``, so a projection shortcut named otherwise (``proj``) is among
-  them."""
+  """The 1x1 convs (past the stem) that the name rule prunes though their names suggest a skip
+  path (``proj``, ``skip``, ``residual``, ...; not ``shortcut`` / ``downsample``, which it
+  leaves dense): likely projection shortcuts, which the paper's code leaves dense."""
   found = []
   for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     path, shape = path_string(key_path), tuple(np.shape(leaf))
     if len(shape) == 4 and shape[:2] == (1, 1) and default_layer_filter(path, shape):
-      found.append(path)
+      if _SKIP_WORDS.search(path):
+        found.append(path)
   return found
 
 

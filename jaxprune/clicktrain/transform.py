@@ -82,9 +82,10 @@ def _warn_layer_choice(cfg: Config, params: Any) -> None:
   by_name = name_chosen_projections(params) if cfg.layer_filter is default_layer_filter else []
   if by_name:
     warnings.warn(
-      f"clicktrain prunes the 1x1 convs {', '.join(by_name)} (connectivity) because their "
-      "names do not say 'shortcut' / 'downsample'; the transform sees parameters only. If one "
-      "is a projection shortcut (left dense in the paper's code), pass "
+      f"clicktrain prunes the 1x1 convs {', '.join(by_name)} (connectivity): their names "
+      "suggest a skip path, but the transform sees parameters only and leaves dense just the "
+      "ones named 'shortcut' / 'downsample'. If one is a projection shortcut (left dense in the "
+      "paper's code), pass "
       "layer_filter=clicktrain.layer_filter_for(model, input_shape), which decides by structure",
       UserWarning,
       stacklevel=3,
@@ -289,7 +290,6 @@ def clicktrain(
     check_layers(plan, state.layers, params)
     g_leaves, g_def = jax.tree.flatten(updates)
     clock = _stage_machine.step_clock(cfg, state, loss)
-    _watch_refill(plan, state, w_leaves)
     if state.pruned_step is not None:
       # Specialised to the pruned stage (specialize_pruned): the same arithmetic as the general
       # step's PRUNED branches, with no stage switch, so the per-layer state (votes, scores,
@@ -297,6 +297,9 @@ def clicktrain(
       return _pruned_update(
         plan, state, clock, w_leaves, g_leaves, g_def, params, value, extra_args
       )
+    # Not in the specialised step: it is the Trainer's (whose own end-of-epoch check covers
+    # it) or asked for by hand after the prune, and it keeps no stage switch at all.
+    _watch_refill(plan, state, w_leaves)
     if cfg.mode == "paper":
       layers, moved = _stage_machine.paper_step(cfg, plan, state, clock, w_leaves, g_leaves)
       stage = state.stage
@@ -350,7 +353,7 @@ def clicktrain(
         "clicktrain changed its masked updates (e.g. optax.chain(clicktrain(optax.identity()), "
         "optax.adamw(...)) rescales them); wrap the optimizer instead, "
         "clicktrain(optax.adamw(...), ...), so the masks act on the final update",
-        UserWarning,
+        RuntimeWarning,
         stacklevel=2,
       )
 

@@ -79,6 +79,33 @@ class _ChannelWalker:
     self.weight_origin = weight_origin
     self.feature_nodes: list[int] = []
     self.convs: list[_ConvUse] = []
+    # Every dot_general between two activations (attention's q·kᵀ and weights·v): the nodes of
+    # its operands and of its output, from which keep_head_dims tells heads from head_dim.
+    self.activation_dots: list[tuple[list[int], list[int]]] = []
+
+  def keep_head_dims(self) -> None:
+    """Blocks head_dim, once the walk is done.
+
+    Attention is two products of activations, q·kᵀ and weights·v. The channels of the
+    projections that both products carry through to their outputs are the heads (with grouped
+    queries, the kv heads and the query heads of a group); the other projection channels they
+    touch are head_dim, q and k's (contracted by q·kᵀ) and v's (carried by weights·v only). A
+    head is removed whole and head_dim stays: RoPE's rotation pairs and the softmax scale
+    1/sqrt(head_dim) live there. Attention layers do not share their heads, so a channel is a
+    head only where two products of one layer agree.
+    """
+    features = {a for node in self.feature_nodes for a in self.dims.atoms(node)}
+
+    def atoms(nodes: list[int]) -> set[int]:
+      return {a for node in nodes for a in self.dims.atoms(node)} & features
+
+    outputs = [atoms(out) for _, out in self.activation_dots]
+    heads = {a for i, x in enumerate(outputs) for y in outputs[i + 1 :] for a in x & y}
+    for operands, out in self.activation_dots:
+      for atom in (atoms(operands) | atoms(out)) - heads:
+        self.dims.mark(
+          atom, ("kept", "a head's head_dim (RoPE pairs and the softmax scale live there)")
+        )
 
   # -- values ----------------------------------------------------------------------------------
   def fresh(self, v: Any, mark: tuple[str, str] | None = None) -> list[int]:
@@ -249,6 +276,8 @@ class _ChannelWalker:
     lhs_free = [n for i, n in enumerate(lhs) if i not in lc and i not in lb]
     rhs_free = [n for i, n in enumerate(rhs) if i not in rc and i not in rb]
     self.axes[eqn.outvars[0]] = [lhs[a] for a in lb] + lhs_free + rhs_free
+    if not any(id(v) in self.weight_origin for v in eqn.invars[:2]):
+      self.activation_dots.append((lhs + rhs, self.axes[eqn.outvars[0]]))
     for v, nodes, batch in ((eqn.invars[0], lhs, lb), (eqn.invars[1], rhs, rb)):
       if id(v) in self.weight_origin:
         self.feature_nodes += [n for i, n in enumerate(nodes) if i not in batch]

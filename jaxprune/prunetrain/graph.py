@@ -243,6 +243,7 @@ def channel_graph(model: nnx.Module, input_shape: Optional[Sequence[int]] = None
     mark = ("fixed", "the model's input") if i == input_index else None
     ins.append([walker.dims.new(int(d), mark) for d in v.aval.shape])
   outs = walker.walk(jaxpr, ins, closed.consts)
+  walker.keep_head_dims()
   for nodes in outs:
     for node in nodes:
       walker.dims.mark(node, ("fixed", "the model's output"))

@@ -150,6 +150,21 @@ def _attributes(model, graph, slices, keep, removed_layers):
     elif path[-1] == "kernel" and isinstance(module, nnx.Linear):
       widths[_key(owner)] = shape[-1]
       attributes[_key(owner)] = {"in_features": shape[0], "out_features": shape[1]}
+    elif path[-1] == "kernel" and isinstance(module, nnx.LinearGeneral):
+      n_in = len(module.in_features)
+      widths[_key(owner)] = int(np.prod(shape[n_in:]))
+      attributes[_key(owner)] = {
+        "in_features": tuple(shape[:n_in]),
+        "out_features": tuple(shape[n_in:]),
+      }
+      parent = submodule(model, owner[:-1]) if owner else None
+      if isinstance(parent, nnx.MultiHeadAttention) and owner[-1] in ("query", "key"):
+        # (features, heads, head_dim): the attention's head counts follow its projections.
+        entry = attributes.setdefault(_key(owner[:-1]), {})
+        if owner[-1] == "query":
+          entry.update(num_heads=shape[1], qkv_features=shape[1] * shape[2])
+        else:
+          entry["num_kv_heads"] = shape[1]
     elif isinstance(module, _NORMS) and len(shape) == 1:
       entry = {"num_features": shape[0]}
       if isinstance(module, nnx.GroupNorm):

@@ -168,11 +168,14 @@ def _layer_name(model: nnx.Module, path: tuple) -> str:
 
 def _layer_widths(model: nnx.Module) -> dict[str, int]:
   """Output width of every conv and dense layer, by layer name."""
-  return {
-    _layer_name(model, tuple(path)): int(node.kernel.shape[-1])
-    for path, node in nnx.iter_graph(model)
-    if isinstance(node, (nnx.Conv, nnx.Linear))
-  }
+  widths = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, (nnx.Conv, nnx.Linear)):
+      widths[_layer_name(model, tuple(path))] = int(node.kernel.shape[-1])
+    elif isinstance(node, nnx.LinearGeneral):  # (in..., heads, head_dim): every output
+      outputs = node.kernel.shape[len(node.in_features) :]
+      widths[_layer_name(model, tuple(path))] = int(np.prod(outputs))
+  return widths
 
 
 def _branch_offset(module: nnx.Module) -> float:

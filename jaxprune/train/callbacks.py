@@ -28,6 +28,7 @@ class TrainerLike(Protocol):
   """
 
   lr_scale: float | None  # the multiplier on the optimizer's LR; settable
+  train_loader: Any  # the training loader of the current fit (None before the first)
 
   # The trained state, read-only: a lasting change goes through replace(), an evaluation of
   # other arrays through evaluate(loader, params=..., rest=...).

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxprune import clicktrain as ct
+from jaxprune.clicktrain.config import name_chosen_projections
 from jaxprune import data, flops, methods, models, train
 
 _SHAPE = (1, 8, 8, 4)
@@ -196,6 +197,8 @@ def test_raw_transform_names_the_1x1_convs_it_prunes_by_name():
   params = nnx.state(_OddKernels(nnx.Rngs(0)), nnx.Param)
   notes = _notes(_raw(), params)
   assert any("prunes the 1x1 convs proj/kernel" in n and "layer_filter_for" in n for n in notes)
+  # a 1x1 conv whose name says nothing of a skip path is not named (a bottleneck's conv3)
+  assert not name_chosen_projections({"block": {"conv3": {"kernel": np.zeros((1, 1, 8, 8))}}})
   # decided by structure, the name is not the question any more: only the kernel-size note
   by_structure = ct.layer_filter_for(_OddKernels(nnx.Rngs(0)), (1, 8, 8, 4))
   notes = _notes(_raw(layer_filter=by_structure), params)

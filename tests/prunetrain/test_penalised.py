@@ -85,7 +85,7 @@ def test_vit_default_rule_is_refused_by_name():
     tx.init(_params(model))
 
 
-def test_vit_penalises_heads_head_dims_and_units_never_the_stream_logits_or_embeddings():
+def test_vit_penalises_heads_and_units_never_head_dim_the_stream_logits_or_embeddings():
   model = _vit()
   params = _params(model)
   penalised = prunetrain.penalised_axes(model, _IMAGE)
@@ -105,11 +105,7 @@ def test_vit_penalises_heads_head_dims_and_units_never_the_stream_logits_or_embe
     for m in (q, k, v):
       expected += np.sqrt(np.sum(m[:, cols] ** 2) + EPS)
     expected += np.sqrt(np.sum(o[cols, :] ** 2) + EPS)
-  for d in range(hd):  # a head_dim channel, across the heads
-    cols = np.arange(heads) * hd + d
-    for m in (q, k, v):
-      expected += np.sqrt(np.sum(m[:, cols] ** 2) + EPS)
-    expected += np.sqrt(np.sum(o[cols, :] ** 2) + EPS)
+  # head_dim is kept whole (RoPE pairs, the softmax scale): no group of its own
   expected += _group_norms(w[mlp + ("up", "kernel")], 1).sum()
   expected += _group_norms(w[mlp + ("down", "kernel")], 0).sum()
   got = float(prunetrain.penalty(params, penalised=penalised))

@@ -30,7 +30,7 @@ def test_the_protocol_names_what_hooks_use():
   assert set(MEMBERS) == {
     "params", "rest", "opt_state", "lr_scale", "model", "tx", "epoch", "step", "history",
     "batch_size", "reference_batch_size", "num_devices", "lr", "replace", "evaluate",
-    "set_batch_size", "step_memory",
+    "set_batch_size", "step_memory", "train_loader",
   }  # fmt: skip
 
 
