@@ -2,7 +2,8 @@
 
 ``nm_prune`` prunes a gradient tensor, ``sdgp_conv`` is a convolution whose input gradient is
 computed from the N:M-pruned output gradient, ``SDGPConv`` is its Flax NNX module and
-``convert_model`` swaps the convolutions of an existing model. ``SDGPSettings`` holds the N:M
+``convert_model`` swaps the convolutions of an existing model (with ``layers=("conv",
+"linear")`` its dense layers too: ``sdgp_linear`` / ``SDGPLinear``, beyond the paper). ``SDGPSettings`` holds the N:M
 settings (checked once, passed down as they are); ``PrunedDataGradient`` is SDGP's backward as
 a wrapper of the shared conv-function protocol (``jaxprune.models.PluggableConv``).
 ``backend="auto"`` runs, per lowering platform, the N:M backend that measured faster there
@@ -22,7 +23,6 @@ References:
   Gradients", ICLR 2023 (``method="mvue"``). https://arxiv.org/abs/2203.10991
 """
 
-from pallas_kernels.nm_math import MAX_GROUP, METHODS, RESCALE_EPS
 from jaxprune.sdgp import timemodel
 from jaxprune.sdgp.conv import (
   PrunedDataGradient,
@@ -34,6 +34,8 @@ from jaxprune.sdgp.conv import (
   sdgp_conv,
   with_pruned_data_gradient,
 )
+from jaxprune.sdgp.linear import SDGPLinear, sdgp_linear
+from jaxprune.sdgp.preset import PAPER_MODELS, method, paper_method, paper_model
 from jaxprune.sdgp.prune import (
   BACKENDS,
   MEASURED_FASTER,
@@ -43,7 +45,7 @@ from jaxprune.sdgp.prune import (
   nm_prune_reference,
   time_backends,
 )
-from jaxprune.sdgp.preset import PAPER_MODELS, method, paper_method, paper_model
+from pallas_kernels.nm_math import MAX_GROUP, METHODS, RESCALE_EPS
 
 __all__ = [
   "PAPER_MODELS",
@@ -59,6 +61,7 @@ __all__ = [
   "SDGPConv",
   "SDGPConversion",
   "SDGPKey",
+  "SDGPLinear",
   "SDGPSettings",
   "auto_backend",
   "convert_model",
@@ -66,6 +69,7 @@ __all__ = [
   "nm_prune_reference",
   "next_layer_key",
   "sdgp_conv",
+  "sdgp_linear",
   "time_backends",
   "timemodel",
   "with_pruned_data_gradient",

@@ -12,7 +12,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -27,11 +26,12 @@ from jaxprune.models.layers import kaiming_uniform_relu_init
 from jaxprune.models.pluggable_conv import (
   BoundConv,
   ConvFunction,
-  ConvKey,
   PluggableConv,
   conv_sharing_variables,
   next_call_key,
 )
+from jaxprune.sdgp._backward import SDGPKey, apply, check_out_channels
+from jaxprune.sdgp.linear import SDGPLinear
 from jaxprune.sdgp.prune import SDGPSettings
 from pallas_kernels import nm_math
 
@@ -42,48 +42,6 @@ _NHWC = ("NHWC", "HWIO", "NHWC")
 # This call's key of an SDGP layer: split from its SDGPKey and advanced (the shared rule of
 # conv layers that draw per call, data-parallel device folding included).
 next_layer_key = next_call_key
-
-
-def _check_out_channels(name: str, channels: int, m: int) -> None:
-  # Groups run over output channels (the dX conv's reduction axis), so they must tile it.
-  if channels % m != 0:
-    raise ValueError(f"{name}: {channels} output channels are not divisible by m={m}")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sdgp_apply(
-  settings: SDGPSettings, conv_fn, x: Array, kernel: Array, key: Array | None
-) -> Array:
-  return conv_fn(x, kernel)
-
-
-def _sdgp_apply_fwd(settings, conv_fn, x, kernel, key):
-  return conv_fn(x, kernel), (x, kernel, key)
-
-
-def _sdgp_apply_bwd(settings, conv_fn, residuals, cotangent):
-  x, kernel, key = residuals
-  # dW from the dense output gradient (SDGP §III-A: dL/dO is copied before pruning).
-  _, weight_vjp = jax.vjp(lambda w: conv_fn(x, w), kernel)
-  (d_kernel,) = weight_vjp(cotangent)
-  # dX from the N:M-pruned output gradient (SDGP Alg. 1, groups on the channel axis).
-  # The barrier keeps XLA from fusing (and so recomputing) the cotangent's producers into
-  # the pruning pass: the cotangent is materialised once for the dW conv anyway.
-  cotangent = jax.lax.optimization_barrier(cotangent)
-  pruned = settings.prune(cotangent, key)
-  _, input_vjp = jax.vjp(lambda x_: conv_fn(x_, kernel), x)
-  (d_x,) = input_vjp(pruned)
-  return d_x, d_kernel, None
-
-
-_sdgp_apply.defvjp(_sdgp_apply_fwd, _sdgp_apply_bwd)
-
-
-def _apply(settings: SDGPSettings, conv_fn, x: Array, kernel: Array, key: Array | None) -> Array:
-  """The checks of one call (the settings were checked when created), then the custom VJP."""
-  _check_out_channels("kernel", kernel.shape[-1], settings.m)
-  nm_math.validate_key(settings.method, key)
-  return _sdgp_apply(settings, conv_fn, x, kernel, key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +65,7 @@ class PrunedDataGradient:
     """``inner(lhs, rhs, window_strides, padding, **geometry)`` with SDGP's VJP; ``key``:
     the call's PRNG key, required for the random methods."""
     conv_fn = BoundConv.bind(self.inner, window_strides, padding, **geometry)
-    return _apply(self.settings, conv_fn, lhs, rhs, key)
+    return apply(self.settings, conv_fn, lhs, rhs, key)
 
 
 def with_pruned_data_gradient(
@@ -140,7 +98,7 @@ def with_pruned_data_gradient(
     ``conv_fn(x, kernel)``.
   """
   eps = nm_math.resolve_rescale_eps(method, rescale_eps)
-  return _apply(SDGPSettings(n, m, method, backend, eps), conv_fn, x, kernel, key)
+  return apply(SDGPSettings(n, m, method, backend, eps), conv_fn, x, kernel, key)
 
 
 def sdgp_conv(
@@ -212,14 +170,6 @@ def sdgp_conv(
 # ---------------------------------------------------------------------------------------
 
 
-class SDGPKey(ConvKey):
-  """PRNG key of an ``SDGPConv`` with a random method; advanced on every call.
-
-  Not an ``nnx.Param``: a train step must carry it like BatchNorm statistics (``nnx.jit``
-  and ``nnx.value_and_grad`` do; a functional loop must return ``nnx.state(model)``).
-  """
-
-
 class SDGPConv(PluggableConv):
   """``nnx.Conv`` whose input gradient uses the N:M-pruned output gradient (SDGP).
 
@@ -270,7 +220,7 @@ class SDGPConv(PluggableConv):
       settings = SDGPSettings(n, m, method, backend, rescale_eps)
     elif (n, m, method) != (None, None, None):
       raise ValueError("settings: give either settings or n, m and method, not both")
-    _check_out_channels("out_features", out_features, settings.m)
+    check_out_channels("out_features", out_features, settings.m)
     if "conv_general_dilated" in conv_kwargs:
       raise ValueError("conv_general_dilated: SDGPConv sets its own convolution")
     super().__init__(
@@ -344,10 +294,15 @@ class SDGPConversion:
   min_in_channels: int = 4
   seed: int | tuple | Array = 0
   reinit: bool = False
+  layers: tuple[str, ...] = ("conv",)
 
   def __post_init__(self):
     if not isinstance(self.reinit, bool):
       raise ValueError(f"reinit must be a bool, got {self.reinit!r}")
+    layers = (self.layers,) if isinstance(self.layers, str) else tuple(self.layers)
+    if not layers or not set(layers) <= {"conv", "linear"}:
+      raise ValueError(f"layers must be a non-empty subset of ('conv', 'linear'), got {layers!r}")
+    object.__setattr__(self, "layers", tuple(sorted(set(layers))))
     object.__setattr__(self, "seed", _hashable_seed(self.seed))
 
   @property
@@ -371,15 +326,26 @@ class SDGPConversion:
       "method=...) in place of the convolution, or write the model with flax.nnx layers",
     )
     n, m = self.settings.n, self.settings.m
-    targets = []
+    targets, dense_targets = [], []
     for path, module in nnx.iter_modules(model):
       # Converting twice would skip the SDGPConvs and silently keep the first N:M setting.
-      if isinstance(module, SDGPConv):
+      if isinstance(module, (SDGPConv, SDGPLinear)):
         raise ValueError(
-          f"model: already converted (conv at {'/'.join(map(str, path)) or '<root>'} is an "
-          f"SDGPConv with n={module.n}, m={module.m}); build a fresh model to convert it with "
-          f"n={n}, m={m}"
+          f"model: already converted (the layer at {'/'.join(map(str, path)) or '<root>'} is "
+          f"an {type(module).__name__} with n={module.settings.n}, m={module.settings.m}); "
+          f"build a fresh model to convert it with n={n}, m={m}"
         )
+      if (
+        "linear" in self.layers
+        and isinstance(module, nnx.Linear)
+        and module.in_features >= self.min_in_channels
+        and module.out_features % m == 0  # a 10-logit classifier keeps its dense backward
+      ):
+        if not path:
+          raise ValueError("model: pass a model containing layers, not a layer itself")
+        dense_targets.append((path, module))
+      if "conv" not in self.layers:
+        continue
       if isinstance(module, nnx.Conv) and module.in_features >= self.min_in_channels:
         if not path:
           raise ValueError("model: pass a model containing convs, not a conv itself")
@@ -389,8 +355,8 @@ class SDGPConversion:
             f"output channels, not divisible by m={m}"
           )
         targets.append((path, module))
-    if not targets:
-      raise ValueError(_no_targets_message(model, self.min_in_channels))
+    if not targets and not dense_targets:
+      raise ValueError(_no_targets_message(model, self.min_in_channels, self.layers, m))
     base_key = self.key()
     # A stream of its own: the random methods' per-layer keys stay what they were without it.
     init_base = jax.random.split(base_key)[1]
@@ -400,15 +366,21 @@ class SDGPConversion:
       if self.reinit:
         _reinitialise(new, jax.random.fold_in(init_base, index))
       replace_submodule(model, path, new)
+    # After the convs, so a conv-only conversion keeps its keys when linear is added.
+    for index, (path, linear) in enumerate(dense_targets, start=len(targets)):
+      key = jax.random.fold_in(base_key, index) if self.settings.uses_key else None
+      replace_submodule(model, path, SDGPLinear.from_linear(linear, self.settings, key=key))
     return record_conversion(model, self)
 
 
-def _no_targets_message(model: nnx.Module, min_in_channels: int) -> str:
+def _no_targets_message(
+  model: nnx.Module, min_in_channels: int, layers: tuple[str, ...] = ("conv",), m: int = 1
+) -> str:
   """Why a model has nothing to convert: what :class:`SDGPConversion` looked for, what it found."""
   convs = [
-    f"{'/'.join(map(str, p))} ({m.in_features} in)"
-    for p, m in nnx.iter_modules(model)
-    if isinstance(m, nnx.Conv)
+    f"{'/'.join(map(str, p))} ({mod.in_features} in)"
+    for p, mod in nnx.iter_modules(model)
+    if isinstance(mod, nnx.Conv)
   ]
   shown = ", ".join(convs[:6]) + (", ..." if len(convs) > 6 else "")
   found = (
@@ -416,10 +388,16 @@ def _no_targets_message(model: nnx.Module, min_in_channels: int) -> str:
     if convs
     else f"no nnx.Conv in {type(model).__name__} (a model without convolutions)"
   )
+  if "linear" in layers:
+    linears = [mod for _, mod in nnx.iter_modules(model) if isinstance(mod, nnx.Linear)]
+    found += f", and {len(linears)} nnx.Linear, none with >= {min_in_channels} inputs and "
+    found += f"output features divisible by m={m}"
+  elif any(isinstance(mod, nnx.Linear) for _, mod in nnx.iter_modules(model)):
+    found += "; its nnx.Linear layers convert with layers=('conv', 'linear')"
   return (
-    f"model: SDGP prunes the data gradient of every nnx.Conv with >= min_in_channels="
-    f"{min_in_channels} input channels and found {found}; nothing would be converted "
-    "(train it with the dense method, or lower min_in_channels)"
+    f"model: SDGP prunes the data gradient of every {' and '.join(f'nnx.{k.title()}' for k in layers)} "
+    f"with >= min_in_channels={min_in_channels} input channels and found {found}; nothing would "
+    "be converted (train it with the dense method, or lower min_in_channels)"
   )
 
 
@@ -453,6 +431,7 @@ def convert_model(
   backend: str = "auto",
   reinit: bool = False,
   rescale_eps: float | None = None,
+  layers: tuple[str, ...] = ("conv",),
 ) -> nnx.Module:
   """Swaps every ``nnx.Conv`` with ``>= min_in_channels`` inputs for an ``SDGPConv``, in place.
 
@@ -475,6 +454,10 @@ def convert_model(
       ``kaiming_uniform_`` with the ReLU gain; fan_in = kh·kw·in / groups), bias zero; layer
       ``i`` draws from ``fold_in(split(key)[1], i)``, so a seed reproduces it. Off by default:
       the converted convs keep their kernels bit for bit (weights are shared).
+    layers: what to convert: ``("conv",)`` (the paper's and its code's), or with ``"linear"``
+      also every ``nnx.Linear`` with ``>= min_in_channels`` inputs whose output features are a
+      multiple of ``m`` into an :class:`~jaxprune.sdgp.SDGPLinear` (beyond the paper: a
+      transformer's projections; a classifier of 10 logits keeps its dense backward).
 
   Returns:
     ``model``, with its convs replaced.
@@ -492,4 +475,4 @@ def convert_model(
     ...                       rngs=nnx.Rngs(0)), n=2, m=4, method="rescaled_magnitude")
   """
   settings = SDGPSettings(n, m, method, backend, rescale_eps)
-  return SDGPConversion(settings, min_in_channels, seed, reinit)(model)
+  return SDGPConversion(settings, min_in_channels, seed, reinit, layers)(model)
