@@ -114,8 +114,37 @@ def _norm(dim: int, kind: str, rngs: nnx.Rngs) -> nnx.Module:
   raise ValueError(f"norm must be 'layer' or 'rms', got {kind!r}")
 
 
+class _Residual(nnx.Module):
+  """``x + branch(norm(x))``, a branch PruneTrain may remove whole (§4.1 layer removal).
+
+  When every channel of the branch's own groups is dead (all of an attention's heads, all of
+  an MLP's units) its output is exactly zero, and the residual computes ``x``:
+  ``branch_names`` / :meth:`remove_branch` declare that to
+  :func:`jaxprune.prunetrain.reconfigure`.
+  """
+
+  branch_names = ("norm", "branch")
+
+  def __init__(self, norm: nnx.Module, branch: nnx.Module):
+    self.norm = norm
+    self.branch = branch
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if self.branch is None:
+      return x
+    return x + self.branch(self.norm(x))
+
+  def remove_branch(self) -> None:
+    """Drops the norm and the branch; the residual then passes ``x`` on."""
+    self.norm = None
+    self.branch = None
+
+
 class Block(nnx.Module):
   """A pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+  Each half is a removable residual branch (``self.attention``, ``self.feed_forward``), so a
+  block whose heads and MLP units have all died loses both and passes its input on.
 
   Args:
     dim, num_heads, head_dim, num_kv_heads, causal: see :class:`SelfAttention`.
@@ -137,16 +166,26 @@ class Block(nnx.Module):
     norm: str = "layer",
     rngs: nnx.Rngs,
   ):
-    self.attn_norm = _norm(dim, norm, rngs)
-    self.attn = SelfAttention(
+    attn = SelfAttention(
       dim, num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal, rngs=rngs
     )
-    self.mlp_norm = _norm(dim, norm, rngs)
-    self.mlp = MLP(dim, mlp_hidden, gated=gated, rngs=rngs)
+    self.attention = _Residual(_norm(dim, norm, rngs), attn)
+    self.feed_forward = _Residual(
+      _norm(dim, norm, rngs), MLP(dim, mlp_hidden, gated=gated, rngs=rngs)
+    )
+
+  @property
+  def attn(self) -> Optional[SelfAttention]:
+    """The attention (None once removed)."""
+    return self.attention.branch
+
+  @property
+  def mlp(self) -> Optional[MLP]:
+    """The MLP (None once removed)."""
+    return self.feed_forward.branch
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attn(self.attn_norm(x))
-    return x + self.mlp(self.mlp_norm(x))
+    return self.feed_forward(self.attention(x))
 
 
 class ViT(nnx.Module):

@@ -89,7 +89,7 @@ def test_vit_penalises_heads_and_units_never_head_dim_the_stream_logits_or_embed
   model = _vit()
   params = _params(model)
   penalised = prunetrain.penalised_axes(model, _IMAGE)
-  attn, mlp = ("blocks", 0, "attn"), ("blocks", 0, "mlp")
+  attn, mlp = ("blocks", 0, "attention", "branch"), ("blocks", 0, "feed_forward", "branch")
   kernels = {path for path in penalised.kernels}
   assert kernels == {attn + (n, "kernel") for n in "qkvo"} | {
     mlp + (n, "kernel") for n in ("up", "down")
@@ -125,7 +125,7 @@ def test_vit_shrink_zeroes_a_weak_head_whole_and_leaves_unpenalised_leaves_alone
   params = _params(model)
   penalised = prunetrain.penalised_axes(model, _IMAGE)
   shrunk = prunetrain.group_shrink(params, 0.01, penalised=penalised)
-  q_new = np.asarray(shrunk["blocks"][0]["attn"]["q"]["kernel"])
+  q_new = np.asarray(shrunk["blocks"][0]["attention"]["branch"]["q"]["kernel"])
   assert np.all(q_new[:, 4:] == 0.0) and np.all(q_new[:, :4] != 0.0)
   for key in ("pos_embedding",):
     np.testing.assert_array_equal(np.asarray(shrunk[key]), np.asarray(params[key]))
@@ -142,7 +142,7 @@ def test_unbound_and_stale_layouts_are_refused_by_name():
   penalised = prunetrain.penalised_axes(model, _IMAGE)
   narrower = ViT(dim=16, depth=1, num_heads=1, head_dim=4, mlp_hidden=8, rngs=nnx.Rngs(0))
   with pytest.raises(
-    ValueError, match=r"penalised: blocks/0/attn/./kernel has 4 positions .* had 8; bind it again"
+    ValueError, match=r"penalised: blocks/0/attention/branch/./kernel has 4 positions .* had 8; bind it again"
   ):
     prunetrain.penalty(_params(narrower), penalised=penalised)
   with pytest.raises(ValueError, match="either penalised or"):

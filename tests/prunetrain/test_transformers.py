@@ -65,13 +65,13 @@ def test_head_dim_is_kept_and_heads_and_units_are_the_groups():
     g for g in graph.blocked if any(r.startswith("kept: a head's head_dim") for r in g.blocked)
   ]
   assert {(g.name, g.width) for g in kept} >= {
-    ("blocks/0/attn/k/kernel[1]", _HD),  # q and k's head_dim (contracted by q·kᵀ)
-    ("blocks/0/attn/o/kernel[0]", _HD),  # v's head_dim (carried to o)
+    ("blocks/0/attention/branch/k/kernel[1]", _HD),  # q and k's head_dim (contracted by q·kᵀ)
+    ("blocks/0/attention/branch/o/kernel[0]", _HD),  # v's head_dim (carried to o)
   }
   prunable = {(g.name, g.width) for g in graph.prunable}
-  assert ("blocks/0/attn/k/kernel[1]", 2) in prunable  # the kv heads: q, k, v and o together
-  assert ("blocks/0/attn/o/kernel[0]", 2) in prunable  # the query heads of a group: q and o
-  assert ("blocks/0/mlp/down/kernel[0]", 16) in prunable  # SwiGLU units: gate, up and down
+  assert ("blocks/0/attention/branch/k/kernel[1]", 2) in prunable  # the kv heads: q, k, v and o together
+  assert ("blocks/0/attention/branch/o/kernel[0]", 2) in prunable  # the query heads of a group: q and o
+  assert ("blocks/0/feed_forward/branch/down/kernel[0]", 16) in prunable  # SwiGLU units: gate, up and down
 
 
 def test_a_dead_head_and_dead_units_are_removed_exactly():
@@ -187,10 +187,10 @@ def test_adamw_state_is_sliced_with_the_heads_and_the_next_step_is_the_small_mod
   # The reference: sliced by hand.
   heads = np.r_[0 : 2 * _HD, 3 * _HD : 4 * _HD]
   units = np.setdiff1d(np.arange(16), [3, 7])
-  index = {("blocks", 0, "attn", n, "kernel"): (slice(None), heads) for n in "qkv"} | {
-    ("blocks", 0, "attn", "o", "kernel"): (heads, slice(None)),
-    ("blocks", 0, "mlp", "up", "kernel"): (slice(None), units),
-    ("blocks", 0, "mlp", "down", "kernel"): (units, slice(None)),
+  index = {("blocks", 0, "attention", "branch", n, "kernel"): (slice(None), heads) for n in "qkv"} | {
+    ("blocks", 0, "attention", "branch", "o", "kernel"): (heads, slice(None)),
+    ("blocks", 0, "feed_forward", "branch", "up", "kernel"): (slice(None), units),
+    ("blocks", 0, "feed_forward", "branch", "down", "kernel"): (units, slice(None)),
   }
 
   def cut(tree):
@@ -233,3 +233,15 @@ def test_adamw_state_is_sliced_with_the_heads_and_the_next_step_is_the_small_mod
 def test_heads_that_the_kv_heads_do_not_divide_are_refused_by_name(heads, kv):
   with pytest.raises(ValueError, match=r"num_kv_heads \(2\) must divide num_heads \(3\)"):
     _vit(num_heads=heads, num_kv_heads=kv)
+
+
+def test_a_block_whose_heads_and_units_all_died_loses_both_branches():
+  model = _vit()
+  _kill_query_heads(model.blocks[0].attn, range(4))
+  for h in range(4):
+    _kill_kv_head(model.blocks[0].attn, h)
+  _kill_units(model.blocks[0].mlp, np.arange(16))
+  new, report = _reconfigure_and_compare(model)
+  assert report.removed_branches == ["blocks/0/attention", "blocks/0/feed_forward"]
+  assert new.blocks[0].attn is None and new.blocks[0].mlp is None
+  assert new.blocks[1].attn.q.kernel.shape == (16, 4 * _HD)  # the other block untouched

@@ -55,7 +55,7 @@ def test_convert_model_takes_a_transformers_projections():
   converted = {
     "/".join(map(str, p)) for p, m in nnx.iter_modules(model) if isinstance(m, sdgp.SDGPLinear)
   }
-  attn, mlp = "blocks/0/attn/", "blocks/0/mlp/"
+  attn, mlp = "blocks/0/attention/branch/", "blocks/0/feed_forward/branch/"
   assert converted == {attn + n for n in "qkvo"} | {mlp + "up", mlp + "down"}  # not the head
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(nnx.state(model, nnx.Param))):
     np.testing.assert_array_equal(a, np.asarray(b))  # the very parameters
