@@ -7,6 +7,7 @@ which channels and residual branches die, and writes it as a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,21 @@ def rounded_width(width: int, multiple: int, cap: int) -> int:
   return min(cap, -(-width // multiple) * multiple)
 
 
+def _channel_step(group: ChannelGroup, multiple: int) -> int:
+  """The kept-channel step that keeps every axis of ``group`` a multiple of ``multiple``.
+
+  A channel spans ``r`` positions of an axis flattened with others (a head: its head_dim
+  columns), so a count of channels ``k`` gives ``k·r`` positions; a multiple of
+  ``multiple / gcd(multiple, r)`` channels is enough there (any count of 4-wide heads keeps a
+  projection a multiple of 4).
+  """
+  step = 1
+  for use in group.uses:
+    per_channel = max(1, int(np.sum(use.coords >= 0)) // max(group.width, 1))
+    step = math.lcm(step, multiple // math.gcd(multiple, per_channel))
+  return step
+
+
 def _kept(group: ChannelGroup, exclude: Sequence[ParamPath], threshold: float, multiple: int):
   """The kept channels of a group: the live ones (channel union), at least the strongest one,
   rounded up to ``multiple`` with the strongest dead ones."""
@@ -46,7 +62,7 @@ def _kept(group: ChannelGroup, exclude: Sequence[ParamPath], threshold: float, m
   live = strength >= threshold
   target = max(1, int(live.sum()))
   if multiple > 1:
-    target = rounded_width(target, multiple, group.width)
+    target = rounded_width(target, _channel_step(group, multiple), group.width)
   if target > live.sum():
     dead = np.flatnonzero(~live)
     # strongest first; ties to the lower index

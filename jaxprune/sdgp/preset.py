@@ -37,6 +37,7 @@ def method(
   backend: str = "auto",
   reinit: bool = False,
   rescale_eps: float | None = None,
+  layers: tuple[str, ...] = ("conv",),
 ) -> Method:
   """SDGP (N:M pruning of each conv's output data gradient) as a method.
 
@@ -57,6 +58,8 @@ def method(
     rescale_eps: ``rescaled_magnitude``'s ε, as :func:`jaxprune.sdgp.nm_prune`: ``None`` (the
       ε-free ratio, whose gradients scale exactly with the loss, so a data-parallel step
       equals the single-device one) or the released code's ``1e-4``.
+    layers: as :func:`jaxprune.sdgp.convert_model` (``("conv", "linear")``: a transformer's
+      dense projections too, beyond the paper).
 
   Returns:
     A :class:`jaxprune.methods.Method` named ``"sdgp"``.
@@ -71,7 +74,7 @@ def method(
     >>> m = sdgp.method(n=2, m=4, method="mvue")
   """
   settings = SDGPSettings(n, m, method, backend, rescale_eps)
-  conversion = SDGPConversion(settings, min_in_channels, seed, reinit)
+  conversion = SDGPConversion(settings, min_in_channels, seed, reinit, layers)
   config = {
     "n": n,
     "m": m,
@@ -83,6 +86,8 @@ def method(
   }
   if rescale_eps is not None:  # recorded only when set: earlier runs' configs stay as they were
     config["rescale_eps"] = rescale_eps
+  if conversion.layers != ("conv",):
+    config["layers"] = list(conversion.layers)
   return Method(name="sdgp", convert=conversion, config=config)
 
 

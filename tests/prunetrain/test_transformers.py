@@ -69,9 +69,18 @@ def test_head_dim_is_kept_and_heads_and_units_are_the_groups():
     ("blocks/0/attention/branch/o/kernel[0]", _HD),  # v's head_dim (carried to o)
   }
   prunable = {(g.name, g.width) for g in graph.prunable}
-  assert ("blocks/0/attention/branch/k/kernel[1]", 2) in prunable  # the kv heads: q, k, v and o together
-  assert ("blocks/0/attention/branch/o/kernel[0]", 2) in prunable  # the query heads of a group: q and o
-  assert ("blocks/0/feed_forward/branch/down/kernel[0]", 16) in prunable  # SwiGLU units: gate, up and down
+  assert (
+    "blocks/0/attention/branch/k/kernel[1]",
+    2,
+  ) in prunable  # the kv heads: q, k, v and o together
+  assert (
+    "blocks/0/attention/branch/o/kernel[0]",
+    2,
+  ) in prunable  # the query heads of a group: q and o
+  assert (
+    "blocks/0/feed_forward/branch/down/kernel[0]",
+    16,
+  ) in prunable  # SwiGLU units: gate, up and down
 
 
 def test_a_dead_head_and_dead_units_are_removed_exactly():
@@ -187,7 +196,9 @@ def test_adamw_state_is_sliced_with_the_heads_and_the_next_step_is_the_small_mod
   # The reference: sliced by hand.
   heads = np.r_[0 : 2 * _HD, 3 * _HD : 4 * _HD]
   units = np.setdiff1d(np.arange(16), [3, 7])
-  index = {("blocks", 0, "attention", "branch", n, "kernel"): (slice(None), heads) for n in "qkv"} | {
+  index = {
+    ("blocks", 0, "attention", "branch", n, "kernel"): (slice(None), heads) for n in "qkv"
+  } | {
     ("blocks", 0, "attention", "branch", "o", "kernel"): (heads, slice(None)),
     ("blocks", 0, "feed_forward", "branch", "up", "kernel"): (slice(None), units),
     ("blocks", 0, "feed_forward", "branch", "down", "kernel"): (units, slice(None)),
@@ -245,3 +256,80 @@ def test_a_block_whose_heads_and_units_all_died_loses_both_branches():
   assert report.removed_branches == ["blocks/0/attention", "blocks/0/feed_forward"]
   assert new.blocks[0].attn is None and new.blocks[0].mlp is None
   assert new.blocks[1].attn.q.kernel.shape == (16, 4 * _HD)  # the other block untouched
+
+
+_RESUME_RUN = '''
+import sys
+import numpy as np
+from flax import nnx
+from jaxprune import data, methods, train
+from jaxprune.models.transformer import ViT
+
+def dead_head_vit():
+  model = ViT(dim=16, depth=1, num_heads=4, head_dim=4, mlp_hidden=16, patch=4, image_size=8,
+              in_channels=1, num_classes=4, rngs=nnx.Rngs(0))
+  attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+  for lin in (attn.q, attn.k, attn.v):  # head 1 dead everywhere: it stays dead under SGD
+    lin.kernel[...] = lin.kernel[...].at[:, 4:8].set(0.0)
+  attn.o.kernel[...] = attn.o.kernel[...].at[4:8, :].set(0.0)
+  mlp.up.kernel[...] = mlp.up.kernel[...].at[:, :4].set(0.0)
+  mlp.down.kernel[...] = mlp.down.kernel[...].at[:4, :].set(0.0)
+  return model
+
+def run(directory, epochs):
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (32, 8, 8, 1), dtype=np.uint8)
+  labels = rng.integers(0, 4, 32).astype(np.int32)
+  loader = data.Loader(data.Dataset.from_arrays(images, labels, num_classes=4), 16, shuffle=True,
+                       seed=0, drop_last=True)
+  method = methods.compose(
+    methods.get("sdgp", n=2, m=4, method="magnitude", layers=("conv", "linear")),
+    methods.get("prunetrain", every_epochs=1, dynamic_batch=False),
+  )
+  run = methods.Run.from_loader(loader, epochs=3)
+  model = method.convert(dead_head_vit())
+  trainer = train.Trainer(model, method.make_tx(train.sgd(0.05, momentum=0.9), run),
+                          callbacks=method.callbacks(run), progress=False, checkpoint_dir=directory)
+  history = trainer.fit(loader, None, epochs=epochs)
+  trainer.close()
+  return trainer, history
+
+if __name__ == "__main__":
+  trainer, _ = run(sys.argv[1], 3)
+  leaves = [np.asarray(v) for _, v in sorted(nnx.to_flat_state(nnx.state(trainer.model, nnx.Param)))]
+  np.savez(sys.argv[2], *leaves)
+'''
+
+
+def test_a_head_removal_resumes_bit_exact_in_a_new_process_under_sdgp(tmp_path, cpu_env):
+  # SDGP (its Linear layers) composed with PruneTrain on a ViT: epoch 1 removes the dead head
+  # and units; a new process resumes the checkpoint after it and ends where the whole run ends.
+  import importlib.util
+  import subprocess
+  import sys
+
+  script = tmp_path / "resume_run.py"
+  script.write_text(_RESUME_RUN)
+  spec = importlib.util.spec_from_file_location("resume_run", script)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  whole, history = module.run(tmp_path / "whole", 3)
+  assert history[0]["pt_reconfigured"] and history[0]["pt_channels_removed"] > 0
+  attn = whole.model.blocks[0].attn
+  assert attn.q.kernel.shape == (16, 12) and type(attn.q).__name__ == "SDGPLinear"
+  part, _ = module.run(tmp_path / "part", 1)
+  out = tmp_path / "resumed.npz"
+  proc = subprocess.run(
+    [sys.executable, str(script), str(tmp_path / "part"), str(out)],
+    capture_output=True,
+    text=True,
+    env=cpu_env(),
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  resumed = np.load(out)
+  want = [np.asarray(v) for _, v in sorted(nnx.to_flat_state(nnx.state(whole.model, nnx.Param)))]
+  assert len(resumed.files) == len(want)
+  for i, w in enumerate(want):
+    np.testing.assert_array_equal(resumed[f"arr_{i}"], w)
