@@ -14,6 +14,8 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxprune.models.transformer import ViT
+
 __all__ = ["ARCHITECTURES", "Architecture"]
 
 
@@ -183,6 +185,50 @@ class MLP(nnx.Module):
     return self.fc(x)
 
 
+def ViTMultiHead(rngs: nnx.Rngs) -> nnx.Module:
+  """A two-block ViT, hand-written multi-head attention (einsums over heads), GELU MLP."""
+  return ViT(dim=32, depth=2, num_heads=4, head_dim=8, mlp_hidden=64, rngs=rngs)
+
+
+def ViTGroupedQuery(rngs: nnx.Rngs) -> nnx.Module:
+  """A two-block ViT with grouped-query attention (8 query heads, 2 kv heads), SwiGLU, RMSNorm."""
+  return ViT(
+    dim=32,
+    depth=2,
+    num_heads=8,
+    head_dim=4,
+    num_kv_heads=2,
+    mlp_hidden=64,
+    gated=True,
+    norm="rms",
+    rngs=rngs,
+  )
+
+
+class FlaxAttentionViT(nnx.Module):
+  """Patches, one pre-norm ``nnx.MultiHeadAttention`` block (``LinearGeneral`` kernels with a
+  heads axis) and an MLP, mean-pooled logits."""
+
+  def __init__(self, rngs: nnx.Rngs, dim: int = 32, num_classes: int = 10):
+    self.embed = nnx.Linear(48, dim, rngs=rngs)
+    self.norm = nnx.LayerNorm(dim, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(
+      num_heads=4, in_features=dim, qkv_features=dim, decode=False, rngs=rngs
+    )
+    self.mlp_norm = nnx.LayerNorm(dim, rngs=rngs)
+    self.up = nnx.Linear(dim, 2 * dim, rngs=rngs)
+    self.down = nnx.Linear(2 * dim, dim, rngs=rngs)
+    self.fc = nnx.Linear(dim, num_classes, rngs=rngs)
+
+  def __call__(self, x):
+    n = x.shape[0]
+    t = x[:, ::2, ::2, :].reshape(n, 4, 4, 4, 4, 3).transpose(0, 1, 3, 2, 4, 5)
+    t = self.embed(t.reshape(n, 16, 48))
+    t = t + self.attn(self.norm(t))
+    t = t + self.down(nnx.gelu(self.up(self.mlp_norm(t))))
+    return self.fc(t.mean(axis=1))
+
+
 Architecture = Callable[[nnx.Rngs], nnx.Module]
 # name -> builder; every one takes (N, 32, 32, 3) images.
 ARCHITECTURES: dict[str, Architecture] = {
@@ -191,6 +237,9 @@ ARCHITECTURES: dict[str, Architecture] = {
   "DenseNet-style concatenation": DenseConcat,
   "ConvNeXt block (7x7 depthwise, LayerNorm, MLP)": ConvNeXtBlock,
   "ViT MLP block (tokens)": ViTMLPBlock,
+  "ViT, multi-head attention (hand-written)": ViTMultiHead,
+  "ViT, grouped-query attention + SwiGLU + RMSNorm": ViTGroupedQuery,
+  "nnx.MultiHeadAttention block": FlaxAttentionViT,
   "ShuffleNet unit (grouped 1x1, channel shuffle)": ShuffleUnit,
   "conv + flatten into Linear": FlattenCNN,
   "MLP": MLP,
