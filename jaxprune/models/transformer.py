@@ -228,24 +228,13 @@ class ViT(nnx.Module):
     if image_size % patch:
       raise ValueError(f"patch ({patch}) must divide image_size ({image_size})")
     tokens = (image_size // patch) ** 2
+    block_kw = dict(num_kv_heads=num_kv_heads, gated=gated, norm=norm, rngs=rngs)
     self.patch_embed = nnx.Conv(
       in_channels, dim, (patch, patch), strides=(patch, patch), padding="VALID", rngs=rngs
     )
     self.pos_embedding = nnx.Param(jax.random.normal(rngs.params(), (tokens, dim)) * 0.02)
     self.blocks = nnx.List(
-      [
-        Block(
-          dim,
-          num_heads,
-          head_dim,
-          mlp_hidden,
-          num_kv_heads=num_kv_heads,
-          gated=gated,
-          norm=norm,
-          rngs=rngs,
-        )
-        for _ in range(depth)
-      ]
+      [Block(dim, num_heads, head_dim, mlp_hidden, **block_kw) for _ in range(depth)]
     )
     self.norm = _norm(dim, norm, rngs)
     self.head = nnx.Linear(dim, num_classes, rngs=rngs)
@@ -286,23 +275,11 @@ class DecoderLM(nnx.Module):
     norm: str = "rms",
     rngs: nnx.Rngs,
   ):
+    block_kw = dict(num_kv_heads=num_kv_heads, gated=gated, causal=True, norm=norm, rngs=rngs)
     self.embed = nnx.Embed(vocab, dim, rngs=rngs)
     self.pos_embedding = nnx.Param(jax.random.normal(rngs.params(), (context, dim)) * 0.02)
     self.blocks = nnx.List(
-      [
-        Block(
-          dim,
-          num_heads,
-          head_dim,
-          mlp_hidden,
-          num_kv_heads=num_kv_heads,
-          gated=gated,
-          causal=True,
-          norm=norm,
-          rngs=rngs,
-        )
-        for _ in range(depth)
-      ]
+      [Block(dim, num_heads, head_dim, mlp_hidden, **block_kw) for _ in range(depth)]
     )
     self.norm = _norm(dim, norm, rngs)
     self.head = _linear(dim, vocab, rngs)
