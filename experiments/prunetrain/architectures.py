@@ -210,7 +210,7 @@ class FlaxAttentionViT(nnx.Module):
   heads axis) and an MLP, mean-pooled logits."""
 
   def __init__(self, rngs: nnx.Rngs, dim: int = 32, num_classes: int = 10):
-    self.embed = nnx.Linear(48, dim, rngs=rngs)
+    self.embed = nnx.Linear(192, dim, rngs=rngs)
     self.norm = nnx.LayerNorm(dim, rngs=rngs)
     self.attn = nnx.MultiHeadAttention(
       num_heads=4, in_features=dim, qkv_features=dim, decode=False, rngs=rngs
@@ -221,9 +221,9 @@ class FlaxAttentionViT(nnx.Module):
     self.fc = nnx.Linear(dim, num_classes, rngs=rngs)
 
   def __call__(self, x):
-    n = x.shape[0]
-    t = x[:, ::2, ::2, :].reshape(n, 4, 4, 4, 4, 3).transpose(0, 1, 3, 2, 4, 5)
-    t = self.embed(t.reshape(n, 16, 48))
+    n = x.shape[0]  # 16 tokens of 8x8x3 patches
+    t = x.reshape(n, 4, 8, 4, 8, 3).transpose(0, 1, 3, 2, 4, 5)
+    t = self.embed(t.reshape(n, 16, 192))
     t = t + self.attn(self.norm(t))
     t = t + self.down(nnx.gelu(self.up(self.mlp_norm(t))))
     return self.fc(t.mean(axis=1))

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxprune import flops
 from jaxprune.prunetrain.dynamic_batch import DynamicBatch
-from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD, channel_graph
+from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD, ChannelGraph, channel_graph
 from jaxprune.prunetrain.group_lasso import GroupLassoRatioState
 from jaxprune.prunetrain.penalised import PenalisedAxes
 from jaxprune.prunetrain.surgery import (
@@ -271,16 +271,16 @@ class PruneTrainCallback(Callback):
 
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
   def on_fit_start(self, trainer: TrainerLike) -> None:
-    _check_reconfigurable(trainer.model, self.image_shape, self.strict)
-    self._bind_penalised(trainer.model)
+    graph = _check_reconfigurable(trainer.model, self.image_shape, self.strict)
+    self._bind_penalised(trainer.model, graph)
     if trainer.step == 0:
       _warn_if_pretrained(trainer)
     # Before the first epoch trains, not at its end: the loader's batch size is known now.
     self._check_countable(trainer)
 
-  def _bind_penalised(self, model: nnx.Module) -> None:
+  def _bind_penalised(self, model: nnx.Module, graph: Any = None) -> None:
     if self.penalised is not None:
-      self.penalised.bind(model, (1, *self.image_shape))
+      self.penalised.bind(model, (1, *self.image_shape), graph=graph)
 
   def _check_countable(self, trainer: TrainerLike) -> None:
     """The epochs' images are counted from the loader's batch size: a loader without one is
@@ -419,9 +419,12 @@ RECORD_KEYS = (
 )
 
 
-def _check_reconfigurable(model: nnx.Module, image_shape: tuple, strict: bool) -> None:
+def _check_reconfigurable(model: nnx.Module, image_shape: tuple, strict: bool) -> ChannelGraph:
   """At fit start: ``model``'s channel graph has something to prune, nothing it cannot follow
   (with ``strict``) and finite kernels.
+
+  Returns:
+    The graph it traced (the penalised axes are read off it too).
 
   Raises:
     ValueError: what stops the reconfiguration, named, instead of a failure (or a run that
@@ -444,6 +447,7 @@ def _check_reconfigurable(model: nnx.Module, image_shape: tuple, strict: bool) -
       f"operations ({named}); PruneTrainCallback(strict=False) prunes only the "
       f"{len(graph.prunable)} other groups"
     )
+  return graph
 
 
 # PruneTrain §4.1 sets λ at initialisation, where CE₀ is about ln(classes); a first loss under

@@ -138,8 +138,13 @@ class PenalisedAxes:
   def bound(self) -> bool:
     return self._kernels is not None
 
-  def bind(self, model: Any, input_shape: Optional[Sequence[int]] = None) -> PenalisedAxes:
+  def bind(
+    self, model: Any, input_shape: Optional[Sequence[int]] = None, *, graph: Any = None
+  ) -> PenalisedAxes:
     """Reads the penalised axes off ``model``'s channel graph; returns ``self``.
+
+    ``graph``: the model's :func:`~jaxprune.prunetrain.channel_graph` when the caller traced
+    it already (for ``input_shape``), so it is not traced twice.
 
     Raises:
       ValueError: no input shape for a model without a width spec, or a model whose graph
@@ -147,7 +152,8 @@ class PenalisedAxes:
     """
     if input_shape is not None:
       self.input_shape = tuple(int(d) for d in input_shape)
-    graph = channel_graph(model, self.input_shape)
+    if graph is None:
+      graph = channel_graph(model, self.input_shape)
     self.input_shape = graph.input_shape
     families: dict[ParamPath, list[AxisGroups]] = {}
     for group in graph.groups:

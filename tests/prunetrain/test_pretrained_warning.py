@@ -30,7 +30,7 @@ def _notes(model, loader, tx=None):
 def test_a_model_that_already_fits_is_named_before_its_weak_lambda(tiny_resnet, digits_loader):
   loader = digits_loader(n=64, batch_size=16)
   pretrain = train.Trainer(tiny_resnet(), train.sgd(0.1, momentum=0.9), progress=False)
-  pretrain.fit(loader, None, epochs=8)
+  pretrain.fit(loader, None, epochs=5)
   assert pretrain.evaluate(loader)["test_loss"] < 0.5 * 1.386  # it fits: under half of ln(4)
   fitted = nnx.state(pretrain.model)
   notes = _notes(pretrain.model, loader)

@@ -170,6 +170,13 @@ def _loss(model, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
+@nnx.jit
+def _step(model, optimizer, x, y):
+  loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+  optimizer.update(model, grads, value=loss)
+  return loss
+
+
 def test_adamw_state_is_sliced_with_the_heads_and_the_next_step_is_the_small_models():
   # Group lasso over heads and units (by structure) with AdamW: after a head and two units
   # die and are removed, the next step equals that of a ViT built at the smaller width whose
@@ -181,8 +188,7 @@ def test_adamw_state_is_sliced_with_the_heads_and_the_next_step_is_the_small_mod
   tx = prunetrain.with_group_lasso(optax.adamw(1e-2), penalty_ratio=0.2, penalised=penalised)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   for _ in range(2):
-    loss, grads = nnx.value_and_grad(_loss)(model, x, y)
-    optimizer.update(model, grads, value=loss)
+    _step(model, optimizer, x, y)
   attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
   _kill_query_heads(attn, [2])
   _kill_kv_head(attn, 2)
@@ -190,8 +196,7 @@ def test_adamw_state_is_sliced_with_the_heads_and_the_next_step_is_the_small_mod
   new_model, new_opt, _ = prunetrain.reconfigure(model, optimizer, input_shape=_SHAPE)
   penalised.bind(new_model)
   moments = jax.tree.map(np.asarray, (new_opt.opt_state.inner[0].mu, new_opt.opt_state.inner[0].nu))
-  loss, grads = nnx.value_and_grad(_loss)(new_model, x, y)
-  new_opt.update(new_model, grads, value=loss)
+  loss = _step(new_model, new_opt, x, y)
 
   # The reference: sliced by hand.
   heads = np.r_[0 : 2 * _HD, 3 * _HD : 4 * _HD]
@@ -231,8 +236,7 @@ def test_adamw_state_is_sliced_with_the_heads_and_the_next_step_is_the_small_mod
   for got, want in zip(moments, (small_adam.mu, small_adam.nu)):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  loss_s, grads_s = nnx.value_and_grad(_loss)(small, x, y)
-  small_opt.update(small, grads_s, value=loss_s)
+  loss_s = _step(small, small_opt, x, y)
   np.testing.assert_allclose(float(loss), float(loss_s), rtol=1e-6)
   for a, b in zip(
     jax.tree.leaves(nnx.state(new_model, nnx.Param)), jax.tree.leaves(nnx.state(small, nnx.Param))
@@ -286,7 +290,7 @@ def run(directory, epochs):
     methods.get("sdgp", n=2, m=4, method="magnitude", layers=("conv", "linear")),
     methods.get("prunetrain", every_epochs=1, dynamic_batch=False),
   )
-  run = methods.Run.from_loader(loader, epochs=3)
+  run = methods.Run.from_loader(loader, epochs=2)
   model = method.convert(dead_head_vit())
   trainer = train.Trainer(model, method.make_tx(train.sgd(0.05, momentum=0.9), run),
                           callbacks=method.callbacks(run), progress=False, checkpoint_dir=directory)
@@ -295,7 +299,7 @@ def run(directory, epochs):
   return trainer, history
 
 if __name__ == "__main__":
-  trainer, _ = run(sys.argv[1], 3)
+  trainer, _ = run(sys.argv[1], 2)
   leaves = [np.asarray(v) for _, v in sorted(nnx.to_flat_state(nnx.state(trainer.model, nnx.Param)))]
   np.savez(sys.argv[2], *leaves)
 '''
@@ -313,7 +317,7 @@ def test_a_head_removal_resumes_bit_exact_in_a_new_process_under_sdgp(tmp_path, 
   spec = importlib.util.spec_from_file_location("resume_run", script)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  whole, history = module.run(tmp_path / "whole", 3)
+  whole, history = module.run(tmp_path / "whole", 2)
   assert history[0]["pt_reconfigured"] and history[0]["pt_channels_removed"] > 0
   attn = whole.model.blocks[0].attn
   assert attn.q.kernel.shape == (16, 12) and type(attn.q).__name__ == "SDGPLinear"
