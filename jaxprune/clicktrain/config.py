@@ -107,8 +107,11 @@ def default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
 
 
 def uses_choose_layer(layer_filter: Any) -> bool:
-  """Whether ``layer_filter`` is one of the library's rules (:func:`choose_layer` underneath:
-  the default, :func:`jaxprune.clicktrain.layer_filter_for`), not one of the user's."""
+  """Whether ``layer_filter`` is one of the library's rules, not one of the user's.
+
+  The library's rules have :func:`choose_layer` underneath: the default and
+  :func:`jaxprune.clicktrain.layer_filter_for`.
+  """
   return layer_filter is default_layer_filter or getattr(layer_filter, "choose_layer_rule", False)
 
 
@@ -131,8 +134,11 @@ def choose_layer(shape: tuple[int, ...], *, shortcut: bool) -> str | None:
 
 
 def unsupported_kernels(params: Any) -> list[str]:
-  """The convs (4-D kernels, past the stem) that the default choice leaves dense for their
-  kernel size: neither 3x3 (patterns) nor 1x1 (connectivity), as ``path (kh x kw)``."""
+  """The convs that the default choice leaves dense for their kernel size.
+
+  4-D kernels past the stem, neither 3x3 (patterns) nor 1x1 (connectivity), as
+  ``path (kh x kw)``.
+  """
   found = []
   for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     shape = tuple(np.shape(leaf))
@@ -147,9 +153,11 @@ _SKIP_WORDS = re.compile(r"proj|skip|short|resid|ident|down", re.IGNORECASE)
 
 
 def name_chosen_projections(params: Any) -> list[str]:
-  """The 1x1 convs (past the stem) that the name rule prunes though their names suggest a skip
-  path (``proj``, ``skip``, ``residual``, ...; not ``shortcut`` / ``downsample``, which it
-  leaves dense): likely projection shortcuts, which the paper's code leaves dense."""
+  """The 1x1 convs that the name rule prunes though their names suggest a skip path.
+
+  Past the stem, named ``proj``, ``skip``, ``residual``, ... (not ``shortcut`` / ``downsample``,
+  which it leaves dense): likely projection shortcuts, which the paper's code leaves dense.
+  """
   found = []
   for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     path, shape = path_string(key_path), tuple(np.shape(leaf))

@@ -67,8 +67,11 @@ def layer_filter_for(model: nnx.Module, input_shape: Sequence[int]) -> LayerFilt
 
 
 def checked_default_layer_filter(path: str, shape: tuple[int, ...]) -> str | None:
-  """The name-based default, for a run whose :class:`LayerChoiceCheck` compares it with the
-  structure at fit start (so the transform does not warn that it goes by name)."""
+  """The name-based default, for a run whose :class:`LayerChoiceCheck` checks it.
+
+  The check compares it with the structure at fit start, so the transform does not warn that
+  it goes by name.
+  """
   return default_layer_filter(path, shape)
 
 

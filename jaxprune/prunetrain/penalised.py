@@ -67,8 +67,11 @@ class AxisGroups:
       )
 
   def sum_squares(self, leaf: jax.Array, *, keepdims: bool = False) -> jax.Array:
-    """Σw² per channel: a ``(width,)`` vector, or with ``keepdims`` one that broadcasts
-    against ``leaf`` (a position outside the family gets +inf, so its inverse norm is 0)."""
+    """Σw² per channel.
+
+    A ``(width,)`` vector, or with ``keepdims`` one that broadcasts against ``leaf`` (a position
+    outside the family gets +inf, so its inverse norm is 0).
+    """
     other = tuple(a for a in range(leaf.ndim) if a != self.axis)
     per_position = jnp.sum(jnp.square(leaf), axis=other)
     if self.coords is None:
