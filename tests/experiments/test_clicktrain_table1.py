@@ -15,6 +15,7 @@ from experiments.clicktrain import table1 as clicktrain_table1
 from experiments.clicktrain import transition_options
 from jaxprune import methods
 from jaxprune.clicktrain import Schedule, preset
+from jaxprune.clicktrain.layer_choice import checked_default_layer_filter
 
 RESULTS = Path(__file__).resolve().parents[2] / "experiments" / "results" / "clicktrain"
 
@@ -80,6 +81,10 @@ def test_preset_reaches_clicktrain_with_the_arguments_the_published_runs_used(
   expected = inspect.signature(real).bind(inner, kernel_prune_ratio=ratio)
   expected.apply_defaults()
   expected.arguments.pop("kernel_prune_ratio")
+  # The preset passes the name rule itself (its fit-start check compares it with the
+  # structure): the same choice as the default the published runs took.
+  assert got.arguments.pop("layer_filter") is checked_default_layer_filter
+  assert expected.arguments.pop("layer_filter") is None
   assert got.arguments == expected.arguments
   # the per-layer ratios of the authors' released code (VGG-11; ResNet-32 by stage)
   if row == "vgg11":
