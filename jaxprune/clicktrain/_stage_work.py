@@ -331,15 +331,3 @@ def decay_pruned(u_leaves, layers: Layers, plan: Plan, w_leaves, ratio, decaying
 
   return _map_pruned(decay, decaying, plan, u_leaves)
 
-
-def refilled_counts(layers: Layers, plan: Plan, w_leaves) -> jax.Array:
-  """Per pruned layer (plan order), how many weights the masks prune are nonzero in ``w_leaves``.
-
-  After the hard prune every such weight is exactly 0 when the updates were applied as emitted;
-  a nonzero count means something between this transform and the parameters changed them.
-  """
-  counts = [
-    jnp.sum((full_mask(layers[name]) == 0) & (w_leaves[layer.index] != 0))
-    for name, layer in plan.items()
-  ]
-  return jnp.stack(counts).astype(jnp.int32) if counts else jnp.zeros((0,), jnp.int32)

@@ -252,7 +252,6 @@ def clicktrain(
   # A layer chosen once stays chosen when a reconfiguration narrows it (see ChosenLayers).
   memory = ChosenLayers()
   warned = []  # the layer-choice notes are said once per transform, not at every init
-  warned_refill = []  # the same for the pruned weights a later transform re-filled
 
   def init_fn(params):
     if not warned:
@@ -297,9 +296,6 @@ def clicktrain(
       return _pruned_update(
         plan, state, clock, w_leaves, g_leaves, g_def, params, value, extra_args
       )
-    # Not in the specialised step: it is the Trainer's (whose own end-of-epoch check covers
-    # it) or asked for by hand after the prune, and it keeps no stage switch at all.
-    _watch_refill(plan, state, w_leaves)
     if cfg.mode == "paper":
       layers, moved = _stage_machine.paper_step(cfg, plan, state, clock, w_leaves, g_leaves)
       stage = state.stage
@@ -326,43 +322,6 @@ def clicktrain(
     # of it) that says "pruned" always comes with weights that are zero where the masks prune.
     u_leaves = _stage_work.hard_mask(u_leaves, layers, plan, w_leaves, new_state.stage == PRUNED)
     return jax.tree.unflatten(u_def, u_leaves), new_state
-
-  def _watch_refill(plan, state, w_leaves):
-    """Warns (once) when the params of a step after the hard prune hold pruned weights.
-
-    The hard prune emits updates that make ``p + u`` exactly zero where the masks prune; placed
-    first in ``optax.chain(clicktrain(identity), adamw)`` the next transform rescales them, the
-    pruned weights come back, and nothing else would say so (the Trainer's end-of-epoch check
-    exists only inside the Trainer). Checked on the params this step receives, so a step that
-    enters the pruned stage (params not yet masked) is not counted.
-    """
-    if warned_refill or not plan:
-      return
-    counts = _stage_work.refilled_counts(state.layers, plan, w_leaves)
-    counts = jnp.where(state.stage == PRUNED, counts, 0)
-    names = list(plan)
-
-    def warn(host_counts):
-      if warned_refill:
-        return
-      warned_refill.append(True)
-      found = [f"{n} ({int(c)})" for n, c in zip(names, host_counts) if c]
-      warnings.warn(
-        f"clicktrain: after the hard prune the params hold nonzero pruned weights: "
-        f"{', '.join(found[:3])}{' ...' if len(found) > 3 else ''}. A transform after "
-        "clicktrain changed its masked updates (e.g. optax.chain(clicktrain(optax.identity()), "
-        "optax.adamw(...)) rescales them); wrap the optimizer instead, "
-        "clicktrain(optax.adamw(...), ...), so the masks act on the final update",
-        RuntimeWarning,
-        stacklevel=2,
-      )
-
-    jax.lax.cond(
-      jnp.any(counts > 0),
-      lambda c: jax.debug.callback(warn, c),
-      lambda c: None,
-      counts,
-    )
 
   def _pruned_update(plan, state, clock, w_leaves, g_leaves, g_def, params, value, extra_args):
     """The update of a state marked :class:`~jaxprune.clicktrain.PrunedStep`: mask the

@@ -81,9 +81,6 @@ _CASES = {
 }
 
 
-# The updates are computed on fixed params and never applied: the refill check would see the
-# pruned weights still there after the prune.
-@pytest.mark.filterwarnings("ignore:clicktrain. after the hard prune:RuntimeWarning")
 @pytest.mark.parametrize("case", sorted(_CASES))
 def test_a_config_of_sub_configs_gives_the_updates_of_the_same_keywords(case):
   mode, keywords, parts = _CASES[case]

@@ -48,9 +48,6 @@ def _grads(kit, p, i, nan_at=None):
   return g
 
 
-# The updates are computed on fixed params and never applied: the refill check would see the
-# pruned weights still there after the prune.
-@pytest.mark.filterwarnings("ignore:clicktrain. after the hard prune:RuntimeWarning")
 @pytest.mark.parametrize("mode", ["paper", "aligned"])
 def test_specialised_update_is_the_general_update_without_the_stage_machine(kit, mode):
   tx, p, st = _pruned(kit, mode)

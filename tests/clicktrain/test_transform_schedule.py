@@ -46,9 +46,6 @@ def test_init_refuses_params_with_no_layer_to_prune_and_lists_the_kernels_it_saw
     nothing.init(p)
 
 
-# The updates are computed on fixed params and never applied: the refill check would see the
-# pruned weights still there after the prune.
-@pytest.mark.filterwarnings("ignore:clicktrain. after the hard prune:RuntimeWarning")
 def test_stage_schedule_fixed_epochs(kit):
   spe = 3
   tx = ct.clicktrain(

@@ -49,13 +49,8 @@ def test_trainer_warns_when_adamw_after_clicktrain_refills_and_not_with_mask_las
   one_shot_clicktrain,
 ):
   adamw = optax.adamw(1e-2, weight_decay=1e-2)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
+  with pytest.warns(RuntimeWarning, match=r"pruned weights are non-zero \(first in 'c2/kernel'\)"):
     bad = _fit(optax.chain(one_shot_clicktrain(), adamw))
-  said = [str(w.message) for w in caught if w.category is RuntimeWarning]
-  # the Trainer's epoch-end check, and the transform's own (it sees the params it is given)
-  assert any("pruned weights are non-zero (first in 'c2/kernel')" in m for m in said), said
-  assert any(m.startswith("clicktrain: after the hard prune") and "c2/kernel" in m for m in said)
   assert readouts.stage_name(bad.opt_state) == "pruned"
   assert _pruned_nonzero(bad) > 0  # the warning was right
   m = readouts.masks(bad.opt_state, bad.params)
