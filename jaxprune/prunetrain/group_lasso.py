@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxprune.paths import param_path
-from jaxprune.prunetrain.penalised import KernelAxes, PenalisedAxes
+from jaxprune.prunetrain.penalised import KernelAxes, PenalisedAxes, check_default_rule
 
 __all__ = [
   "EPSILON",
@@ -208,38 +208,6 @@ def leaf_groups(
       skip_outputs = is_classifier(names, leaf, kernels)
       layout.append(LeafGroups(output_axis=None if skip_outputs else 1, input_axis=0))
   return jax.tree_util.tree_unflatten(treedef, layout)
-
-
-def check_default_rule(params: Any) -> None:
-  """Refuses a tree that the shape rule of :func:`leaf_groups` would penalise wrongly.
-
-  The rule takes every 2-D / 4-D leaf for a kernel.  In a tree whose layers name their
-  weights ``kernel`` (Flax NNX and Linen), a 2-D / 4-D leaf of another name (a positional
-  embedding, a ``(heads, head_dim)`` bias) would be penalised as a kernel, and a ``kernel`` of
-  another rank (a ``LinearGeneral`` or 1-D conv kernel) would be skipped: both are transformer
-  or non-CNN layouts, where the structural layout is the right one.
-
-  Raises:
-    ValueError: naming the leaves and pointing at :func:`jaxprune.prunetrain.penalised_axes`.
-  """
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  named = [(param_path(p), leaf) for p, leaf in flat if hasattr(leaf, "ndim")]
-  if not any(names and names[-1] == "kernel" for names, _ in named):
-    return  # a tree of other names: the shape rule is all there is
-  wrong = [
-    "/".join(map(str, names))
-    + (" (not a kernel)" if _is_kernel(leaf) else f" (a {leaf.ndim}-D kernel)")
-    for names, leaf in named
-    if _is_kernel(leaf) != (bool(names) and names[-1] == "kernel")
-  ]
-  if wrong:
-    shown = ", ".join(wrong[:4]) + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else "")
-    raise ValueError(
-      f"penalised: the default rule (every 2-D / 4-D leaf a kernel, the last 2-D one the "
-      f"classifier) does not fit this model: {shown}; pass "
-      "penalised=prunetrain.penalised_axes(model, input_shape), which reads the kernels and "
-      "the classifier off the traced graph"
-    )
 
 
 def default_is_input_conv(names: tuple, leaf: Any, kernels: Sequence[tuple]) -> bool:

@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprune.paths import ParamPath
+from jaxprune.paths import ParamPath, param_path
 from jaxprune.prunetrain.graph import channel_graph
 
-__all__ = ["AxisGroups", "KernelAxes", "PenalisedAxes", "penalised_axes"]
+__all__ = ["AxisGroups", "KernelAxes", "PenalisedAxes", "check_default_rule", "penalised_axes"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -227,3 +227,39 @@ def penalised_axes(model: Any, input_shape: Optional[Sequence[int]] = None) -> P
     print(penalised.summary())
   """
   return PenalisedAxes(model, input_shape)
+
+
+def check_default_rule(params: Any) -> None:
+  """Refuses a tree that the shape rule of :func:`leaf_groups` would penalise wrongly.
+
+  The rule takes every 2-D / 4-D leaf for a kernel.  In a tree whose layers name their
+  weights ``kernel`` (Flax NNX and Linen), a 2-D / 4-D leaf of another name (a positional
+  embedding, a ``(heads, head_dim)`` bias) would be penalised as a kernel, and a ``kernel`` of
+  another rank (a ``LinearGeneral`` or 1-D conv kernel) would be skipped: both are transformer
+  or non-CNN layouts, where the structural layout is the right one.
+
+  Raises:
+    ValueError: naming the leaves and pointing at :func:`jaxprune.prunetrain.penalised_axes`.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  named = [(param_path(p), leaf) for p, leaf in flat if hasattr(leaf, "ndim")]
+  if not any(names and names[-1] == "kernel" for names, _ in named):
+    return  # a tree of other names: the shape rule is all there is
+  wrong = [
+    "/".join(map(str, names))
+    + (
+      " (not a kernel)"
+      if (hasattr(leaf, 'ndim') and leaf.ndim in (2, 4))
+      else f" (a {leaf.ndim}-D kernel)"
+    )
+    for names, leaf in named
+    if (hasattr(leaf, 'ndim') and leaf.ndim in (2, 4)) != (bool(names) and names[-1] == "kernel")
+  ]
+  if wrong:
+    shown = ", ".join(wrong[:4]) + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else "")
+    raise ValueError(
+      f"penalised: the default rule (every 2-D / 4-D leaf a kernel, the last 2-D one the "
+      f"classifier) does not fit this model: {shown}; pass "
+      "penalised=prunetrain.penalised_axes(model, input_shape), which reads the kernels and "
+      "the classifier off the traced graph"
+    )
