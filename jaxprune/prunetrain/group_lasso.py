@@ -183,6 +183,8 @@ def leaf_groups(
   Raises:
     ValueError: ``penalised`` together with a predicate.
   """
+  if penalised is not None and not penalised.bound:
+    penalised = None  # not bound yet (no callback in this loop): the shape rule decides
   if penalised is not None:
     if is_input_conv is not None or is_classifier is not None:
       raise ValueError(
