@@ -92,6 +92,46 @@ def _warn_layer_choice(cfg: Config, params: Any) -> None:
     )
 
 
+def _passes_updates_through(inner: optax.GradientTransformationExtraArgs, state, params) -> bool:
+  """Whether ``inner.update`` returns the very updates it is given (``optax.identity()``).
+
+  Traced abstractly (``jax.eval_shape``: nothing is computed), with the params as the probe
+  updates: an identity returns its input leaves themselves. An inner whose update cannot run
+  on such a probe (it needs an extra argument) is taken as not passing through.
+  """
+  same = []
+
+  def probe(updates):
+    out, _ = inner.update(updates, state, params)
+    leaves_in, leaves_out = jax.tree.leaves(updates), jax.tree.leaves(out)
+    same.append(len(leaves_in) == len(leaves_out) and all(map(_is, leaves_in, leaves_out)))
+    return out
+
+  try:
+    jax.eval_shape(probe, params)
+  except (TypeError, ValueError):
+    return False
+  return bool(same and same[0])
+
+
+def _is(a: Any, b: Any) -> bool:
+  return a is b
+
+
+def _warn_pass_through_inner() -> None:
+  """ClickTrain §4.4's hard prune emits updates that zero the pruned weights exactly, and the
+  masked gradients after it keep them zero, only when nothing transforms them afterwards."""
+  warnings.warn(
+    "clicktrain's inner transform returns its updates unchanged (optax.identity()): placed "
+    "first in a chain, optax.chain(clicktrain(optax.identity()), optax.adamw(...)), the next "
+    "transform rescales the hard prune's updates and the pruned weights come back. Wrap the "
+    "optimizer instead, clicktrain(optax.adamw(...), ...), so the masks act on the final "
+    "update (an identity inner is right only to read the masked gradients themselves)",
+    UserWarning,
+    stacklevel=3,
+  )
+
+
 def clicktrain(
   inner: optax.GradientTransformation,
   *,
@@ -254,12 +294,16 @@ def clicktrain(
   warned = []  # the layer-choice notes are said once per transform, not at every init
 
   def init_fn(params):
-    if not warned:
+    first = not warned
+    if first:
       warned.append(True)
       _warn_layer_choice(cfg, params)
     plan = make_plan(cfg, params, memory)
     check_not_empty(plan, params)
     check_filter_groups(plan, params)
+    inner_state = inner.init(params)
+    if first and _passes_updates_through(inner, inner_state, params):
+      _warn_pass_through_inner()
     leaves = jax.tree.leaves(params)
     start = POOL if (cfg.mode == "paper" and cfg.schedule.pool_start_epoch == 0) else WARMUP
     return ClickTrainState(
@@ -273,7 +317,7 @@ def clicktrain(
         n: init_layer(leaves[layer.index], layer, cfg.paper.pool_size, cfg.mode)
         for n, layer in plan.items()
       },
-      inner_state=inner.init(params),
+      inner_state=inner_state,
       epoch_length=epoch_length_state(cfg.schedule.steps_per_epoch),
       schedule=cfg.schedule,
     )

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from jaxprune import clicktrain as ct
-from jaxprune.clicktrain.config import name_chosen_projections
 from jaxprune import data, flops, methods, models, train
+from jaxprune.clicktrain.config import name_chosen_projections
 
 _SHAPE = (1, 8, 8, 4)
 

@@ -16,6 +16,12 @@ from jaxprune.clicktrain._groups import cluster_filters, group_ids, group_sum, l
 from jaxprune.clicktrain.execution.aligned_layout import build_aligned_layout
 from jaxprune.state_slicing import ChannelSlices
 
+# These tests read the masked updates themselves through an identity inner, which init names
+# (tests/clicktrain/test_chain_position.py tests that warning).
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:clicktrain's inner transform returns its updates unchanged:UserWarning"
+)
+
 
 def _unit_rows(x):
   n = np.linalg.norm(x, axis=1, keepdims=True)

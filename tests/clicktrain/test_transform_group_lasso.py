@@ -13,6 +13,12 @@ from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
 from jaxprune.clicktrain._stage_work import group_lasso_grad
 
+# These tests read the masked updates themselves through an identity inner, which init names
+# (tests/clicktrain/test_chain_position.py tests that warning).
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:clicktrain's inner transform returns its updates unchanged:UserWarning"
+)
+
 
 def _np_group_lasso(w, pattern_mask, kernel_keep, eps):
   """ClickTrain §4.4 by a plain loop over kernels, in float64: the value

@@ -15,6 +15,12 @@ from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
 from jaxprune.train import checkpoint
 
+# These tests read the masked updates themselves through an identity inner, which init names
+# (tests/clicktrain/test_chain_position.py tests that warning).
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:clicktrain's inner transform returns its updates unchanged:UserWarning"
+)
+
 
 def test_pool_accumulation_and_global_pool(kit):
   _, p, states = kit.paper_run()

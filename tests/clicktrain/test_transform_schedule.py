@@ -17,6 +17,12 @@ from jaxprune.clicktrain import state as ct_state
 from jaxprune.clicktrain import transform as ct
 from jaxprune.clicktrain.config import SUB_CONFIG_KEYWORDS, Aligned, Config
 
+# These tests read the masked updates themselves through an identity inner, which init names
+# (tests/clicktrain/test_chain_position.py tests that warning).
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:clicktrain's inner transform returns its updates unchanged:UserWarning"
+)
+
 
 def test_default_layer_filter(kit):
   st = ct.clicktrain(optax.sgd(0.1), steps_per_epoch=1, hard_prune_epoch=3).init(kit.params())

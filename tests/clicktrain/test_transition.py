@@ -9,6 +9,12 @@ import pytest
 
 from jaxprune import clicktrain as ct
 
+# These tests read the masked updates themselves through an identity inner, which init names
+# (tests/clicktrain/test_chain_position.py tests that warning).
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:clicktrain's inner transform returns its updates unchanged:UserWarning"
+)
+
 SPE, PICK, PRUNE = 2, 1, 5  # steps per epoch, one-shot pick epoch, hard prune epoch
 
 
@@ -83,9 +89,10 @@ def test_soft_prune_decays_the_dropped_weights_linearly_to_zero_at_the_prune():
     if k < PICK * SPE:
       np.testing.assert_array_equal(w, w0)
       continue
-    mask = np.asarray(ct.find_state(state).layers["conv/kernel"].pattern_mask) * np.asarray(
-      ct.find_state(state).layers["conv/kernel"].kernel_keep
-    )[None, None]
+    mask = (
+      np.asarray(ct.find_state(state).layers["conv/kernel"].pattern_mask)
+      * np.asarray(ct.find_state(state).layers["conv/kernel"].kernel_keep)[None, None]
+    )
     left = float(np.clip((PRUNE - (k + 1) / SPE) / window, 0, 1))
     np.testing.assert_array_equal(w[mask != 0], w0[mask != 0])
     np.testing.assert_allclose(w[mask == 0], left * w0[mask == 0], rtol=1e-5, atol=1e-6)
@@ -123,7 +130,9 @@ def test_soft_prune_picks_the_masks_again_in_its_window():
 def test_transition_options_are_checked_when_built():
   with pytest.raises(ValueError, match="group_lasso_ramp must be one of"):
     _tx(optax.sgd(0.1), group_lasso_ramp="quadratic")
-  with pytest.raises(ValueError, match=r"prune_window_epochs \(5\) must fit between one_shot_epoch"):
+  with pytest.raises(
+    ValueError, match=r"prune_window_epochs \(5\) must fit between one_shot_epoch"
+  ):
     _tx(optax.sgd(0.1), prune_window_epochs=5)
   with pytest.raises(ValueError, match="prune_window_epochs must be an int >= 0"):
     _tx(optax.sgd(0.1), prune_window_epochs=-1)
