@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -105,7 +106,7 @@ def _passes_updates_through(inner: optax.GradientTransformationExtraArgs, state,
   def probe(updates):
     out, _ = inner.update(updates, state, params)
     leaves_in, leaves_out = jax.tree.leaves(updates), jax.tree.leaves(out)
-    same.append(len(leaves_in) == len(leaves_out) and all(map(_is, leaves_in, leaves_out)))
+    same.append(len(leaves_in) == len(leaves_out) and all(map(operator.is_, leaves_in, leaves_out)))
     return out
 
   try:
@@ -113,10 +114,6 @@ def _passes_updates_through(inner: optax.GradientTransformationExtraArgs, state,
   except Exception:  # noqa: BLE001 - see the docstring: no probe, no warning
     return False
   return bool(same and same[0])
-
-
-def _is(a: Any, b: Any) -> bool:
-  return a is b
 
 
 def _warn_pass_through_inner() -> None:

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from jaxprune import clicktrain, masking
+from jaxprune.clicktrain.state import full_mask
 
 _PASS_THROUGH = "inner transform returns its updates unchanged"
 
@@ -19,25 +20,25 @@ def _train_past_the_prune(kit, tx, steps=14):
   p = kit.params()
   st = tx.init(p)
   step = kit.train_step(tx)
-  after = None
+  pruned_steps = 0
   for i in range(steps):
     p, st = step(p, st, *kit.batch(i))
-    pruned = clicktrain.stage_name(st) == "pruned"
-    after = (after or 0) + 1 if pruned else after
-    if after == 2:
+    pruned_steps += clicktrain.stage_name(st) == "pruned"
+    if pruned_steps == 2:
       return p, st
   raise AssertionError("no hard prune")
 
 
 def _pruned_nonzero(state, params):
-  """Per pruned layer, the weights its masks prune that are nonzero in ``params`` (NumPy)."""
-  masks = masking.find_masks(state, params)
+  """Per pruned layer, the weights its masks prune that are nonzero in ``params``: counted in
+  NumPy from the state's own per-layer masks (``P ⊙ K``), not through ``masking``."""
   counts = {}
-  flat_p = jax.tree_util.tree_flatten_with_path(params)[0]
-  flat_m = jax.tree.leaves(masks, is_leaf=lambda x: x is None)
-  for (path, p), m in zip(flat_p, flat_m):
-    if m is not None:
-      counts[jax.tree_util.keystr(path)] = int(np.count_nonzero(np.asarray(p)[~np.asarray(m)]))
+  for name, layer in clicktrain.find_state(state).layers.items():
+    weight = params
+    for key in name.split("/"):
+      weight = weight[key]
+    keep = np.asarray(full_mask(layer)) != 0
+    counts[name] = int(np.count_nonzero(np.asarray(weight)[~keep]))
   return counts
 
 
