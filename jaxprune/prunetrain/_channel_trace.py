@@ -5,7 +5,8 @@ applies one rule per primitive: elementwise operations unify their operands' axe
 unifies its input's feature axis with its kernel's input axis (per group: a grouped conv's
 feature axis is ``groups x channels per group``) and gives its output the kernel's output
 axis; ``dot_general`` unifies contracted axes; ``reshape`` flattens or splits axes into
-products; ``concatenate`` and ``slice`` / ``split`` into concatenations; reductions keep the
+products; ``concatenate`` and ``slice`` / ``split`` into concatenations; a ``gather`` of whole slices
+(an embedding lookup) carries the axes it takes whole; reductions keep the
 other axes and mark the reduced ones; calls (``jit``, ``custom_vjp``, ``custom_jvp``,
 ``remat``) are walked inside. Every other primitive marks its operands' axes ``unfollowed``
 (named): its channels cannot be pruned, and the graph says which operation stopped them.
@@ -133,7 +134,9 @@ class _ChannelWalker:
         self.dims.mark(node, ("fixed", "a constant array that varies along the channels"))
 
   # -- walking ---------------------------------------------------------------------------------
-  def walk(self, jaxpr: Any, ins: Sequence[list[int]], consts: Sequence[Any] = ()) -> list[list[int]]:
+  def walk(
+    self, jaxpr: Any, ins: Sequence[list[int]], consts: Sequence[Any] = ()
+  ) -> list[list[int]]:
     for v, nodes in zip(jaxpr.invars, ins):
       self.axes[v] = nodes
     for i, v in enumerate(jaxpr.constvars):
@@ -253,8 +256,14 @@ class _ChannelWalker:
       # from group g (depthwise: I = O = 1, so the channels pass straight through).
       groups_node = self.dims.new(groups)
       per_group_out = self.dims.new(self.dims.size(kernel_out) // groups)
-      self.dims.unify(lhs[lhs_spec[1]], self.dims.composite("prod", [groups_node, kernel_in]), "grouped conv input")
-      self.dims.unify(kernel_out, self.dims.composite("prod", [groups_node, per_group_out]), "grouped conv output")
+      self.dims.unify(
+        lhs[lhs_spec[1]],
+        self.dims.composite("prod", [groups_node, kernel_in]),
+        "grouped conv input",
+      )
+      self.dims.unify(
+        kernel_out, self.dims.composite("prod", [groups_node, per_group_out]), "grouped conv output"
+      )
     out_shape = _shape(eqn.outvars[0])
     out = [0] * len(out_shape)
     out[out_spec[0]] = lhs[lhs_spec[0]]
@@ -382,6 +391,28 @@ class _ChannelWalker:
       out[axis] = pieces[1 if starts[axis] > 0 else 0]
     self.axes[eqn.outvars[0]] = out
 
+  def _gather(self, eqn: Any) -> None:
+    """A gather of whole slices (``nnx.Embed``'s row lookup, ``x[idx]``): an operand axis taken
+    whole is carried to its output offset axis, as a slice taken whole would be; the axes the
+    indices address are fixed (a vocabulary, not channels); the indices carry no channel."""
+    numbers = eqn.params["dimension_numbers"]
+    if getattr(numbers, "operand_batching_dims", ()):
+      self._unfollowed(eqn)
+      return
+    nodes = self.read(eqn.invars[0])
+    in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    sizes = eqn.params["slice_sizes"]
+    collapsed, indexed = set(numbers.collapsed_slice_dims), set(numbers.start_index_map)
+    out = [self.dims.new(d) for d in out_shape]
+    kept = [a for a in range(len(in_shape)) if a not in collapsed]
+    for axis, offset in zip(kept, numbers.offset_dims):
+      if axis not in indexed and sizes[axis] == in_shape[axis]:
+        out[offset] = nodes[axis]
+    for axis in indexed | collapsed:
+      self.dims.mark(nodes[axis], ("fixed", "an axis a gather indexes"))
+    self.read(eqn.invars[1])
+    self.axes[eqn.outvars[0]] = out
+
   def _pad(self, eqn: Any) -> None:
     nodes = self.read(eqn.invars[0])
     out = []
@@ -412,5 +443,5 @@ _RULES = {
   "split": _ChannelWalker._split,
   "slice": _ChannelWalker._slice,
   "pad": _ChannelWalker._pad,
+  "gather": _ChannelWalker._gather,
 }
-

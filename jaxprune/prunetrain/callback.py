@@ -20,7 +20,12 @@ from flax import nnx
 
 from jaxprune import flops
 from jaxprune.prunetrain.dynamic_batch import DynamicBatch
-from jaxprune.prunetrain.graph import DEFAULT_THRESHOLD, ChannelGraph, channel_graph
+from jaxprune.prunetrain.graph import (
+  DEFAULT_THRESHOLD,
+  ChannelGraph,
+  _as_input_dtype,
+  channel_graph,
+)
 from jaxprune.prunetrain.group_lasso import GroupLassoRatioState
 from jaxprune.prunetrain.penalised import PenalisedAxes
 from jaxprune.prunetrain.surgery import (
@@ -46,7 +51,7 @@ _PAPER_DEVICES = 4
 
 
 def model_costs(
-  model: nnx.Module, image_shape: Sequence[int], *, num_devices: int = 4
+  model: nnx.Module, image_shape: Sequence[int], *, num_devices: int = 4, input_dtype: Any = None
 ) -> dict[str, float]:
   """Per-image and per-step costs of a model (PruneTrain §5 Tab. 1, Fig. 8, Fig. 11).
 
@@ -56,6 +61,7 @@ def model_costs(
     model: an NNX model.
     image_shape: one image, e.g. ``(32, 32, 3)``.
     num_devices: devices of the ring all-reduce model.
+    input_dtype: the input's dtype (default float32; ``jnp.int32`` for token ids).
 
   Returns:
     ``inference_flops`` and ``train_flops`` per image, ``bn_bytes`` (BatchNorm training
@@ -63,7 +69,9 @@ def model_costs(
     all-reduce of all gradients) and ``params``.
   """
   shape = (1, *tuple(image_shape))
-  layers, traffic = flops.layer_flops_and_batchnorm_traffic(model, shape)
+  layers, traffic = flops.layer_flops_and_batchnorm_traffic(
+    model, shape, input_dtype=_as_input_dtype(input_dtype)
+  )
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   return {
     "inference_flops": float(flops.inference_flops(layers)),
@@ -102,7 +110,10 @@ class PruneTrainCallback(Callback):
   Args:
     every_epochs: reconfiguration interval in epochs.
     threshold: dead-group threshold (absolute max|w|).
-    image_shape: one training image, e.g. ``(32, 32, 3)``.
+    image_shape: one training image, e.g. ``(32, 32, 3)`` (one example: ``(128,)`` token ids).
+    input_dtype: the dtype of the model's input, for tracing its channel graph and costs:
+      float32 (images) by default, ``jnp.int32`` for token ids. The dynamic mini-batch
+      measures the step with float images, so an integer input needs ``dynamic_batch=False``.
     dynamic_batch: grow the batch after a reconfiguration.
     granularity: batch growth step (paper: 32).
     max_batch_size: cap on the batch size (e.g. the training-set size).
@@ -161,6 +172,7 @@ class PruneTrainCallback(Callback):
     every_epochs: int = 10,
     threshold: float = DEFAULT_THRESHOLD,
     image_shape: Sequence[int] = (32, 32, 3),
+    input_dtype: Any = None,
     dynamic_batch: bool = True,
     granularity: int = 32,
     max_batch_size: Optional[int] = None,
@@ -193,6 +205,12 @@ class PruneTrainCallback(Callback):
       raise ValueError(
         f"penalised must be a prunetrain.PenalisedAxes or None, got {type(penalised).__name__}"
       )
+    self.input_dtype = _as_input_dtype(input_dtype)
+    if dynamic_batch and not jnp.issubdtype(self.input_dtype, jnp.floating):
+      raise ValueError(
+        f"dynamic_batch: the dynamic mini-batch measures the train step's memory with float "
+        f"images, and the model's input is {self.input_dtype}; pass dynamic_batch=False"
+      )
     self.penalised = penalised
     self.recompute_batchnorm = recompute_batchnorm
     self.strict = bool(strict)
@@ -205,6 +223,7 @@ class PruneTrainCallback(Callback):
       count_flops=False,
       channel_multiple=channel_multiple,
       input_shape=(1, *tuple(image_shape)),
+      input_dtype=self.input_dtype,
     )
     self._new_costs: Optional[dict[str, float]] = None
     self.every_epochs = every_epochs
@@ -246,10 +265,14 @@ class PruneTrainCallback(Callback):
     new_model, new_opt_state, report = self._reconfigure_model(model, opt_state)
     old = self._state["costs"]
     if old is None:  # called before any epoch was accounted
-      old = model_costs(model, self.image_shape, num_devices=num_devices)
+      old = model_costs(
+        model, self.image_shape, num_devices=num_devices, input_dtype=self.input_dtype
+      )
     new = old
     if report.changed:
-      new = model_costs(new_model, self.image_shape, num_devices=num_devices)
+      new = model_costs(
+        new_model, self.image_shape, num_devices=num_devices, input_dtype=self.input_dtype
+      )
     self._new_costs = new
     report = dataclasses.replace(
       report,
@@ -271,7 +294,7 @@ class PruneTrainCallback(Callback):
 
   # Trainer callback protocol (jaxprune.train.Callback) -----------------------------
   def on_fit_start(self, trainer: TrainerLike) -> None:
-    graph = _check_reconfigurable(trainer.model, self.image_shape, self.strict)
+    graph = _check_reconfigurable(trainer.model, self.image_shape, self.strict, self.input_dtype)
     self._bind_penalised(trainer.model, graph)
     if trainer.step == 0:
       _warn_if_pretrained(trainer)
@@ -280,6 +303,7 @@ class PruneTrainCallback(Callback):
 
   def _bind_penalised(self, model: nnx.Module, graph: Any = None) -> None:
     if self.penalised is not None:
+      self.penalised.input_dtype = self.input_dtype
       self.penalised.bind(model, (1, *self.image_shape), graph=graph)
 
   def _check_countable(self, trainer: TrainerLike) -> None:
@@ -360,7 +384,10 @@ class PruneTrainCallback(Callback):
     state = self._state
     if state["costs"] is None:
       state["costs"] = model_costs(
-        trainer.model, self.image_shape, num_devices=self._devices(trainer)
+        trainer.model,
+        self.image_shape,
+        num_devices=self._devices(trainer),
+        input_dtype=self.input_dtype,
       )
       state["dense_costs"] = dict(state["costs"])
     if state["batch_size"] is None:
@@ -419,7 +446,9 @@ RECORD_KEYS = (
 )
 
 
-def _check_reconfigurable(model: nnx.Module, image_shape: tuple, strict: bool) -> ChannelGraph:
+def _check_reconfigurable(
+  model: nnx.Module, image_shape: tuple, strict: bool, input_dtype: Any = None
+) -> ChannelGraph:
   """At fit start: ``model``'s channel graph has something to prune, nothing it cannot follow
   (with ``strict``) and finite kernels.
 
@@ -431,7 +460,7 @@ def _check_reconfigurable(model: nnx.Module, image_shape: tuple, strict: bool) -
       never removes a channel) epochs later.
   """
   refuse_linen(model)  # before the first epoch trains, not at the first reconfiguration
-  graph = channel_graph(model, (1, *image_shape))
+  graph = channel_graph(model, (1, *image_shape), input_dtype=input_dtype)
   _check_finite(graph)
   if not any(g.kernels and not g.blocked for g in graph.groups):  # width 1: already cut down
     raise ValueError(

@@ -132,6 +132,7 @@ class ChannelGraph:
     conv_groups: conv kernel path -> the groups axis group of a grouped conv.
     input_shape: the input the forward pass was traced for.
     values: every variable of the model (parameters and other state) by path, as traced.
+    input_dtype: the dtype of that input (float32 images, int32 token ids, ...).
   """
 
   groups: list[ChannelGroup]
@@ -139,6 +140,7 @@ class ChannelGraph:
   conv_groups: dict[ParamPath, ChannelGroup]
   input_shape: tuple[int, ...]
   values: dict[ParamPath, Any] = dataclasses.field(repr=False, default_factory=dict)
+  input_dtype: Any = np.dtype(np.float32)
 
   @property
   def prunable(self) -> list[ChannelGroup]:
@@ -200,7 +202,9 @@ def default_input_shape(model: nnx.Module) -> Optional[tuple[int, ...]]:
   return (1, size, size, getattr(spec, "in_channels", 3))
 
 
-def channel_graph(model: nnx.Module, input_shape: Optional[Sequence[int]] = None) -> ChannelGraph:
+def channel_graph(
+  model: nnx.Module, input_shape: Optional[Sequence[int]] = None, *, input_dtype: Any = None
+) -> ChannelGraph:
   """The channel groups of ``model``, traced from ``model(x)`` for an ``x`` of ``input_shape``.
 
   Args:
@@ -223,7 +227,8 @@ def channel_graph(model: nnx.Module, input_shape: Optional[Sequence[int]] = None
         f"input_shape: {type(model).__name__} has no width spec to take an input shape from; "
         "pass the shape of one input batch, e.g. (1, 32, 32, 3)"
       )
-  closed, leaves, input_index = _trace(model, input_shape, None, jnp.float32)
+  dtype = _as_input_dtype(input_dtype)
+  closed, leaves, input_index = _trace(model, input_shape, None, dtype)
   jaxpr = closed.jaxpr
   rest = flatten_with_paths(nnx.split(model, nnx.Param, ...)[2])
   variables = leaves + rest
@@ -247,7 +252,26 @@ def channel_graph(model: nnx.Module, input_shape: Optional[Sequence[int]] = None
   for nodes in outs:
     for node in nodes:
       walker.dims.mark(node, ("fixed", "the model's output"))
-  return _groups(model, walker, ins, variables, kernel_leaves, tuple(int(d) for d in input_shape))
+  graph = _groups(model, walker, ins, variables, kernel_leaves, tuple(int(d) for d in input_shape))
+  graph.input_dtype = dtype
+  return graph
+
+
+def _as_input_dtype(input_dtype: Any) -> Any:
+  """``input_dtype`` as a NumPy dtype (None: float32, the images the library trains on).
+
+  Raises:
+    ValueError: ``input_dtype`` is not a numeric dtype.
+  """
+  if input_dtype is None:
+    return np.dtype(np.float32)
+  try:
+    dtype = np.dtype(input_dtype)
+  except TypeError as err:
+    raise ValueError(f"input_dtype must be a dtype such as jnp.int32, got {input_dtype!r}") from err
+  if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+    raise ValueError(f"input_dtype must be an integer or floating dtype, got {dtype}")
+  return dtype
 
 
 def _groups(model, walker, ins, variables, kernel_leaves, input_shape) -> ChannelGraph:

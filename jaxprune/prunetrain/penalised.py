@@ -129,11 +129,19 @@ class PenalisedAxes:
     model: the model to bind to now (optional).
     input_shape: the shape of one input batch for tracing (default: a
       :mod:`jaxprune.models` network's image).
+    input_dtype: that input's dtype (default float32; ``jnp.int32`` for token ids).
   """
 
-  def __init__(self, model: Any = None, input_shape: Optional[Sequence[int]] = None):
+  def __init__(
+    self,
+    model: Any = None,
+    input_shape: Optional[Sequence[int]] = None,
+    *,
+    input_dtype: Any = None,
+  ):
     self._kernels: Optional[dict[ParamPath, KernelAxes]] = None
     self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
+    self.input_dtype = input_dtype
     if model is not None:
       self.bind(model, input_shape)
 
@@ -156,8 +164,8 @@ class PenalisedAxes:
     if input_shape is not None:
       self.input_shape = tuple(int(d) for d in input_shape)
     if graph is None:
-      graph = channel_graph(model, self.input_shape)
-    self.input_shape = graph.input_shape
+      graph = channel_graph(model, self.input_shape, input_dtype=self.input_dtype)
+    self.input_shape, self.input_dtype = graph.input_shape, graph.input_dtype
     families: dict[ParamPath, list[AxisGroups]] = {}
     for group in graph.groups:
       if group.blocked:
@@ -207,13 +215,17 @@ class PenalisedAxes:
     return "\n".join(lines)
 
 
-def penalised_axes(model: Any, input_shape: Optional[Sequence[int]] = None) -> PenalisedAxes:
+def penalised_axes(
+  model: Any, input_shape: Optional[Sequence[int]] = None, *, input_dtype: Any = None
+) -> PenalisedAxes:
   """The group lasso's penalised kernel axes of ``model``, read off its channel graph.
 
   Args:
     model: any NNX model called as ``model(x)``.
     input_shape: the shape of one input batch, e.g. ``(1, 32, 32, 3)``; default the image of
       a :mod:`jaxprune.models` network.
+    input_dtype: that input's dtype: float32 by default, ``jnp.int32`` for a language
+      model's token ids (``penalised_axes(lm, (1, 128), input_dtype=jnp.int32)``).
 
   Returns:
     A bound :class:`PenalisedAxes`, for ``with_group_lasso(..., penalised=...)``.
@@ -226,7 +238,7 @@ def penalised_axes(model: Any, input_shape: Optional[Sequence[int]] = None) -> P
     penalised = prunetrain.penalised_axes(vit, input_shape=(1, 32, 32, 3))
     print(penalised.summary())
   """
-  return PenalisedAxes(model, input_shape)
+  return PenalisedAxes(model, input_shape, input_dtype=input_dtype)
 
 
 def check_default_rule(params: Any) -> None:

@@ -51,7 +51,6 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -61,6 +60,7 @@ from jaxprune.models.conversions import submodule
 from jaxprune.prunetrain.graph import (
   DEFAULT_THRESHOLD,
   ChannelGraph,
+  _as_input_dtype,
   channel_graph,
   default_input_shape,
 )
@@ -150,8 +150,8 @@ def _param_count(model: nnx.Module) -> int:
   return int(sum(np.size(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
-def _flops(model: nnx.Module, input_shape: tuple[int, ...]) -> tuple[int, int]:
-  layers = flops.layer_flops(model, input_shape)
+def _flops(model: nnx.Module, input_shape: tuple[int, ...], dtype: Any) -> tuple[int, int]:
+  layers = flops.layer_flops(model, input_shape, input_dtype=dtype)
   return flops.inference_flops(layers), flops.training_flops_per_step(layers)
 
 
@@ -210,6 +210,7 @@ def reconfigure(
   *,
   threshold: float = DEFAULT_THRESHOLD,
   input_shape: Optional[Sequence[int]] = None,
+  input_dtype: Any = None,
   count_flops: bool = True,
   channel_multiple: int = 1,
   inplace: bool = False,
@@ -227,6 +228,8 @@ def reconfigure(
     input_shape: the shape of one input batch, for tracing the channel graph and for the
       FLOPs in the report; default one 32x32 image (224x224 for ImageNet specs) for a
       :mod:`jaxprune.models` network, required for other models.
+    input_dtype: the dtype of that input: float32 (images) by default, ``jnp.int32`` for a
+      language model's token ids (see :func:`~jaxprune.prunetrain.channel_graph`).
     count_flops: set False to skip the FLOPs tracing.
     channel_multiple: round every kept channel count up to a multiple of this (capped at the
       current width) by keeping the strongest dead channels as well. Not in the paper:
@@ -247,7 +250,7 @@ def reconfigure(
   """
   _check_reconfigure_args(threshold, channel_multiple)
   refuse_linen(model)
-  graph = channel_graph(model, input_shape)
+  graph = channel_graph(model, input_shape, input_dtype=input_dtype)
   _check_finite(graph)
   multiple = math.lcm(channel_multiple, models.channel_multiple(model))
   plan = plan_reconfiguration(model, graph, threshold=threshold, multiple=multiple)
@@ -263,6 +266,7 @@ def apply_reconfiguration(
   *,
   graph: Optional[ChannelGraph] = None,
   input_shape: Optional[Sequence[int]] = None,
+  input_dtype: Any = None,
   count_flops: bool = False,
   inplace: bool = False,
 ):
@@ -275,9 +279,10 @@ def apply_reconfiguration(
     model: the model the plan was made for.
     opt_state: as in :func:`reconfigure`.
     plan: the plan.
-    graph: the model's channel graph (only for its input shape).
+    graph: the model's channel graph (only for its input shape and dtype).
     input_shape: the input shape for the check and the FLOPs (default: the graph's, else the
       model's spec's).
+    input_dtype: the input's dtype (default: the graph's, else float32).
     count_flops: count the FLOPs before and after for the report.
     inplace: change ``model`` itself instead of a clone.
 
@@ -289,17 +294,20 @@ def apply_reconfiguration(
       widths (a module whose attributes the surgery does not know; named).
   """
   shape = tuple(input_shape or (graph.input_shape if graph else default_input_shape(model)))
+  dtype = _as_input_dtype(
+    input_dtype if input_dtype is not None or graph is None else graph.input_dtype
+  )
   old_params = nnx.as_pure(nnx.state(model, nnx.Param))
   before = _layer_widths(model)
   offset = max((_branch_offset(submodule(model, _path(key))) for key in plan.removed), default=0.0)
-  flops_before = _flops(model, shape) if count_flops else (None, None)
+  flops_before = _flops(model, shape, dtype) if count_flops else (None, None)
   params_before = _param_count(model)
   # Taken before the cut: with inplace=True the old model is gone afterwards.
-  want = _output_shapes(model, shape)
+  want = _output_shapes(model, shape, dtype)
   name = type(model).__name__
   new_model = model if inplace else nnx.clone(model)
   apply_plan(new_model, plan)
-  _check_computes(new_model, shape, want, plan, name)
+  _check_computes(new_model, shape, dtype, want, plan, name)
   slices = ChannelSlices(
     {},
     old_params,
@@ -308,7 +316,7 @@ def apply_reconfiguration(
   )
   new_opt_state = _reconfigure_opt_state(opt_state, new_model, slices)
   after = _layer_widths(new_model)
-  flops_after = _flops(new_model, shape) if count_flops else (None, None)
+  flops_after = _flops(new_model, shape, dtype) if count_flops else (None, None)
   report = ReconfigureReport(
     channels_before=before,
     channels_after=after,
@@ -327,18 +335,20 @@ def apply_reconfiguration(
   return new_model, new_opt_state, report
 
 
-def _output_shapes(model: nnx.Module, shape: tuple) -> Any:
-  """The shapes ``model`` returns for an input of ``shape`` (traced abstractly)."""
+def _output_shapes(model: nnx.Module, shape: tuple, dtype: Any) -> Any:
+  """The shapes ``model`` returns for an input of ``shape`` and ``dtype`` (traced abstractly)."""
   graphdef, state = nnx.split(model)
-  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  x = jax.ShapeDtypeStruct(shape, dtype)
   out = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
   return jax.tree.map(lambda a: a.shape, out)
 
 
-def _check_computes(new: nnx.Module, shape: tuple, want: Any, plan: SurgeryPlan, name: str) -> None:
+def _check_computes(
+  new: nnx.Module, shape: tuple, dtype: Any, want: Any, plan: SurgeryPlan, name: str
+) -> None:
   """The reconfigured model traces with its new widths and gives the old output shapes."""
   try:
-    out = _output_shapes(new, shape)
+    out = _output_shapes(new, shape, dtype)
   except Exception as err:  # noqa: BLE001 - any tracing failure is the same finding
     touched = sorted({type(submodule(new, _path(k)[:-1])).__name__ for k in plan.slices})
     raise ValueError(

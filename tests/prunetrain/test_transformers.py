@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxprune import prunetrain
-from jaxprune.models.transformer import ViT
+from jaxprune.models.transformer import DecoderLM, ViT
 from jaxprune.paths import param_path
 
 _SHAPE = (1, 32, 32, 3)
@@ -114,6 +114,54 @@ def test_a_dead_kv_head_goes_with_its_query_heads_and_swiglu_units():
   a, mlp = new.blocks[0].attn, new.blocks[0].mlp
   assert a.k.kernel.shape == (16, _HD) and a.q.kernel.shape == (16, 2 * _HD)
   assert mlp.gate.kernel.shape == mlp.up.kernel.shape == (16, 11)
+
+
+def _lm(**kw):
+  base = dict(context=12, dim=16, depth=2, num_heads=4, head_dim=_HD, mlp_hidden=16)
+  return DecoderLM(**{**base, **kw}, rngs=nnx.Rngs(0))
+
+
+def test_a_language_model_traced_from_token_ids_loses_its_dead_kv_head_and_units():
+  # Before: the graph traced float inputs only, and the embedding's gather was unfollowed.
+  model = _lm(num_kv_heads=2)
+  graph = prunetrain.channel_graph(model, (1, 12), input_dtype=jnp.int32)
+  assert graph.unfollowed() == {}  # the gather is followed
+  stream = [g for g in graph.groups if any(u.name == "embed/embedding" for u in g.uses)]
+  assert len(stream) == 1 and stream[0].blocked  # the residual stream, under RMSNorm
+  assert any(r.startswith("normalized") for r in stream[0].blocked)
+  attn, mlp = model.blocks[1].attn, model.blocks[1].mlp
+  _kill_kv_head(attn, 0)
+  _kill_query_heads(attn, [0, 1])
+  _kill_units(mlp, np.arange(3, 9))
+  tokens = jax.random.randint(jax.random.key(2), (3, 12), 0, 256)
+  want = model(tokens)
+  new, _, report = prunetrain.reconfigure(model, None, input_shape=(1, 12), input_dtype=jnp.int32)
+  assert _relative(new(tokens), want) <= 1e-5
+  a = new.blocks[1].attn
+  assert a.k.kernel.shape == a.v.kernel.shape == (16, _HD)
+  assert a.q.kernel.shape == (16, 2 * _HD) and a.o.kernel.shape == (2 * _HD, 16)
+  assert new.blocks[1].mlp.up.kernel.shape == (16, 10)
+  # q and o lose two query heads, k and v one kv head, gate, up and down six units
+  removed = 2 * (16 * 2 * _HD) + 2 * (16 * _HD) + 3 * (16 * 6)
+  assert report.params_after == report.params_before - removed
+  assert report.flops_after < report.flops_before
+
+
+def test_a_float_trace_of_a_language_model_is_refused_by_name():
+  with pytest.raises(ValueError, match="input_shape"):
+    prunetrain.channel_graph(_lm(), (1, 12))
+  with pytest.raises(ValueError, match="input_dtype"):
+    prunetrain.channel_graph(_lm(), (1, 12), input_dtype="not a dtype")
+  with pytest.raises(ValueError, match="input_dtype"):
+    prunetrain.channel_graph(_lm(), (1, 12), input_dtype=bool)
+
+
+def test_the_penalised_axes_of_a_language_model_are_its_heads_and_units():
+  penalised = prunetrain.penalised_axes(_lm(), (1, 12), input_dtype=jnp.int32)
+  paths = {"/".join(map(str, p)) for p in penalised.kernels}
+  assert "blocks/0/attention/branch/q/kernel" in paths
+  assert "blocks/1/feed_forward/branch/gate/kernel" in paths
+  assert not any(p.startswith("embed") or p.startswith("head") for p in paths)
 
 
 class _FlaxMHA(nnx.Module):
@@ -267,7 +315,7 @@ import sys
 import numpy as np
 from flax import nnx
 from jaxprune import data, methods, train
-from jaxprune.models.transformer import ViT
+from jaxprune.models.transformer import DecoderLM, ViT
 
 def dead_head_vit():
   model = ViT(dim=16, depth=1, num_heads=4, head_dim=4, mlp_hidden=16, patch=4, image_size=8,
@@ -337,3 +385,20 @@ def test_a_head_removal_resumes_bit_exact_in_a_new_process_under_sdgp(tmp_path, 
   assert len(resumed.files) == len(want)
   for i, w in enumerate(want):
     np.testing.assert_array_equal(resumed[f"arr_{i}"], w)
+
+
+def test_the_callback_traces_token_ids_and_refuses_the_float_batch_probe():
+  from jaxprune.prunetrain.callback import _check_reconfigurable
+
+  with pytest.raises(ValueError, match="dynamic_batch"):
+    prunetrain.PruneTrainCallback(image_shape=(12,), input_dtype=jnp.int32)
+  callback = prunetrain.PruneTrainCallback(
+    image_shape=(12,), input_dtype=jnp.int32, dynamic_batch=False
+  )
+  model = _lm()
+  graph = _check_reconfigurable(model, (12,), True, callback.input_dtype)
+  assert graph.input_dtype == jnp.int32
+  costs = prunetrain.model_costs(model, (12,), input_dtype=jnp.int32)
+  assert costs["params"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  # the head alone: 12 tokens x 16 features x 256 outputs, one multiply-add each
+  assert costs["inference_flops"] > 2 * 12 * 16 * 256
