@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
   "prunetrain_speed": "prunetrain.speed",
   "prunetrain_compile_bench": "prunetrain.compile_bench",
   "prunetrain_any_model": "prunetrain.any_model",
+  "prunetrain_transformers": "prunetrain.transformers",
   # SDGP
   "sdgp_table1": "sdgp.table1",
   "sdgp_fig8": "sdgp.fig8",
