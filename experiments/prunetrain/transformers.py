@@ -348,7 +348,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   args = _parse(argv)
   command = cli.command_line("prunetrain_transformers", argv)
   folder = pages.output_dir("prunetrain", args.publish, args.out)
-  stem = folder / "transformers"
+  # The default ratio's runs are the page; another ratio's are a probe (probes/, listed on it).
+  if args.penalty_ratio == _parse([]).penalty_ratio:
+    stem = folder / "transformers"
+  else:
+    stem = pages.probes_dir(folder) / f"transformers_r{args.penalty_ratio:g}"
   saved = (
     json.loads(stem.with_suffix(".json").read_text()) if stem.with_suffix(".json").exists() else {}
   )

@@ -153,4 +153,32 @@ def write_page(stem: Path, result: dict[str, Any]) -> None:
   ]
   for name, row in result["rows"].items():
     lines += _row_section(name, row)
+  lines += _probes(stem)
   stem.with_suffix(".md").write_text("\n".join(lines))
+
+
+def _probes(stem: Path) -> list[str]:
+  """The other penalty ratios' runs (``probes/<stem>_r<ratio>.json``), one line each."""
+  found = sorted((stem.parent / "probes").glob(f"{stem.name}_r*.json"))
+  if not found:
+    return []
+  lines = [
+    "## Other penalty ratios (probes)",
+    "",
+    "The same rows and steps at another ratio (`--penalty-ratio R`, written to "
+    "`probes/transformers_rR.*`).",
+    "",
+    "| row | ratio | params saved | FLOPs saved | val loss / dense | time to dense's loss / dense's |",
+    "|---|---:|---:|---:|---:|---:|",
+  ]
+  for path in found:
+    for name, row in json.loads(path.read_text())["rows"].items():
+      s = row["summary"]
+      reach = s["time_to_dense_loss_ratio"]
+      lines.append(
+        f"| {row['settings']['title']} | {row['settings']['penalty_ratio']} | "
+        f"{_pct(s['params_saved'])} | {_pct(s['flops_saved'])} | {s['val_loss_ratio']:.3f} | "
+        + ("not reached" if reach is None else f"{reach:.2f}")
+        + " |"
+      )
+  return lines + [""]

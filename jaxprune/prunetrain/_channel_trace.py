@@ -394,7 +394,8 @@ class _ChannelWalker:
   def _gather(self, eqn: Any) -> None:
     """A gather of whole slices (``nnx.Embed``'s row lookup, ``x[idx]``): an operand axis taken
     whole is carried to its output offset axis, as a slice taken whole would be; the axes the
-    indices address are fixed (a vocabulary, not channels); the indices carry no channel."""
+    indices address are not followed (a vocabulary, or channels picked by index); the indices
+    carry no channel."""
     numbers = eqn.params["dimension_numbers"]
     if getattr(numbers, "operand_batching_dims", ()):
       self._unfollowed(eqn)
@@ -403,13 +404,18 @@ class _ChannelWalker:
     in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
     sizes = eqn.params["slice_sizes"]
     collapsed, indexed = set(numbers.collapsed_slice_dims), set(numbers.start_index_map)
-    out = [self.dims.new(d) for d in out_shape]
+    # The output's other axes are the indices' (tokens of a lookup, or picked channels): not
+    # followed either.
+    out = [self.dims.new(d, ("unfollowed", "operation 'gather'")) for d in out_shape]
     kept = [a for a in range(len(in_shape)) if a not in collapsed]
     for axis, offset in zip(kept, numbers.offset_dims):
       if axis not in indexed and sizes[axis] == in_shape[axis]:
         out[offset] = nodes[axis]
+    # An indexed axis may be a vocabulary (no kernel meets it: not a channel group) or channels
+    # picked or permuted (jnp.take over features): the graph cannot follow the latter, so the
+    # axis is refused as before, by name, and the strict callback still refuses such a model.
     for axis in indexed | collapsed:
-      self.dims.mark(nodes[axis], ("fixed", "an axis a gather indexes"))
+      self.dims.mark(nodes[axis], ("unfollowed", "operation 'gather'"))
     self.read(eqn.invars[1])
     self.axes[eqn.outvars[0]] = out
 

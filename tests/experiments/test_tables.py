@@ -393,6 +393,17 @@ _SCHEME = {
 }
 
 
+# Pages of commands that are not tables (prunetrain_any_model, prunetrain_transformers).
+_OWN_PAGES = (
+  "index.md",
+  "any_model.md",
+  "any_model.json",
+  "transformers.md",
+  "transformers.json",
+  "transformers_loss.png",
+)
+
+
 @pytest.mark.parametrize("paper", sorted(_SCHEME))
 def test_results_follow_one_naming_scheme(paper):
   """``<table>_<budget>[_<dtype>][_<row>...]`` for pages, JSON and plots (the dtype marker of a
@@ -423,8 +434,8 @@ def test_results_follow_one_naming_scheme(paper):
     elif rel.parts[0] == "logs":
       ok = len(rel.parts) == 2 and re.fullmatch(log, path.name)
     else:
-      # index.md, PruneTrain's coverage page (any_model), or a table's page
-      ok = path.name in ("index.md", "any_model.md", "any_model.json") or re.fullmatch(
+      # index.md, PruneTrain's coverage and transformer pages, or a table's page
+      ok = path.name in _OWN_PAGES or re.fullmatch(
         page, path.name
       )
     if not ok:
