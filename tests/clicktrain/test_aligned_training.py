@@ -87,6 +87,10 @@ def test_training_after_the_switch_matches_the_masked_dense_model(measured_run):
     assert layer.columns == ("shared" if shared else "per_group"), path
 
 
+# Slow: three trainings. The resume across the switch to the aligned layers is tested fast in
+# test_sparse_execution.py (test_resume_across_the_switch_is_exact), and the specialised step
+# equals the general one in test_pruned_step.py.
+@pytest.mark.slow
 def test_resume_across_the_switch_is_exact(tmp_path):
   # With the step specialised to the pruned stage from the prune on (PrunedStageStep): the
   # checkpoint stores the same arrays, and the resumed run specialises again at fit start.

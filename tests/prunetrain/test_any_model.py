@@ -40,29 +40,43 @@ def test_reconfigured_model_computes_the_zeroed_model(name):
     np.testing.assert_allclose(got[mode], want[mode], rtol=1e-5, atol=1e-5)
   # A clone: the given model keeps its widths.
   assert pt.channel_graph(model, _SHAPE).prunable[0].width > 0
-  assert sum(np.size(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))) == report.params_before
+  assert (
+    sum(np.size(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))) == report.params_before
+  )
 
 
 def test_graph_follows_residual_add_concat_depthwise_and_flatten():
   """Groups counted by hand for three of the hand-written models."""
-  graph = pt.channel_graph(ARCHITECTURES["hand-written ResNet (projection shortcuts)"](nnx.Rngs(0)), _SHAPE)
+  graph = pt.channel_graph(
+    ARCHITECTURES["hand-written ResNet (projection shortcuts)"](nnx.Rngs(0)), _SHAPE
+  )
   # The stem's output (read by block 0's first conv and projection), block 0's inner tensor,
   # block 0's sum (its last conv and projection write it), block 1's inner tensor, block 1's
   # sum (read by the fc): 5 groups.
   widths = sorted(g.width for g in graph.prunable)
   assert widths == [16, 16, 16, 32, 32]
-  stream = next(g for g in graph.prunable if any(u.name == "blocks/1/proj/kernel" and u.axis == 3 for u in g.uses))
+  stream = next(
+    g
+    for g in graph.prunable
+    if any(u.name == "blocks/1/proj/kernel" and u.axis == 3 for u in g.uses)
+  )
   names = {(u.name, u.axis) for u in stream.uses}
   assert {("blocks/1/b/kernel", 3), ("fc/kernel", 0), ("blocks/1/b_bn/mean", 0)} <= names
   # Depthwise: the expansion's channels pass through the depthwise conv (one group).
-  graph = pt.channel_graph(ARCHITECTURES["MobileNetV2 inverted residual (depthwise)"](nnx.Rngs(0)), _SHAPE)
+  graph = pt.channel_graph(
+    ARCHITECTURES["MobileNetV2 inverted residual (depthwise)"](nnx.Rngs(0)), _SHAPE
+  )
   hidden = next(g for g in graph.prunable if g.width == 64)
   assert {(u.name, u.axis) for u in hidden.kernels} == {
-    ("expand/kernel", 3), ("depthwise/kernel", 3), ("project/kernel", 2)
+    ("expand/kernel", 3),
+    ("depthwise/kernel", 3),
+    ("project/kernel", 2),
   }
   # Concatenation: layer 2 reads the stem's 8 channels at offset 0 and layer 0's 8 at 8.
   graph = pt.channel_graph(ARCHITECTURES["DenseNet-style concatenation"](nnx.Rngs(0)), _SHAPE)
-  layer0 = next(g for g in graph.prunable if ("layers/0/kernel", 3) in {(u.name, u.axis) for u in g.uses})
+  layer0 = next(
+    g for g in graph.prunable if ("layers/0/kernel", 3) in {(u.name, u.axis) for u in g.uses}
+  )
   use = next(u for u in layer0.uses if u.name == "layers/2/kernel" and u.axis == 2)
   np.testing.assert_array_equal(use.coords, [-1] * 8 + list(range(8)) + [-1] * 8)
   # Flatten into a Linear: channel c is every width-th row of the hidden Linear.
@@ -73,11 +87,15 @@ def test_graph_follows_residual_add_concat_depthwise_and_flatten():
 
 
 def test_layernorm_and_unfollowed_operations_block_their_groups_by_name():
-  graph = pt.channel_graph(ARCHITECTURES["ConvNeXt block (7x7 depthwise, LayerNorm, MLP)"](nnx.Rngs(0)), _SHAPE)
+  graph = pt.channel_graph(
+    ARCHITECTURES["ConvNeXt block (7x7 depthwise, LayerNorm, MLP)"](nnx.Rngs(0)), _SHAPE
+  )
   assert [g.width for g in graph.prunable] == [64]  # the MLP's hidden units
   stream = next(g for g in graph.blocked if g.width == 16)
   assert any(r.startswith("normalized: reduce_sum over the channels") for r in stream.blocked)
-  graph = pt.channel_graph(ARCHITECTURES["ShuffleNet unit (grouped 1x1, channel shuffle)"](nnx.Rngs(0)), _SHAPE)
+  graph = pt.channel_graph(
+    ARCHITECTURES["ShuffleNet unit (grouped 1x1, channel shuffle)"](nnx.Rngs(0)), _SHAPE
+  )
   assert any("channel shuffle" in r for g in graph.blocked for r in g.blocked)
   assert graph.unfollowed()
 
@@ -121,33 +139,57 @@ def test_groupnorm_loses_whole_groups_only(groups, dead, width, num_groups):
   x = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
   want = _outputs(model, x)
   new, _, _ = pt.reconfigure(model, None, input_shape=shape, count_flops=False)
-  assert (new.c1.kernel.shape[-1], new.gn.num_features, new.gn.num_groups) == (width, width, num_groups)
+  assert (new.c1.kernel.shape[-1], new.gn.num_features, new.gn.num_groups) == (
+    width,
+    width,
+    num_groups,
+  )
   got = _outputs(new, x)
   for mode in want:
     np.testing.assert_allclose(got[mode], want[mode], rtol=1e-5, atol=1e-5)
 
 
-def test_zoo_models_give_the_same_model_by_slicing_and_by_rebuilding_from_the_spec():
+# The full-width ResNet-50 and ClickTrain's VGG-11 take most of the time; the same surgery and
+# rebuild run on a residual network (ResNet-20), a VGG and an SDGP ResNet-9 by default, and
+# bottleneck blocks are sliced exactly in test_reconfigure.py.
+_SLOW_ZOO = ("prunetrain-resnet50", "clicktrain-vgg11")
+
+
+@pytest.mark.parametrize(
+  "name",
+  [
+    "prunetrain-resnet20",
+    "prunetrain-vgg11",
+    "sdgp-resnet9",
+    *(pytest.param(n, marks=pytest.mark.slow) for n in _SLOW_ZOO),
+  ],
+)
+def test_zoo_models_give_the_same_model_by_slicing_and_by_rebuilding_from_the_spec(name):
   """The traced surgery slices the zoo's models in place; rebuilding from the smaller width
   spec and copying the values gives the same structure and arrays."""
-  for name in ("prunetrain-resnet20", "prunetrain-resnet50", "prunetrain-vgg11", "clicktrain-vgg11", "sdgp-resnet9"):
-    model = models.create(name, num_classes=10, rngs=nnx.Rngs(0))
-    masks.kill_channels(model, 0.5)
-    sliced, _, _ = pt.reconfigure(model, None, count_flops=False)
-    rebuilt = nnx.eval_shape(lambda: models.rebuild(model, sliced.spec))
-    nnx.update(rebuilt, nnx.state(sliced))
-    a, b = nnx.state(sliced), nnx.state(rebuilt)
-    assert jax.tree.structure(a) == jax.tree.structure(b), name
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-      assert x.shape == y.shape
-    assert sliced.spec != model.spec
+  model = models.create(name, num_classes=10, rngs=nnx.Rngs(0))
+  masks.kill_channels(model, 0.5)
+  sliced, _, _ = pt.reconfigure(model, None, count_flops=False)
+  rebuilt = nnx.eval_shape(lambda: models.rebuild(model, sliced.spec))
+  nnx.update(rebuilt, nnx.state(sliced))
+  a, b = nnx.state(sliced), nnx.state(rebuilt)
+  assert jax.tree.structure(a) == jax.tree.structure(b), name
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.shape == y.shape
+  assert sliced.spec != model.spec
 
 
 def _loader(seed=0, n=64):
   rng = np.random.default_rng(seed)
   images = rng.integers(0, 256, size=(n, 32, 32, 3), dtype=np.uint8)
   labels = rng.integers(0, 10, size=n).astype(np.int32)
-  return data.Loader(data.Dataset.from_arrays(images, labels, num_classes=10), 16, shuffle=True, seed=0, drop_last=True)
+  return data.Loader(
+    data.Dataset.from_arrays(images, labels, num_classes=10),
+    16,
+    shuffle=True,
+    seed=0,
+    drop_last=True,
+  )
 
 
 def _prunetrain_trainer(model, directory=None):
@@ -198,7 +240,9 @@ def test_reconfigure_bad_input_is_named():
     pt.reconfigure(model, None, input_shape=_SHAPE)
   model = ProjectionResNet(nnx.Rngs(0), width=8)
   masks.kill_channels(model, 0.5, input_shape=_SHAPE)
-  wrong = {"mu": jax.tree.map(jnp.zeros_like, nnx.as_pure(nnx.state(FlattenCNN(nnx.Rngs(0)), nnx.Param)))}
+  wrong = {
+    "mu": jax.tree.map(jnp.zeros_like, nnx.as_pure(nnx.state(FlattenCNN(nnx.Rngs(0)), nnx.Param)))
+  }
   with pytest.raises(ValueError, match="opt_state: leaf"):
     pt.reconfigure(model, wrong, input_shape=_SHAPE)
 
@@ -227,7 +271,9 @@ def test_inplace_reconfiguration_cuts_the_model_itself_and_still_checks_its_outp
   want = _outputs(model, x)
   new, _, report = pt.reconfigure(model, None, input_shape=_SHAPE, inplace=True)
   assert new is model and report.params_after < report.params_before
-  assert sum(np.size(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))) == report.params_after
+  assert (
+    sum(np.size(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))) == report.params_after
+  )
   got = _outputs(model, x)
   for mode in want:
     np.testing.assert_allclose(got[mode], want[mode], rtol=1e-5, atol=1e-5)
