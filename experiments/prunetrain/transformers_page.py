@@ -120,8 +120,20 @@ def _row_section(name: str, row: dict[str, Any]) -> list[str]:
       f"{', '.join(rec['removed_branches']) or '–'} | "
       f"{before[-1][speed]:,.0f} | " + (f"{after[0][speed]:,.0f}" if after else "–") + " |"
     )
-  if not row["runs"]["prunetrain"]["reconfigurations"]:
+  recs = row["runs"]["prunetrain"]["reconfigurations"]
+  if not recs:
     lines.append("| – | no group died | | | | | |")
+  else:
+    query = sum(v for k, v in recs[-1]["widths"].items() if k.endswith("/q"))
+    heads = query // s["model"]["head_dim"]
+    total = s["model"]["num_heads"] * s["model"]["depth"]
+    lines += [
+      "",
+      f"Query heads at the end: {heads} of {total}"
+      + (" (no head died: the groups that went are MLP units)." if heads == total else "."),
+      f"The first record after a reconfiguration includes the recompilation of the step at the "
+      f"new widths, so its {unit} read low.",
+    ]
   lines += [
     "",
     f"Dense {unit} over the run: {dense[len(dense) // 2][speed]:,.0f} (mid-run record).",
@@ -132,7 +144,9 @@ def _row_section(name: str, row: dict[str, Any]) -> list[str]:
 
 def write_page(stem: Path, result: dict[str, Any]) -> None:
   """Writes ``<stem>.json``, ``<stem>.md`` and the figure ``<stem>_loss.png``."""
-  stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+  stem = Path(stem)
+  # Not with_suffix: a probe's stem holds its ratio ("transformers_r0.5").
+  stem.parent.joinpath(f"{stem.name}.json").write_text(json.dumps(result, indent=1))
   figure = stem.parent / f"{stem.name}_loss.png"
   _figure(result, figure)
   lines = [
@@ -154,7 +168,7 @@ def write_page(stem: Path, result: dict[str, Any]) -> None:
   for name, row in result["rows"].items():
     lines += _row_section(name, row)
   lines += _probes(stem)
-  stem.with_suffix(".md").write_text("\n".join(lines))
+  stem.parent.joinpath(f"{stem.name}.md").write_text("\n".join(lines))
 
 
 def _probes(stem: Path) -> list[str]:
