@@ -16,7 +16,7 @@ evaluations.
   ``sysconfig.get_paths()["stdlib"]``, tests and site-packages left out; read from disk, never
   downloaded). Every tenth file, in sorted order, is held out for validation.
 
-    python -m experiments.run prunetrain_transformers            # both rows, about 45 min on 2 cores
+    python -m experiments.run prunetrain_transformers            # both rows, about 25 min on 2 cores
     python -m experiments.run prunetrain_transformers --publish  # results/prunetrain/transformers.md
 
 References:
