@@ -44,11 +44,13 @@ from flax import nnx
 
 from experiments.common import cli, pages
 from experiments.common.machine import machine_description
-from jaxprune import data, flops
+from experiments.prunetrain.transformers_page import write_page
+from jaxprune import data
 from jaxprune import prunetrain as pt
 from jaxprune.models.transformer import DecoderLM, ViT
 
 ROWS = ("vit", "lm")
+_METHODS = ("dense", "prunetrain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +172,7 @@ class _LMData:
     starts = np.arange(0, len(val) - _CONTEXT - 1, _CONTEXT + 1)[:val_windows]
     self.val = _windows(val, starts)
     self.rng = np.random.default_rng(seed)
+    self.described = {"val_tokens": int(self.val[0].size)}
 
   def batch(self, size: int) -> tuple[np.ndarray, np.ndarray]:
     return _windows(self.train, self.rng.integers(0, len(self.train) - _CONTEXT - 1, size))
@@ -182,16 +185,14 @@ class _LMData:
 class _ImageData:
   """CIFAR-10 batches from a :class:`jaxprune.data.Loader` (crop and flip), and the test set."""
 
-  def __init__(self, train_images: int, seed: int, root: Any):
-    train = data.load("cifar10", root=root, split="train").balanced_subset(train_images, seed)
-    test = data.load("cifar10", root=root, split="test")
-    self.loader = data.Loader(train, 128, seed=seed, augment="prunetrain")
+  def __init__(self, train: data.Dataset, test: data.Dataset, batch_size: int, seed: int):
+    self.loader = data.Loader(train, batch_size, seed=seed, augment="prunetrain")
     self.test = data.Loader(test, 500, shuffle=False, drop_last=False)
     self._it = iter(())
     self.described = {"train_images": len(train), "test_images": len(test)}
 
   def batch(self, size: int) -> tuple[np.ndarray, np.ndarray]:
-    del size  # the loader's
+    del size  # the loader's, set when it was built
     for _ in range(2):
       batch = next(self._it, None)
       if batch is not None:
@@ -244,12 +245,8 @@ def _evaluate(eval_fn, params, rest, batches) -> dict[str, float]:
 
 
 def _costs(model: nnx.Module, shape: tuple, dtype: Any) -> dict[str, float]:
-  layers = flops.layer_flops(model, shape, input_dtype=dtype)
-  params = nnx.state(model, nnx.Param)
-  return {
-    "params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
-    "flops": float(flops.inference_flops(layers)),
-  }
+  costs = pt.model_costs(model, shape[1:], input_dtype=dtype)
+  return {"params": int(costs["params"]), "flops": costs["inference_flops"]}
 
 
 def _split(model: nnx.Module) -> tuple[Any, Any, Any]:
@@ -360,14 +357,18 @@ def main(argv: Sequence[str] | None = None) -> None:
   for name in args.rows:
     row = _ROWS[name]
     steps = args.steps or row.steps
+    # One source per training, each in the same order from the seed; the data is read once.
     if name == "lm":
-      train, val, described = stdlib_bytes(args.train_bytes)
-      make_source = lambda: _LMData(train, val, args.val_windows, args.seed)  # noqa: E731
-      described["val_tokens"] = min(args.val_windows, len(val) // (_CONTEXT + 1)) * _CONTEXT
+      text, val, described = stdlib_bytes(args.train_bytes)
+      sources = {m: _LMData(text, val, args.val_windows, args.seed) for m in _METHODS}
     else:
-      make_source = lambda: _ImageData(args.train_images, args.seed, args.root)  # noqa: E731
-      described = make_source().described
-    runs = {m: train_run(row, m, make_source(), args, steps) for m in ("dense", "prunetrain")}
+      train = data.load("cifar10", root=args.root, split="train")
+      train = train.balanced_subset(args.train_images, args.seed)
+      test = data.load("cifar10", root=args.root, split="test")
+      described = {}
+      sources = {m: _ImageData(train, test, row.batch_size, args.seed) for m in _METHODS}
+    described.update(sources["dense"].described)
+    runs = {m: train_run(row, m, sources[m], args, steps) for m in _METHODS}
     result["rows"][name] = {
       "date": pages.utc_now(),
       "command": command,
@@ -384,7 +385,5 @@ def main(argv: Sequence[str] | None = None) -> None:
       "runs": runs,
       "summary": summary(runs),
     }
-    from experiments.prunetrain.transformers_page import write_page
-
     write_page(stem, result)
   print(f"wrote {stem.parent / stem.name}.md")

@@ -416,7 +416,6 @@ class _ChannelWalker:
     # axis is refused as before, by name, and the strict callback still refuses such a model.
     for axis in indexed | collapsed:
       self.dims.mark(nodes[axis], ("unfollowed", "operation 'gather'"))
-    self.read(eqn.invars[1])
     self.axes[eqn.outvars[0]] = out
 
   def _pad(self, eqn: Any) -> None:

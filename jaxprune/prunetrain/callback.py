@@ -303,7 +303,8 @@ class PruneTrainCallback(Callback):
 
   def _bind_penalised(self, model: nnx.Module, graph: Any = None) -> None:
     if self.penalised is not None:
-      self.penalised.input_dtype = self.input_dtype
+      # The first bind takes the fit start's graph, and with it the input dtype; later binds
+      # (after a reconfiguration) trace with the dtype the penalised axes kept from it.
       self.penalised.bind(model, (1, *self.image_shape), graph=graph)
 
   def _check_countable(self, trainer: TrainerLike) -> None:

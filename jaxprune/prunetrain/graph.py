@@ -252,9 +252,8 @@ def channel_graph(
   for nodes in outs:
     for node in nodes:
       walker.dims.mark(node, ("fixed", "the model's output"))
-  graph = _groups(model, walker, ins, variables, kernel_leaves, tuple(int(d) for d in input_shape))
-  graph.input_dtype = dtype
-  return graph
+  shape = tuple(int(d) for d in input_shape)
+  return _groups(model, walker, ins, variables, kernel_leaves, shape, dtype)
 
 
 def _as_input_dtype(input_dtype: Any) -> Any:
@@ -274,7 +273,7 @@ def _as_input_dtype(input_dtype: Any) -> Any:
   return dtype
 
 
-def _groups(model, walker, ins, variables, kernel_leaves, input_shape) -> ChannelGraph:
+def _groups(model, walker, ins, variables, kernel_leaves, input_shape, dtype) -> ChannelGraph:
   dims = walker.dims
   features = {dims.find(a) for node in walker.feature_nodes for a in dims.atoms(node)}
   values = {path: value for path, value in variables}
@@ -316,7 +315,7 @@ def _groups(model, walker, ins, variables, kernel_leaves, input_shape) -> Channe
   for conv in walker.convs:
     if conv.groups_node is not None:
       conv_groups[variables[conv.leaf][0]] = groups.get(dims.find(conv.groups_node))
-  return ChannelGraph(list(groups.values()), branches, conv_groups, input_shape, values)
+  return ChannelGraph(list(groups.values()), branches, conv_groups, input_shape, values, dtype)
 
 
 def _branch_of(uses: Sequence[ChannelUse], branches: dict) -> Optional[ParamPath]:
