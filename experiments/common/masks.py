@@ -148,12 +148,15 @@ def step_until_pruned(step: Callable[[], Any], run: methods.Run) -> Any:
   )
 
 
-def kill_channels(model: nnx.Module, keep: float, seed: int = 0, input_shape=None) -> None:
+def kill_channels(
+  model: nnx.Module, keep: float, seed: int = 0, input_shape=None, input_dtype=None
+) -> None:
   """Zeroes every kernel weight of a random ``1 - keep`` share of every prunable channel group
   (at least one channel stays), wherever it is written and read: dead groups, which
-  :func:`jaxprune.prunetrain.reconfigure` removes (PruneTrain §4.2). In place."""
+  :func:`jaxprune.prunetrain.reconfigure` removes (PruneTrain §4.2). In place. ``input_shape``
+  and ``input_dtype`` are the traced input's (token ids for a language model)."""
   rng = np.random.default_rng(seed)
-  graph = pt.channel_graph(model, input_shape)
+  graph = pt.channel_graph(model, input_shape, input_dtype=input_dtype)
   kernels = {}
   for group in graph.prunable:
     dead = rng.permutation(group.width)[: group.width - max(1, round(keep * group.width))]

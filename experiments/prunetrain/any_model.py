@@ -7,8 +7,10 @@ the group lasso drives them), reconfigure, and report
 
 - supported / partly / refused, with the reason the graph gives for every blocked group;
 - the largest |Δ output| of the reconfigured model against the zeroed model, in eval and in
-  train mode (a batch of 8 random images);
-- parameters and inference FLOPs per image before / after;
+  train mode (a batch of 8 random images, or token sequences for a language model);
+- parameters and inference FLOPs per image (per sequence) before / after;
+- the share of the parameters on no prunable axis: what no reconfiguration can remove, however
+  many channels die (a transformer's residual stream, blocked by its norms, is most of it);
 - the CPU time of one jitted SGD train step (batch 32) before / after, median of ``--steps``
   steps after a warm-up, both in this process.
 
@@ -34,7 +36,7 @@ from flax import nnx
 
 from experiments.common import cli, masks, pages
 from experiments.common.machine import machine_description
-from experiments.prunetrain.architectures import ARCHITECTURES
+from experiments.prunetrain.architectures import ARCHITECTURES, example_input, input_spec
 from jaxprune import models, train
 from jaxprune import prunetrain as pt
 
@@ -57,22 +59,27 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def _step_seconds(model: nnx.Module, images: jax.Array, labels: jax.Array, steps: int) -> float:
-  """Median seconds of one jitted SGD step (cross-entropy) on ``model`` (a clone is trained)."""
+def _step_seconds(model: nnx.Module, inputs: jax.Array, labels: jax.Array, steps: int) -> float:
+  """Median seconds of one jitted SGD step (cross-entropy over every output position) on
+  ``model`` (a clone is trained)."""
   model = nnx.clone(model)
   optimizer = nnx.Optimizer(model, optax.sgd(0.01), wrt=nnx.Param)
 
   @nnx.jit
-  def step(model, optimizer, images, labels):
-    loss, grads = nnx.value_and_grad(lambda m: train.cross_entropy(m(images), labels))(model)
+  def step(model, optimizer, inputs, labels):
+    def loss_fn(m):
+      logits = m(inputs)
+      return train.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
 
-  jax.block_until_ready(step(model, optimizer, images, labels))  # compile
+  jax.block_until_ready(step(model, optimizer, inputs, labels))  # compile
   times = []
   for _ in range(steps):
     start = time.perf_counter()
-    jax.block_until_ready(step(model, optimizer, images, labels))
+    jax.block_until_ready(step(model, optimizer, inputs, labels))
     times.append(time.perf_counter() - start)
   return float(np.median(times))
 
@@ -87,9 +94,19 @@ def _max_delta(a: nnx.Module, b: nnx.Module, x: jax.Array) -> dict[str, float]:
   return out
 
 
+def _unremovable_share(model: nnx.Module, graph: pt.ChannelGraph) -> float:
+  """The share of ``model``'s parameters in variables with no prunable axis."""
+  prunable = {u.path for g in graph.prunable for u in g.uses}
+  sizes = {
+    tuple(path): int(np.size(v)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+  }
+  return sum(n for path, n in sizes.items() if path not in prunable) / sum(sizes.values())
+
+
 def measure(name: str, model: nnx.Module, args: argparse.Namespace) -> dict[str, Any]:
   """One row of the page."""
-  graph = pt.channel_graph(model, _SHAPE)
+  shape, dtype, _ = input_spec(name)
+  graph = pt.channel_graph(model, shape, input_dtype=dtype)
   row: dict[str, Any] = {
     "name": name,
     "prunable": [f"{g.name} ({g.width})" for g in graph.prunable],
@@ -99,17 +116,16 @@ def measure(name: str, model: nnx.Module, args: argparse.Namespace) -> dict[str,
     row["status"] = "refused"
     return row
   row["status"] = "partly" if graph.unfollowed() else "supported"
-  masks.kill_channels(model, 1.0 - args.dead, input_shape=_SHAPE)
-  new, _, report = pt.reconfigure(model, None, input_shape=_SHAPE)
-  key = jax.random.key(0)
-  x = jax.random.normal(key, (8, *_SHAPE[1:]))
-  images = jax.random.normal(key, (args.batch_size, *_SHAPE[1:]))
-  labels = jax.random.randint(key, (args.batch_size,), 0, 10)
+  row["unremovable"] = _unremovable_share(model, graph)
+  masks.kill_channels(model, 1.0 - args.dead, input_shape=shape, input_dtype=dtype)
+  new, _, report = pt.reconfigure(model, None, input_shape=shape, input_dtype=dtype)
+  x, _ = example_input(name, jax.random.key(1), 8)
+  inputs, labels = example_input(name, jax.random.key(0), args.batch_size)
   row.update(
     delta=_max_delta(model, new, x),
     params=[report.params_before, report.params_after],
     flops=[report.flops_before, report.flops_after],
-    step_s=[_step_seconds(m, images, labels, args.steps) for m in (model, new)],
+    step_s=[_step_seconds(m, inputs, labels, args.steps) for m in (model, new)],
   )
   return row
 
@@ -123,21 +139,25 @@ def _page(rows: list[dict[str, Any]], command: str) -> str:
     "Each model is traced, half the channels of every prunable group are made dead (their",
     "kernel entries zeroed, as the group lasso drives them), and the model is reconfigured.",
     "|Δ| is the largest output difference of the reconfigured model against the zeroed one",
-    "(8 random images). Step time: one jitted SGD train step at batch 32, median, CPU.",
+    "(8 random images; 8 random token sequences of 32 for the language model, whose FLOPs are",
+    "per sequence). Step time: one jitted SGD train step at batch 32, median, CPU. *Unremovable*:",
+    "the share of the parameters in variables with no prunable axis, which no reconfiguration",
+    "removes however many channels die.",
     "",
     "| model | status | prunable / blocked groups | max \\|Δ\\| eval | max \\|Δ\\| train "
-    "| params before → after | FLOPs/image before → after | step ms before → after |",
-    "|---|---|---:|---:|---:|---:|---:|---:|",
+    "| params before → after | unremovable | FLOPs/image before → after | step ms before → after |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for row in rows:
     counts = f"{len(row['prunable'])} / {len(row['blocked'])}"
     if row["status"] == "refused":
-      lines.append(f"| {row['name']} | refused | {counts} | – | – | – | – | – |")
+      lines.append(f"| {row['name']} | refused | {counts} | – | – | – | – | – | – |")
       continue
     (p0, p1), (f0, f1), (s0, s1) = row["params"], row["flops"], row["step_s"]
     lines.append(
       f"| {row['name']} | {row['status']} | {counts} | {row['delta']['eval']:.1e} "
-      f"| {row['delta']['train']:.1e} | {p0:,} → {p1:,} | {f0 / 1e6:.2f}M → {f1 / 1e6:.2f}M "
+      f"| {row['delta']['train']:.1e} | {p0:,} → {p1:,} | {row['unremovable']:.0%} "
+      f"| {f0 / 1e6:.2f}M → {f1 / 1e6:.2f}M "
       f"| {s0 * 1e3:.1f} → {s1 * 1e3:.1f} ({s1 / s0:.2f}×) |"
     )
   lines += ["", "## Why groups are blocked", ""]

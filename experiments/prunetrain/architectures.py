@@ -4,19 +4,22 @@ Each is written as a user would write it, with nothing from :mod:`jaxprune.model
 ``nnx.Conv`` / ``nnx.Linear`` / norms composed in ``__call__``. Together they cover the
 structures the channel graph must follow: projection shortcuts, depthwise convs inside an
 inverted residual, concatenation, LayerNorm + a Linear MLP, a transformer's MLP block, a
-channel shuffle, a flatten into a Linear and an MLP.
+channel shuffle, a flatten into a Linear and an MLP; and transformers (hand-written attention,
+grouped-query attention with SwiGLU, ``nnx.MultiHeadAttention``, a decoder-only language model
+over tokens). Every model takes ``(N, 32, 32, 3)`` images except those :data:`INPUTS` names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxprune.models.transformer import ViT
+from jaxprune.models.transformer import DecoderLM, ViT
 
-__all__ = ["ARCHITECTURES", "Architecture"]
+__all__ = ["ARCHITECTURES", "INPUTS", "Architecture", "example_input", "input_spec"]
 
 
 def _conv(cin: int, cout: int, k: int, rngs: nnx.Rngs, **kwargs) -> nnx.Conv:
@@ -205,6 +208,22 @@ def ViTGroupedQuery(rngs: nnx.Rngs) -> nnx.Module:
   )
 
 
+def ByteLM(rngs: nnx.Rngs) -> nnx.Module:
+  """A two-block decoder-only LM over bytes: token embedding, grouped-query causal attention
+  (4 query heads, 2 kv heads), SwiGLU, RMSNorm, an untied output projection."""
+  return DecoderLM(
+    vocab=256,
+    context=32,
+    dim=32,
+    depth=2,
+    num_heads=4,
+    head_dim=8,
+    num_kv_heads=2,
+    mlp_hidden=64,
+    rngs=rngs,
+  )
+
+
 class FlaxAttentionViT(nnx.Module):
   """Patches, one pre-norm ``nnx.MultiHeadAttention`` block (``LinearGeneral`` kernels with a
   heads axis) and an MLP, mean-pooled logits."""
@@ -240,7 +259,33 @@ ARCHITECTURES: dict[str, Architecture] = {
   "ViT, multi-head attention (hand-written)": ViTMultiHead,
   "ViT, grouped-query attention + SwiGLU + RMSNorm": ViTGroupedQuery,
   "nnx.MultiHeadAttention block": FlaxAttentionViT,
+  "decoder-only byte LM (GQA + SwiGLU, token input)": ByteLM,
   "ShuffleNet unit (grouped 1x1, channel shuffle)": ShuffleUnit,
   "conv + flatten into Linear": FlattenCNN,
   "MLP": MLP,
 }
+
+
+# name -> (input shape at batch 1, dtype, number of classes per output position) for the models
+# that do not take images: token ids in [0, vocabulary), next-token logits at every position.
+INPUTS: dict[str, tuple[tuple[int, ...], jnp.dtype, int]] = {
+  "decoder-only byte LM (GQA + SwiGLU, token input)": ((1, 32), jnp.int32, 256),
+}
+_IMAGES = ((1, 32, 32, 3), jnp.float32, 10)
+
+
+def input_spec(name: str) -> tuple[tuple[int, ...], jnp.dtype, int]:
+  """``(shape at batch 1, dtype, classes)`` of architecture ``name``'s input."""
+  return INPUTS.get(name, _IMAGES)
+
+
+def example_input(name: str, key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
+  """A random batch for architecture ``name``: ``(inputs, labels)``, labels of the logits'
+  leading shape (one per image, or one per token)."""
+  shape, dtype, classes = input_spec(name)
+  k_in, k_lab = jax.random.split(key)
+  if jnp.issubdtype(dtype, jnp.integer):
+    inputs = jax.random.randint(k_in, (batch, *shape[1:]), 0, classes, dtype)
+    return inputs, jax.random.randint(k_lab, (batch, *shape[1:]), 0, classes)
+  inputs = jax.random.normal(k_in, (batch, *shape[1:]), dtype)
+  return inputs, jax.random.randint(k_lab, (batch,), 0, classes)

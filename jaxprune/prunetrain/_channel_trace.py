@@ -380,9 +380,9 @@ class _ChannelWalker:
     for axis, node in enumerate(nodes):
       size = self.dims.size(node)
       if strides[axis] != 1:
-        mark = ("unfollowed", "a strided slice of the axis")
-        self.dims.mark(node, mark)
-        out[axis] = self.dims.new(_shape(eqn.outvars[0])[axis], mark)
+        out[axis] = self._strided(
+          nodes, axis, starts[axis], strides[axis], _shape(eqn.outvars[0])[axis]
+        )
         continue
       if (starts[axis], limits[axis]) == (0, size):
         continue
@@ -390,6 +390,37 @@ class _ChannelWalker:
       pieces = self._split_axis(nodes, axis, cuts)
       out[axis] = pieces[1 if starts[axis] > 0 else 0]
     self.axes[eqn.outvars[0]] = out
+
+  def _strided(self, nodes: list[int], axis: int, start: int, stride: int, out_size: int) -> int:
+    """The output axis of ``x[start:stop:stride]`` along ``nodes[axis]``.
+
+    The slice reads one channel of each of ``out_size`` blocks of ``stride`` channels, the
+    blocks cut from the axis at ``start - phase`` (the first phase that keeps them inside it).
+    That piece is ``(out_size, stride)``: the output is its major factor, the phase its minor
+    one, so output channel j is a block of ``stride`` input channels and the group is followed.
+    The phases are fixed: the stride is in the model's code and the surgery cannot change it.
+    A slice whose blocks do not fit in the axis (``out_size * stride`` past its size) is not
+    followed.
+    """
+    node, size = nodes[axis], self.dims.size(nodes[axis])
+    if out_size * stride > size:
+      mark = ("unfollowed", "a strided slice of the axis")
+      self.dims.mark(node, mark)
+      return self.dims.new(out_size, mark)
+    begin = start - max(0, start + out_size * stride - size)
+    end = begin + out_size * stride
+    if (begin, end) != (0, size):
+      cuts = [b for b in (begin, end) if 0 < b < size]
+      node = self._split_axis(nodes, axis, cuts)[1 if begin > 0 else 0]
+    major, phases = self.dims.new(out_size), [self.dims.new(1) for _ in range(stride)]
+    for p in phases:
+      self.dims.mark(p, ("fixed", "a strided slice's phase (its stride is in the model's code)"))
+    self.dims.unify(
+      node,
+      self.dims.composite("prod", [major, self.dims.composite("cat", phases)]),
+      "strided slice",
+    )
+    return major
 
   def _gather(self, eqn: Any) -> None:
     """A gather of whole slices (``nnx.Embed``'s row lookup, ``x[idx]``): an operand axis taken

@@ -1,6 +1,8 @@
 """PruneTrain on models the library did not build: the traced channel graph, reconfiguration of
 hand-written NNX models, the whole loop, and resume after a reconfiguration."""
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,13 @@ import pytest
 from flax import nnx
 
 from experiments.common import masks
-from experiments.prunetrain.architectures import ARCHITECTURES, FlattenCNN, ProjectionResNet
+from experiments.prunetrain.architectures import (
+  ARCHITECTURES,
+  FlattenCNN,
+  ProjectionResNet,
+  example_input,
+  input_spec,
+)
 from jaxprune import data, methods, models, train
 from jaxprune import prunetrain as pt
 
@@ -30,16 +38,19 @@ def test_reconfigured_model_computes_the_zeroed_model(name):
   """Every prunable group loses half its channels (kernels zeroed wherever the group runs);
   the smaller model gives the zeroed model's outputs in eval and train mode."""
   model = ARCHITECTURES[name](nnx.Rngs(0))
-  masks.kill_channels(model, 0.5, input_shape=_SHAPE)
-  x = jax.random.normal(jax.random.key(1), (4, 32, 32, 3))
+  shape, dtype, _ = input_spec(name)
+  masks.kill_channels(model, 0.5, input_shape=shape, input_dtype=dtype)
+  x, _ = example_input(name, jax.random.key(1), 4)
   want = _outputs(model, x)
-  new, _, report = pt.reconfigure(model, None, input_shape=_SHAPE, count_flops=False)
+  new, _, report = pt.reconfigure(
+    model, None, input_shape=shape, input_dtype=dtype, count_flops=False
+  )
   assert report.params_after < report.params_before
   got = _outputs(new, x)
   for mode in want:
     np.testing.assert_allclose(got[mode], want[mode], rtol=1e-5, atol=1e-5)
   # A clone: the given model keeps its widths.
-  assert pt.channel_graph(model, _SHAPE).prunable[0].width > 0
+  assert pt.channel_graph(model, shape, input_dtype=dtype).prunable[0].width > 0
   assert (
     sum(np.size(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))) == report.params_before
   )
@@ -147,6 +158,75 @@ def test_groupnorm_loses_whole_groups_only(groups, dead, width, num_groups):
   got = _outputs(new, x)
   for mode in want:
     np.testing.assert_allclose(got[mode], want[mode], rtol=1e-5, atol=1e-5)
+
+
+class _StridedChannels(nnx.Module):
+  """A conv whose channels are read every ``stride``-th from ``start`` by the next conv."""
+
+  def __init__(self, rngs, start, stride, width=12):
+    self.start, self.stride = start, stride
+    self.c1 = nnx.Conv(3, width, (3, 3), rngs=rngs)
+    self.c2 = nnx.Conv(len(range(start, width, stride)), 4, (3, 3), rngs=rngs)
+
+  def __call__(self, x):
+    return self.c2(nnx.relu(self.c1(x))[..., self.start :: self.stride]).mean((1, 2))
+
+
+@pytest.mark.parametrize(("start", "stride"), [(0, 2), (1, 2), (2, 3), (3, 2), (2, 4)])
+def test_a_strided_channel_slice_is_followed_in_blocks_of_its_stride(start, stride):
+  """``x[..., start::stride]``: output channel j is input channel ``start + j * stride``; the
+  group is c2's inputs, and it owns c1's channels in blocks of ``stride`` that hold them (the
+  other channels of a block are read by nobody; channels outside the blocks belong to no group
+  of c2's). Killing the group's blocks removes them whole, and the cut model computes the
+  zeroed one."""
+  model = _StridedChannels(nnx.Rngs(0), start, stride)
+  shape = (1, 8, 8, 3)
+  graph = pt.channel_graph(model, shape)
+  assert not graph.unfollowed()
+  width = len(range(start, 12, stride))
+  group = next(g for g in graph.prunable if g.width == width)
+  use = next(u for u in group.uses if u.name == "c1/kernel")
+  block = np.repeat(np.arange(width), stride)
+  begin = min(start, 12 - block.size)  # the first blocks that fit
+  np.testing.assert_array_equal(use.coords[begin : begin + block.size], block)
+  assert (np.delete(use.coords, np.arange(begin, begin + block.size)) == -1).all()
+  assert (use.coords[start::stride] == np.arange(width)).all()
+  dead = [0, width - 2]
+  c1 = np.array(model.c1.kernel[...])
+  c1[..., np.isin(use.coords, dead)] = 0.0
+  model.c1.kernel[...] = c1
+  model.c1.bias[...] = jnp.where(np.isin(use.coords, dead), 0.0, model.c1.bias[...])
+  c2 = np.array(model.c2.kernel[...])
+  c2[:, :, dead] = 0.0
+  model.c2.kernel[...] = c2
+  x = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
+  want = _outputs(model, x)
+  new, _, _ = pt.reconfigure(model, None, input_shape=shape, count_flops=False)
+  assert new.c1.kernel.shape[-1] <= 12 - len(dead) * stride
+  assert new.c2.kernel.shape[2] == width - len(dead)
+  got = _outputs(new, x)
+  for mode in want:
+    np.testing.assert_allclose(got[mode], want[mode], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("start", "stop", "stride"), [(0, 12, 5), (1, 12, 7), (0, 12, 8)])
+def test_a_strided_slice_whose_last_block_runs_past_the_axis_blocks_its_group_by_name(
+  start, stop, stride
+):
+  """The slice's blocks of ``stride`` channels do not fit in the axis: not followed, and c1's
+  channels are blocked and named."""
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.c1 = nnx.Conv(3, 12, (3, 3), rngs=rngs)
+      self.c2 = nnx.Conv(len(range(start, stop, stride)), 4, (3, 3), rngs=rngs)
+
+    def __call__(self, x):
+      return self.c2(nnx.relu(self.c1(x))[..., start:stop:stride]).mean((1, 2))
+
+  graph = pt.channel_graph(Net(nnx.Rngs(0)), (1, 8, 8, 3))
+  assert "unfollowed: a strided slice of the axis" in graph.unfollowed()
+  assert not any(u.name == "c1/kernel" for g in graph.prunable for u in g.uses)
 
 
 # The full-width ResNet-50 and ClickTrain's VGG-11 take most of the time; the same surgery and
@@ -277,3 +357,17 @@ def test_inplace_reconfiguration_cuts_the_model_itself_and_still_checks_its_outp
   got = _outputs(model, x)
   for mode in want:
     np.testing.assert_allclose(got[mode], want[mode], rtol=1e-5, atol=1e-5)
+
+
+def test_the_coverage_row_counts_what_no_reconfiguration_can_remove():
+  """The MLP's only variable with no prunable axis is the output layer's bias (10 of
+  3072·32 + 32 + 32·32 + 32 + 32·10 + 10 = 99,722 parameters, counted by hand); its row
+  reports that share and a cut that halves every hidden layer."""
+  from experiments.prunetrain import any_model
+
+  args = argparse.Namespace(steps=1, batch_size=4, dead=0.5)
+  row = any_model.measure("MLP", ARCHITECTURES["MLP"](nnx.Rngs(0)), args)
+  assert row["status"] == "supported"
+  assert row["unremovable"] == pytest.approx(10 / 99_722)
+  assert row["params"] == [99_722, 3072 * 16 + 16 + 16 * 16 + 16 + 16 * 10 + 10]
+  assert max(row["delta"].values()) < 1e-5
