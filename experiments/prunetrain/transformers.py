@@ -18,6 +18,8 @@ evaluations.
 
     python -m experiments.run prunetrain_transformers            # both rows, about 25 min on 2 cores
     python -m experiments.run prunetrain_transformers --publish  # results/prunetrain/transformers.md
+    python -m experiments.run prunetrain_transformers --page-only --publish  # the page, from its JSON
+    python -m experiments.run prunetrain_transformers --rows lm --penalty-ratio 0.25 --publish  # a probe
 
 References:
   Lym et al., "PruneTrain: Fast Neural Network Training by Dynamic Sparse Model
@@ -101,6 +103,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--val-windows", type=int, default=256, help="LM's validation windows")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--root", default=None, help="CIFAR-10 source (default: data package's)")
+  parser.add_argument(
+    "--page-only", action="store_true", help="rewrite the page from its saved runs; train nothing"
+  )
   cli.add_output_arguments(parser, "prunetrain/")
   args = parser.parse_args(argv)
   args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -342,17 +347,33 @@ def summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
   }
 
 
+def output_stem(folder: Path, args: argparse.Namespace) -> Path:
+  """Where a run's files go: the page (``transformers``) at the default penalty ratio and the
+  rows' own steps; a probe otherwise, under ``probes/`` and listed on the page:
+  ``transformers_r<R>`` for another ratio, ``_s<N>`` for ``--steps N``."""
+  parts = []
+  if args.penalty_ratio != _parse([]).penalty_ratio:
+    parts.append(f"r{args.penalty_ratio:g}")
+  if args.steps is not None:
+    parts.append(f"s{args.steps}")
+  if not parts:
+    return Path(folder) / "transformers"
+  return pages.probes_dir(folder) / "_".join(["transformers", *parts])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   args = _parse(argv)
   command = cli.command_line("prunetrain_transformers", argv)
   folder = pages.output_dir("prunetrain", args.publish, args.out)
-  # The default ratio's runs are the page; another ratio's are a probe (probes/, listed on it).
-  if args.penalty_ratio == _parse([]).penalty_ratio:
-    stem = folder / "transformers"
-  else:
-    stem = pages.probes_dir(folder) / f"transformers_r{args.penalty_ratio:g}"
+  stem = output_stem(folder, args)
   saved_path = stem.parent / f"{stem.name}.json"
   saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
+  if args.page_only:
+    if not saved:
+      raise SystemExit(f"--page-only: no saved runs at {saved_path}")
+    write_page(stem, saved)
+    print(f"wrote {stem.parent / stem.name}.md")
+    return
   result = {"machine": machine_description(), "rows": saved.get("rows", {})}
   for name in args.rows:
     row = _ROWS[name]

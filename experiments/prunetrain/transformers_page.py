@@ -138,6 +138,47 @@ def _row_section(name: str, row: dict[str, Any]) -> list[str]:
     "",
     f"Dense {unit} over the run: {dense[len(dense) // 2][speed]:,.0f} (mid-run record).",
     "",
+    *_gap_readout(row),
+  ]
+  return lines
+
+
+def _gap_readout(row: dict[str, Any]) -> list[str]:
+  """Where the validation-loss gap opens: PruneTrain / dense at the last record before the first
+  reconfiguration (the penalty alone), after each one and at the end; and how much dense still
+  gained over the last quarter of the steps (a model still learning pays for what it loses)."""
+  dense = {r["step"]: r["val_loss"] for r in row["runs"]["dense"]["records"]}
+  pruned = {r["step"]: r["val_loss"] for r in row["runs"]["prunetrain"]["records"]}
+  steps = sorted(set(dense) & set(pruned))
+  if not steps:
+    return []
+  recs = row["runs"]["prunetrain"]["reconfigurations"]
+  first = recs[0]["step"] if recs else steps[-1]
+  before = [t for t in steps if t <= first]
+  marks = ([before[-1]] if before else []) + [
+    next((t for t in steps if t > r["step"]), steps[-1]) for r in recs
+  ]
+  marks = sorted(set(marks) | {steps[-1]})
+  alone = before[-1] if before and recs else None
+  ratios = ", ".join(
+    f"×{pruned[t] / dense[t]:.3f} at step {t}"
+    + (" (before the first removal: the penalty alone)" if t == alone else "")
+    for t in marks
+  )
+  quarter = next(t for t in steps if t >= 0.75 * steps[-1])
+  gain = 1 - dense[steps[-1]] / dense[quarter]
+  lines = [
+    f"Validation loss, PruneTrain / dense: {ratios}; after each reconfiguration, the first "
+    "record that follows it.",
+    f"Dense's validation loss fell {_pct(gain)} from step {quarter} to the end, the last quarter "
+    "of the steps"
+    + (
+      ": the model is still learning when the run stops, so the capacity PruneTrain takes is "
+      "capacity dense is still using."
+      if gain > 0.01
+      else ": a plateau."
+    ),
+    "",
   ]
   return lines
 
@@ -172,18 +213,20 @@ def write_page(stem: Path, result: dict[str, Any]) -> None:
 
 
 def _probes(stem: Path) -> list[str]:
-  """The other penalty ratios' runs (``probes/<stem>_r<ratio>.json``), one line each."""
-  found = sorted((stem.parent / "probes").glob(f"{stem.name}_r*.json"))
+  """The probes' runs (``probes/<stem>_r<ratio>[_s<steps>].json``: another penalty ratio or
+  length), one line each."""
+  found = sorted((stem.parent / "probes").glob(f"{stem.name}_*.json"))
   if not found:
     return []
   lines = [
-    "## Other penalty ratios (probes)",
+    "## Other penalty ratios and lengths (probes)",
     "",
-    "The same rows and steps at another ratio (`--penalty-ratio R`, written to "
-    "`probes/transformers_rR.*`).",
+    "The same rows at another ratio or number of steps (`--penalty-ratio R`, `--steps N`, "
+    "written to `probes/transformers_rR_sN.*`).",
     "",
-    "| row | ratio | params saved | FLOPs saved | val loss / dense | time to dense's loss / dense's |",
-    "|---|---:|---:|---:|---:|---:|",
+    "| row | ratio | steps | params saved | FLOPs saved | val loss / dense "
+    "| time to dense's loss / dense's |",
+    "|---|---:|---:|---:|---:|---:|---:|",
   ]
   for path in found:
     for name, row in json.loads(path.read_text())["rows"].items():
@@ -191,6 +234,7 @@ def _probes(stem: Path) -> list[str]:
       reach = s["time_to_dense_loss_ratio"]
       lines.append(
         f"| {row['settings']['title']} | {row['settings']['penalty_ratio']} | "
+        f"{row['settings']['steps']} | "
         f"{_pct(s['params_saved'])} | {_pct(s['flops_saved'])} | {s['val_loss_ratio']:.3f} | "
         + ("not reached" if reach is None else f"{reach:.2f}")
         + " |"

@@ -105,3 +105,33 @@ def test_bad_arguments_are_refused_by_name():
     T._parse(["--rows", "cnn"])
   with pytest.raises(SystemExit):
     T._parse(["--penalty-ratio", "1.5"])
+
+
+def test_a_run_at_other_settings_is_a_probe_named_by_them(tmp_path):
+  """The default ratio at the rows' own steps writes the page; another ratio or --steps a
+  probe under probes/, named by what differs."""
+  stem = lambda argv: T.output_stem(tmp_path, T._parse(argv))  # noqa: E731
+  assert stem([]) == tmp_path / "transformers"
+  assert stem(["--penalty-ratio", "0.25"]) == tmp_path / "probes" / "transformers_r0.25"
+  assert stem(["--steps", "4800"]) == tmp_path / "probes" / "transformers_s4800"
+  assert stem(["--penalty-ratio", "0.3", "--steps", "60"]).name == "transformers_r0.3_s60"
+
+
+def test_the_gap_readout_names_the_penalty_alone_and_dense_still_learning():
+  """Hand-made records: the ratio before the first removal, after it and at the end; dense's
+  last-quarter gain 1 - 1.5 / 2.0 = 25%."""
+  from experiments.prunetrain.transformers_page import _gap_readout
+
+  def recs(losses):
+    return [{"step": 100 * (i + 1), "val_loss": v} for i, v in enumerate(losses)]
+
+  row = {
+    "runs": {
+      "dense": {"records": recs([4.0, 3.0, 2.0, 1.5])},
+      "prunetrain": {"records": recs([4.4, 3.3, 2.4, 1.8]), "reconfigurations": [{"step": 200}]},
+    }
+  }
+  text = " ".join(_gap_readout(row))
+  assert "×1.100 at step 200 (before the first removal: the penalty alone)" in text
+  assert "×1.200 at step 300" in text and "×1.200 at step 400" in text
+  assert "fell 25.0% from step 300" in text and "still learning" in text
