@@ -168,6 +168,14 @@ def _page(rows: list[dict[str, Any]], command: str) -> str:
     "operation the graph cannot follow (named; `PruneTrainCallback(strict=True)` refuses such a "
     "model before training, `strict=False` prunes the other groups).",
     "",
+    "A transformer's residual stream is *normalized* (every LayerNorm / RMSNorm takes its "
+    "statistic over it), so it keeps its width: each projection keeps its stream side and "
+    "shrinks only with the heads and MLP units it serves, and the embeddings, norms and output "
+    "layer never shrink (the *unremovable* column is that floor). An attention whose heads all "
+    "die, or an MLP whose units all die, goes with its norm where the module declares it a "
+    "removable branch (the two residual branches of `jaxprune.models.transformer.Block`); a "
+    "block that loses both passes its input on, and the stream stays.",
+    "",
   ]
   for row in rows:
     reasons = sorted({r for rs in row["blocked"].values() for r in rs if not r.startswith("fixed")})
