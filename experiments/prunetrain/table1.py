@@ -177,6 +177,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     "the same host load (the wall-time comparison of a shared machine)",
   )
   parser.add_argument(
+    "--penalty-ratio",
+    dest="probe_penalty_ratio",
+    type=float,
+    default=None,
+    help="PruneTrain's penalty ratio instead of the budget's: a probe, named _r<R> (under probes/)",
+  )
+  parser.add_argument(
+    "--page-only",
+    action="store_true",
+    help="rewrite the rows' pages and the table page from their saved JSON; train nothing",
+  )
+  parser.add_argument(
     "--name-suffix",
     default="",
     help="appended to the row's file names: a probe, not a row, written to probes/",
@@ -190,13 +202,20 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   args.rows = chosen
   if args.sweep_width is not None:  # a width sweep's run is a probe beside the table
     args.name_suffix = f"_w{args.sweep_width:g}{args.name_suffix}"
+  if args.probe_penalty_ratio is not None:  # so is a run at another penalty ratio
+    if not 0.0 < args.probe_penalty_ratio < 1.0:
+      parser.error(f"--penalty-ratio must be in (0, 1), got {args.probe_penalty_ratio}")
+    args.name_suffix = f"_r{args.probe_penalty_ratio:g}{args.name_suffix}"
   if args.reuse_dense is not None and not args.skip_dense:
     parser.error("--reuse-dense needs --skip-dense (otherwise the dense row is run)")
   if args.paired and args.skip_dense:
     parser.error("--paired trains the dense row beside PruneTrain: drop --skip-dense")
   if args.paired and args.max_seconds is not None:
     parser.error("--max-seconds stops one run at a time: not with --paired")
-  return run_options.table_args(args, "prunetrain_table1")
+  args = run_options.table_args(args, "prunetrain_table1")
+  if args.probe_penalty_ratio is not None:
+    args.recipe = dataclasses.replace(args.recipe, penalty_ratio=args.probe_penalty_ratio)
+  return args
 
 
 ROWS = tuple(name.split("-", 1)[1] for name in PAPER)
@@ -478,6 +497,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse(argv)
   command = cli.command_line("prunetrain_table1", argv)
   folder = pages.output_dir("prunetrain", args.publish, args.out)
+  if args.page_only:
+    return _rewrite_pages(args, folder, command)
   # A subset size of None means the full split.
   train_set = data.load("cifar10", root=args.root, split="train").balanced_subset(
     args.recipe.train_subset, args.seed
@@ -494,6 +515,33 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       return {**out, "stopped": f"{row} {out[row]['stopped']}"}
     if not args.name_suffix:  # a probe (named by its suffix) is not a row of the table
       write_table_page(folder, args.budget, command, args.dtype)
+  return out
+
+
+def _rewrite_pages(args: argparse.Namespace, folder: Path, command: str) -> dict[str, Any]:
+  """``--page-only``: each row's page from its saved JSON (its own command and date), then the
+  table page; a row with no JSON is an error."""
+  if args.name_suffix:
+    folder = pages.probes_dir(folder)
+  out = {}
+  for row in args.rows:
+    label = row if args.family == "prunetrain" else f"{args.family}-{row}"
+    stem = folder / f"table1_{args.budget}{cli.dtype_suffix(args)}_{label}{args.name_suffix}"
+    path = stem.with_suffix(".json")
+    if not path.exists():
+      raise SystemExit(f"--page-only: no saved row at {path}")
+    saved = json.loads(path.read_text())
+    table1_pages.row_page(
+      stem,
+      argparse.Namespace(**saved["args"]),
+      saved["runs"],
+      saved["command"],
+      saved["paper"],
+      date=saved["date"],
+    )
+    out[row] = saved["runs"]
+  if not args.name_suffix:
+    write_table_page(folder, args.budget, command, args.dtype)
   return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,13 +178,30 @@ def _paired_epoch_rows(pt_run: dict[str, Any], dense: dict[str, Any]) -> list[st
   return lines
 
 
+def penalty_shrink_bound(run: Mapping[str, Any], momentum: float = 0.9) -> float:
+  """Σ over the run's steps of lr·λ / (1 − momentum): how far the group lasso alone moves a
+  group's L2 norm (its gradient λ·w/‖w‖ has norm λ; SGD with momentum takes ``1 / (1 −
+  momentum)`` times a step's gradient in steady state). A group whose norm starts above it
+  cannot die from the penalty, whatever the loss does (PruneTrain Eq. 3)."""
+  lr_steps = sum(record["steps"] * record["lr"] for record in run["history"])
+  return lr_steps * run["lambda"] / (1.0 - momentum)
+
+
 def row_page(
-  stem: Path, args: argparse.Namespace, runs: dict[str, Any], command: str, paper: dict[str, float]
+  stem: Path,
+  args: argparse.Namespace,
+  runs: dict[str, Any],
+  command: str,
+  paper: dict[str, float],
+  date: str | None = None,
 ) -> None:
   """``stem.{json,md}``: one row's runs (``runs``: method -> result) beside the paper's
-  numbers for the row, with the per-epoch table and the channels / FLOPs plot."""
-  date = pages.utc_now()
-  machine = machine_description()
+  numbers for the row, with the per-epoch table and the channels / FLOPs plot. ``date``: the
+  row's (default now); a page rewritten from its JSON keeps it, and the machine its runs
+  recorded."""
+  date = date or pages.utc_now()
+  recorded = [run.get("machine") for run in runs.values() if run.get("machine")]
+  machine = recorded[-1] if recorded else machine_description()
   stem.with_suffix(".json").write_text(
     json.dumps(
       {
@@ -283,6 +300,9 @@ def row_page(
       "| PruneTrain extra | value |",
       "|---|---:|",
       f"| λ (set at step 1 from ratio {args.penalty_ratio}) | {pt_run['lambda']:.3g} |",
+      "| the most the penalty alone shrinks a group's L2 norm over the run, Σ lr·λ / (1 − "
+      "momentum) (a fresh group's: 1 to 1.41 under the He fan-out init) "
+      f"| {penalty_shrink_bound(pt_run):.3g} |",
       f"| BatchNorm traffic vs dense | {100 * pt_run['bn_bytes_ratio']:.0f}% |",
       f"| ring all-reduce volume vs dense (4 devices) | {100 * pt_run['allreduce_ratio']:.0f}% |",
       f"| batch size per epoch | {pt_run['batch_sizes']} |",

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from experiments.common import rows
+from experiments.common import budgets, rows
 from experiments.prunetrain import speed as prunetrain_speed
 from experiments.prunetrain import table1 as prunetrain_table1
 from experiments.prunetrain import table1_pages
@@ -109,6 +109,25 @@ def test_paired_is_rejected_with_skip_dense():
   with pytest.raises(SystemExit):
     prunetrain_table1._parse(["--budget", "cpu", "--paired", "--skip-dense"])
   assert prunetrain_table1._parse(["--budget", "cpu", "--paired"]).paired
+
+
+def test_another_penalty_ratio_is_a_probe_of_the_budget_at_that_ratio():
+  """``--penalty-ratio`` changes only the budget's ratio and names the run a probe."""
+  args = prunetrain_table1._parse(["--budget", "fit", "--penalty-ratio", "0.9"])
+  fit = budgets.get_budget("prunetrain_table1", "fit")
+  assert args.recipe == dataclasses.replace(fit, penalty_ratio=0.9)
+  assert args.name_suffix == "_r0.9"
+  assert prunetrain_table1._parse(["--budget", "fit"]).recipe == fit
+  for bad in ("0", "1", "-0.5"):
+    with pytest.raises(SystemExit):
+      prunetrain_table1._parse(["--budget", "fit", "--penalty-ratio", bad])
+
+
+def test_the_penalty_shrink_bound_sums_lr_over_the_steps():
+  """20 steps at lr 0.1 and 10 at 0.01, λ = 1e-3, momentum 0.9: (2 + 0.1) · 1e-3 / 0.1."""
+  run = {"lambda": 1e-3, "history": [{"steps": 20, "lr": 0.1}, {"steps": 10, "lr": 0.01}]}
+  assert table1_pages.penalty_shrink_bound(run) == pytest.approx(0.021)
+  assert table1_pages.penalty_shrink_bound(run, momentum=0.0) == pytest.approx(0.0021)
 
 
 @pytest.fixture
@@ -372,3 +391,14 @@ def test_row_stopped_by_its_time_box_resumes_to_the_end(tmp_path, tiny_rows, cap
   assert [r["epoch"] for r in done["dense"]["history"]] == [1, 2]
   assert [r["epoch"] for r in done["prunetrain"]["history"]] == [1, 2]
   assert (tmp_path / f"{name}.json").exists() and not (checkpoints / "dense").exists()
+  # --page-only writes the same row page from its JSON (its date and machine kept).
+  page = (tmp_path / f"{name}.md").read_text()
+  (tmp_path / f"{name}.md").unlink()
+  argv = ["--budget", "cpu", "--rows", "resnet32", "--page-only", "--out", str(tmp_path)]
+  # (the tiny row's budget is not the cpu budget's: the table page leaves it off, and says so)
+  with pytest.warns(RuntimeWarning, match="run with other budget settings"):
+    prunetrain_table1.main(argv)
+  assert (tmp_path / f"{name}.md").read_text() == page
+  assert (tmp_path / "table1_cpu.md").exists()
+  with pytest.raises(SystemExit, match="no saved row"):
+    prunetrain_table1.main([*argv[:3], "vgg11", *argv[4:]])
