@@ -85,12 +85,16 @@ def _step_seconds(model: nnx.Module, inputs: jax.Array, labels: jax.Array, steps
 
 
 def _max_delta(a: nnx.Module, b: nnx.Module, x: jax.Array) -> dict[str, float]:
+  """max |a(x) − b(x)| in eval and train mode (clones: train mode updates statistics), and each
+  relative to max |a(x)| (``eval_rel``, ``train_rel``)."""
   out = {}
   for mode in ("eval", "train"):
     ca, cb = nnx.clone(a), nnx.clone(b)
     getattr(ca, mode)()
     getattr(cb, mode)()
-    out[mode] = float(np.max(np.abs(np.asarray(ca(x)) - np.asarray(cb(x)))))
+    ya, yb = np.asarray(ca(x)), np.asarray(cb(x))
+    out[mode] = float(np.max(np.abs(ya - yb)))
+    out[f"{mode}_rel"] = out[mode] / max(float(np.max(np.abs(ya))), np.finfo(np.float32).tiny)
   return out
 
 
@@ -130,6 +134,13 @@ def measure(name: str, model: nnx.Module, args: argparse.Namespace) -> dict[str,
   return row
 
 
+def _delta(delta: dict[str, float], mode: str) -> str:
+  """``absolute (relative)``; a row saved before the relative figure was recorded shows the
+  absolute one alone."""
+  rel = delta.get(f"{mode}_rel")
+  return f"{delta[mode]:.1e}" + (f" ({rel:.1e})" if rel is not None else "")
+
+
 def _page(rows: list[dict[str, Any]], command: str) -> str:
   lines = [
     "# PruneTrain on any Flax NNX model: channel-graph coverage",
@@ -138,9 +149,9 @@ def _page(rows: list[dict[str, Any]], command: str) -> str:
     "",
     "Each model is traced, half the channels of every prunable group are made dead (their",
     "kernel entries zeroed, as the group lasso drives them), and the model is reconfigured.",
-    "|Δ| is the largest output difference of the reconfigured model against the zeroed one",
-    "(8 random images; 8 random token sequences of 32 for the language model, whose FLOPs are",
-    "per sequence). Step time: one jitted SGD train step at batch 32, median, CPU. *Unremovable*:",
+    "|Δ| is the largest output difference of the reconfigured model against the zeroed one, in",
+    "brackets relative to the zeroed model's largest output (8 random images; 8 random token",
+    "sequences of 32 for the language model, whose FLOPs are per sequence). Step time: one jitted SGD train step at batch 32, median, CPU. *Unremovable*:",
     "the share of the parameters in variables with no prunable axis, which no reconfiguration",
     "removes however many channels die.",
     "",
@@ -155,8 +166,8 @@ def _page(rows: list[dict[str, Any]], command: str) -> str:
       continue
     (p0, p1), (f0, f1), (s0, s1) = row["params"], row["flops"], row["step_s"]
     lines.append(
-      f"| {row['name']} | {row['status']} | {counts} | {row['delta']['eval']:.1e} "
-      f"| {row['delta']['train']:.1e} | {p0:,} → {p1:,} | {row['unremovable']:.0%} "
+      f"| {row['name']} | {row['status']} | {counts} | {_delta(row['delta'], 'eval')} "
+      f"| {_delta(row['delta'], 'train')} | {p0:,} → {p1:,} | {row['unremovable']:.0%} "
       f"| {f0 / 1e6:.2f}M → {f1 / 1e6:.2f}M "
       f"| {s0 * 1e3:.1f} → {s1 * 1e3:.1f} ({s1 / s0:.2f}×) |"
     )
