@@ -6,6 +6,8 @@ Each fixture returns a builder, so a test picks the seed, channels and classes i
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -243,6 +245,32 @@ def cpu_env():
   """``cpu_env(extra=None)``: this environment for a CPU-only child process (no forced
   ``XLA_FLAGS`` device count), plus ``extra``."""
   return _cpu_env
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory, worker_id):
+  """``once(name, produce)``: ``produce()``'s result (JSON), computed by the first pytest-xdist
+  worker that asks and read from a file by the others. A module-scoped fixture is otherwise
+  paid by every worker that runs one of its module's tests (a data-parallel child process: half
+  a minute each). The workers' temporary folders share a parent; a lock orders them."""
+  root = tmp_path_factory.getbasetemp()
+  if worker_id != "master":
+    root = root.parent
+
+  def once(name: str, produce):
+    path = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      try:
+        if path.exists():
+          return json.loads(path.read_text())
+        value = produce()
+        path.write_text(json.dumps(value))
+        return value
+      finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+
+  return once
 
 
 @pytest.fixture

@@ -69,6 +69,10 @@ def _params_after_one_step(stepper):
   return jax.tree.map(np.asarray, stepper.state[0])
 
 
+# Slow (half a minute): the variants' construction runs in the bf16 test below, and the layers
+# they time compute the masked model's function and gradients in
+# tests/clicktrain/test_sparse_execution.py.
+@pytest.mark.slow
 def test_clicktrain_variants_step_like_the_masked_dense_model():
   model = models.ResNet(
     models.prunetrain_resnet_spec(8).scaled(0.5), num_classes=10, rngs=nnx.Rngs(0)

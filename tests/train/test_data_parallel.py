@@ -439,20 +439,24 @@ _SCRIPT = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def results(cpu_env):
-  env = cpu_env()
-  root = pathlib.Path(__file__).resolve().parents[2]
-  proc = subprocess.run(
-    [sys.executable, "-c", _SCRIPT],
-    capture_output=True,
-    text=True,
-    env=env,
-    cwd=root,
-    timeout=600,
-  )
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  line = next(out for out in proc.stdout.splitlines() if out.startswith("RESULT "))
-  return json.loads(line[len("RESULT ") :])
+def results(cpu_env, once_per_run):
+  """The child's measurements, run once for the whole suite (every worker reads them)."""
+
+  def run():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+      [sys.executable, "-c", _SCRIPT],
+      capture_output=True,
+      text=True,
+      env=cpu_env(),
+      cwd=root,
+      timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(out for out in proc.stdout.splitlines() if out.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+  return once_per_run("data_parallel_results", run)
 
 
 def _assert_same_step(got, tol=1e-5):
