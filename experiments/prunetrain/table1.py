@@ -51,6 +51,12 @@ run's training CPU seconds and the host's steal time are recorded beside the wal
 shared virtual machine steal time stretches wall time (by 2× in some epochs of earlier runs)
 without changing the work.
 
+``--penalty-ratio r`` runs the budget at another ratio, a probe named ``_r<r>``; at ``fit``
+the paper's 0.2 removes nothing in 1 920 steps and 0.9 (the same total shrinkage as the paper's
+71 000 steps) keeps the network from learning (``results/prunetrain/index.md``).
+``--page-only`` rewrites the rows' pages and the table page from their JSON (each row keeps its
+command, date and machine).
+
 ``--paired`` trains dense and PruneTrain in one process, alternating epochs, for the
 wall-time comparison. Run back to back, the two rows saw different host loads: two identical
 dense runs, ``_milestones`` and ``_milestones_skip5``, trained in 1310 s and 840 s, far more
@@ -283,9 +289,9 @@ def _reused_dense_run(
     previous = Path(saved.reuse_dense)
   else:
     base = name[: -len(saved.name_suffix)] if saved.name_suffix else name
-    previous = (
-      (folder or pages.output_dir("prunetrain", saved.publish, saved.out)) / base
-    ).with_suffix(".json")
+    previous = (folder or pages.output_dir("prunetrain", saved.publish, saved.out)) / (
+      f"{base}.json"
+    )
   earlier = json.loads(previous.read_text())
   different = [k for k in _DENSE_SETTINGS if earlier["args"].get(k) != getattr(saved, k)]
   # A run saved before --dtype existed trained in fp32.
@@ -527,7 +533,7 @@ def _rewrite_pages(args: argparse.Namespace, folder: Path, command: str) -> dict
   for row in args.rows:
     label = row if args.family == "prunetrain" else f"{args.family}-{row}"
     stem = folder / f"table1_{args.budget}{cli.dtype_suffix(args)}_{label}{args.name_suffix}"
-    path = stem.with_suffix(".json")
+    path = stem.parent / f"{stem.name}.json"
     if not path.exists():
       raise SystemExit(f"--page-only: no saved row at {path}")
     saved = json.loads(path.read_text())

@@ -202,7 +202,8 @@ def row_page(
   date = date or pages.utc_now()
   recorded = [run.get("machine") for run in runs.values() if run.get("machine")]
   machine = recorded[-1] if recorded else machine_description()
-  stem.with_suffix(".json").write_text(
+  # Not with_suffix: a probe's stem may hold a ratio ("..._r0.9").
+  stem.parent.joinpath(f"{stem.name}.json").write_text(
     json.dumps(
       {
         "args": vars(args),
@@ -346,7 +347,7 @@ def row_page(
     "Per-epoch logs: "
     + ", ".join(f"[{m}](logs/{stem.name}_{m}.jsonl)" for m in runs if m in ("dense", "prunetrain")),
   ]
-  stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+  stem.parent.joinpath(f"{stem.name}.md").write_text("\n".join(lines) + "\n")
 
 
 def _after(record: dict[str, Any], key: str) -> Any:

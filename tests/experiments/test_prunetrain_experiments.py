@@ -402,3 +402,13 @@ def test_row_stopped_by_its_time_box_resumes_to_the_end(tmp_path, tiny_rows, cap
   assert (tmp_path / "table1_cpu.md").exists()
   with pytest.raises(SystemExit, match="no saved row"):
     prunetrain_table1.main([*argv[:3], "vgg11", *argv[4:]])
+  # A probe's name may hold a ratio: its files keep the whole name ("_r0.9.md", not "_r0.md").
+  probes = tmp_path / "probes"
+  probes.mkdir()
+  (probes / f"{name}_r0.9.json").write_text((tmp_path / f"{name}.json").read_text())
+  prunetrain_table1.main([*argv, "--penalty-ratio", "0.9"])
+  assert sorted(p.name for p in probes.iterdir()) == [
+    f"{name}_r0.9.json",
+    f"{name}_r0.9.md",
+    f"{name}_r0.9_over_training.png",
+  ]
