@@ -181,6 +181,10 @@ def test_aligned_layers_compose_with_sdgp():
   )
 
 
+# Slow: ClickTrain's state sliced through a reconfiguration is tested in
+# tests/prunetrain/test_composition.py, the aligned masks and their lifted lasso in
+# tests/clicktrain/test_transform_aligned.py.
+@pytest.mark.slow
 def test_aligned_masks_survive_a_prunetrain_reconfiguration():
   loader = _loader()
   tx = pt.with_group_lasso(_tx(len(loader)))

@@ -209,6 +209,9 @@ class _Stopped(Exception):
   """Stands for a command killed between epochs."""
 
 
+# Slow: a row stopped and resumed saves what an uninterrupted row saves (tests/experiments/
+# test_rows.py), and a ClickTrain row resumes on the device loader below.
+@pytest.mark.slow
 def test_clicktrain_row_resumed_after_its_hard_prune_continues_its_checkpoint(
   tmp_path, monkeypatch, tiny_cifar
 ):

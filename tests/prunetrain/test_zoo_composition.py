@@ -35,6 +35,10 @@ def _resnet20():
   )
 
 
+# Slow (half a minute): composition through reconfigurations is tested in tests/test_methods.py,
+# and the layer choice by structure (a narrowed conv is no stem) in
+# tests/clicktrain/test_layer_choice.py.
+@pytest.mark.slow
 def test_zoo_resnet20_composition_trains_through_a_branch_removal(digits_loader):
   """After ClickTrain's hard prune (end of epoch 2), the reconfiguration at the end of epoch 3
   removes the branch of ``stages/0/0`` and narrows ``stages/0/1/conv2`` to 3 input channels;
