@@ -248,13 +248,13 @@ def cpu_env():
 
 
 @pytest.fixture(scope="session")
-def once_per_run(tmp_path_factory, worker_id):
+def once_per_run(tmp_path_factory):
   """``once(name, produce)``: ``produce()``'s result (JSON), computed by the first pytest-xdist
   worker that asks and read from a file by the others. A module-scoped fixture is otherwise
   paid by every worker that runs one of its module's tests (a data-parallel child process: half
   a minute each). The workers' temporary folders share a parent; a lock orders them."""
   root = tmp_path_factory.getbasetemp()
-  if worker_id != "master":
+  if "PYTEST_XDIST_WORKER" in os.environ:  # gw0, gw1, ...: their folders share a parent
     root = root.parent
 
   def once(name: str, produce):
