@@ -40,7 +40,6 @@ from experiments.prunetrain.architectures import ARCHITECTURES, example_input, i
 from jaxprune import models, train
 from jaxprune import prunetrain as pt
 
-_SHAPE = (1, 32, 32, 3)
 _ZOO = {
   "zoo: prunetrain-resnet20": "prunetrain-resnet20",
   "zoo: prunetrain-vgg11": "prunetrain-vgg11",
@@ -151,9 +150,10 @@ def _page(rows: list[dict[str, Any]], command: str) -> str:
     "kernel entries zeroed, as the group lasso drives them), and the model is reconfigured.",
     "|Δ| is the largest output difference of the reconfigured model against the zeroed one, in",
     "brackets relative to the zeroed model's largest output (8 random images; 8 random token",
-    "sequences of 32 for the language model, whose FLOPs are per sequence). Step time: one jitted SGD train step at batch 32, median, CPU. *Unremovable*:",
-    "the share of the parameters in variables with no prunable axis, which no reconfiguration",
-    "removes however many channels die.",
+    "sequences of 32 for the language model, whose FLOPs are per sequence). Step time: one",
+    "jitted SGD train step at batch 32, median, CPU. *Unremovable*: the share of the parameters",
+    "in variables with no prunable axis, which no reconfiguration removes however many channels",
+    "die.",
     "",
     "| model | status | prunable / blocked groups | max \\|Δ\\| eval | max \\|Δ\\| train "
     "| params before → after | unremovable | FLOPs/image before → after | step ms before → after |",

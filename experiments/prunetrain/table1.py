@@ -514,14 +514,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   )
   out = {}
   for row in args.rows:
-    label = row if args.family == "prunetrain" else f"{args.family}-{row}"
-    name = f"table1_{args.budget}{cli.dtype_suffix(args)}_{label}{args.name_suffix}"
+    name = _row_name(args, row)
     out[row] = _run_row(args, row, name, folder, command, train_set, test_set)
     if "stopped" in out[row]:
       return {**out, "stopped": f"{row} {out[row]['stopped']}"}
     if not args.name_suffix:  # a probe (named by its suffix) is not a row of the table
       write_table_page(folder, args.budget, command, args.dtype)
   return out
+
+
+def _row_name(args: argparse.Namespace, row: str) -> str:
+  """The stem of ``row``'s files: ``table1_<budget>[_<dtype>]_[<family>-]<row><suffix>``."""
+  label = row if args.family == "prunetrain" else f"{args.family}-{row}"
+  return f"table1_{args.budget}{cli.dtype_suffix(args)}_{label}{args.name_suffix}"
 
 
 def _rewrite_pages(args: argparse.Namespace, folder: Path, command: str) -> dict[str, Any]:
@@ -531,9 +536,8 @@ def _rewrite_pages(args: argparse.Namespace, folder: Path, command: str) -> dict
     folder = pages.probes_dir(folder)
   out = {}
   for row in args.rows:
-    label = row if args.family == "prunetrain" else f"{args.family}-{row}"
-    stem = folder / f"table1_{args.budget}{cli.dtype_suffix(args)}_{label}{args.name_suffix}"
-    path = stem.parent / f"{stem.name}.json"
+    stem = folder / _row_name(args, row)
+    path = folder / f"{stem.name}.json"
     if not path.exists():
       raise SystemExit(f"--page-only: no saved row at {path}")
     saved = json.loads(path.read_text())

@@ -377,19 +377,23 @@ class _ChannelWalker:
     starts, limits = eqn.params["start_indices"], eqn.params["limit_indices"]
     strides = eqn.params["strides"] or (1,) * len(nodes)
     out = list(nodes)
-    for axis, node in enumerate(nodes):
-      size = self.dims.size(node)
+    for axis in range(len(nodes)):
       if strides[axis] != 1:
         out[axis] = self._strided(
           nodes, axis, starts[axis], strides[axis], _shape(eqn.outvars[0])[axis]
         )
-        continue
-      if (starts[axis], limits[axis]) == (0, size):
-        continue
-      cuts = [b for b in (starts[axis], limits[axis]) if 0 < b < size]
-      pieces = self._split_axis(nodes, axis, cuts)
-      out[axis] = pieces[1 if starts[axis] > 0 else 0]
+      else:
+        out[axis] = self._piece(nodes, axis, starts[axis], limits[axis])
     self.axes[eqn.outvars[0]] = out
+
+  def _piece(self, nodes: list[int], axis: int, begin: int, end: int) -> int:
+    """``nodes[axis]`` restricted to ``[begin, end)``: the axis itself when that is all of it,
+    else that piece of the axis cut at ``begin`` and ``end`` (a concatenation of the pieces)."""
+    size = self.dims.size(nodes[axis])
+    if (begin, end) == (0, size):
+      return nodes[axis]
+    cuts = [b for b in (begin, end) if 0 < b < size]
+    return self._split_axis(nodes, axis, cuts)[1 if begin > 0 else 0]
 
   def _strided(self, nodes: list[int], axis: int, start: int, stride: int, out_size: int) -> int:
     """The output axis of ``x[start:stop:stride]`` along ``nodes[axis]``.
@@ -408,10 +412,7 @@ class _ChannelWalker:
       self.dims.mark(node, mark)
       return self.dims.new(out_size, mark)
     begin = start - max(0, start + out_size * stride - size)
-    end = begin + out_size * stride
-    if (begin, end) != (0, size):
-      cuts = [b for b in (begin, end) if 0 < b < size]
-      node = self._split_axis(nodes, axis, cuts)[1 if begin > 0 else 0]
+    node = self._piece(nodes, axis, begin, begin + out_size * stride)
     major, phases = self.dims.new(out_size), [self.dims.new(1) for _ in range(stride)]
     for p in phases:
       self.dims.mark(p, ("fixed", "a strided slice's phase (its stride is in the model's code)"))
