@@ -32,6 +32,7 @@ import os
 SMALL = os.environ.get("JAXPRUNE_NOTEBOOK_SMALL", "0") == "1"
 EPOCHS = 6 if SMALL else 15
 DEPTH = 8 if SMALL else 20  # PruneTrain's CIFAR ResNet, depth 6n + 2
+TRAIN_IMAGES = 512 if SMALL else None  # a class-balanced subset (None: all 1 437 images)
 KERNEL_PRUNE_RATIO = 0.5  # fraction of kernels removed per layer
 SWEEP_RATIOS = () if SMALL else (0.25, 0.65, 0.8)  # more runs for compression vs accuracy
 SEED = 0
@@ -78,7 +79,7 @@ show_patterns(clicktrain.library_patterns(), "The released library (12 patterns)
 # The trainer records the stage and the compression after every epoch.
 
 # %%
-train_set = data.load("digits", split="train")
+train_set = data.load("digits", split="train").balanced_subset(TRAIN_IMAGES, seed=SEED)
 test_set = data.load("digits", split="test")
 
 
