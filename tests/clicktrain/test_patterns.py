@@ -212,8 +212,13 @@ def test_pattern_mask_layout():
   np.testing.assert_array_equal(m[:, :, 1, 1], pool[3])
 
 
+@pytest.mark.parametrize("unrank", [False, True], ids=["table-where-small", "unranked"])
 @pytest.mark.parametrize("size", [2, 3, 5])
-def test_pattern_masks_from_ids_inverts_index(size):
+def test_pattern_masks_from_ids_inverts_index(size, unrank, monkeypatch):
+  """Against the itertools listing, on both paths: the gather from the table of every pattern
+  (small kernels) and the unranking (large ones; forced for every size by a zero limit)."""
+  if unrank:
+    monkeypatch.setattr(patterns, "_MASK_TABLE_LIMIT", 0)
   table = patterns.all_patterns(4, size)
   ids = np.arange(len(table)) if size < 5 else np.random.default_rng(0).integers(0, len(table), 500)
   np.testing.assert_array_equal(
