@@ -227,7 +227,8 @@ def pattern_masks_from_ids(ids: jnp.ndarray, size: int = 3, k: int = 4) -> jnp.n
   if math.comb(n, k) * n <= _MASK_TABLE_LIMIT:
     # Small kernels (3x3: 126 x 9 values): one gather from the table of every pattern. The
     # unranking below costs some 40 HLO ops per slot and runs per layer and stage; for
-    # ResNet-8 it made a sixth of the ClickTrain step's program and of its XLA:CPU compile.
+    # ResNet-8 it made a fifth of the ClickTrain step's program (not of its compile time,
+    # which follows the step's kernel count).
     return jnp.asarray(_all_patterns_np(k, size))[jnp.asarray(ids, jnp.int32)]
   table = jnp.asarray(_binomial_table(n, k), jnp.int32)
   rank = jnp.asarray(ids, jnp.int32)[..., None]
